@@ -1,0 +1,35 @@
+"""The only module that reads environment variables. All are prefixed ``SGL_REMOTE_KV_``.
+
+- ``SGL_REMOTE_KV_CPU_PLATFORM=1``: activate the CPU development platform plugin (CPU dev/CI only).
+- ``SGL_REMOTE_KV_CACHE_DIR``: where the built model and the embedded store live
+  (default ``~/.cache/sgl-remote-kv``).
+- ``SGL_REMOTE_KV_CONFIG``: JSON of the parsed ``RemoteKVConfig``; set by the launcher-side plugin so the
+  scheduler subprocesses see the exact config the CLI produced (never set by hand).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CPU_PLATFORM = "SGL_REMOTE_KV_CPU_PLATFORM"
+CACHE_DIR = "SGL_REMOTE_KV_CACHE_DIR"
+CONFIG_JSON = "SGL_REMOTE_KV_CONFIG"
+
+
+def cpu_platform_enabled() -> bool:
+    return os.environ.get(CPU_PLATFORM, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def cache_dir() -> Path:
+    raw = os.environ.get(CACHE_DIR)
+    return Path(raw).expanduser() if raw else Path.home() / ".cache" / "sgl-remote-kv"
+
+
+def config_json() -> str | None:
+    return os.environ.get(CONFIG_JSON) or None
+
+
+def publish_config_json(payload: str) -> None:
+    """Export the parsed config to child processes (scheduler, detokenizer) started after this call."""
+    os.environ[CONFIG_JSON] = payload
