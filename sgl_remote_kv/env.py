@@ -1,9 +1,9 @@
-"""The only module that reads environment variables. All are prefixed ``SGL_REMOTE_KV_``.
+"""The only module that reads environment variables. All are prefixed ``SRKV_``.
 
-- ``SGL_REMOTE_KV_CPU_PLATFORM=1``: activate the CPU development platform plugin (CPU dev/CI only).
-- ``SGL_REMOTE_KV_CACHE_DIR``: where the built model and the embedded store live
+- ``SRKV_CPU_PLATFORM=1``: activate the CPU development platform plugin (CPU dev/CI only).
+- ``SRKV_CACHE_DIR``: where the built model and the embedded store live
   (default ``~/.cache/sgl-remote-kv``).
-- ``SGL_REMOTE_KV_CONFIG``: JSON of the parsed ``RemoteKVConfig``; set by the launcher-side plugin so the
+- ``SRKV_CONFIG``: JSON of the parsed ``RemoteKVConfig``; set by the launcher-side plugin so the
   scheduler subprocesses see the exact config the CLI produced (never set by hand).
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-CPU_PLATFORM = "SGL_REMOTE_KV_CPU_PLATFORM"
-CACHE_DIR = "SGL_REMOTE_KV_CACHE_DIR"
-CONFIG_JSON = "SGL_REMOTE_KV_CONFIG"
+CPU_PLATFORM = "SRKV_CPU_PLATFORM"
+CACHE_DIR = "SRKV_CACHE_DIR"
+CONFIG_JSON = "SRKV_CONFIG"
 
 
 def cpu_platform_enabled() -> bool:

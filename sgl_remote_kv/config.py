@@ -1,0 +1,113 @@
+"""Configuration: one frozen dataclass, parsed once at the edge (CLI flags) and shipped as JSON.
+
+``RemoteKVConfig.add_cli_args`` adds our flags to SGLang's argparse parser; ``from_namespace`` turns the
+parsed namespace into the config (errors are ``argparse.ArgumentTypeError`` naming the flag, so argparse
+prints one clear message). The launcher exports the config as JSON (``env.publish_config_json``); the
+scheduler processes read it back with ``RemoteKVConfig.current()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, fields
+
+from sgl_remote_kv import env
+
+MODES = ("off", "dpu", "nvdec", "auto")
+MAX_CHUNK_SIZE = 8192
+
+
+@dataclass(frozen=True)
+class RemoteKVConfig:
+    mode: str = "off"
+    store_url: str = ""  # "" -> the embedded local store under env.cache_dir()/store
+    chunk_size: int = 256
+    codec: str = "default"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--remote-kv must be one of {MODES}, got {self.mode!r}")
+        if not 16 <= self.chunk_size <= MAX_CHUNK_SIZE or self.chunk_size % 16:
+            raise ValueError(
+                f"--remote-kv-chunk-size must be a multiple of 16 in [16, {MAX_CHUNK_SIZE}], got {self.chunk_size}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def resolved_store_url(self) -> str:
+        return self.store_url or f"file://{env.cache_dir() / 'store'}"
+
+    # --- serialisation (JSON only) ---
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, payload: str) -> RemoteKVConfig:
+        raw = json.loads(payload)
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"unknown remote-kv config keys: {sorted(unknown)}")
+        return cls(**raw)
+
+    @classmethod
+    def current(cls) -> RemoteKVConfig:
+        """The config exported by the launcher, or the default (off) when none was exported."""
+        payload = env.config_json()
+        return cls.from_json(payload) if payload else cls()
+
+    # --- CLI edge ---
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("sgl-remote-kv (remote compressed KV tier)")
+        g.add_argument(
+            "--remote-kv",
+            dest="remote_kv",
+            default="off",
+            choices=MODES,
+            help="Remote KV tier: off, dpu (DPU data plane), nvdec (video decoder pool), auto.",
+        )
+        g.add_argument(
+            "--remote-kv-store",
+            dest="remote_kv_store",
+            default="",
+            metavar="URL",
+            help="Store URL: file:///dir (embedded, default), redis://host:port/db, "
+            "redis+cluster://host:port[,host:port].",
+        )
+        g.add_argument(
+            "--remote-kv-chunk-size",
+            dest="remote_kv_chunk_size",
+            type=_chunk_size,
+            default=256,
+            metavar="TOKENS",
+            help="Tokens per remote KV chunk (multiple of 16; default 256).",
+        )
+        g.add_argument(
+            "--remote-kv-codec",
+            dest="remote_kv_codec",
+            default="default",
+            help="Chunk codec name (see docs/CODEC.md); 'default' picks the near-lossless default.",
+        )
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> RemoteKVConfig:
+        return cls(
+            mode=ns.remote_kv,
+            store_url=ns.remote_kv_store,
+            chunk_size=ns.remote_kv_chunk_size,
+            codec=ns.remote_kv_codec,
+        )
+
+
+def _chunk_size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 16 <= value <= MAX_CHUNK_SIZE or value % 16:
+        raise argparse.ArgumentTypeError(f"must be a multiple of 16 in [16, {MAX_CHUNK_SIZE}], got {value}")
+    return value

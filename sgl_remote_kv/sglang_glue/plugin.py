@@ -1,0 +1,52 @@
+"""SGLang general plugin (entry point group ``sglang.srt.plugins``).
+
+``load()`` runs early in every SGLang process (launcher and each scheduler subprocess). It registers
+HookRegistry hooks; SGLang applies them right after all plugins ran.
+
+- Launcher: an AFTER hook on ``ServerArgs.add_cli_args`` adds our flags; an AFTER hook on
+  ``ServerArgs.from_cli_args`` parses them into ``RemoteKVConfig`` once and exports it as JSON so every
+  child process sees the same config.
+- Scheduler processes: ``RemoteKVConfig.current()`` reads it back.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sgl_remote_kv import env
+from sgl_remote_kv.config import RemoteKVConfig
+
+logger = logging.getLogger(__name__)
+
+_SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+
+
+def _after_add_cli_args(result, parser, *args, **kwargs):
+    RemoteKVConfig.add_cli_args(parser)
+    return result
+
+
+def _after_from_cli_args(server_args, *args, **kwargs):
+    ns = args[-1] if args else kwargs.get("args")
+    if ns is None or not hasattr(ns, "remote_kv"):
+        return server_args  # built from a namespace without our flags (e.g. Engine(**kwargs))
+    cfg = RemoteKVConfig.from_namespace(ns)
+    env.publish_config_json(cfg.to_json())
+    logger.info(
+        "sgl-remote-kv: --remote-kv %s (store %s, chunk %d tokens, codec %s)",
+        cfg.mode,
+        cfg.resolved_store_url(),
+        cfg.chunk_size,
+        cfg.codec,
+    )
+    return server_args
+
+
+def load() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", _after_add_cli_args, HookType.AFTER)
+    HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", _after_from_cli_args, HookType.AFTER)
+    cfg = RemoteKVConfig.current()
+    if cfg.enabled:
+        logger.info("sgl-remote-kv active in this process: mode=%s", cfg.mode)

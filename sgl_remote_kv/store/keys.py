@@ -1,0 +1,79 @@
+"""Prefix-chain chunk keys and key namespaces.
+
+A prompt's tokens are cut into chunks of ``chunk_size`` tokens; only full chunks get keys. The key of
+chunk i is ``h_i = sha256(h_{i-1} || token ids of chunk i as little-endian uint32)`` with
+``h_{-1} = namespace``. Equal prefixes therefore give equal keys on every process and host, a key
+identifies its whole prefix (not just its own chunk), and "how many leading chunks exist" is a
+question about a key list (``KVStore.count_prefix``). No Python ``hash()`` is used anywhere: its seed
+differs per process.
+
+The namespace folds in everything that makes stored KV incompatible: the model fingerprint (weights
+identity, architecture, KV layout and dtype, TP rank and size), the codec id and parameters, and an
+optional tenant salt, so two tenants never share keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..types import ModelFingerprint
+
+_NS_TAG = b"sgl-remote-kv/namespace/v1"
+
+
+def _field(data: bytes) -> bytes:
+    return len(data).to_bytes(8, "little") + data
+
+
+def namespace(
+    fingerprint: ModelFingerprint,
+    codec_id: str,
+    codec_params: str | bytes,
+    tenant_salt: str | None = None,
+) -> bytes:
+    """32-byte namespace digest. Fields are length-prefixed, so no two field tuples collide.
+
+    ``tenant_salt=None`` (shared cache) and ``tenant_salt=""`` are distinct namespaces.
+    """
+    if not codec_id:
+        raise ValueError("codec_id must be non-empty")
+    params = codec_params.encode() if isinstance(codec_params, str) else bytes(codec_params)
+    h = hashlib.sha256(_NS_TAG)
+    h.update(_field(fingerprint.digest()))
+    h.update(_field(codec_id.encode()))
+    h.update(_field(params))
+    if tenant_salt is None:
+        h.update(b"\x00")
+    else:
+        h.update(b"\x01" + _field(tenant_salt.encode()))
+    return h.digest()
+
+
+def chunk_keys(namespace: bytes, token_ids: Sequence[int] | np.ndarray, chunk_size: int) -> list[bytes]:
+    """Keys of the full ``chunk_size``-token chunks of ``token_ids`` (a trailing partial chunk has none)."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if len(namespace) != 32:
+        raise ValueError(f"namespace must be a 32-byte digest, got {len(namespace)} bytes")
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {ids.shape}")
+    n_full = len(ids) // chunk_size
+    if n_full == 0:
+        return []
+    if ids.dtype.kind not in "iu" and len(ids):
+        raise ValueError(f"token_ids must be integers, got dtype {ids.dtype}")
+    ids = ids[: n_full * chunk_size]
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) > 0xFFFFFFFF):
+        raise ValueError("token ids must fit in uint32")
+    raw = ids.astype("<u4", copy=False).tobytes()
+    step = 4 * chunk_size
+    keys: list[bytes] = []
+    prev = namespace
+    for i in range(n_full):
+        prev = hashlib.sha256(prev + raw[i * step : (i + 1) * step]).digest()
+        keys.append(prev)
+    return keys

@@ -1,0 +1,201 @@
+"""Standalone Redis backend (redis-py + hiredis), pipelined.
+
+URL: ``redis://[:password@]host:port/db?timeout=2&prefix=srkv:&ttl=0&batch=32``.
+
+Keys are stored raw (binary-safe) behind a prefix: ``b"srkv:" + <32-byte digest>``. Capacity and
+eviction are the server's business: run it with ``maxmemory`` and ``maxmemory-policy allkeys-lru``
+(or set ``ttl`` seconds here).
+
+Publish after full write: each value is written by a single ``SET`` (pipelined, non-transactional).
+Redis executes commands one at a time, and a command is executed only after its whole request,
+including the bulk value, has been read from the socket; a request cut off by a broken connection is
+discarded. So a key holds either nothing, its previous value, or the complete new value, never a
+prefix of it. If a pipeline fails halfway, the SETs that ran are complete values (valid KV) and the
+others never ran; nothing partial remains, so no cleanup is needed. The same holds per shard in
+Redis Cluster, and replicas receive whole commands.
+
+Thread-safety: redis-py clients use a connection pool; one ``RedisStore`` may be shared by threads.
+Buffers: values passed to ``put_many`` are read (copied to the socket) during the call only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from .base import (
+    Counters,
+    StoreError,
+    StoreStats,
+    StoreTimeout,
+    StoreUnavailable,
+    check_keys,
+    parse_host_ports,
+    url_options,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = b"srkv:"
+COMMON_OPTIONS = {"timeout", "prefix", "ttl", "batch"}
+_READ_SIZE = 1 << 20
+
+
+@contextlib.contextmanager
+def translate_errors() -> Iterator[None]:
+    """Map redis-py exceptions to ``StoreError`` kinds (timeout / unavailable / error)."""
+    try:
+        yield
+    except redis.exceptions.TimeoutError as e:
+        raise StoreTimeout(str(e)) from e
+    except (redis.exceptions.ConnectionError, redis.exceptions.ClusterError, OSError) as e:
+        raise StoreUnavailable(f"{type(e).__name__}: {e}") from e
+    except redis.exceptions.ResponseError as e:
+        if "CLUSTERDOWN" in str(e) or "LOADING" in str(e) or "TRYAGAIN" in str(e):
+            raise StoreUnavailable(str(e)) from e
+        raise StoreError(f"{type(e).__name__}: {e}") from e
+    except redis.exceptions.RedisError as e:
+        raise StoreError(f"{type(e).__name__}: {e}") from e
+
+
+class RedisKV:
+    """Pipelined get/put/exists/delete over any redis-py client (standalone or cluster)."""
+
+    def __init__(self, client: Any, backend: str, prefix: bytes, ttl_s: int, batch: int) -> None:
+        self._r = client
+        self._prefix = prefix
+        self._ttl = ttl_s or None
+        self._batch = max(1, batch)
+        self._counters = Counters(backend)
+
+    def _k(self, key: bytes) -> bytes:
+        return self._prefix + key
+
+    def _batches(self, seq: Sequence[Any]) -> Iterator[Sequence[Any]]:
+        for i in range(0, len(seq), self._batch):
+            yield seq[i : i + self._batch]
+
+    def _run(self, op: str, chunk: Sequence[Any]) -> list[Any]:
+        pipe = self._r.pipeline(transaction=False)
+        for item in chunk:
+            if op == "get":
+                pipe.get(self._k(item))
+            elif op == "exists":
+                pipe.exists(self._k(item))
+            elif op == "set":
+                pipe.set(self._k(item[0]), item[1], ex=self._ttl)
+            else:
+                pipe.delete(self._k(item))
+        with translate_errors():
+            return pipe.execute()
+
+    def count_prefix(self, keys: Sequence[bytes]) -> int:
+        check_keys(keys)
+        n = 0
+        with self._counters.timed("count_prefix"):
+            for chunk in self._batches(keys):
+                for found in self._run("exists", chunk):
+                    if not found:
+                        self._counters.add(hits=n, misses=1)
+                        return n
+                    n += 1
+        self._counters.add(hits=n)
+        return n
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        check_keys(keys)
+        out: list[bytes | None] = []
+        with self._counters.timed("get_many"):
+            for chunk in self._batches(keys):
+                out.extend(self._run("get", chunk))
+        hits = sum(v is not None for v in out)
+        self._counters.add(
+            hits=hits, misses=len(out) - hits, bytes_read=sum(len(v) for v in out if v is not None)
+        )
+        return out
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        """One ``SET`` per key, pipelined in batches; see the module docstring for atomicity."""
+        check_keys([k for k, _ in items])
+        with self._counters.timed("put_many"):
+            for chunk in self._batches(items):
+                self._run("set", chunk)
+        self._counters.add(bytes_written=sum(len(v) for _, v in items), keys_written=len(items))
+
+    def delete_many(self, keys: Sequence[bytes]) -> None:
+        check_keys(keys)
+        n = 0
+        for chunk in self._batches(keys):
+            n += sum(int(x) for x in self._run("delete", chunk))
+        self._counters.add(keys_deleted=n)
+
+    def stats(self) -> StoreStats:
+        return self._counters.snapshot()
+
+    def close(self) -> None:
+        self._r.close()
+
+
+class RedisStore(RedisKV):
+    """Standalone Redis ``KVStore``."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        db: int = 0,
+        password: str | None = None,
+        timeout_s: float = 2.0,
+        prefix: bytes = DEFAULT_PREFIX,
+        ttl_s: int = 0,
+        batch: int = 32,
+    ) -> None:
+        client = redis.Redis(
+            host=host,
+            port=port,
+            db=db,
+            password=password,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            socket_read_size=_READ_SIZE,
+            retry=Retry(NoBackoff(), 0),  # StoreClient owns retries
+        )
+        super().__init__(client, "redis", prefix, ttl_s, batch)
+        self.address = (host, port)
+
+
+def common_kwargs(url: str, opts: dict[str, str]) -> dict[str, Any]:
+    """Parse the options shared by both Redis backends."""
+    try:
+        return {
+            "timeout_s": float(opts.get("timeout", 2.0)),
+            "prefix": opts.get("prefix", DEFAULT_PREFIX.decode()).encode(),
+            "ttl_s": int(opts.get("ttl", 0)),
+            "batch": int(opts.get("batch", 32)),
+        }
+    except ValueError as e:
+        raise ValueError(f"store URL {url!r}: bad option ({e})") from None
+
+
+def open_redis(url: str) -> RedisStore:
+    """Factory for ``redis://host:port/db``."""
+    parts = urlsplit(url)
+    opts = url_options(url)
+    unknown = set(opts) - COMMON_OPTIONS
+    if unknown:
+        raise ValueError(f"store URL {url!r}: unknown options {sorted(unknown)}")
+    if not parts.netloc or "," in parts.netloc:
+        raise ValueError(f"store URL {url!r}: expected redis://host:port/db (one host)")
+    ((host, port),) = parse_host_ports(parts.netloc, url)
+    db_s = parts.path.strip("/") or "0"
+    if not db_s.isdigit():
+        raise ValueError(f"store URL {url!r}: bad database number {db_s!r}")
+    password = unquote(parts.password) if parts.password else None
+    return RedisStore(host, port, int(db_s), password, **common_kwargs(url, opts))
