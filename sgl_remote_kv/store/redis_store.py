@@ -191,7 +191,9 @@ def open_redis(url: str) -> RedisStore:
     unknown = set(opts) - COMMON_OPTIONS
     if unknown:
         raise ValueError(f"store URL {url!r}: unknown options {sorted(unknown)}")
-    if not parts.netloc or "," in parts.netloc:
+    if not parts.netloc:
+        raise ValueError(f"store URL {url!r}: missing host (redis://host:port/db)")
+    if "," in parts.netloc:
         raise ValueError(f"store URL {url!r}: expected redis://host:port/db (one host)")
     ((host, port),) = parse_host_ports(parts.netloc, url)
     db_s = parts.path.strip("/") or "0"
