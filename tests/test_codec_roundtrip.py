@@ -1,0 +1,137 @@
+"""Round trips for every codec and KV dtype; stage-split decoding equals ``decode``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sgl_remote_kv.codec import quant, synthetic
+from sgl_remote_kv.codec.base import codec_for_header, decode, default_codec, get_codec
+from sgl_remote_kv.codec.format import layer_section, parse_header
+from sgl_remote_kv.codec.quant import QuantSpec, to_f32
+
+DTYPES = ["float32", "float16", "bfloat16"]
+QUANT_CONFIGS = [
+    dict(k_bins="256", v_bins="256", granularity="token"),
+    dict(k_bins="64", v_bins="32", granularity="head", k_channel_scale=True),
+    dict(k_bins="32@0,16@2", v_bins="32@0,16@1", granularity="token"),
+]
+TOKENS = 37
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("method", ["deflate", "zstd"])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_lossless_bit_exact(dtype, method, shuffle):
+    fp = synthetic.fingerprint(dtype=dtype)
+    k, v = synthetic.kv(fp.layout, TOKENS, seed=1)
+    codec = get_codec("lossless", method=method, shuffle=shuffle)
+    blob = codec.encode(k, v, fp)
+    k2, v2 = codec.decode(blob, fp)
+    assert k2.dtype == k.dtype and k2.tobytes() == k.tobytes() and v2.tobytes() == v.tobytes()
+
+
+def _bound(spec: QuantSpec, layer: int, x: np.ndarray, dtype: str, is_k: bool) -> np.ndarray:
+    """Per-element error bound: a/(2m) + scale rounding + output rounding (a = vector max-abs)."""
+    mk, mv = spec.levels(layer)
+    m = mk if is_k else mv
+    xf = np.abs(x)
+    if is_k and spec.k_channel_scale:
+        cs = xf.max(axis=0, keepdims=True)
+        a = (xf / np.where(cs > 0, cs, 1)).max(
+            axis=2 if spec.granularity == "head" else (1, 2), keepdims=True
+        ) * cs
+    else:
+        a = xf.max(axis=2 if spec.granularity == "head" else (1, 2), keepdims=True)
+    out_eps = {"float32": 2**-23, "float16": 2**-10, "bfloat16": 2**-7}[dtype]
+    return a * (0.5 / m + 2**-10) * (1 + 2**-8) + (a + 1e-30) * out_eps + 1e-7
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cfg", QUANT_CONFIGS)
+def test_quant_deflate_error_bounded(dtype, cfg):
+    fp = synthetic.fingerprint(dtype=dtype)
+    k, v = synthetic.kv(fp.layout, TOKENS, seed=2)
+    codec = get_codec("quant_deflate", **cfg)
+    blob = codec.encode(k, v, fp)
+    k2, v2 = codec.decode(blob, fp)
+    for x, y, is_k in ((k, k2, True), (v, v2, False)):
+        xf, yf = to_f32(x, dtype), to_f32(y, dtype)
+        for layer in range(fp.layout.num_layers):
+            err = np.abs(xf[layer] - yf[layer])
+            bound = _bound(codec.spec, layer, xf[layer], dtype, is_k)
+            assert (err <= bound).all(), (layer, is_k, float((err - bound).max()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_zero_vectors_decode_to_zero(dtype):
+    fp = synthetic.fingerprint(num_layers=2, dtype=dtype)
+    k, v = synthetic.kv(fp.layout, 8, seed=3)
+    k[:, 3] = 0
+    v[1] = 0
+    codec = get_codec("quant_deflate", granularity="head", k_channel_scale=True)
+    k2, v2 = codec.decode(codec.encode(k, v, fp), fp)
+    assert not to_f32(k2[:, 3], dtype).any() and not to_f32(v2[1], dtype).any()
+    assert np.isfinite(to_f32(k2, dtype)).all()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_output_rounding_matches_reference(dtype):
+    """The numba kernel's hand-written fp32->fp16/bf16 conversion rounds to nearest even."""
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((1, 64, 1, 64)) * np.logspace(-9, 4, 64)[None, :, None, None]).astype(np.float32)
+    fp32 = synthetic.fingerprint(num_layers=1, heads=1, dim=64, dtype="float32")
+    codec = get_codec("quant_deflate", granularity="head")
+    blob = codec.encode(x, x, fp32)
+    hdr = parse_header(blob, fp32)
+    scratch = np.empty(codec.scratch_bytes(hdr, 0), np.uint8)
+    n = codec.lossless_stage(layer_section(blob, hdr, 0), scratch)
+    view = quant.split_layer(codec.spec, scratch[:n], 0, 64, 1, 64)
+    ref, ref_v = np.empty((64, 1, 64), np.float32), np.empty((64, 1, 64), np.float32)
+    quant.dequant_layer(view, "float32", ref, ref_v)
+    half, half_v = np.empty((64, 1, 64), np.uint16), np.empty((64, 1, 64), np.uint16)
+    quant.dequant_layer(view, dtype, half, half_v)
+    expect = ref.astype(np.float16).view(np.uint16) if dtype == "float16" else synthetic.from_f32(ref, dtype)
+    assert np.array_equal(expect, half)
+    assert (expect != 0).sum() > 1000  # the data spans subnormals to large values
+
+
+@pytest.mark.parametrize("name", ["lossless", "quant_deflate"])
+def test_stage_split_equals_decode(name):
+    fp = synthetic.fingerprint(dtype="bfloat16")
+    k, v = synthetic.kv(fp.layout, TOKENS, seed=5)
+    codec = get_codec(name)
+    blob = codec.encode(k, v, fp)
+    k1, v1 = codec.decode(blob, fp)
+    layers = list(codec.decode_layers(blob, fp))
+    assert [i for i, _, _ in layers] == list(range(fp.layout.num_layers))
+    for i, kl, vl in layers:
+        assert np.array_equal(kl, k1[i]) and np.array_equal(vl, v1[i])
+    k3, v3 = decode(blob, fp)  # codec chosen from the header
+    assert np.array_equal(k3, k1) and np.array_equal(v3, v1)
+    assert codec_for_header(parse_header(blob, fp)).params_bytes() == codec.params_bytes()
+
+
+def test_default_codec_roundtrips():
+    fp = synthetic.fingerprint(dtype="bfloat16")
+    k, v = synthetic.kv(fp.layout, TOKENS, seed=6)
+    codec = default_codec()
+    k2, _ = codec.decode(codec.encode(k, v, fp), fp)
+    assert k2.shape == k.shape
+
+
+def test_mac_roundtrip_and_binding():
+    from sgl_remote_kv.codec.errors import CorruptChunk
+
+    fp = synthetic.fingerprint(dtype="float16")
+    k, v = synthetic.kv(fp.layout, 5, seed=7)
+    codec = get_codec("quant_deflate")
+    blob = codec.encode(k, v, fp, mac_key=b"secret", bind=b"key-1")
+    k2, _ = codec.decode(blob, fp, mac_key=b"secret", bind=b"key-1")
+    assert k2.shape == k.shape
+    with pytest.raises(CorruptChunk):
+        codec.decode(blob, fp, mac_key=b"secret", bind=b"key-2")
+    with pytest.raises(CorruptChunk):
+        codec.decode(blob, fp, mac_key=b"other", bind=b"key-1")
+    with pytest.raises(CorruptChunk):
+        codec.decode(codec.encode(k, v, fp), fp, mac_key=b"secret", bind=b"key-1")
