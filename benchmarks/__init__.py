@@ -1,0 +1,1 @@
+"""Benchmarks for sgl-remote-kv (codec table, rate-distortion sweep, store and network benches)."""
