@@ -84,10 +84,10 @@ class FaultyStore:
             if f.error_kind == "timeout":
                 raise StoreTimeout("injected timeout")
             raise StoreUnavailable("injected error")
-        if f.unavailable_fraction and any(self._key_unavailable(k) for k in keys):
+        if f.unavailable_fraction and any(self.key_unavailable(k) for k in keys):
             raise StoreUnavailable("injected partial outage")
 
-    def _key_unavailable(self, key: bytes) -> bool:
+    def key_unavailable(self, key: bytes) -> bool:
         return int.from_bytes(key[:8], "little") / 2.0**64 < self.faults.unavailable_fraction
 
     def count_prefix(self, keys: Sequence[bytes]) -> int:

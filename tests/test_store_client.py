@@ -1,0 +1,165 @@
+"""The fault-tolerant client, driven through the fault-injecting wrapper (the only fakes are faults)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from sgl_remote_kv.store.client import ClientConfig, StoreClient, frame, unframe
+from sgl_remote_kv.store.faulty import FaultConfig, FaultyStore
+from sgl_remote_kv.store.local import LocalStore
+
+FAST = ClientConfig(timeout_s=0.5, retries=1, retry_backoff_s=0.001, breaker_failures=3, breaker_reset_s=0.3)
+
+
+@pytest.fixture
+def inner(tmp_path) -> LocalStore:
+    return LocalStore(tmp_path / "store")
+
+
+def make(inner: LocalStore, faults: FaultConfig | None = None, **cfg) -> tuple[StoreClient, FaultyStore]:
+    faulty = FaultyStore(inner, faults)
+    config = ClientConfig(**{**FAST.__dict__, **cfg})
+    return StoreClient(faulty, config), faulty
+
+
+def keys(n: int) -> list[bytes]:
+    return [os.urandom(32) for _ in range(n)]
+
+
+def test_outage_is_a_miss_then_breaker_opens_then_recovers(inner) -> None:
+    client, faulty = make(inner)
+    ks = keys(3)
+    assert client.put_many([(k, b"v") for k in ks]) == 3
+    faulty.set_faults(FaultConfig(down=True))
+    for _ in range(3):  # every failure is a miss, nothing raises
+        assert client.get_many(ks) == [None] * 3
+        assert client.count_prefix(ks) == 0
+    st = client.stats()
+    assert st.circuit == "open"
+    assert st.errors["unavailable"] >= 3 and st.errors["circuit_open"] >= 1
+    t0 = time.perf_counter()
+    assert client.get_many(ks) == [None] * 3  # open: fails fast without touching the store
+    assert time.perf_counter() - t0 < 0.05
+    assert client.put_many([(ks[0], b"w")]) == 0
+    faulty.set_faults(FaultConfig())  # store is back
+    time.sleep(0.35)  # breaker_reset_s: the next call is the half-open probe
+    assert client.count_prefix(ks) == 3
+    assert client.stats().circuit == "closed"
+    assert client.get_many(ks) == [b"v"] * 3
+
+
+def test_failed_probe_reopens_the_breaker(inner) -> None:
+    client, faulty = make(inner, FaultConfig(down=True))
+    for _ in range(3):
+        client.get_many(keys(1))
+    assert client.stats().circuit == "open"
+    time.sleep(0.35)
+    client.get_many(keys(1))  # probe fails
+    assert client.stats().circuit == "open"
+    faulty.set_faults(FaultConfig())
+    time.sleep(0.35)
+    client.get_many(keys(1))
+    assert client.stats().circuit == "closed"
+
+
+def test_slow_store_times_out_into_a_miss(inner) -> None:
+    client, _ = make(inner, FaultConfig(latency_s=1.0), timeout_s=0.1, retries=0)
+    t0 = time.perf_counter()
+    assert client.get_many(keys(2)) == [None, None]
+    assert time.perf_counter() - t0 < 0.5
+    assert client.stats().errors == {"timeout": 1}
+
+
+def test_transient_errors_are_retried(inner) -> None:
+    ks = keys(1)
+    inner.put_many([(ks[0], frame(ks[0], b"payload"))])
+    # seed 1: the first draw fails, the retry succeeds (deterministic)
+    client, _ = make(inner, FaultConfig(error_rate=0.5, seed=1), retries=3, breaker_failures=100)
+    results = [client.get_many(ks)[0] for _ in range(40)]
+    st = client.stats()
+    assert st.extra["retries"] >= 1 and st.errors["unavailable"] == st.extra["retries"] + results.count(None)
+    assert results.count(b"payload") >= 35  # 4 attempts at p=0.5: almost always a hit
+    again, _ = make(inner, FaultConfig(error_rate=0.5, seed=1), retries=3, breaker_failures=100)
+    assert [again.get_many(ks)[0] for _ in range(40)] == results  # same seed, same outcome
+
+
+def test_corrupt_blob_is_a_miss_and_is_deleted(inner) -> None:
+    client, faulty = make(inner)
+    ks = keys(2)
+    client.put_many([(k, os.urandom(1000)) for k in ks])
+    faulty.set_faults(FaultConfig(corrupt_rate=1.0))
+    assert client.get_many(ks) == [None, None]
+    assert client.stats().errors["corrupt"] == 2
+    assert inner.count_prefix(ks[:1]) == 0 and inner.get_many(ks) == [None, None]  # never served again
+
+
+def test_truncated_or_misplaced_blobs_are_misses(inner) -> None:
+    client, _ = make(inner)
+    k1, k2, k3 = keys(3)
+    blob = frame(k1, b"0123456789")
+    inner.put_many([(k1, blob[:-3]), (k2, blob), (k3, b"raw, unframed")])  # k2 holds k1's value
+    assert client.get_many([k1, k2, k3]) == [None, None, None]
+    assert client.stats().errors["corrupt"] == 3
+    assert unframe(k1, blob) == b"0123456789"
+
+
+def test_dropped_puts_are_misses_and_negative_cache_hides_them_briefly(inner) -> None:
+    client, faulty = make(inner, FaultConfig(drop_rate=1.0), negative_ttl_s=0.3)
+    k = keys(1)
+    assert client.put_many([(k[0], b"v")]) == 1  # the store acknowledged, then lost it
+    assert client.get_many(k) == [None]
+    faulty.set_faults(FaultConfig())
+    inner.put_many([(k[0], frame(k[0], b"v"))])  # another process publishes it
+    assert client.get_many(k) == [None]  # recent miss: answered from the negative cache
+    assert client.count_prefix(k) == 0
+    assert client.stats().extra["negative_cache_hits"] == 2
+    time.sleep(0.35)
+    assert client.get_many(k) == [b"v"]
+
+
+def test_own_put_clears_negative_cache(inner) -> None:
+    client, _ = make(inner, negative_ttl_s=60)
+    k = keys(1)
+    assert client.count_prefix(k) == 0
+    client.put_many([(k[0], b"v")])
+    assert client.count_prefix(k) == 1
+
+
+def test_partial_availability_serves_the_available_batches(inner) -> None:
+    client, faulty = make(inner, batch=1, breaker_failures=1000)
+    ks = keys(40)
+    client.put_many([(k, b"v") for k in ks])
+    faulty.set_faults(FaultConfig(unavailable_fraction=0.5))
+    got = client.get_many(ks)
+    down = [faulty.key_unavailable(k) for k in ks]
+    assert 5 < sum(down) < 35
+    assert [v is None for v in got] == down
+    first_down = down.index(True)
+    assert client.count_prefix(ks[:first_down]) == first_down
+    assert client.count_prefix(ks) == 0  # the batch touches an unavailable key: a miss
+
+
+def test_counters_and_latency(inner) -> None:
+    client, _ = make(inner)
+    ks = keys(3)
+    client.put_many([(ks[0], b"a" * 100), (ks[1], b"b" * 50)])
+    assert client.get_many(ks) == [b"a" * 100, b"b" * 50, None]
+    assert client.count_prefix(ks) == 2
+    st = client.stats()
+    assert (st.hits, st.misses, st.bytes_read, st.bytes_written, st.keys_written) == (4, 2, 150, 150, 2)
+    assert st.latency["get_many"].count == 1 and st.latency["get_many"].max_s > 0
+    assert st.backend.startswith("client:") and st.circuit == "closed" and st.errors == {}
+
+
+def test_closed_client_and_unreachable_store_never_raise(tmp_path) -> None:
+    from sgl_remote_kv.store.client import open_client
+
+    client = open_client("redis://127.0.0.1:1/0?timeout=0.2", FAST)  # nothing listens on port 1
+    assert client.get_many(keys(1)) == [None]
+    assert client.put_many([(keys(1)[0], b"v")]) == 0
+    assert client.stats().errors["unavailable"] >= 1
+    client.close()
+    assert client.get_many(keys(1)) == [None]

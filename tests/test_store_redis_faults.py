@@ -1,0 +1,74 @@
+"""Kill real Redis nodes mid-run: the client turns the outage into misses, opens its breaker, and
+recovers once the node is back."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from sgl_remote_kv.store.base import open_store
+from sgl_remote_kv.store.client import ClientConfig, StoreClient
+from sgl_remote_kv.store.redis_server import RedisCluster, RedisServer
+
+pytest_plugins = ["fixtures.redis_servers"]
+
+CFG = ClientConfig(timeout_s=1.0, retries=1, retry_backoff_s=0.01, breaker_failures=3, breaker_reset_s=0.5)
+
+
+def keys(n: int) -> list[bytes]:
+    return [os.urandom(32) for _ in range(n)]
+
+
+def wait_until(pred, timeout: float = 20.0, step: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return False
+
+
+def test_killed_standalone_redis_becomes_misses_and_client_recovers(own_redis_server: RedisServer) -> None:
+    client = StoreClient(open_store(own_redis_server.url + "?timeout=0.5"), CFG)
+    ks = keys(8)
+    assert client.put_many([(k, b"kv" * 1000) for k in ks]) == 8
+    assert client.count_prefix(ks) == 8
+
+    own_redis_server.stop(kill=True)  # SIGKILL mid-run
+    for _ in range(5):
+        assert client.get_many(ks) == [None] * 8
+        assert client.count_prefix(ks) == 0
+    st = client.stats()
+    assert st.circuit == "open" and st.errors["unavailable"] >= 3 and st.errors["circuit_open"] >= 1
+
+    own_redis_server.start()  # same port; no persistence, so the data is gone
+    assert wait_until(lambda: client.put_many([(ks[0], b"again")]) == 1)
+    assert client.stats().circuit == "closed"
+    assert client.get_many(ks[:2]) == [b"again", None]
+    client.close()
+
+
+def test_killed_cluster_node_becomes_misses_and_client_recovers(own_redis_cluster: RedisCluster) -> None:
+    client = StoreClient(open_store(own_redis_cluster.url + "?timeout=0.5"), CFG)
+    ks = keys(30)  # spread over all three shards
+    assert client.put_many([(k, b"kv" * 1000) for k in ks]) == 30
+    assert client.count_prefix(ks) == 30
+
+    victim = own_redis_cluster.nodes[1]
+    victim.stop(kill=True)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        got = client.get_many(ks)
+        assert None in got  # keys on the dead shard (or the whole batch) are misses
+        assert client.count_prefix(ks) < 30
+    assert time.perf_counter() - t0 < 30
+    st = client.stats()
+    assert st.circuit == "open" and st.errors.get("unavailable", 0) >= 3
+
+    victim.start()  # rejoins with its nodes.conf (same id and slots); its data is gone
+    own_redis_cluster.wait_ok()
+    assert wait_until(lambda: client.put_many([(k, b"back") for k in ks]) == 30)
+    assert wait_until(lambda: client.count_prefix(ks) == 30)
+    assert client.stats().circuit == "closed"
+    assert client.get_many(ks) == [b"back"] * 30
+    client.close()
