@@ -1,0 +1,152 @@
+"""Start and stop a real SGLang server as a child process (used by the demo, tests and benchmarks).
+
+``SGLangServer`` is a context manager: it launches ``python -m sglang.launch_server`` in its own process
+group with the CPU platform plugin enabled when asked, waits for ``/health``, and on exit sends SIGTERM to
+the whole group (SIGKILL after a grace period) so no scheduler subprocess outlives it, also on failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sgl_remote_kv import env
+
+logger = logging.getLogger(__name__)
+
+CPU_ARGS = ("--device", "cpu", "--disable-cuda-graph", "--sleep-on-idle")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    model_path: str
+    extra_args: tuple[str, ...] = ()
+    dtype: str = "float32"
+    max_total_tokens: int = 16384
+    cpu: bool = True
+    port: int = 0  # 0 -> pick a free port
+    log_path: str | None = None
+    env: dict = field(default_factory=dict)
+    startup_timeout_s: float = 300.0
+
+
+class SGLangServer:
+    """A running server; ``base_url`` is valid inside the ``with`` block."""
+
+    def __init__(self, spec: ServerSpec):
+        self.spec = spec
+        self.port = spec.port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(spec.log_path) if spec.log_path else Path(f"/tmp/srkv-server-{self.port}.log")
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.spec.model_path,
+            "--port",
+            str(self.port),
+            "--host",
+            "127.0.0.1",
+            "--dtype",
+            self.spec.dtype,
+            "--max-total-tokens",
+            str(self.spec.max_total_tokens),
+        ]
+        if self.spec.cpu:
+            cmd += CPU_ARGS
+        return cmd + list(self.spec.extra_args)
+
+    def start(self) -> SGLangServer:
+        child_env = dict(os.environ, **self.spec.env)
+        if self.spec.cpu:
+            child_env[env.CPU_PLATFORM] = "1"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")
+        logger.info("starting: %s (log %s)", " ".join(self.command()), self.log_path)
+        self.proc = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
+        )
+        log.close()
+        self._wait_healthy()
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.spec.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode} during startup; "
+                    f"last log lines:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {self.spec.startup_timeout_s}s:\n{self.log_tail()}")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, n: int = 30) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the process group, SIGKILL what is left after ``grace_s``. Idempotent."""
+        if self.proc is None or self.proc.poll() is not None and not _group_alive(self.proc.pid):
+            return
+        _signal_group(self.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _group_alive(self.proc.pid):
+            time.sleep(0.2)
+        if _group_alive(self.proc.pid):
+            logger.warning("server group %d ignored SIGTERM; killing", self.proc.pid)
+            _signal_group(self.proc.pid, signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def __enter__(self) -> SGLangServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

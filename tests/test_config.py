@@ -1,0 +1,62 @@
+import argparse
+import json
+
+import pytest
+
+from sgl_remote_kv import env
+from sgl_remote_kv.config import RemoteKVConfig
+
+
+def _parser():
+    p = argparse.ArgumentParser(exit_on_error=False)
+    RemoteKVConfig.add_cli_args(p)
+    return p
+
+
+def test_defaults_are_off_and_embedded_store(monkeypatch, tmp_path):
+    monkeypatch.setenv(env.CACHE_DIR, str(tmp_path))
+    cfg = RemoteKVConfig.from_namespace(_parser().parse_args([]))
+    assert cfg == RemoteKVConfig()
+    assert not cfg.enabled
+    assert cfg.resolved_store_url() == f"file://{tmp_path / 'store'}"
+
+
+def test_flags_parse_into_frozen_config():
+    ns = _parser().parse_args(
+        ["--remote-kv", "dpu", "--remote-kv-store", "redis://h:1/0", "--remote-kv-chunk-size", "512"]
+    )
+    cfg = RemoteKVConfig.from_namespace(ns)
+    assert (cfg.mode, cfg.store_url, cfg.chunk_size) == ("dpu", "redis://h:1/0", 512)
+    with pytest.raises(AttributeError):
+        cfg.mode = "off"  # frozen
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--remote-kv", "gpu"],
+        ["--remote-kv-chunk-size", "100"],
+        ["--remote-kv-chunk-size", "abc"],
+        ["--remote-kv-chunk-size", "0"],
+    ],
+)
+def test_bad_values_are_argparse_errors_naming_the_flag(argv, capsys):
+    p = argparse.ArgumentParser()
+    RemoteKVConfig.add_cli_args(p)
+    with pytest.raises(SystemExit):
+        p.parse_args(argv)
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_json_round_trip_and_export(monkeypatch):
+    cfg = RemoteKVConfig(mode="auto", store_url="file:///x", chunk_size=128, codec="lossless")
+    assert RemoteKVConfig.from_json(cfg.to_json()) == cfg
+    monkeypatch.setenv(env.CONFIG_JSON, cfg.to_json())
+    assert RemoteKVConfig.current() == cfg
+
+
+def test_json_rejects_unknown_keys_and_bad_values():
+    with pytest.raises(ValueError, match="unknown"):
+        RemoteKVConfig.from_json(json.dumps({"mode": "dpu", "evil": 1}))
+    with pytest.raises(ValueError, match="--remote-kv"):
+        RemoteKVConfig.from_json(json.dumps({"mode": "nope"}))
