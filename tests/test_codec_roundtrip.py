@@ -47,12 +47,19 @@ def _bound(spec: QuantSpec, layer: int, x: np.ndarray, dtype: str, is_k: bool) -
     return a * (0.5 / m + 2**-10) * (1 + 2**-8) + (a + 1e-30) * out_eps + 1e-7
 
 
+def make_codec(name: str, fp, **cfg):
+    if name == "quant_rans":
+        return synthetic.fitted_rans_codec(fp, **cfg)
+    return get_codec(name, **cfg)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cfg", QUANT_CONFIGS)
-def test_quant_deflate_error_bounded(dtype, cfg):
+@pytest.mark.parametrize("name", ["quant_deflate", "quant_rans", "cachegen"])
+def test_quantized_error_bounded(name, dtype, cfg):
     fp = synthetic.fingerprint(dtype=dtype)
     k, v = synthetic.kv(fp.layout, TOKENS, seed=2)
-    codec = get_codec("quant_deflate", **cfg)
+    codec = make_codec(name, fp, **cfg)
     blob = codec.encode(k, v, fp)
     k2, v2 = codec.decode(blob, fp)
     for x, y, is_k in ((k, k2, True), (v, v2, False)):
@@ -96,11 +103,11 @@ def test_half_output_rounding_matches_reference(dtype):
     assert (expect != 0).sum() > 1000  # the data spans subnormals to large values
 
 
-@pytest.mark.parametrize("name", ["lossless", "quant_deflate"])
+@pytest.mark.parametrize("name", ["lossless", "quant_deflate", "quant_rans", "cachegen"])
 def test_stage_split_equals_decode(name):
     fp = synthetic.fingerprint(dtype="bfloat16")
     k, v = synthetic.kv(fp.layout, TOKENS, seed=5)
-    codec = get_codec(name)
+    codec = make_codec(name, fp)
     blob = codec.encode(k, v, fp)
     k1, v1 = codec.decode(blob, fp)
     layers = list(codec.decode_layers(blob, fp))
@@ -135,3 +142,46 @@ def test_mac_roundtrip_and_binding():
         codec.decode(blob, fp, mac_key=b"other", bind=b"key-1")
     with pytest.raises(CorruptChunk):
         codec.decode(codec.encode(k, v, fp), fp, mac_key=b"secret", bind=b"key-1")
+
+
+@pytest.mark.parametrize("cfg", QUANT_CONFIGS)
+def test_entropy_coders_decode_the_same_codes_as_deflate(cfg):
+    """quant_rans, cachegen and quant_deflate differ only in the lossless stage: identical output."""
+    fp = synthetic.fingerprint(dtype="float16")
+    k, v = synthetic.kv(fp.layout, TOKENS, seed=8)
+    ref = get_codec("quant_deflate", **cfg).decode(get_codec("quant_deflate", **cfg).encode(k, v, fp), fp)
+    for name in ("quant_rans", "cachegen"):
+        codec = make_codec(name, fp, **cfg)
+        out = codec.decode(codec.encode(k, v, fp), fp)
+        assert np.array_equal(out[0], ref[0]) and np.array_equal(out[1], ref[1]), name
+
+
+def test_rans_tables_save_load_and_unknown_table(tmp_path):
+    from sgl_remote_kv.codec import tables
+    from sgl_remote_kv.codec.errors import ForeignChunk
+
+    fp = synthetic.fingerprint(dtype="bfloat16")
+    k, v = synthetic.kv(fp.layout, TOKENS, seed=9)
+    codec = synthetic.fitted_rans_codec(fp, k_bins="64", v_bins="32")
+    t = codec.tables_for(fp)
+    path = t.save(tmp_path / "t.npz")
+    blob = codec.encode(k, v, fp)
+    expect = codec.decode(blob, fp)
+    tables.unregister(t.table_id)
+    with pytest.raises(ForeignChunk):
+        get_codec("quant_rans", k_bins="64", v_bins="32").decode(blob, fp)
+    assert tables.load_dir(tmp_path) == 1
+    got = get_codec("quant_rans", k_bins="64", v_bins="32").decode(blob, fp)
+    assert np.array_equal(got[0], expect[0]) and np.array_equal(got[1], expect[1])
+    assert tables.EntropyTables.load(path).table_id == t.table_id
+
+
+def test_rans_beats_deflate_and_cachegen_pays_for_tables():
+    fp = synthetic.fingerprint(dtype="bfloat16")
+    k, v = synthetic.kv(fp.layout, 256, seed=10)
+    cfg = dict(k_bins="32", v_bins="32", granularity="head")
+    sizes = {
+        n: len(make_codec(n, fp, **cfg).encode(k, v, fp)) for n in ("quant_deflate", "quant_rans", "cachegen")
+    }
+    assert sizes["quant_rans"] < sizes["quant_deflate"], sizes
+    assert sizes["quant_rans"] < sizes["cachegen"], sizes

@@ -30,3 +30,13 @@ def kv(layout: KVLayout, tokens: int, seed: int = 0) -> tuple[np.ndarray, np.nda
     k = rng.standard_normal(shape) * chan + 0.3 * np.sin(np.arange(tokens))[None, :, None, None]
     v = rng.standard_normal(shape) * 0.5
     return from_f32(k.astype(np.float32), layout.dtype), from_f32(v.astype(np.float32), layout.dtype)
+
+
+def fitted_rans_codec(fp: ModelFingerprint, tokens: int = 64, n_samples: int = 2, **params):
+    """A ``quant_rans`` codec with tables fitted on synthetic KV for ``fp`` (tests, demos)."""
+    from sgl_remote_kv.codec import tables
+    from sgl_remote_kv.codec.quant_rans import QuantRansCodec
+
+    spec_codec = QuantRansCodec(**params)
+    samples = [kv(fp.layout, tokens, seed=100 + i) for i in range(n_samples)]
+    return QuantRansCodec(**params, tables=tables.fit(spec_codec.spec, fp, samples))

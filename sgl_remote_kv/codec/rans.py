@@ -1,0 +1,158 @@
+"""Static-model rANS with one distribution per context (a context = one (layer, K/V, channel)).
+
+32-bit states, 16-bit renormalisation words, 4 interleaved states sharing one word stream (ryg_rans
+style), ``PROB_BITS``-bit frequencies (each present symbol >= 1). Symbols are coded channel-major
+(all tokens of channel 0, then channel 1, ...) so one context's tables stay hot in L1 while decoding.
+
+All hot loops are numba ``@njit(nogil=True)``; decoders never read or write out of bounds on hostile
+input and report errors by return code (the callers turn them into ``CorruptChunk``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+PROB_BITS = 12
+PROB_SCALE = 1 << PROB_BITS
+RANS_L = 1 << 16
+NSTATES = 4
+
+
+@njit(nogil=True, cache=True)
+def normalize_counts(counts, prob_bits):
+    """counts [N, S] (float64 >= 0) -> freqs [N, S] uint16 summing to 2^prob_bits per row.
+
+    Every symbol with a positive count keeps a frequency >= 1. Rows with no counts get a uniform
+    distribution over all S symbols.
+    """
+    n, s = counts.shape
+    total_m = 1 << prob_bits
+    out = np.zeros((n, s), np.uint16)
+    for r in range(n):
+        tot = 0.0
+        for j in range(s):
+            tot += counts[r, j]
+        f = np.zeros(s, np.int64)
+        if tot <= 0:
+            for j in range(s):
+                f[j] = total_m // s
+            f[0] += total_m - (total_m // s) * s
+        else:
+            acc = 0
+            for j in range(s):
+                if counts[r, j] > 0:
+                    f[j] = max(1, int(counts[r, j] * total_m / tot))
+                acc += f[j]
+            diff = total_m - acc
+            while diff != 0:  # give/take one at a time from the largest entries (> 1)
+                best = 0
+                for j in range(s):
+                    if f[j] > f[best]:
+                        best = j
+                step = diff if diff > 0 else max(diff, 1 - f[best])
+                if step == 0:
+                    break
+                f[best] += step
+                diff -= step
+        for j in range(s):
+            out[r, j] = f[j]
+    return out
+
+
+@njit(nogil=True, cache=True)
+def build_tables(freq, prob_bits):
+    """freq [N, S] uint16 -> (cum [N, S+1] uint32, slot2sym [N, 2^prob_bits] uint8, ok)."""
+    n, s = freq.shape
+    m = 1 << prob_bits
+    cum = np.zeros((n, s + 1), np.uint32)
+    slot = np.zeros((n, m), np.uint8)
+    for r in range(n):
+        acc = 0
+        for j in range(s):
+            cum[r, j] = acc
+            f = int(freq[r, j])
+            if acc + f > m:
+                return cum, slot, False
+            for k in range(acc, acc + f):
+                slot[r, k] = j
+            acc += f
+        cum[r, s] = acc
+        if acc != m:
+            return cum, slot, False
+    return cum, slot, True
+
+
+@njit(nogil=True, cache=True)
+def encode(codes, ctx0, freq, cum, prob_bits):
+    """codes [T, C] uint8 -> uint16 word stream; channel c uses context ``ctx0 + c``.
+
+    Returns (words, ok); ok is False if a symbol has zero frequency in its context.
+    """
+    t_n, c_n = codes.shape
+    n = t_n * c_n
+    buf = np.empty(n * 2 + 2 * NSTATES + 16, np.uint16)
+    p = 0
+    x = np.full(NSTATES, RANS_L, np.uint64)
+    for i in range(n - 1, -1, -1):
+        c = i // t_n
+        t = i - c * t_n
+        s = codes[t, c]
+        f = np.uint64(freq[ctx0 + c, s])
+        if f == 0:
+            return buf[:0], False
+        j = i & (NSTATES - 1)
+        xj = x[j]
+        x_max = np.uint64((RANS_L >> prob_bits) << 16) * f
+        while xj >= x_max:
+            buf[p] = np.uint16(xj & 0xFFFF)
+            p += 1
+            xj >>= np.uint64(16)
+        x[j] = ((xj // f) << np.uint64(prob_bits)) + (xj % f) + np.uint64(cum[ctx0 + c, s])
+    for j in range(NSTATES - 1, -1, -1):
+        buf[p] = np.uint16(x[j] & 0xFFFF)
+        buf[p + 1] = np.uint16(x[j] >> np.uint64(16))
+        p += 2
+    return buf[:p][::-1].copy(), True
+
+
+@njit(nogil=True, cache=True)
+def decode(words, ctx0, freq, cum, slot2sym, prob_bits, out):
+    """Inverse of ``encode`` into ``out`` [T, C] uint8. Returns 0 on success, < 0 on corrupt input."""
+    t_n, c_n = out.shape
+    n_w = words.shape[0]
+    if n_w < 2 * NSTATES:
+        return -1
+    x = np.empty(NSTATES, np.uint64)
+    p = 0
+    for j in range(NSTATES):
+        x[j] = (np.uint64(words[p]) << np.uint64(16)) | np.uint64(words[p + 1])
+        p += 2
+    mask = np.uint64((1 << prob_bits) - 1)
+    i = 0
+    for c in range(c_n):
+        r = ctx0 + c
+        for t in range(t_n):
+            j = i & (NSTATES - 1)
+            xj = x[j]
+            sl = xj & mask
+            s = slot2sym[r, sl]
+            xj = np.uint64(freq[r, s]) * (xj >> np.uint64(prob_bits)) + sl - np.uint64(cum[r, s])
+            if xj < RANS_L:
+                if p >= n_w:
+                    return -2
+                xj = (xj << np.uint64(16)) | np.uint64(words[p])
+                p += 1
+            x[j] = xj
+            out[t, c] = s
+            i += 1
+    if p != n_w:
+        return -3
+    for j in range(NSTATES):
+        if x[j] != RANS_L:
+            return -4
+    return 0
+
+
+def check_ctx(freq: np.ndarray, ctx0: int, channels: int) -> bool:
+    return 0 <= ctx0 and ctx0 + channels <= freq.shape[0]
