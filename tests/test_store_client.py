@@ -163,3 +163,15 @@ def test_closed_client_and_unreachable_store_never_raise(tmp_path) -> None:
     assert client.stats().errors["unavailable"] >= 1
     client.close()
     assert client.get_many(keys(1)) == [None]
+
+
+def test_deadline_grows_with_the_bytes_of_the_call(inner) -> None:
+    # 0.2 s of injected latency: a 2 MB call at >= 1 MB/s may take 0.05 + 2 s, a tiny one only 0.05 s
+    client, _ = make(inner, FaultConfig(latency_s=0.2), timeout_s=0.05, min_mb_s=1.0, retries=0)
+    k_big, k_small = keys(2)
+    assert client.put_many([(k_big, b"x" * 2_000_000)]) == 1
+    assert client.put_many([(k_small, b"x")]) == 0
+    assert client.stats().errors == {"timeout": 1}
+    assert client.get_many([k_big]) == [
+        b"x" * 2_000_000
+    ]  # the running average blob size (~300 KB) extends the deadline

@@ -4,7 +4,9 @@
 ever reaches the caller (who then recomputes the KV). On top of the backend it adds:
 
 - a timeout on every call: backend calls run on a small worker pool and the caller waits at most
-  ``timeout_s`` (a stuck call keeps its worker; the breaker stops new work piling up behind it);
+  ``timeout_s`` plus the time the call's bytes take at ``min_mb_s`` (put: the bytes sent; get: keys
+  times the running average blob size), so big batches on slow links are not cut off; a stuck call
+  keeps its worker, and the breaker stops new work piling up behind it;
 - bounded retries (``retries``, exponential backoff) for transient kinds (timeout, unavailable);
 - a short negative cache: keys found absent in the last ``negative_ttl_s`` are answered as misses
   without asking the store (our own ``put_many`` clears them);
@@ -48,14 +50,15 @@ _RETRYABLE = frozenset({"timeout", "unavailable"})
 
 @dataclass(frozen=True)
 class ClientConfig:
-    timeout_s: float = 5.0
+    timeout_s: float = 5.0  # fixed part of every call's deadline
+    min_mb_s: float = 10.0  # slowest transfer rate tolerated; adds bytes / min_mb_s to the deadline
     retries: int = 1
     retry_backoff_s: float = 0.02
     negative_ttl_s: float = 1.0
     negative_max: int = 65536
     breaker_failures: int = 3
     breaker_reset_s: float = 5.0
-    batch: int = 16  # keys per backend call in get_many/put_many (each call has its own timeout)
+    batch: int = 8  # keys per backend call in get_many/put_many (each call has its own timeout)
     workers: int = 4
 
 
@@ -141,6 +144,7 @@ class StoreClient:
         self._logged: set[str] = set()
         self._log_lock = threading.Lock()
         self._open_lock = threading.Lock()
+        self._avg_blob = 0.0
 
     # -- plumbing --------------------------------------------------------------------------------
     def _backend(self) -> KVStore:
@@ -160,14 +164,21 @@ class StoreClient:
         # Log each (op, kind) once at WARNING; repeats only at DEBUG (never one line per call).
         log.log(logging.WARNING if first else logging.DEBUG, "store %s failed (%s): %s", op, kind, exc)
 
-    def _call(self, op: str, fn: Callable[[KVStore], T]) -> tuple[bool, T | None]:
+    def _deadline(self, nbytes: float) -> float:
+        return self.config.timeout_s + nbytes / (self.config.min_mb_s * 1024 * 1024)
+
+    def _note_sizes(self, sizes: Sequence[int]) -> None:
+        for n in sizes:  # exponential moving average of blob size, used for get deadlines
+            self._avg_blob += 0.2 * (n - self._avg_blob)
+
+    def _call(self, op: str, fn: Callable[[KVStore], T], nbytes: float = 0.0) -> tuple[bool, T | None]:
         """Run ``fn(backend)`` with timeout, retries and the breaker. Returns (ok, result)."""
         if not self._breaker.allow():
             self._counters.error("circuit_open")
             return False, None
         cfg = self.config
         for attempt in range(cfg.retries + 1):
-            kind, exc = self._attempt(fn)
+            kind, exc = self._attempt(fn, self._deadline(nbytes))
             if kind is None:
                 self._breaker.success()
                 return True, exc  # type: ignore[return-value]  # exc holds the result on success
@@ -182,13 +193,13 @@ class StoreClient:
         self._breaker.failure()
         return False, None
 
-    def _attempt(self, fn: Callable[[KVStore], Any]) -> tuple[str | None, Any]:
+    def _attempt(self, fn: Callable[[KVStore], Any], timeout: float) -> tuple[str | None, Any]:
         try:
             fut = self._pool.submit(lambda: fn(self._backend()))
         except RuntimeError as e:  # pool shut down: client closed
             return "closed", e
         try:
-            return None, fut.result(timeout=self.config.timeout_s)
+            return None, fut.result(timeout=timeout)
         except cf.TimeoutError as e:
             fut.cancel()
             return "timeout", e
@@ -261,7 +272,7 @@ class StoreClient:
         for b in range(0, len(todo), step):
             idx = todo[b : b + step]
             sub = [keys[i] for i in idx]
-            ok, blobs = self._call("get_many", lambda s, sub=sub: s.get_many(sub))
+            ok, blobs = self._call("get_many", lambda s, sub=sub: s.get_many(sub), len(sub) * self._avg_blob)
             if ok and blobs is not None:
                 self._fill(sub, idx, blobs, out)
         self._counters.latency("get_many", time.perf_counter() - t0)
@@ -281,6 +292,7 @@ class StoreClient:
                 corrupt.append(key)
             out[i] = payload
         self._neg_add(absent)
+        self._note_sizes([len(b) for b in blobs if b is not None])
         if corrupt:
             self._note_error("get_many", "corrupt", StoreError(f"{len(corrupt)} corrupt blob(s)"))
             self._counters.error("corrupt", len(corrupt) - 1)
@@ -296,7 +308,9 @@ class StoreClient:
         for b in range(0, len(items), step):
             sub = items[b : b + step]
             framed = [(k, frame(k, v)) for k, v in sub]
-            ok, _ = self._call("put_many", lambda s, framed=framed: s.put_many(framed))
+            size = sum(len(v) for _, v in framed)
+            ok, _ = self._call("put_many", lambda s, framed=framed: s.put_many(framed), size)
+            self._note_sizes([len(v) for _, v in framed])
             if ok:
                 stored += len(sub)
                 nbytes += sum(len(v) for _, v in sub)
