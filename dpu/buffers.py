@@ -1,0 +1,171 @@
+"""Pre-allocated data-plane buffers, per-round occupancy planning, and the shared destination region.
+
+Memory model (ShadowServe §4.3, in software):
+
+- ``StagingBuffers`` is allocated **once** when the data plane starts and pre-faulted; nothing on the
+  hot path allocates a buffer. It holds ``slots`` equal round slots, each with
+  a *DMA-source* region of ``slot_bytes`` (decoded K+V in the KV dtype) and an *inflate* region of
+  ``ceil(slot_bytes * inflate_ratio)`` (lossless-stage output; 1.0 fits every codec, 0.5 fits codecs
+  whose lossless output is int8 of a 16-bit KV, as in the paper). Total = ``slots * slot_bytes *
+  (1 + inflate_ratio)``, fixed for the life of the process.
+- A round is a set of consecutive chunks of one job that fits one slot. ``plan_rounds`` computes every
+  chunk's occupancy from its token count and the model dimensions only (no store round-trip), before
+  the round starts; a job larger than a slot runs as several rounds.
+- Compressed blobs come from the store client as ``bytes`` it allocates (the Python store clients give
+  no receive-into-buffer API); their number in flight is bounded by the slots (one blob per admitted
+  chunk, dropped when the chunk leaves the inflate stage).
+- ``DestRegion`` is the DMA destination: a POSIX shared-memory segment created and owned (unlinked) by
+  the host control plane, attached here by name. On a GPU host it would be a pinned/GPU staging buffer.
+
+Ownership: the server thread owns slot assignment; a chunk's regions belong to the worker currently
+processing that chunk's slab, handed over through the stage queues. Threads never share a region.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+from sgl_remote_kv.types import KVLayout
+
+logger = logging.getLogger(__name__)
+
+
+def layer_bytes(layout: KVLayout, tokens: int) -> int:
+    """Bytes of K (or V) of one layer of ``tokens`` tokens."""
+    return tokens * layout.num_kv_heads * layout.head_dim * layout.itemsize
+
+
+def chunk_bytes(layout: KVLayout, tokens: int) -> int:
+    """Decoded K+V bytes of a chunk of ``tokens`` tokens over all layers."""
+    return 2 * layout.num_layers * layer_bytes(layout, tokens)
+
+
+def inflate_layer_cap(layout: KVLayout, tokens: int, inflate_ratio: float) -> int:
+    """Bytes of a chunk-layer's share of the inflate region."""
+    return math.ceil(2 * layer_bytes(layout, tokens) * inflate_ratio)
+
+
+@dataclass(frozen=True)
+class ChunkRegion:
+    """Occupancy of one chunk inside its round slot (offsets relative to the slot)."""
+
+    index: int  # chunk index within the job
+    tokens: int
+    src_off: int  # DMA-source region: K [L, T, H, D] then V [L, T, H, D]
+    infl_off: int  # inflate region: num_layers consecutive pieces of ``infl_layer`` bytes
+    infl_layer: int
+
+
+def plan_rounds(
+    tokens: list[int], layout: KVLayout, slot_bytes: int, inflate_ratio: float
+) -> list[list[ChunkRegion]]:
+    """Split a job's chunks (in prefix order) into rounds that each fit one slot.
+
+    Raises ``ValueError`` if a single chunk does not fit a slot (the caller reports ``bad_request``).
+    """
+    infl_slot = math.ceil(slot_bytes * inflate_ratio)
+    rounds: list[list[ChunkRegion]] = []
+    cur: list[ChunkRegion] = []
+    src = infl = 0
+    for i, t in enumerate(tokens):
+        need_src = chunk_bytes(layout, t)
+        per_layer = inflate_layer_cap(layout, t, inflate_ratio)
+        need_infl = per_layer * layout.num_layers
+        if need_src > slot_bytes or need_infl > infl_slot:
+            raise ValueError(f"chunk {i} ({t} tokens, {need_src} B) does not fit a {slot_bytes} B slot")
+        if src + need_src > slot_bytes or infl + need_infl > infl_slot:
+            rounds.append(cur)
+            cur, src, infl = [], 0, 0
+        cur.append(ChunkRegion(i, t, src, infl, per_layer))
+        src += need_src
+        infl += need_infl
+    if cur:
+        rounds.append(cur)
+    return rounds
+
+
+class StagingBuffers:
+    """The data plane's private buffers, allocated and pre-faulted once (see module docstring)."""
+
+    def __init__(self, slots: int, slot_bytes: int, inflate_ratio: float) -> None:
+        if slots < 1 or slot_bytes < 1 or not 0 < inflate_ratio <= 4:
+            raise ValueError("slots, slot_bytes must be positive and inflate_ratio in (0, 4]")
+        self.slots, self.slot_bytes, self.inflate_ratio = slots, slot_bytes, inflate_ratio
+        self.infl_slot_bytes = math.ceil(slot_bytes * inflate_ratio)
+        self.dma_src = np.empty(slots * slot_bytes, np.uint8)
+        self.inflate = np.empty(slots * self.infl_slot_bytes, np.uint8)
+        self.dma_src.fill(0)  # pre-fault every page now, not on the hot path
+        self.inflate.fill(0)
+        logger.info(
+            "staging buffers: %d slots x (%d + %d) B = %.1f MiB",
+            slots,
+            slot_bytes,
+            self.infl_slot_bytes,
+            self.total_bytes / 2**20,
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        return self.dma_src.nbytes + self.inflate.nbytes
+
+    def src_chunk(self, slot: int, region: ChunkRegion, layout: KVLayout, dtype: np.dtype):
+        """(K, V) views ``[L, T, H, D]`` of a chunk's DMA-source region (no copy)."""
+        n = layer_bytes(layout, region.tokens) * layout.num_layers
+        base = slot * self.slot_bytes + region.src_off
+        shape = (layout.num_layers, region.tokens, layout.num_kv_heads, layout.head_dim)
+        k = self.dma_src[base : base + n].view(dtype).reshape(shape)
+        v = self.dma_src[base + n : base + 2 * n].view(dtype).reshape(shape)
+        return k, v
+
+    def infl_layer(self, slot: int, region: ChunkRegion, layer: int) -> np.ndarray:
+        """The uint8 inflate piece of one chunk-layer (no copy)."""
+        base = slot * self.infl_slot_bytes + region.infl_off + layer * region.infl_layer
+        return self.inflate[base : base + region.infl_layer]
+
+
+class DestRegion:
+    """The shared destination region (POSIX shm). ``create`` on the host, ``attach`` in the data plane.
+
+    ``array`` is a uint8 view over the whole segment. The creator unlinks it in ``close``; an attacher
+    only unmaps (and is unregistered from Python's resource tracker, which would otherwise unlink the
+    host's segment when the data plane exits).
+    """
+
+    def __init__(self, shm: shared_memory.SharedMemory, owner: bool) -> None:
+        self._shm, self.owner = shm, owner
+        self.name = shm.name
+        self.size = shm.size
+        self.array = np.ndarray((shm.size,), np.uint8, buffer=shm.buf)
+
+    @classmethod
+    def create(cls, nbytes: int, name: str | None = None) -> DestRegion:
+        shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+        region = cls(shm, owner=True)
+        region.array.fill(0)
+        return region
+
+    @classmethod
+    def attach(cls, name: str) -> DestRegion:
+        shm = shared_memory.SharedMemory(name=name, create=False)
+        try:
+            resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 (py<3.13 workaround)
+        except Exception as e:  # tracker quirks must never stop the data plane
+            logger.debug("resource_tracker.unregister failed: %s", e)
+        return cls(shm, owner=False)
+
+    def close(self) -> None:
+        self.array = None  # drop the exported buffer before closing the mapping
+        try:
+            self._shm.close()
+        except BufferError:
+            logger.warning("dest region %s still has views; leaving it mapped", self.name)
+        if self.owner:
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass

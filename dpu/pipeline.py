@@ -1,0 +1,310 @@
+"""The four-stage chunked pipeline: fetch -> inflate -> dequantize -> "DMA" (ShadowServe §4.2).
+
+Each stage has its own worker threads (counts from ``PipelineConfig``) and a bounded input queue.
+A chunk enters the fetch stage whole; after its header is parsed it is split into *slabs* of
+``layer_group`` consecutive layers that flow through the other three stages independently, so
+inflate, dequantization and the copy of different chunks and layers overlap. The DMA stage emits a
+``LayerDone`` per slab as soon as its layers sit in the destination region.
+
+Threads: ``submit_round`` is called by the server thread; everything else runs in worker threads.
+The ``emit`` callback must be thread-safe (the server gives one that pushes to an inproc socket).
+Buffers: a chunk's staging regions belong to the worker holding one of its slabs; the destination
+bytes of a chunk are written only by the DMA worker holding its slab. Blobs (``bytes`` from the store
+client) are owned by the chunk task and dropped when the chunk is terminal.
+
+Failures: a ``ChunkError`` fails the chunk (kind ``corrupt``/``foreign``) and cancels every later chunk
+of the job (a prefix cache cannot use KV after a hole); an unexpected exception is caught at the
+worker boundary, counted, logged and reported as kind ``internal``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sgl_remote_kv.codec.errors import ChunkError, CorruptChunk, ForeignChunk
+from sgl_remote_kv.codec.format import layer_section
+from sgl_remote_kv.types import numpy_storage_dtype
+
+from .buffers import ChunkRegion, StagingBuffers, layer_bytes
+from .protocol import ChunkDest, ChunkDone, ChunkFailed, JobDone, LayerDone, Message
+
+logger = logging.getLogger(__name__)
+
+STAGES = ("fetch", "inflate", "dequant", "dma")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    fetch_workers: int = 1
+    inflate_workers: int = 1
+    dequant_workers: int = 1
+    dma_workers: int = 1
+    layer_group: int = 6  # layers per slab
+    queue_depth: int = 64  # items per stage queue
+    stage_cpus: tuple[tuple[int, ...], ...] = ()  # per stage (STAGES order): cores to pin to, or ()
+
+
+class JobState:
+    """A submitted job as the pipeline sees it. Created by the server thread; counters under ``lock``."""
+
+    def __init__(self, job: int, peer: bytes, codec, fingerprint, layout, dests: list[ChunkDest]) -> None:
+        self.job, self.peer, self.codec, self.fingerprint = job, peer, codec, fingerprint
+        self.layout = layout
+        self.dtype = numpy_storage_dtype(layout.dtype)
+        self.dests = dests
+        self.cancel_from = len(dests)  # chunks with index >= cancel_from are cancelled
+        self.lock = threading.Lock()
+        self.terminal = self.done = self.failed = 0
+
+    def cancel(self, from_chunk: int) -> None:
+        with self.lock:
+            self.cancel_from = min(self.cancel_from, from_chunk)
+
+
+@dataclass
+class ChunkTask:
+    """One admitted chunk: its job, slot, regions and progress. Mutated under ``JobState.lock``."""
+
+    job: JobState
+    region: ChunkRegion
+    slot: int
+    round_id: int
+    blob: bytes | None = None
+    header: object = None
+    decoded: list[int] = field(default_factory=list)  # per layer: bytes the lossless stage wrote
+    pending: int = 0  # slabs not yet finished
+    failed: bool = False
+
+
+@dataclass
+class StageStats:
+    items: int = 0
+    bytes: int = 0  # decoded-KV bytes the stage produced (fetch: compressed bytes received)
+    busy_s: float = 0.0
+    errors: int = 0
+
+
+class Pipeline:
+    """Worker threads + queues. ``on_round_free(slot)`` is called (from a worker) when a round's
+    chunks are all terminal and its slot may be reused."""
+
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        buffers: StagingBuffers,
+        dest: np.ndarray,
+        store,
+        emit: Callable[[bytes, Message], None],
+        on_round_free: Callable[[int], None],
+    ) -> None:
+        self.cfg, self.buf, self.dest, self.store = cfg, buffers, dest, store
+        self.emit, self.on_round_free = emit, on_round_free
+        # fetch is bounded by admission (slots x chunks per round); the others by queue_depth
+        self.queues = {s: queue.Queue(0 if s == "fetch" else cfg.queue_depth) for s in STAGES}
+        self.stats = {s: StageStats() for s in STAGES}
+        self._stats_lock = threading.Lock()
+        self._rounds: dict[int, list] = {}  # round id -> [remaining chunks, slot]
+        self._rounds_lock = threading.Lock()
+        self._next_round = 0
+        self._threads: list[threading.Thread] = []
+        counts = (cfg.fetch_workers, cfg.inflate_workers, cfg.dequant_workers, cfg.dma_workers)
+        work = (self._fetch, self._inflate, self._dequant, self._dma)
+        for si, (stage, n, fn) in enumerate(zip(STAGES, counts, work, strict=True)):
+            cpus = cfg.stage_cpus[si] if si < len(cfg.stage_cpus) else ()
+            for w in range(n):
+                t = threading.Thread(
+                    target=self._worker, args=(stage, fn, cpus), name=f"dpu-{stage}-{w}", daemon=True
+                )
+                t.start()
+                self._threads.append(t)
+
+    # ---- server-thread API ----------------------------------------------------------------------
+    def submit_round(self, job: JobState, regions: list[ChunkRegion], slot: int) -> None:
+        """Admit one round (all fits ``slot``). Blocks only if the fetch queue is full."""
+        rid = self._next_round
+        self._next_round += 1
+        with self._rounds_lock:
+            self._rounds[rid] = [len(regions), slot]
+        for r in regions:
+            self.queues["fetch"].put(ChunkTask(job, r, slot, rid))
+
+    def close(self) -> None:
+        """Stop all workers (in-flight items are finished or dropped); called by the server thread."""
+        for stage, n in zip(STAGES, self._counts(), strict=True):
+            for _ in range(n):
+                self.queues[stage].put(None)
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def _counts(self) -> tuple[int, int, int, int]:
+        c = self.cfg
+        return (c.fetch_workers, c.inflate_workers, c.dequant_workers, c.dma_workers)
+
+    def stats_snapshot(self) -> dict:
+        with self._stats_lock:
+            return {s: vars(st).copy() for s, st in self.stats.items()}
+
+    # ---- worker plumbing ------------------------------------------------------------------------
+    def _worker(self, stage: str, fn: Callable, cpus: tuple[int, ...]) -> None:
+        if cpus:
+            try:
+                os.sched_setaffinity(threading.get_native_id(), cpus)
+            except OSError as e:
+                logger.warning("cannot pin %s to %s: %s", threading.current_thread().name, cpus, e)
+        q = self.queues[stage]
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            task = item[0] if isinstance(item, tuple) else item
+            t0 = time.perf_counter()
+            nbytes = 0
+            try:
+                nbytes = fn(item)
+            except ChunkError as e:
+                self._fail(task, "foreign" if isinstance(e, ForeignChunk) else "corrupt", str(e))
+                self._slab_finished(task, whole_chunk=stage == "fetch")
+            except Exception as e:  # thread boundary: count, log, report, keep the worker alive
+                logger.exception(
+                    "%s worker failed on job %d chunk %d", stage, task.job.job, task.region.index
+                )
+                with self._stats_lock:
+                    self.stats[stage].errors += 1
+                self._fail(task, "internal", f"{type(e).__name__}: {e}")
+                self._slab_finished(task, whole_chunk=stage == "fetch")
+            with self._stats_lock:
+                st = self.stats[stage]
+                st.items += 1
+                st.bytes += nbytes or 0
+                st.busy_s += time.perf_counter() - t0
+
+    def _skip(self, task: ChunkTask) -> bool:
+        """True if this chunk is failed or cancelled (reporting the cancellation once)."""
+        job = task.job
+        with job.lock:
+            if task.failed:
+                return True
+            cancelled = task.region.index >= job.cancel_from
+        if cancelled:
+            self._fail(task, "cancelled", "")
+        return cancelled
+
+    def _fail(self, task: ChunkTask, kind: str, detail: str) -> None:
+        job = task.job
+        with job.lock:
+            if task.failed:
+                return
+            task.failed = True
+            if kind != "cancelled":
+                job.cancel_from = min(job.cancel_from, task.region.index + 1)
+        self.emit(job.peer, ChunkFailed(job.job, task.region.index, kind, detail[:500]))
+
+    def _slab_finished(self, task: ChunkTask, whole_chunk: bool = False) -> None:
+        job = task.job
+        with job.lock:
+            task.pending = 0 if whole_chunk else task.pending - 1
+            if task.pending > 0:
+                return
+            task.blob = task.header = None
+            job.terminal += 1
+            if task.failed:
+                job.failed += 1
+            else:
+                job.done += 1
+            job_over = job.terminal == len(job.dests)
+        if not task.failed:
+            self.emit(job.peer, ChunkDone(job.job, task.region.index))
+        if job_over:
+            self.emit(job.peer, JobDone(job.job, job.done, job.failed))
+        self._round_chunk_terminal(task.round_id)
+
+    def _round_chunk_terminal(self, rid: int) -> None:
+        with self._rounds_lock:
+            entry = self._rounds[rid]
+            entry[0] -= 1
+            if entry[0] > 0:
+                return
+            del self._rounds[rid]
+        self.on_round_free(entry[1])
+
+    def _slabs(self, task: ChunkTask) -> list[tuple[ChunkTask, int, int]]:
+        n, g = task.job.layout.num_layers, max(1, self.cfg.layer_group)
+        return [(task, lo, min(n, lo + g)) for lo in range(0, n, g)]
+
+    # ---- the four stages (each returns the bytes it produced) -----------------------------------
+    def _fetch(self, task: ChunkTask) -> int:
+        if self._skip(task):
+            self._slab_finished(task, whole_chunk=True)
+            return 0
+        job = task.job
+        dest = job.dests[task.region.index]
+        blob = self.store.get_many([dest.key])[0]
+        if blob is None:
+            self._fail(task, "miss", "")
+            self._slab_finished(task, whole_chunk=True)
+            return 0
+        hdr = job.codec.parse(blob, job.fingerprint)
+        if hdr.num_tokens != task.region.tokens:
+            raise CorruptChunk(f"chunk holds {hdr.num_tokens} tokens, expected {task.region.tokens}")
+        for layer in range(job.layout.num_layers):
+            if job.codec.scratch_bytes(hdr, layer) > task.region.infl_layer:
+                raise CorruptChunk("lossless output larger than the inflate occupancy")
+        slabs = self._slabs(task)
+        with job.lock:
+            task.blob, task.header = blob, hdr
+            task.decoded = [0] * job.layout.num_layers
+            task.pending = len(slabs)
+        for s in slabs:
+            self.queues["inflate"].put(s)
+        return len(blob)
+
+    def _inflate(self, item: tuple[ChunkTask, int, int]) -> int:
+        task, lo, hi = item
+        if self._skip(task):
+            self._slab_finished(task)
+            return 0
+        codec, n = task.job.codec, 0
+        for layer in range(lo, hi):
+            out = self.buf.infl_layer(task.slot, task.region, layer)
+            task.decoded[layer] = codec.lossless_stage(layer_section(task.blob, task.header, layer), out)
+            n += task.decoded[layer]
+        self.queues["dequant"].put(item)
+        return n
+
+    def _dequant(self, item: tuple[ChunkTask, int, int]) -> int:
+        task, lo, hi = item
+        if self._skip(task):
+            self._slab_finished(task)
+            return 0
+        job = task.job
+        k, v = self.buf.src_chunk(task.slot, task.region, job.layout, job.dtype)
+        for layer in range(lo, hi):
+            dec = self.buf.infl_layer(task.slot, task.region, layer)[: task.decoded[layer]]
+            job.codec.dequant_stage(task.header, layer, dec, k[layer], v[layer])
+        self.queues["dma"].put(item)
+        return 2 * (hi - lo) * layer_bytes(job.layout, task.region.tokens)
+
+    def _dma(self, item: tuple[ChunkTask, int, int]) -> int:
+        task, lo, hi = item
+        if self._skip(task):
+            self._slab_finished(task)
+            return 0
+        job = task.job
+        d = job.dests[task.region.index]
+        k, v = self.buf.src_chunk(task.slot, task.region, job.layout, job.dtype)
+        lb = layer_bytes(job.layout, task.region.tokens)
+        for layer in range(lo, hi):
+            ko, vo = d.k_off + layer * d.layer_stride, d.v_off + layer * d.layer_stride
+            self.dest[ko : ko + lb] = k[layer].reshape(-1).view(np.uint8)
+            self.dest[vo : vo + lb] = v[layer].reshape(-1).view(np.uint8)
+        self.emit(job.peer, LayerDone(job.job, task.region.index, lo, hi - lo))
+        self._slab_finished(task)
+        return 2 * (hi - lo) * lb

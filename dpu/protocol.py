@@ -1,0 +1,215 @@
+"""Control-channel messages between the host (control plane) and the data plane, over ZeroMQ.
+
+Wire format of one message (one ZeroMQ frame, no pickle anywhere)::
+
+    envelope  8 bytes  struct "<4sHH": magic b"SKDP", PROTOCOL_VERSION, message kind (KIND_*)
+    body      msgpack of the kind's msgspec Struct (typed, strict: wrong types or unknown kinds fail)
+
+``decode`` is the only parser. It checks the frame size (``MAX_FRAME_BYTES``), the envelope, then
+lets msgspec validate the body against the kind's Struct, whose fields carry bounds (``Meta``); a few
+cross-field rules are checked in ``__post_init__``. Every failure is a ``ProtocolError`` subclass,
+never anything else: a hostile peer can only get its message dropped.
+
+Who calls: any thread may call ``encode``/``decode`` (pure functions, no shared state besides the
+immutable per-kind decoders).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Annotated
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAGIC = b"SKDP"
+ENVELOPE = struct.Struct("<4sHH")
+MAX_FRAME_BYTES = 4 << 20
+MAX_CHUNKS = 4096
+MAX_LAYERS = 1024
+MAX_DEST_BYTES = 1 << 48
+
+U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
+U64 = Annotated[int, msgspec.Meta(ge=0, le=MAX_DEST_BYTES)]
+JobId = Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1)]
+Key = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+ShortText = Annotated[str, msgspec.Meta(max_length=4096)]
+Positive = Annotated[int, msgspec.Meta(ge=1, le=65536)]
+
+
+class ProtocolError(Exception):
+    """Base of every error ``decode`` raises."""
+
+
+class BadFrame(ProtocolError):
+    """Too short, too long, wrong magic, or a body that does not validate."""
+
+
+class VersionMismatch(ProtocolError):
+    """A well-formed envelope of another protocol version."""
+
+
+class UnknownKind(ProtocolError):
+    """A well-formed envelope naming a message kind this build does not know."""
+
+
+class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    num_layers: Annotated[int, msgspec.Meta(ge=1, le=MAX_LAYERS)]
+    num_kv_heads: Positive
+    head_dim: Positive
+    dtype: Annotated[str, msgspec.Meta(pattern="^(float32|float16|bfloat16)$")]
+
+
+class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``types.ModelFingerprint`` on the wire; ``digest`` must equal the rebuilt fingerprint's digest."""
+
+    architecture: Name
+    layout: Layout
+    weights_id: ShortText
+    tp_rank: Annotated[int, msgspec.Meta(ge=0, le=65535)]
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=65536)]
+    digest: Key
+
+
+class ChunkDest(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """Where one chunk's decoded KV goes in the destination region (byte offsets).
+
+    Layer ``l`` of K is written at ``k_off + l * layer_stride`` (``tokens * heads * dim * itemsize``
+    contiguous bytes), V likewise from ``v_off``.
+    """
+
+    key: Key
+    tokens: Annotated[int, msgspec.Meta(ge=1, le=65536)]
+    k_off: U64
+    v_off: U64
+    layer_stride: U64
+
+
+class SubmitFetch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Fetch ``chunks`` (a prefix, in order) of request ``request_id`` into ``dest_name``."""
+
+    job: JobId
+    request_id: ShortText
+    codec: Name
+    codec_params: Annotated[bytes, msgspec.Meta(max_length=4096)]  # canonical JSON
+    fingerprint: Fingerprint
+    dest_name: Name
+    chunks: Annotated[list[ChunkDest], msgspec.Meta(min_length=1, max_length=MAX_CHUNKS)]
+
+    def __post_init__(self) -> None:
+        ends = []
+        for c in self.chunks:
+            ends.append(c.k_off)
+            ends.append(c.v_off)
+        if max(ends) >= MAX_DEST_BYTES:
+            raise ValueError("destination offset out of range")
+
+
+class Cancel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Cancel chunks ``from_chunk..`` of ``job`` (0: the whole job)."""
+
+    job: JobId
+    from_chunk: U32 = 0
+
+
+class Heartbeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    seq: U32
+    sent_ns: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Pong(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Answer to ``Heartbeat`` (and sent once unsolicited when the data plane is ready: seq 0)."""
+
+    seq: U32
+    sent_ns: Annotated[int, msgspec.Meta(ge=0)]
+    pid: U32
+    jobs_active: U32
+    stats_json: Annotated[bytes, msgspec.Meta(max_length=65536)] = b"{}"
+
+
+class ChunkDone(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    job: JobId
+    chunk: U32
+
+
+class LayerDone(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Layers ``layer .. layer+count-1`` of ``chunk`` are in the destination region."""
+
+    job: JobId
+    chunk: U32
+    layer: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)]
+    count: Annotated[int, msgspec.Meta(ge=1, le=MAX_LAYERS)] = 1
+
+
+FAIL_KINDS = (
+    "miss",  # store answered absent (or the client turned a store failure into a miss)
+    "corrupt",  # CorruptChunk / LimitExceeded / UnsupportedVersion
+    "foreign",  # ForeignChunk: another model, codec or params
+    "cancelled",
+    "bad_request",  # destination out of bounds, unknown codec, inconsistent fingerprint
+    "internal",  # an unexpected exception in a worker (counted and logged)
+    "dataplane_lost",  # host side only: the data plane died or hung
+)
+
+
+class ChunkFailed(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    job: JobId
+    chunk: U32
+    kind: Annotated[str, msgspec.Meta(pattern="^(" + "|".join(FAIL_KINDS) + ")$")]
+    detail: Annotated[str, msgspec.Meta(max_length=512)] = ""
+
+
+class JobDone(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Every chunk of ``job`` is terminal and the data plane holds no buffer for it any more."""
+
+    job: JobId
+    done: U32
+    failed: U32
+
+
+KINDS: dict[int, type[msgspec.Struct]] = {
+    1: SubmitFetch,
+    2: Cancel,
+    3: Heartbeat,
+    4: Pong,
+    5: ChunkDone,
+    6: LayerDone,
+    7: ChunkFailed,
+    8: JobDone,
+}
+_KIND_OF = {cls: k for k, cls in KINDS.items()}
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {k: msgspec.msgpack.Decoder(cls) for k, cls in KINDS.items()}
+
+Message = SubmitFetch | Cancel | Heartbeat | Pong | ChunkDone | LayerDone | ChunkFailed | JobDone
+
+
+def encode(msg: Message) -> bytes:
+    """One frame for ``msg`` (envelope + msgpack body)."""
+    kind = _KIND_OF[type(msg)]
+    out = ENVELOPE.pack(MAGIC, PROTOCOL_VERSION, kind) + _ENCODER.encode(msg)
+    if len(out) > MAX_FRAME_BYTES:
+        raise ValueError(f"message of {len(out)} bytes exceeds MAX_FRAME_BYTES")
+    return out
+
+
+def decode(frame: bytes | memoryview) -> Message:
+    """Parse one frame. Raises only ``ProtocolError`` subclasses."""
+    n = len(frame)
+    if n < ENVELOPE.size:
+        raise BadFrame(f"frame of {n} bytes is shorter than the envelope")
+    if n > MAX_FRAME_BYTES:
+        raise BadFrame(f"frame of {n} bytes exceeds {MAX_FRAME_BYTES}")
+    magic, version, kind = ENVELOPE.unpack_from(frame, 0)
+    if magic != MAGIC:
+        raise BadFrame("bad magic")
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatch(f"protocol version {version}, this build speaks {PROTOCOL_VERSION}")
+    dec = _DECODERS.get(kind)
+    if dec is None:
+        raise UnknownKind(f"unknown message kind {kind}")
+    try:
+        return dec.decode(memoryview(frame)[ENVELOPE.size :])
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise BadFrame(f"{KINDS[kind].__name__}: {e}") from None

@@ -1,0 +1,140 @@
+"""Spawning, watching and stopping the data-plane process, and its ZeroMQ DEALER socket.
+
+Threads: ``spawn``/``wait_ready``/``stop`` run on the thread that owns the client (``start``/``close``)
+or on the DPU client's receiver thread (restarts); never concurrently. ``sock`` is used only by that
+thread. Each generation gets a fresh IPC endpoint and socket, so late frames of a dead process can
+never be mistaken for the new one's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from sgl_remote_kv.dpu import protocol as P
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """Data-plane command-line settings (see ``python -m sgl_remote_kv.dpu --help``)."""
+
+    workers: tuple[int, int, int, int] = (1, 1, 1, 1)  # fetch, inflate, dequant, dma
+    layer_group: int = 6
+    queue_depth: int = 64
+    slots: int = 2
+    slot_bytes: int = 64 << 20
+    inflate_ratio: float = 1.0
+    cpus: tuple[int, ...] | None = None  # None: auto (last quarter of our cores if >= 4, else unpinned)
+    pin_stages: bool = False
+    store_timeout_s: float = 5.0
+    log_level: str = "WARNING"
+
+
+def auto_cpus() -> tuple[int, ...]:
+    """Cores for the data plane away from the serving process: the last quarter when >= 4 cores."""
+    avail = sorted(os.sched_getaffinity(0))
+    if len(avail) < 4:
+        return ()
+    return tuple(avail[-max(1, len(avail) // 4) :])
+
+
+def command(spec: ProcessSpec, endpoint: str, store_url: str, dest_name: str) -> list[str]:
+    cpus = auto_cpus() if spec.cpus is None else spec.cpus
+    f, i, d, m = spec.workers
+    cmd = [sys.executable, "-m", "sgl_remote_kv.dpu", "--endpoint", endpoint, "--store", store_url]
+    cmd += ["--dest-shm", dest_name, "--fetch-workers", str(f), "--inflate-workers", str(i)]
+    cmd += ["--dequant-workers", str(d), "--dma-workers", str(m), "--layer-group", str(spec.layer_group)]
+    cmd += ["--queue-depth", str(spec.queue_depth), "--slots", str(spec.slots)]
+    cmd += ["--slot-bytes", str(spec.slot_bytes), "--inflate-ratio", str(spec.inflate_ratio)]
+    cmd += ["--store-timeout", str(spec.store_timeout_s), "--log-level", spec.log_level]
+    if cpus:
+        cmd += ["--cpus", ",".join(map(str, cpus))]
+        if spec.pin_stages:
+            cmd.append("--pin-stages")
+    return cmd
+
+
+class DataPlaneProcess:
+    def __init__(self, ctx: zmq.Context, spec: ProcessSpec, store_url: str, dest_name: str, tmp: str) -> None:
+        self.ctx, self.spec, self.store_url, self.dest_name = ctx, spec, store_url, dest_name
+        self.tmp = Path(tmp)
+        self.generation = 0
+        self.proc: subprocess.Popen | None = None
+        self.sock: zmq.Socket | None = None
+        self.last_pong_at = 0.0
+        self._seq = 0
+        self.log_path: Path | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def next_seq(self) -> int:
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        return self._seq
+
+    def spawn(self) -> None:
+        self.generation += 1
+        endpoint = f"ipc://{self.tmp}/dp-{self.generation}.sock"
+        self.log_path = self.tmp / f"dp-{self.generation}.log"
+        cmd = command(self.spec, endpoint, self.store_url, self.dest_name)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        if self.sock is not None:
+            self.sock.close(0)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES + 1024)
+        self.sock.connect(endpoint)
+        self.last_pong_at = time.monotonic()
+        logger.info("data plane generation %d pid %d: %s", self.generation, self.proc.pid, " ".join(cmd))
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Heartbeat until the first Pong (True) or timeout / process exit (False). Drops other frames."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.alive():
+            self.sock.send(P.encode(P.Heartbeat(self.next_seq(), time.time_ns())), zmq.NOBLOCK)
+            if self.sock.poll(200):
+                try:
+                    msg = P.decode(self.sock.recv())
+                except P.ProtocolError:
+                    continue
+                if isinstance(msg, P.Pong):
+                    self.pong(msg)
+                    return True
+        return False
+
+    def pong(self, msg: P.Pong) -> None:
+        self.last_pong_at = time.monotonic()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def stop(self, kill: bool = False, grace_s: float = 5.0) -> None:
+        """SIGTERM (or SIGKILL when ``kill``) and reap; SIGKILL if it outlives ``grace_s``."""
+        p = self.proc
+        if p is not None and p.poll() is None:
+            p.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                p.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("data plane pid %d ignored SIGTERM; killing", p.pid)
+                p.kill()
+                p.wait()
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None

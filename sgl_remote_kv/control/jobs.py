@@ -1,0 +1,130 @@
+"""Host-side per-request fetch state: ``FetchHandle`` (what the SGLang integration holds), host rounds.
+
+A request's chunks (a prefix, in order) are cut into *host rounds* that each fit one slot of the shared
+destination region; each host round is one data-plane job. A chunk that fails makes it and every later
+chunk a miss (``first_fail``); completions past it are ignored.
+
+Threads: handles are mutated only by the DPU client's receiver thread (and ``submit``/``cancel`` on the
+caller's thread), always under the client's condition variable ``cv``; the SGLang thread reads them via
+``wait``/``wait_layer``/``result``. The destination bytes a round points at belong to the client.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .scatter import KVPoolTarget
+
+PENDING, DONE, FAILED = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    """Outcome of a fetch: the first ``hit_chunks`` chunks (``hit_tokens`` tokens) are in the pool."""
+
+    request_id: str
+    hit_chunks: int
+    hit_tokens: int
+    num_chunks: int
+    failures: dict[int, str]  # chunk index -> kind (ChunkFailed kinds)
+    elapsed_s: float
+
+
+@dataclass
+class HostRound:
+    handle: FetchHandle
+    chunk_lo: int
+    chunk_hi: int
+    token_lo: int  # first token of this round within the request
+    tokens: int
+    slot: int = -1
+    job: int = 0
+    last_event: float = 0.0
+    layer_done: list[int] = field(default_factory=list)  # per layer: chunks of the round with it done
+    layer_scattered: list[bool] = field(default_factory=list)
+    terminal: bool = False
+
+
+class FetchHandle:
+    """One submitted fetch. Read by the caller; mutated by the client under ``cv``."""
+
+    def __init__(
+        self,
+        cv: threading.Condition,
+        request_id: str,
+        keys: list[bytes],
+        chunk_tokens: list[int],
+        num_layers: int,
+        target: KVPoolTarget | None,
+    ) -> None:
+        self._cv = cv
+        self.request_id, self.keys, self.chunk_tokens = request_id, keys, chunk_tokens
+        self.num_layers, self.target = num_layers, target
+        self.state = [PENDING] * len(keys)
+        self.layers_seen = [0] * len(keys)  # per chunk: layers reported done
+        self.failures: dict[int, str] = {}
+        self.first_fail = len(keys)
+        self.layer_ready = [0] * num_layers  # per layer: chunks whose layer is in the pool
+        self.rounds: list[HostRound] = []
+        self.cancelled = False
+        self.finished = False
+        self.t0 = time.monotonic()
+        self.t_done = 0.0
+
+    # ---- caller API (any thread) -------------------------------------------------------------------
+    @property
+    def num_chunks(self) -> int:
+        return len(self.keys)
+
+    def wait(self, timeout: float | None = None) -> FetchResult | None:
+        """Block until every chunk is terminal; the result, or ``None`` on timeout."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self.finished, timeout):
+                return None
+            return self._result()
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """Block until ``layer`` of every chunk of the hit prefix is in the pool (or the fetch is over).
+
+        Returns False on timeout. After True, ``hit_chunks_now()`` bounds the usable prefix; the final
+        prefix is ``wait().hit_chunks`` (it can only shrink while chunks are in flight)."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} outside [0, {self.num_layers})")
+        with self._cv:
+            return self._cv.wait_for(
+                lambda: self.finished or self.layer_ready[layer] >= self.first_fail, timeout
+            )
+
+    def hit_chunks_now(self) -> int:
+        with self._cv:
+            return self.first_fail
+
+    def result(self) -> FetchResult | None:
+        with self._cv:
+            return self._result() if self.finished else None
+
+    # ---- client side (under cv) --------------------------------------------------------------------
+    def _result(self) -> FetchResult:
+        hit = self.first_fail
+        return FetchResult(
+            self.request_id,
+            hit,
+            sum(self.chunk_tokens[:hit]),
+            len(self.keys),
+            dict(self.failures),
+            (self.t_done or time.monotonic()) - self.t0,
+        )
+
+    def mark_failed(self, index: int, kind: str) -> None:
+        if self.state[index] == PENDING:
+            self.state[index] = FAILED
+            self.failures[index] = kind
+        self.first_fail = min(self.first_fail, index)
+
+    def check_finished(self) -> bool:
+        if not self.finished and all(r.terminal for r in self.rounds):
+            self.finished = True
+            self.t_done = time.monotonic()
+        return self.finished

@@ -1,0 +1,55 @@
+"""Destination-region layout of host rounds, and the per-layer scatter out of it.
+
+A host round occupies one destination slot laid out as K ``[L, T_round, H, D]`` then V
+``[L, T_round, H, D]`` (T_round: the round's tokens), so a finished layer of the whole round is one
+contiguous ``[T, H, D]`` block per K/V and the scatter into the pool is one call per layer (or one per
+round when all layers finish together). Called under the client's lock by the receiver thread
+(scatter) and by ``submit`` (offsets); the region is owned by the client.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sgl_remote_kv.dpu import protocol as P
+from sgl_remote_kv.dpu.buffers import DestRegion, layer_bytes
+from sgl_remote_kv.types import KVLayout, numpy_storage_dtype
+
+from .jobs import HostRound
+from .scatter import KVPoolTarget, as_torch, scatter_layers
+
+
+class RoundIO:
+    def __init__(self, dest: DestRegion, layout: KVLayout, slot_bytes: int) -> None:
+        self.dest, self.layout, self.slot_bytes = dest, layout, slot_bytes
+        self.dtype = numpy_storage_dtype(layout.dtype)
+
+    def chunk_dests(self, r: HostRound, keys: list[bytes], tokens: list[int]) -> list[P.ChunkDest]:
+        lay = self.layout
+        stride = layer_bytes(lay, r.tokens)
+        base = r.slot * self.slot_bytes
+        out, t = [], 0
+        for i in range(r.chunk_lo, r.chunk_hi):
+            off = base + layer_bytes(lay, t)
+            out.append(P.ChunkDest(keys[i], tokens[i], off, off + lay.num_layers * stride, stride))
+            t += tokens[i]
+        return out
+
+    def round_view(self, r: HostRound) -> tuple[np.ndarray, np.ndarray]:
+        """(K, V) ``[L, T_round, H, D]`` views of a round's slot (no copy)."""
+        lay = self.layout
+        n = lay.num_layers * layer_bytes(lay, r.tokens)
+        base = r.slot * self.slot_bytes
+        shape = (lay.num_layers, r.tokens, lay.num_kv_heads, lay.head_dim)
+        k = self.dest.array[base : base + n].view(self.dtype).reshape(shape)
+        v = self.dest.array[base + n : base + 2 * n].view(self.dtype).reshape(shape)
+        return k, v
+
+    def scatter_layer(self, r: HostRound, layer: int, n_tok: int, target: KVPoolTarget) -> None:
+        k, v = self.round_view(r)
+        kt = as_torch(k[layer : layer + 1, :n_tok], self.layout.dtype)
+        vt = as_torch(v[layer : layer + 1, :n_tok], self.layout.dtype)
+        scatter_layers(kt, vt, target, layer, r.token_lo)
+
+    def close(self) -> None:
+        self.dest = None

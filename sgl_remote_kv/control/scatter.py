@@ -1,0 +1,69 @@
+"""Host-side round scatter: contiguous ``[layers, tokens, heads, dim]`` destination -> paged KV pool.
+
+Uses ``sgl_remote_kv.kernels`` (Triton on GPU, torch reference on CPU) when it provides a scatter,
+otherwise the torch reference below (``index_copy_`` per layer). Called from the DPU client's receiver
+thread; the destination bytes are owned by the client (shared memory), the pool by the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class KVPoolTarget:
+    """Where a request's fetched KV goes: per-layer pools ``[pool_size, heads, dim]`` and the token
+    slots (``int64 [tokens]``, one per token of the fetched prefix, in order)."""
+
+    k_pool: Sequence[torch.Tensor]
+    v_pool: Sequence[torch.Tensor]
+    slots: torch.Tensor
+
+
+def as_torch(src: np.ndarray, dtype: str) -> torch.Tensor:
+    """Zero-copy torch view of a numpy KV array in storage dtype (bf16 bits -> torch.bfloat16)."""
+    t = torch.from_numpy(src)
+    return t.view(_TORCH_DTYPES[dtype]) if dtype == "bfloat16" else t
+
+
+def _kernel_scatter():
+    try:
+        from sgl_remote_kv import kernels
+    except ImportError:
+        return None
+    return getattr(kernels, "scatter_kv", None)
+
+
+def scatter_layers(
+    k_src: torch.Tensor,
+    v_src: torch.Tensor,
+    target: KVPoolTarget,
+    layer_lo: int,
+    token_lo: int,
+) -> None:
+    """Copy ``k_src``/``v_src`` ``[n_layers, T, H, D]`` into pool layers ``layer_lo..`` at the slots of
+    tokens ``token_lo .. token_lo + T`` of the target."""
+    n_layers, t = k_src.shape[0], k_src.shape[1]
+    slots = target.slots[token_lo : token_lo + t]
+    kern = _kernel_scatter()
+    if kern is not None:
+        kern(
+            k_src,
+            v_src,
+            list(target.k_pool[layer_lo : layer_lo + n_layers]),
+            list(target.v_pool[layer_lo : layer_lo + n_layers]),
+            slots,
+        )
+        return
+    for i in range(n_layers):
+        target.k_pool[layer_lo + i].index_copy_(0, slots, k_src[i])
+        target.v_pool[layer_lo + i].index_copy_(0, slots, v_src[i])

@@ -1,0 +1,71 @@
+"""Shared fixtures' helpers for the DPU tests: random KV chunks in an embedded store, KV pools."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from sgl_remote_kv.codec.base import get_codec
+from sgl_remote_kv.control.scatter import KVPoolTarget
+from sgl_remote_kv.store.client import open_client
+from sgl_remote_kv.types import KVLayout, ModelFingerprint
+
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, dtype="bfloat16")
+FP = ModelFingerprint("TestArch", LAYOUT, "w" * 16)
+CHUNK = 32
+
+
+def random_chunks(n: int, seed: int = 0, layout: KVLayout = LAYOUT, tokens: int = CHUNK):
+    """``n`` (k, v) pairs of finite bf16 KV ``[L, T, H, D]`` as uint16 bits."""
+    rng = np.random.default_rng(seed)
+    shape = (layout.num_layers, tokens, layout.num_kv_heads, layout.head_dim)
+    out = []
+    for _ in range(n):
+        k = (rng.standard_normal(shape, dtype=np.float32) * 2).astype(np.float32)
+        v = rng.standard_normal(shape, dtype=np.float32).astype(np.float32)
+        out.append(tuple((a.view(np.uint32) >> 16).astype(np.uint16) for a in (k, v)))
+    return out
+
+
+def put_chunks(store_url: str, codec, chunks, fp: ModelFingerprint = FP, prefix: bytes = b"k"):
+    """Encode and store chunks; returns (keys, blobs)."""
+    client = open_client(store_url)
+    keys, blobs = [], []
+    for i, (k, v) in enumerate(chunks):
+        key = (prefix + i.to_bytes(4, "little")).ljust(32, b"\0")
+        blob = codec.encode(k, v, fp)
+        keys.append(key)
+        blobs.append(blob)
+    client.put_many(list(zip(keys, blobs, strict=True)))
+    client.close()
+    return keys, blobs
+
+
+def make_pool(layout: KVLayout, pool_size: int, n_tokens: int, seed: int = 1) -> KVPoolTarget:
+    """Zeroed per-layer pools and a random permutation of slots for ``n_tokens`` tokens."""
+    dt = torch.bfloat16 if layout.dtype == "bfloat16" else getattr(torch, layout.dtype)
+    shape = (pool_size, layout.num_kv_heads, layout.head_dim)
+    k = [torch.zeros(shape, dtype=dt) for _ in range(layout.num_layers)]
+    v = [torch.zeros(shape, dtype=dt) for _ in range(layout.num_layers)]
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(pool_size, generator=g)[:n_tokens].to(torch.int64)
+    return KVPoolTarget(k, v, slots)
+
+
+def pool_tokens(target: KVPoolTarget, layout: KVLayout, lo: int, hi: int):
+    """Read tokens ``lo..hi`` back from the pool as numpy storage arrays ``[L, T, H, D]``."""
+    idx = target.slots[lo:hi]
+    k = torch.stack([p[idx] for p in target.k_pool])
+    v = torch.stack([p[idx] for p in target.v_pool])
+    if layout.dtype == "bfloat16":
+        return k.view(torch.uint16).numpy(), v.view(torch.uint16).numpy()
+    return k.numpy(), v.numpy()
+
+
+def codecs():
+    return {
+        "lossless": get_codec("lossless", method="deflate", level=1),
+        "quant": get_codec("quant_deflate", k_bins="256", v_bins="256", granularity="head"),
+    }
+
+
