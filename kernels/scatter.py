@@ -1,0 +1,73 @@
+"""Scatter a contiguous decoded chunk into a paged KV pool (SGLang's per-layer buffers).
+
+``src`` is ``[layers, tokens, heads, dim]``; the pool is a list of per-layer tensors
+``[pool_size, heads, dim]`` (SGLang ``MHATokenToKVPool.k_buffer`` / ``v_buffer``); ``slots`` [tokens]
+are the pool rows to write. ``scatter_triton`` does all layers in ONE launch: the per-layer base
+addresses travel as an int64 tensor and are cast to pointers in the kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+
+def scatter_reference(src: torch.Tensor, pool: list[torch.Tensor], slots: torch.Tensor) -> None:
+    """pool[layer][slots[t]] = src[layer, t] for every layer."""
+    for layer, dst in enumerate(pool):
+        dst[slots] = src[layer].to(dst.dtype)
+
+
+_TL_TYPES = {}
+if triton is not None:
+    _TL_TYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+    @triton.jit
+    def _scatter_kernel(src_ptr, base_ptrs, slots_ptr, T, ROW, ELEM: tl.constexpr, BLOCK: tl.constexpr):
+        layer = tl.program_id(0)
+        t = tl.program_id(1)
+        rb = tl.program_id(2)
+        offs = rb * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < ROW
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        x = tl.load(src_ptr + (layer * T + t).to(tl.int64) * ROW + offs, mask=mask)
+        base = tl.load(base_ptrs + layer).to(tl.pointer_type(ELEM))
+        tl.store(base + slot * ROW + offs, x.to(ELEM), mask=mask)
+
+
+def scatter_triton(
+    src: torch.Tensor, pool: list[torch.Tensor], slots: torch.Tensor, block: int = 256
+) -> None:
+    """One Triton launch over (layer, token, row block)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    layers, t = src.shape[:2]
+    row = src[0, 0].numel()
+    if len(pool) != layers:
+        raise ValueError(f"{len(pool)} pool layers for {layers} source layers")
+    dtype = pool[0].dtype
+    for p in pool:
+        if p.dtype != dtype or not p.is_contiguous() or p[0].numel() != row:
+            raise ValueError("pool tensors must share dtype, be contiguous and match [heads, dim]")
+    bases = torch.tensor([p.data_ptr() for p in pool], dtype=torch.int64, device=src.device)
+    grid = (layers, t, triton.cdiv(row, block))
+    _scatter_kernel[grid](
+        src.contiguous(), bases, slots.to(torch.int64), t, row, ELEM=_TL_TYPES[dtype], BLOCK=block
+    )
+
+
+def scatter(src: torch.Tensor, pool: list[torch.Tensor], slots: torch.Tensor) -> None:
+    """Triton on CUDA, torch reference otherwise."""
+    if src.is_cuda and triton is not None:
+        scatter_triton(src, pool, slots)
+    else:
+        scatter_reference(src, pool, slots)
