@@ -150,10 +150,12 @@ class DestRegion:
         return region
 
     @classmethod
-    def attach(cls, name: str) -> DestRegion:
+    def attach(cls, name: str, untrack: bool = True) -> DestRegion:
+        """Map an existing region. ``untrack=False`` only when the creator lives in this process."""
         shm = shared_memory.SharedMemory(name=name, create=False)
         try:
-            resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 (py<3.13 workaround)
+            if untrack:
+                resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 (py<3.13 workaround)
         except Exception as e:  # tracker quirks must never stop the data plane
             logger.debug("resource_tracker.unregister failed: %s", e)
         return cls(shm, owner=False)

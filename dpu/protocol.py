@@ -211,5 +211,5 @@ def decode(frame: bytes | memoryview) -> Message:
         raise UnknownKind(f"unknown message kind {kind}")
     try:
         return dec.decode(memoryview(frame)[ENVELOPE.size :])
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:  # ValueError: bad UTF-8
         raise BadFrame(f"{KINDS[kind].__name__}: {e}") from None

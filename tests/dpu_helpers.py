@@ -67,5 +67,3 @@ def codecs():
         "lossless": get_codec("lossless", method="deflate", level=1),
         "quant": get_codec("quant_deflate", k_bins="256", v_bins="256", granularity="head"),
     }
-
-

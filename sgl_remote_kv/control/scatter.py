@@ -1,7 +1,7 @@
 """Host-side round scatter: contiguous ``[layers, tokens, heads, dim]`` destination -> paged KV pool.
 
-Uses ``sgl_remote_kv.kernels`` (Triton on GPU, torch reference on CPU) when it provides a scatter,
-otherwise the torch reference below (``index_copy_`` per layer). Called from the DPU client's receiver
+Uses ``sgl_remote_kv.kernels.scatter.scatter`` (Triton on CUDA, torch reference on CPU), or, if the
+kernels package is absent, ``index_copy_`` per layer. Called from the DPU client's receiver
 thread; the destination bytes are owned by the client (shared memory), the pool by the caller.
 """
 
@@ -37,10 +37,10 @@ def as_torch(src: np.ndarray, dtype: str) -> torch.Tensor:
 
 def _kernel_scatter():
     try:
-        from sgl_remote_kv import kernels
-    except ImportError:
+        from sgl_remote_kv.kernels.scatter import scatter
+    except ImportError:  # kernels package not installed: torch reference below
         return None
-    return getattr(kernels, "scatter_kv", None)
+    return scatter
 
 
 def scatter_layers(
@@ -51,19 +51,14 @@ def scatter_layers(
     token_lo: int,
 ) -> None:
     """Copy ``k_src``/``v_src`` ``[n_layers, T, H, D]`` into pool layers ``layer_lo..`` at the slots of
-    tokens ``token_lo .. token_lo + T`` of the target."""
+    tokens ``token_lo .. token_lo + T`` of the target (one kernel launch per K/V)."""
     n_layers, t = k_src.shape[0], k_src.shape[1]
     slots = target.slots[token_lo : token_lo + t]
     kern = _kernel_scatter()
-    if kern is not None:
-        kern(
-            k_src,
-            v_src,
-            list(target.k_pool[layer_lo : layer_lo + n_layers]),
-            list(target.v_pool[layer_lo : layer_lo + n_layers]),
-            slots,
-        )
-        return
-    for i in range(n_layers):
-        target.k_pool[layer_lo + i].index_copy_(0, slots, k_src[i])
-        target.v_pool[layer_lo + i].index_copy_(0, slots, v_src[i])
+    for src, pool in ((k_src, target.k_pool), (v_src, target.v_pool)):
+        layers = list(pool[layer_lo : layer_lo + n_layers])
+        if kern is not None:
+            kern(src, layers, slots)
+        else:
+            for i in range(n_layers):
+                layers[i].index_copy_(0, slots, src[i])

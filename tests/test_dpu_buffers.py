@@ -1,0 +1,66 @@
+"""Round planning and pre-allocated staging buffers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sgl_remote_kv.dpu.buffers import DestRegion, StagingBuffers, chunk_bytes, plan_rounds
+
+from sgl_remote_kv.types import KVLayout
+
+LAY = KVLayout(30, 3, 64, "bfloat16")
+
+
+def test_chunk_bytes_matches_layout():
+    assert chunk_bytes(LAY, 256) == 256 * LAY.bytes_per_token()
+
+
+def test_plan_rounds_splits_large_requests():
+    slot = 3 * chunk_bytes(LAY, 256)
+    rounds = plan_rounds([256] * 7, LAY, slot, 1.0)
+    assert [len(r) for r in rounds] == [3, 3, 1]
+    assert [c.index for r in rounds for c in r] == list(range(7))
+    for r in rounds:  # regions inside a round are disjoint and inside the slot
+        ends = [c.src_off + chunk_bytes(LAY, c.tokens) for c in r]
+        assert all(
+            a.src_off + chunk_bytes(LAY, a.tokens) <= b.src_off for a, b in zip(r, r[1:], strict=False)
+        )
+        assert max(ends) <= slot
+        assert r[-1].infl_off + 30 * r[-1].infl_layer <= slot
+
+
+def test_plan_rounds_half_inflate_region_and_too_big_chunk():
+    slot = 2 * chunk_bytes(LAY, 256)
+    rounds = plan_rounds([256, 256, 128], LAY, slot, 0.5)
+    assert [len(r) for r in rounds] == [2, 1]
+    assert rounds[0][1].infl_off == 30 * rounds[0][0].infl_layer
+    with pytest.raises(ValueError):
+        plan_rounds([1024], LAY, slot, 1.0)
+
+
+def test_staging_views_are_disjoint_and_allocated_once():
+    buf = StagingBuffers(2, chunk_bytes(LAY, 64) * 2, 1.0)
+    r0, r1 = plan_rounds([64, 64], LAY, buf.slot_bytes, 1.0)[0]
+    k0, v0 = buf.src_chunk(0, r0, LAY, np.dtype(np.uint16))
+    k1, _ = buf.src_chunk(1, r1, LAY, np.dtype(np.uint16))
+    k0[:] = 1
+    v0[:] = 2
+    k1[:] = 3
+    assert k0.shape == (30, 64, 3, 64) and np.all(k0 == 1) and np.all(v0 == 2)
+    assert np.shares_memory(k0, buf.dma_src) and not np.shares_memory(k0, k1)
+    assert buf.infl_layer(0, r0, 1).size == r0.infl_layer
+    assert buf.total_bytes == 2 * buf.slot_bytes * 2
+
+
+def test_dest_region_create_attach_unlink():
+    d = DestRegion.create(4096)
+    try:
+        a = DestRegion.attach(d.name, untrack=False)  # same process as the creator
+        a.array[:4] = [1, 2, 3, 4]
+        assert list(d.array[:4]) == [1, 2, 3, 4]
+        a.close()
+        assert d.array[3] == 4  # the attacher's close never unlinks the owner's region
+    finally:
+        d.close()
+    with pytest.raises(FileNotFoundError):
+        DestRegion.attach(d.name, untrack=False)

@@ -1,0 +1,222 @@
+"""End to end through a real data-plane process: store -> pipeline -> shared region -> KV pool.
+
+Every fixture closes its client, which SIGTERMs (then SIGKILLs) and reaps the data plane.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+from dpu_helpers import CHUNK, FP, LAYOUT, codecs, make_pool, pool_tokens, put_chunks, random_chunks
+from sgl_remote_kv.dpu.buffers import chunk_bytes
+
+from sgl_remote_kv.codec.base import decode
+from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+from sgl_remote_kv.control.dpu_process import ProcessSpec
+from sgl_remote_kv.types import KVLayout, ModelFingerprint
+
+CB = chunk_bytes(LAYOUT, CHUNK)
+
+
+def _spec(**kw) -> ProcessSpec:
+    base = dict(workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * CB, store_timeout_s=2.0)
+    base.update(kw)
+    return ProcessSpec(**base)
+
+
+@pytest.fixture
+def make_client():
+    clients: list[DpuClient] = []
+
+    def make(url: str, codec, fp=FP, dest_chunks: int = 3, **cfg_kw) -> DpuClient:
+        spec = cfg_kw.pop("process", _spec())
+        cfg = DpuClientConfig(
+            url,
+            dest_slots=2,
+            dest_slot_bytes=dest_chunks * chunk_bytes(fp.layout, CHUNK),
+            process=spec,
+            **cfg_kw,
+        )
+        c = DpuClient(cfg, fp, codec)
+        c.start()
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        proc = c._proc.proc
+        c.close()
+        assert proc.poll() is not None  # reaped
+
+
+def _assert_pool_equals_decode(target, blobs, n, fp=FP):
+    for i in range(n):
+        k, v = decode(blobs[i], fp)
+        pk, pv = pool_tokens(target, fp.layout, i * CHUNK, (i + 1) * CHUNK)
+        assert np.array_equal(k, pk) and np.array_equal(v, pv), f"chunk {i} differs"
+
+
+@pytest.mark.parametrize("codec_name", ["lossless", "quant"])
+def test_round_trip_bit_exact_with_rounds(tmp_path, make_client, codec_name):
+    codec = codecs()[codec_name]
+    url = f"file://{tmp_path}/store"
+    keys, blobs = put_chunks(url, codec, random_chunks(7, seed=3))
+    c = make_client(url, codec)  # 3 chunks per host round, 2 per data-plane round: both split
+    target = make_pool(LAYOUT, 1024, 7 * CHUNK)
+    h = c.submit("r", keys, CHUNK, target)
+    assert h.wait_layer(0, timeout=30)
+    res = h.wait(timeout=30)
+    assert res.hit_chunks == 7 and res.hit_tokens == 7 * CHUNK and not res.failures
+    assert len(h.rounds) == 3
+    _assert_pool_equals_decode(target, blobs, 7)
+    dp = c.stats()
+    assert dp["chunks_done"] == 7 and dp["restarts"] == 0
+
+
+def test_real_smollm2_kv_bit_exact(tmp_path, make_client):
+    cache = Path(__file__).resolve().parent.parent / ".cache" / "kvdata" / "gpl3.npz"
+    if not cache.exists():
+        pytest.skip("real KV not extracted yet (python -m benchmarks.kvdata)")
+    z = np.load(cache)
+    lay = KVLayout(30, 3, 64, "bfloat16")
+    fp = ModelFingerprint("LlamaForCausalLM", lay, "smollm2-test")
+    codec = codecs()["quant"]
+    n = 4
+    chunks = [
+        (z["k"][:, i * CHUNK : (i + 1) * CHUNK].copy(), z["v"][:, i * CHUNK : (i + 1) * CHUNK].copy())
+        for i in range(n)
+    ]
+    url = f"file://{tmp_path}/store"
+    keys, blobs = put_chunks(url, codec, chunks, fp)
+    c = make_client(
+        url, codec, fp, dest_chunks=2, process=_spec(slot_bytes=2 * chunk_bytes(lay, CHUNK), layer_group=5)
+    )
+    target = make_pool(lay, 512, n * CHUNK)
+    res = c.fetch("real", keys, CHUNK, target, timeout=60)
+    assert res.hit_chunks == n
+    _assert_pool_equals_decode(target, blobs, n, fp)
+
+
+def test_corrupt_and_foreign_chunks_end_the_prefix(tmp_path, make_client):
+    codec = codecs()["lossless"]
+    url = f"file://{tmp_path}/store"
+    keys, blobs = put_chunks(url, codec, random_chunks(6, seed=5))
+    bad = bytearray(blobs[2])
+    bad[-10] ^= 0xFF  # inside the last layer's section: its CRC no longer matches
+    other_fp = ModelFingerprint("Other", LAYOUT, "x" * 16)
+    foreign = codec.encode(*random_chunks(1, seed=9)[0], other_fp)
+    from sgl_remote_kv.store.client import open_client
+
+    s = open_client(url)
+    s.put_many([(keys[2], bytes(bad)), (b"f".ljust(32, b"\0"), foreign)])
+    s.close()
+    c = make_client(url, codec)
+    target = make_pool(LAYOUT, 1024, 6 * CHUNK)
+    res = c.fetch("r", keys, CHUNK, target, timeout=30)
+    assert res.hit_chunks == 2 and res.failures[2] == "corrupt"
+    assert all(res.failures.get(i) in ("cancelled", None) for i in range(3, 6))
+    _assert_pool_equals_decode(target, blobs, 2)
+    res = c.fetch(
+        "f", [keys[0], b"f".ljust(32, b"\0"), keys[1]], CHUNK, make_pool(LAYOUT, 1024, 3 * CHUNK), timeout=30
+    )
+    assert res.hit_chunks == 1 and res.failures[1] == "foreign"
+
+
+def test_missing_key_is_a_miss_for_the_rest(tmp_path, make_client):
+    codec = codecs()["lossless"]
+    url = f"file://{tmp_path}/store"
+    keys, _ = put_chunks(url, codec, random_chunks(3, seed=2))
+    c = make_client(url, codec)
+    res = c.fetch("m", [keys[0], b"absent".ljust(32, b"\0"), keys[2]], CHUNK, None, timeout=30)
+    assert res.hit_chunks == 1 and res.failures[1] == "miss"
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_store_down_is_all_misses(tmp_path, make_client):
+    codec = codecs()["lossless"]
+    keys, _ = put_chunks(f"file://{tmp_path}/store", codec, random_chunks(3, seed=2))
+    c = make_client(f"redis://127.0.0.1:{_closed_port()}/0", codec, process=_spec(store_timeout_s=0.5))
+    t0 = time.monotonic()
+    res = c.fetch("down", keys, CHUNK, make_pool(LAYOUT, 512, 3 * CHUNK), timeout=30)
+    assert res.hit_chunks == 0 and res.failures[0] == "miss"
+    assert time.monotonic() - t0 < 10 and c.stats()["restarts"] == 0
+
+
+def _slow_url(tmp_path, latency: float) -> str:
+    return f"faulty+file://{tmp_path}/store?latency_s={latency}"
+
+
+def test_cancel_mid_fetch(tmp_path, make_client):
+    codec = codecs()["lossless"]
+    keys, blobs = put_chunks(f"file://{tmp_path}/store", codec, random_chunks(6, seed=4))
+    c = make_client(_slow_url(tmp_path, 0.25), codec)
+    target = make_pool(LAYOUT, 1024, 6 * CHUNK)
+    h = c.submit("c", keys, CHUNK, target)
+    time.sleep(0.4)
+    c.cancel(h)
+    res = h.wait(timeout=30)
+    assert res.hit_chunks < 6
+    assert all(res.failures.get(i) in ("cancelled", None) for i in range(res.hit_chunks, 6))
+    res2 = c.fetch("after", keys[:2], CHUNK, make_pool(LAYOUT, 1024, 2 * CHUNK), timeout=30)
+    assert res2.hit_chunks == 2  # slots were released: the data plane keeps serving
+    assert c.stats()["inflight_rounds"] == 0
+
+
+def test_sigkill_mid_fetch_restarts_and_serves(tmp_path, make_client):
+    codec = codecs()["quant"]
+    keys, blobs = put_chunks(f"file://{tmp_path}/store", codec, random_chunks(8, seed=6))
+    c = make_client(_slow_url(tmp_path, 0.2), codec)
+    old_pid = c.pid
+    h = c.submit("k", keys, CHUNK, make_pool(LAYOUT, 1024, 8 * CHUNK))
+    time.sleep(0.5)
+    os.kill(old_pid, signal.SIGKILL)
+    res = h.wait(timeout=30)
+    assert res.hit_chunks < 8 and "dataplane_lost" in res.failures.values()
+    target = make_pool(LAYOUT, 1024, 3 * CHUNK, seed=3)
+    res2 = c.fetch("next", keys[:3], CHUNK, target, timeout=60)
+    assert res2.hit_chunks == 3 and c.pid != old_pid and c.stats()["restarts"] == 1
+    _assert_pool_equals_decode(target, blobs, 3)
+
+
+def test_hung_data_plane_is_replaced(tmp_path, make_client):
+    codec = codecs()["lossless"]
+    keys, _ = put_chunks(f"file://{tmp_path}/store", codec, random_chunks(2, seed=7))
+    c = make_client(f"file://{tmp_path}/store", codec, heartbeat_s=0.2, heartbeat_timeout_s=1.5)
+    old_pid = c.pid
+    os.kill(old_pid, signal.SIGSTOP)  # alive but silent
+    h = c.submit("h", keys, CHUNK, None)
+    res = h.wait(timeout=30)
+    assert res.hit_chunks == 0 and res.failures[0] == "dataplane_lost"
+    assert c.fetch("h2", keys, CHUNK, None, timeout=60).hit_chunks == 2 and c.pid != old_pid
+
+
+def test_hostile_frames_do_not_hurt_the_data_plane(tmp_path, make_client):
+    codec = codecs()["lossless"]
+    url = f"file://{tmp_path}/store"
+    keys, _ = put_chunks(url, codec, random_chunks(2, seed=8))
+    c = make_client(url, codec)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(f"ipc://{c._proc.tmp}/dp-{c._proc.generation}.sock")
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        s.send(rng.integers(0, 256, int(rng.integers(0, 200)), dtype=np.uint8).tobytes())
+    s.send_multipart([b"a", b"b", b"c"])
+    time.sleep(0.3)
+    s.close()
+    ctx.term()
+    assert c.fetch("ok", keys, CHUNK, None, timeout=30).hit_chunks == 2
+    assert c.stats()["restarts"] == 0
