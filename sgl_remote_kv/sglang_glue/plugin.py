@@ -11,6 +11,7 @@ HookRegistry hooks; SGLang applies them right after all plugins ran.
 
 from __future__ import annotations
 
+import argparse
 import logging
 
 from sgl_remote_kv import env
@@ -42,11 +43,39 @@ def _after_from_cli_args(server_args, *args, **kwargs):
     return server_args
 
 
+def _before_from_cli_args(*args, **kwargs):
+    """Select our radix cache backend when the tier is on and the user picked none."""
+    ns = next((a for a in args if isinstance(a, argparse.Namespace)), kwargs.get("args"))
+    if ns is None or getattr(ns, "remote_kv", "off") == "off":
+        return None
+    if getattr(ns, "radix_cache_backend", None) is None:
+        from sgl_remote_kv.sglang_glue.radix_cache import BACKEND_NAME
+
+        ns.radix_cache_backend = BACKEND_NAME
+    return None
+
+
+def _register_remote_kv() -> None:
+    """Radix cache backend ``remote_kv`` and the scheduler hooks (waiting_for_KV queue)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sgl_remote_kv.sglang_glue import radix_cache, scheduler_hooks
+
+    HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", _before_from_cli_args, HookType.BEFORE)
+    radix_cache.register()
+    scheduler_hooks.register()
+
+
 def load() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", _after_add_cli_args, HookType.AFTER)
     HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", _after_from_cli_args, HookType.AFTER)
+    _register_remote_kv()
+    if env.cpu_platform_enabled():
+        from sgl_remote_kv.sglang_glue import cpu_attention
+
+        cpu_attention.register()  # --attention-backend cpu_prefix (CPU dev platform's default)
     cfg = RemoteKVConfig.current()
     if cfg.enabled:
         logger.info("sgl-remote-kv active in this process: mode=%s", cfg.mode)

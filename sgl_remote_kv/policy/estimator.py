@@ -1,0 +1,122 @@
+"""Online estimates and the fetch-vs-recompute decision.
+
+- ``Ewma``: exponentially weighted mean (link bandwidth, decode throughput per path).
+- ``PrefillModel``: least-squares fit ``t(n) = a + b*n + c*n^2`` of prefill time over prompt tokens,
+  from the server's own prefills (attention makes long prefills super-linear).
+- ``Policy.decide``: for ``n`` tokens the store has (``nbytes`` compressed), estimate each decode
+  path's time (transfer + decode + queueing) and the recompute time; pick the fastest path allowed
+  by the mode (``dpu``/``nvdec`` force the path but still fall back to recompute when fetching cannot
+  win; ``auto`` chooses). Unknown estimates start optimistic so the tier gets used and measured.
+
+Threads: the scheduler thread calls ``decide`` and ``observe_prefill``; fetch workers call
+``observe_fetch`` (a lock guards the estimates). Everything here is plain Python: unit-testable.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+PATHS = ("dpu", "nvdec", "inproc")
+
+
+class Ewma:
+    def __init__(self, alpha: float, initial: float) -> None:
+        self.alpha, self.value, self.samples = alpha, initial, 0
+
+    def update(self, x: float) -> None:
+        self.value = x if self.samples == 0 else self.alpha * x + (1 - self.alpha) * self.value
+        self.samples += 1
+
+
+class PrefillModel:
+    """``t(n) = a + b n + c n^2`` fitted on the last ``window`` (tokens, seconds) samples."""
+
+    def __init__(self, window: int = 64, default_tok_per_s: float = 400.0) -> None:
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
+        self._coef = np.array([0.0, 1.0 / default_tok_per_s, 0.0])
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        self._samples.append((float(tokens), float(seconds)))
+        if len(self._samples) >= 4:
+            n = np.array([s[0] for s in self._samples])
+            t = np.array([s[1] for s in self._samples])
+            a = np.stack([np.ones_like(n), n, n * n], axis=1)
+            coef, *_ = np.linalg.lstsq(a, t, rcond=None)
+            if coef[1] + coef[2] * n.max() > 0:  # keep only physically sensible fits
+                self._coef = coef
+
+    def predict(self, tokens: int) -> float:
+        a, b, c = self._coef
+        return max(0.0, float(a + b * tokens + c * tokens * tokens))
+
+
+@dataclass(frozen=True)
+class Decision:
+    path: str  # one of PATHS or "recompute"
+    est_fetch_s: float
+    est_recompute_s: float
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    mode: str = "dpu"  # dpu | nvdec | auto (inproc is what "dpu" uses until the data plane runs)
+    bw_initial_bps: float = 1e9
+    decode_initial_bps: float = 200e6
+    margin: float = 1.0  # fetch must be estimated at most margin x the recompute time
+
+
+class Policy:
+    def __init__(self, config: PolicyConfig | None = None, available: tuple[str, ...] = ("inproc",)) -> None:
+        self.config = cfg = config or PolicyConfig()
+        self.available = available
+        self._lock = threading.Lock()
+        self.bandwidth = Ewma(0.3, cfg.bw_initial_bps)
+        self.decode_bps = {p: Ewma(0.3, cfg.decode_initial_bps) for p in PATHS}
+        self.prefill = PrefillModel()
+
+    def observe_fetch(
+        self, path: str, nbytes: int, fetch_s: float, decoded_bytes: int, decode_s: float
+    ) -> None:
+        with self._lock:
+            if nbytes > 0 and fetch_s > 0:
+                self.bandwidth.update(nbytes / fetch_s)
+            if decoded_bytes > 0 and decode_s > 0:
+                self.decode_bps[path].update(decoded_bytes / decode_s)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        with self._lock:
+            self.prefill.observe(tokens, seconds)
+
+    def _candidates(self) -> tuple[str, ...]:
+        mode = self.config.mode
+        if mode == "auto":
+            return self.available
+        if mode in self.available:
+            return (mode,)
+        return ("inproc",) if "inproc" in self.available else self.available
+
+    def decide(self, tokens: int, nbytes: int, decoded_bytes: int, queue_depth: dict[str, int]) -> Decision:
+        """Pick the path for fetching ``tokens`` tokens (``nbytes`` on the wire)."""
+        with self._lock:
+            recompute = self.prefill.predict(tokens)
+            best, best_t = "recompute", float("inf")
+            for path in self._candidates():
+                dec = decoded_bytes / max(self.decode_bps[path].value, 1.0)
+                t = nbytes / max(self.bandwidth.value, 1.0) + dec * (1 + queue_depth.get(path, 0))
+                if t < best_t:
+                    best, best_t = path, t
+        if best_t > self.config.margin * recompute:
+            best = "recompute"
+        logger.debug(
+            "policy: %d tokens -> %s (fetch %.3fs, recompute %.3fs)", tokens, best, best_t, recompute
+        )
+        return Decision(best, best_t, recompute)

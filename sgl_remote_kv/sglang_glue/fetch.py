@@ -1,0 +1,209 @@
+"""Fetch backends: get chunks from the store and decode them into a staging buffer.
+
+The SGLang glue talks to a small interface so the decode path can be swapped:
+
+- ``FetchBackend.submit(request_id, keys, start_token) -> FetchHandle`` starts fetching ``keys``
+  (consecutive chunk keys of one prompt, the first one starting at token ``start_token``);
+- ``FetchHandle`` reports progress: ``layers_ready`` (layers fully decoded for every chunk that is
+  still valid), ``done()``, ``ok_chunks`` (leading chunks fetched and decoded; chunks after the first
+  failure are dropped, since a hit must stay prefix-contiguous), ``failure`` (kind of the first
+  failure), ``cancel()``.
+
+``InProcessFetchBackend`` is the in-process baseline ("CacheGen-Async-like"): worker threads of the
+scheduler process run ``StoreClient.get_many`` and decode layer-major into numpy staging arrays. The
+DPU data-plane client (``sgl_remote_kv.control.dpu_client``) implements the same interface.
+
+Threads: ``submit``/``cancel``/reads of a handle happen on the scheduler thread; the decode runs on
+the backend's worker threads. Buffers: the staging arrays ``handle.k``/``handle.v``
+(``[L, n_chunks * chunk, H, D]``) are allocated by the backend and owned by the handle; the scheduler
+reads them only after ``done()`` is true, then drops the handle.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from typing import Protocol
+
+import numpy as np
+
+from sgl_remote_kv.codec.base import Codec
+from sgl_remote_kv.codec.errors import ChunkError
+from sgl_remote_kv.types import ModelFingerprint, numpy_storage_dtype
+
+logger = logging.getLogger(__name__)
+
+
+class FetchHandle:
+    """Progress of one request's fetch. Written by one worker thread, read by the scheduler thread."""
+
+    def __init__(self, request_id: str, n_chunks: int, start_token: int, chunk_size: int) -> None:
+        self.request_id = request_id
+        self.n_chunks = n_chunks
+        self.start_token = start_token
+        self.chunk_size = chunk_size
+        self.k: np.ndarray | None = None
+        self.v: np.ndarray | None = None
+        self.ok_chunks = n_chunks
+        self.layers_ready = 0
+        self.failure: str | None = None
+        self.fetched_bytes = 0
+        self.decoded_bytes = 0
+        self.fetch_s = 0.0
+        self.decode_s = 0.0
+        self.submitted_at = time.monotonic()
+        self._done = threading.Event()
+        self._cancelled = threading.Event()
+
+    # -- scheduler side ------------------------------------------------------------------------
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def layer_ready(self, layer: int) -> bool:
+        return layer < self.layers_ready
+
+    @property
+    def ok_tokens(self) -> int:
+        return self.ok_chunks * self.chunk_size if self.failure != "cancelled" else 0
+
+    # -- worker side ---------------------------------------------------------------------------
+    def _fail_from(self, chunk: int, kind: str) -> None:
+        if chunk < self.ok_chunks:
+            self.ok_chunks = chunk
+            self.failure = self.failure or kind
+
+    def _finish(self) -> None:
+        self._done.set()
+
+
+class FetchBackend(Protocol):
+    def submit(self, request_id: str, keys: list[bytes], start_token: int) -> FetchHandle: ...
+
+    def queue_depth(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class InProcessFetchBackend:
+    """Fetch + decode in worker threads of this process (see module docstring)."""
+
+    def __init__(
+        self,
+        client,
+        codec: Codec,
+        fingerprint: ModelFingerprint,
+        chunk_size: int,
+        workers: int = 1,
+        on_done=None,
+    ) -> None:
+        self.client = client
+        self.codec = codec
+        self.fingerprint = fingerprint
+        self.chunk_size = chunk_size
+        self._on_done = on_done
+        self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="srkv-fetch")
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    def queue_depth(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def submit(self, request_id: str, keys: list[bytes], start_token: int) -> FetchHandle:
+        handle = FetchHandle(request_id, len(keys), start_token, self.chunk_size)
+        with self._lock:
+            self._pending += 1
+        self._pool.submit(self._run, handle, list(keys))
+        return handle
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- worker thread -------------------------------------------------------------------------
+    def _run(self, handle: FetchHandle, keys: list[bytes]) -> None:
+        try:
+            self._fetch_and_decode(handle, keys)
+        except Exception as e:  # thread boundary: any surprise is a miss for this request
+            logger.warning("fetch for %s failed unexpectedly: %r", handle.request_id, e)
+            handle._fail_from(0, "internal")
+        finally:
+            with self._lock:
+                self._pending -= 1
+            handle._finish()
+            if self._on_done is not None:
+                self._on_done()
+
+    def _fetch_and_decode(self, handle: FetchHandle, keys: list[bytes]) -> None:
+        if handle.cancelled:
+            handle._fail_from(0, "cancelled")
+            return
+        t0 = time.perf_counter()
+        blobs = self.client.get_many(keys)
+        handle.fetch_s = time.perf_counter() - t0
+        for i, blob in enumerate(blobs):
+            if blob is None:
+                handle._fail_from(i, "store_miss")
+                break
+            handle.fetched_bytes += len(blob)
+        headers = []
+        for i in range(handle.ok_chunks):
+            try:
+                headers.append(self.codec.parse(blobs[i], self.fingerprint))
+            except ChunkError as e:
+                handle._fail_from(i, f"decode:{type(e).__name__}")
+                break
+            if headers[-1].num_tokens != self.chunk_size:
+                handle._fail_from(i, "decode:chunk_size")
+                headers.pop()
+                break
+        if handle.ok_chunks == 0 or handle.cancelled:
+            if handle.cancelled:
+                handle._fail_from(0, "cancelled")
+            return
+        self._decode_layer_major(handle, blobs, headers)
+
+    def _decode_layer_major(self, handle: FetchHandle, blobs: list, headers: list) -> None:
+        lay = self.fingerprint.layout
+        c = self.chunk_size
+        shape = (lay.num_layers, handle.ok_chunks * c, lay.num_kv_heads, lay.head_dim)
+        dt = numpy_storage_dtype(lay.dtype)
+        handle.k, handle.v = np.empty(shape, dt), np.empty(shape, dt)
+        t0 = time.perf_counter()
+        scratch = np.empty(1, np.uint8)
+        for layer in range(lay.num_layers):
+            for i in range(handle.ok_chunks):
+                need = self.codec.scratch_bytes(headers[i], layer)
+                if scratch.size < need:
+                    scratch = np.empty(need, np.uint8)
+                try:
+                    self.codec.decode_layer_into(
+                        blobs[i],
+                        headers[i],
+                        layer,
+                        scratch,
+                        handle.k[layer, i * c : (i + 1) * c],
+                        handle.v[layer, i * c : (i + 1) * c],
+                    )
+                except ChunkError as e:
+                    handle._fail_from(i, f"decode:{type(e).__name__}")
+                    break
+            if handle.cancelled:
+                handle._fail_from(0, "cancelled")
+                return
+            if handle.ok_chunks == 0:
+                return
+            handle.layers_ready = layer + 1
+        handle.decode_s = time.perf_counter() - t0
+        handle.decoded_bytes = handle.k[:, : handle.ok_chunks * c].nbytes * 2

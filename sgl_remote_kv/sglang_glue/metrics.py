@@ -1,0 +1,118 @@
+"""Prometheus metrics of the remote KV tier, exported through SGLang's own ``/metrics`` endpoint.
+
+SGLang (``--enable-metrics``) sets ``PROMETHEUS_MULTIPROC_DIR`` before it starts the scheduler
+processes, and its HTTP server serves every process's samples through
+``prometheus_client.multiprocess.MultiProcessCollector``. A metric created here with
+``prometheus_client`` in the scheduler process therefore appears on the server's ``/metrics`` with
+no further plumbing. Without ``--enable-metrics`` the metrics still exist in-process (tests read
+``snapshot()``), they are just not exported.
+
+Threads: any thread may update (prometheus_client metrics are thread-safe); ``snapshot()`` is for
+tests and logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter as _Tally
+
+logger = logging.getLogger(__name__)
+
+_LAT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class RemoteKVMetrics:
+    """One instance per process (``get()``); each method updates Prometheus and a local tally."""
+
+    def __init__(self) -> None:
+        self._tally: _Tally = _Tally()
+        self._lock = threading.Lock()
+        self._prom = None
+        try:
+            self._prom = _build_prometheus()
+        except Exception as e:  # metrics are optional; never break serving over them
+            logger.warning("remote-kv Prometheus metrics unavailable: %r", e)
+
+    def _inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+        key = name + "".join(f"|{k}={v}" for k, v in sorted(labels.items()))
+        with self._lock:
+            self._tally[key] += value
+        if self._prom is not None:
+            metric = self._prom[name]
+            (metric.labels(**labels) if labels else metric).inc(value)
+
+    def _observe(self, name: str, value: float) -> None:
+        if self._prom is not None:
+            self._prom[name].observe(value)
+
+    # -- events ------------------------------------------------------------------------------------
+    def lookup(self, result: str) -> None:
+        self._inc("lookups", result=result)
+
+    def hit(self, tokens: int, chunks: int) -> None:
+        self._inc("hit_tokens", tokens)
+        self._inc("hit_chunks", chunks)
+
+    def fetched(
+        self, nbytes: int, decoded_bytes: int, fetch_s: float, decode_s: float, wait_s: float
+    ) -> None:
+        self._inc("fetched_bytes", nbytes)
+        self._inc("decoded_bytes", decoded_bytes)
+        self._observe("fetch_latency", fetch_s)
+        self._observe("decode_latency", decode_s)
+        self._observe("kv_wait", wait_s)
+
+    def failure(self, kind: str) -> None:
+        self._inc("failures", kind=kind)
+
+    def decision(self, path: str) -> None:
+        self._inc("decisions", path=path)
+
+    def writeback(self, chunks: int, nbytes: int) -> None:
+        self._inc("written_chunks", chunks)
+        self._inc("written_bytes", nbytes)
+
+    def writeback_skipped(self, reason: str, chunks: int = 1) -> None:
+        self._inc("writeback_skipped", chunks, reason=reason)
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._tally)
+
+
+def _build_prometheus() -> dict:
+    from prometheus_client import Counter, Histogram
+
+    p = "sglang:remote_kv_"
+    return {
+        "lookups": Counter(p + "lookups", "Remote prefix lookups by result", ["result"]),
+        "hit_tokens": Counter(p + "hit_tokens", "Prompt tokens served from the remote KV tier"),
+        "hit_chunks": Counter(p + "hit_chunks", "Chunks served from the remote KV tier"),
+        "fetched_bytes": Counter(p + "fetched_bytes", "Compressed bytes fetched from the store"),
+        "decoded_bytes": Counter(p + "decoded_bytes", "KV bytes produced by decoding fetched chunks"),
+        "failures": Counter(p + "failures", "Remote KV failures (each became a miss)", ["kind"]),
+        "decisions": Counter(p + "decisions", "Policy decisions by path", ["path"]),
+        "written_chunks": Counter(p + "written_chunks", "Chunks written back to the store"),
+        "written_bytes": Counter(p + "written_bytes", "Compressed bytes written back"),
+        "writeback_skipped": Counter(p + "writeback_skipped", "Write-back chunks skipped", ["reason"]),
+        "fetch_latency": Histogram(
+            p + "fetch_seconds", "Store get latency per request", buckets=_LAT_BUCKETS
+        ),
+        "decode_latency": Histogram(p + "decode_seconds", "Decode time per request", buckets=_LAT_BUCKETS),
+        "kv_wait": Histogram(
+            p + "kv_wait_seconds", "Time a request spent in waiting_for_KV", buckets=_LAT_BUCKETS
+        ),
+    }
+
+
+_INSTANCE: RemoteKVMetrics | None = None
+_INSTANCE_LOCK = threading.Lock()
+
+
+def get() -> RemoteKVMetrics:
+    global _INSTANCE
+    with _INSTANCE_LOCK:
+        if _INSTANCE is None:
+            _INSTANCE = RemoteKVMetrics()
+        return _INSTANCE

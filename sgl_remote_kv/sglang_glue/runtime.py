@@ -1,0 +1,121 @@
+"""Process-wide state of the remote KV tier inside one SGLang scheduler process.
+
+Built once by the radix cache factory (``radix_cache.build``), which is the first place that knows the
+KV pool, the model and the TP rank; the scheduler hooks pick it up with ``get()``. Holds the store
+client, the codec, the model fingerprint, namespaces per tenant salt, the fetch backend, the
+write-back worker, the policy and the metrics.
+
+Tenant isolation: a request's ``cache_salt`` and ``extra_key`` (SGLang folds the LoRA id into
+``extra_key``) go into the key namespace, so tenants never share chunk keys (and cannot probe each
+other's prefixes by timing).
+
+Threads: built and read on the scheduler thread; the objects it holds document their own threading.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+
+from sgl_remote_kv.codec.base import Codec, default_codec, get_codec
+from sgl_remote_kv.config import RemoteKVConfig
+from sgl_remote_kv.policy.estimator import Policy, PolicyConfig
+from sgl_remote_kv.sglang_glue import metrics as metrics_mod
+from sgl_remote_kv.sglang_glue.fetch import FetchBackend, InProcessFetchBackend
+from sgl_remote_kv.store import keys as keys_mod
+from sgl_remote_kv.store.client import ClientConfig, StoreClient, open_client
+from sgl_remote_kv.types import ModelFingerprint
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GlueSettings:
+    """Tunables of the glue that are not user flags (yet)."""
+
+    lookup_timeout_s: float = 2.0  # a lookup slower than this is a miss (the request is released)
+    fetch_timeout_s: float = 30.0  # a fetch slower than this is cancelled and becomes a miss
+    writeback_queue: int = 64  # pending write-back jobs; more are dropped (never blocks serving)
+    idle_wait_s: float = 0.005  # how long an otherwise idle scheduler waits for a fetch to finish
+
+
+def resolve_codec(name: str) -> Codec:
+    """``default`` -> the codec package's default; anything else by registry name."""
+    if name in ("", "default"):
+        try:
+            return default_codec()
+        except (ImportError, KeyError) as e:  # default codec module not present in this build
+            logger.warning("default codec unavailable (%r); using lossless", e)
+            return get_codec("lossless")
+    return get_codec(name)
+
+
+def tenant_salt(cache_salt: str | None, extra_key: str | None) -> str | None:
+    if cache_salt is None and extra_key is None:
+        return None
+    return json.dumps([cache_salt, extra_key])
+
+
+class RemoteKVRuntime:
+    def __init__(
+        self,
+        config: RemoteKVConfig,
+        fingerprint: ModelFingerprint,
+        codec: Codec,
+        client: StoreClient,
+        settings: GlueSettings | None = None,
+        fetch_backend: FetchBackend | None = None,
+    ) -> None:
+        self.config = config
+        self.settings = settings or GlueSettings()
+        self.fingerprint = fingerprint
+        self.codec = codec
+        self.client = client
+        self.metrics = metrics_mod.get()
+        self.policy = Policy(PolicyConfig(mode=config.mode))
+        self.wakeup = threading.Event()  # set by workers when something completes
+        self.fetcher = fetch_backend or InProcessFetchBackend(
+            client, codec, fingerprint, config.chunk_size, on_done=self.wakeup.set
+        )
+        self._namespaces: dict[str | None, bytes] = {}
+        self.writer = None  # set by radix_cache.build (needs the pool)
+
+    @property
+    def chunk_size(self) -> int:
+        return self.config.chunk_size
+
+    def namespace(self, salt: str | None) -> bytes:
+        ns = self._namespaces.get(salt)
+        if ns is None:
+            ns = keys_mod.namespace(self.fingerprint, self.codec.name, self.codec.params_bytes(), salt)
+            if len(self._namespaces) < 4096:
+                self._namespaces[salt] = ns
+        return ns
+
+    def keys_for(self, token_ids, n_chunks: int, salt: str | None) -> list[bytes]:
+        c = self.chunk_size
+        return keys_mod.chunk_keys(self.namespace(salt), list(token_ids[: n_chunks * c]), c)
+
+    def close(self) -> None:
+        self.fetcher.close()
+        if self.writer is not None:
+            self.writer.close()
+        self.client.close()
+
+
+_RUNTIME: RemoteKVRuntime | None = None
+
+
+def install(rt: RemoteKVRuntime) -> None:
+    global _RUNTIME
+    _RUNTIME = rt
+
+
+def get() -> RemoteKVRuntime | None:
+    return _RUNTIME
+
+
+def open_store_client(config: RemoteKVConfig) -> StoreClient:
+    return open_client(config.resolved_store_url(), ClientConfig())

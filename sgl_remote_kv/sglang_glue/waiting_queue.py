@@ -1,0 +1,253 @@
+"""The waiting_for_KV queue: requests whose prefix may be in the remote tier wait here, not in SGLang's
+waiting queue, while their chunks are looked up, fetched and decoded.
+
+Life of a request (all on the scheduler thread; store I/O and decoding on worker threads):
+
+1. ``park(req)`` (from the ``_add_request_to_queue`` hook): match the prompt against the local tree
+   (no I/O). If the prompt has full chunks beyond the local hit (always leaving the last prompt token
+   to compute), park it and start an asynchronous ``count_prefix`` of those chunks' keys.
+   Otherwise it goes straight to SGLang's waiting queue.
+2. ``poll()`` (every scheduler iteration, from the ``_process_hicache_events`` hook):
+   - lookup answered 0 / failed / slower than ``lookup_timeout_s``: release (a miss);
+   - lookup answered n > 0: ask the policy; fetch the n chunks (only those beyond the local hit) or
+     release to recompute;
+   - fetch finished: install the leading chunks that arrived intact into the radix tree as device
+     nodes (allocate slots, scatter KV, ``insert``), lock them until the request is admitted, then
+     release the request. A partial or failed fetch installs fewer chunks or none: the rest is
+     recomputed. Nothing is ever promised to SGLang before the KV is in the pool.
+3. Release = SGLang's original ``_add_request_to_queue``: the request's ``match_prefix`` now finds
+   the fetched prefix as a device hit. It joins at the next scheduling pass, not a later queue scan.
+
+Requests without a remote hit never wait on a fetching one: fetches run on worker threads and the
+scheduler keeps scheduling everything else. ``abort(...)`` cancels a parked request's fetch and hands
+it back to SGLang's waiting queue so SGLang's own abort path finishes it.
+
+TP ranks: with TP > 1 every rank runs this queue on its own shard of the KV; the decisions (lookup
+result, fetched chunk count) must be agreed by an all-reduce MIN over the TP CPU group before
+installing; this build runs TP=1 and does not implement that reduction yet (see docs/INTEGRATION.md).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from array import array
+from dataclasses import dataclass, field
+
+import torch
+
+from sgl_remote_kv.sglang_glue import kv_io
+from sgl_remote_kv.sglang_glue.fetch import FetchHandle
+from sgl_remote_kv.sglang_glue.runtime import RemoteKVRuntime, tenant_salt
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Parked:
+    req: object
+    keys: list[bytes]  # keys of chunks [local_chunks, usable)
+    local_chunks: int
+    parked_at: float = field(default_factory=time.monotonic)
+    lookup: cf.Future | None = None
+    handle: FetchHandle | None = None
+    remote_chunks: int = 0
+    fetch_started: float = 0.0
+
+
+class WaitingForKV:
+    """See module docstring. ``release`` is SGLang's original enqueue function for one request."""
+
+    def __init__(self, scheduler, rt: RemoteKVRuntime, release) -> None:
+        self.s = scheduler
+        self.rt = rt
+        self._release_fn = release
+        self.tree = scheduler.tree_cache
+        self.allocator = self.tree.token_to_kv_pool_allocator
+        self.kvcache = self.allocator.get_kvcache()
+        self.parked: dict[str, _Parked] = {}
+        self.held: list[tuple[object, object]] = []  # (req, tree lock) until the req is admitted
+        self._lookups = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="srkv-lookup")
+        self.enabled = self._check_supported()
+
+    def _check_supported(self) -> bool:
+        if getattr(self.tree.tree_core, "is_eagle", False):
+            logger.warning("remote KV reads disabled: EAGLE bigram radix keys are not supported")
+            return False
+        if self.rt.chunk_size % max(1, self.tree.page_size):
+            logger.warning("remote KV reads disabled: chunk size not a multiple of page size")
+            return False
+        return True
+
+    # -- admission ---------------------------------------------------------------------------------
+    def busy(self) -> bool:
+        return bool(self.parked)
+
+    def park(self, req) -> bool:
+        """True if ``req`` was parked (the caller must not enqueue it)."""
+        if not self.enabled or req.rid in self.parked:
+            return False
+        ids = req.origin_input_ids
+        c = self.rt.chunk_size
+        usable = (len(ids) - 1) // c  # always leave the last prompt token to compute
+        if usable <= 0:
+            return False
+        local = self._local_match(req, len(ids)).device_prefix_len
+        local_chunks = local // c
+        if local_chunks >= usable:
+            return False
+        salt = tenant_salt(req.cache_salt, req.extra_key)
+        keys = self.rt.keys_for(ids, usable, salt)[local_chunks:]
+        p = _Parked(req=req, keys=keys, local_chunks=local_chunks)
+        p.lookup = self._lookups.submit(self._count, keys)
+        self.parked[req.rid] = p
+        return True
+
+    def _count(self, keys: list[bytes]) -> int:
+        try:
+            return self.rt.client.count_prefix(keys)
+        finally:
+            self.rt.wakeup.set()
+
+    def _local_match(self, req, end: int):
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        key = RadixKey(array("q", req.origin_input_ids[:end]), req.extra_key, cache_salt=req.cache_salt)
+        return self.tree.match_prefix(MatchPrefixParams(key=key))
+
+    # -- progress ----------------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Advance every parked request (scheduler thread, once per scheduling pass)."""
+        self._release_admitted_locks()
+        if not self.parked:
+            return
+        self.rt.wakeup.clear()
+        now = time.monotonic()
+        for rid in list(self.parked):
+            p = self.parked[rid]
+            if p.handle is None:
+                self._poll_lookup(p, now)
+            else:
+                self._poll_fetch(p, now)
+
+    def _poll_lookup(self, p: _Parked, now: float) -> None:
+        assert p.lookup is not None
+        if not p.lookup.done():
+            if now - p.parked_at > self.rt.settings.lookup_timeout_s:
+                p.lookup.cancel()
+                self.rt.metrics.lookup("timeout")
+                self._release(p)
+            return
+        n = p.lookup.result() if p.lookup.exception() is None else 0
+        self.rt.metrics.lookup("hit" if n else "miss")
+        if n == 0:
+            self._release(p)
+            return
+        c, lay = self.rt.chunk_size, self.rt.fingerprint.layout
+        raw = n * c * lay.bytes_per_token()
+        est_wire = raw // 2 if self.rt.codec.name != "lossless" else raw  # refined by observe_fetch
+        decision = self.rt.policy.decide(n * c, est_wire, raw, {"inproc": self.rt.fetcher.queue_depth()})
+        self.rt.metrics.decision(decision.path)
+        if decision.path == "recompute":
+            self._release(p)
+            return
+        p.remote_chunks = n
+        p.fetch_started = now
+        start = (p.local_chunks) * c
+        p.handle = self.rt.fetcher.submit(p.req.rid, p.keys[:n], start)
+
+    def _poll_fetch(self, p: _Parked, now: float) -> None:
+        h = p.handle
+        assert h is not None
+        if not h.done():
+            if now - p.fetch_started > self.rt.settings.fetch_timeout_s:
+                h.cancel()
+                self.rt.metrics.failure("fetch_timeout")
+                self._release(p)
+            return
+        if h.failure is not None:
+            self.rt.metrics.failure(h.failure)
+        self.rt.policy.observe_fetch("inproc", h.fetched_bytes, h.fetch_s, h.decoded_bytes, h.decode_s)
+        self.rt.metrics.fetched(h.fetched_bytes, h.decoded_bytes, h.fetch_s, h.decode_s, now - p.parked_at)
+        if h.ok_tokens > 0 and h.k is not None:
+            try:
+                self._install(p, h)
+            except Exception as e:  # boundary: a failed install is a miss, never a crash
+                self.rt.metrics.failure(f"install:{type(e).__name__}")
+                logger.warning("installing fetched KV for %s failed: %r", p.req.rid, e)
+        self._release(p)
+
+    # -- install into the radix tree ---------------------------------------------------------------
+    def _install(self, p: _Parked, h: FetchHandle) -> None:
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+        from sglang.srt.mem_cache.common import evict_from_tree_cache
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        req, start = p.req, h.start_token
+        end = start + h.ok_tokens
+        m = self._local_match(req, end)
+        have = m.device_prefix_len
+        if have >= end:
+            return  # someone computed it meanwhile
+        if have < start:
+            self.rt.metrics.failure("local_prefix_evicted")
+            return
+        local_lock = self.tree.lock(m.last_device_node)
+        try:
+            n_new = end - have
+            evict_from_tree_cache(self.tree, n_new)
+            slots = self.allocator.alloc(n_new)
+            if slots is None:
+                self.rt.metrics.failure("no_kv_slots")
+                return
+            off = have - start
+            kv_io.write_kv(self.kvcache, slots, h.k[:, off : off + n_new], h.v[:, off : off + n_new])
+            prefix = self.tree.path_device_indices(m.last_device_node)[:have].to(torch.int64)
+            value = torch.cat([prefix, slots.to(device=prefix.device, dtype=torch.int64)])
+            key = RadixKey(array("q", req.origin_input_ids[:end]), req.extra_key, cache_salt=req.cache_salt)
+            res = self.tree.insert(InsertParams(key=key, value=value, prev_prefix_len=have))
+            self.held.append((req, self.tree.lock(res.last_device_node)))
+        finally:
+            self.tree.unlock(local_lock)
+        req.storage_hit_length = end - have
+        req.storage_hit_start = have
+        self.rt.metrics.hit(end - have, (end - have) // self.rt.chunk_size)
+        if self.rt.writer is not None:
+            self.rt.writer.note_present(req.rid, p.local_chunks + p.remote_chunks)
+        logger.debug("remote KV hit for %s: tokens [%d, %d)", req.rid, have, end)
+
+    # -- release / abort ---------------------------------------------------------------------------
+    def _release(self, p: _Parked) -> None:
+        self.parked.pop(p.req.rid, None)
+        self._release_fn(p.req)
+
+    def _release_admitted_locks(self) -> None:
+        if not self.held:
+            return
+        waiting = {id(r) for r in self.s.waiting_queue}
+        keep = []
+        for req, lock in self.held:
+            if id(req) in waiting:
+                keep.append((req, lock))
+            else:
+                self.tree.unlock(lock)
+        self.held = keep
+
+    def abort(self, rid: str, abort_all: bool) -> None:
+        """Cancel matching parked requests and put them in SGLang's waiting queue, where SGLang's own
+        ``abort_request`` (which runs right after this) finds and finishes them."""
+        for key in list(self.parked):
+            if abort_all or key.startswith(rid):
+                p = self.parked.pop(key)
+                if p.handle is not None:
+                    p.handle.cancel()
+                if p.lookup is not None:
+                    p.lookup.cancel()
+                self.rt.metrics.failure("aborted_while_waiting")
+                self.s.waiting_queue.append(p.req)
+
+    def wait(self, timeout: float) -> None:
+        """Block an otherwise idle scheduler until a worker reports progress (or ``timeout``)."""
+        self.rt.wakeup.wait(timeout)
