@@ -29,7 +29,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import wait
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from sgl_remote_kv import env
@@ -181,7 +181,7 @@ def load_or_profile(key: str, build: Callable[[], ProfileTable], refresh: bool =
         except (ValueError, KeyError, TypeError) as e:
             logger.warning("ignoring unreadable profile %s: %s", path, e)
     t0 = time.perf_counter()
-    table = build()
+    table = replace(build(), key=key)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(table.to_json())
