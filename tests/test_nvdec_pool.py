@@ -29,11 +29,10 @@ def _chunks(fp, n, tokens=12):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_pool_restores_bit_exact_into_kv_slots(dtype):
     fp = synthetic.fingerprint(num_layers=5, dtype=dtype)
-    lay = fp.layout
     chunks = _chunks(fp, 3)
     slots_total = 64
     rng = np.random.default_rng(0)
-    k_pool, _ = synthetic.kv(synthetic.fingerprint(num_layers=5, dtype=dtype).layout, slots_total, seed=99)
+    k_pool, _ = synthetic.kv(fp.layout, slots_total, seed=99)
     before = k_pool.copy()
     v_pool = k_pool.copy()
     perm = rng.permutation(slots_total)
