@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="pin each stage's threads to one core of --cpus, round robin",
     )
+    p.add_argument("--ablation-serial", action="store_true", help="benchmark ablation: no pipelining")
+    p.add_argument(
+        "--ablation-no-prealloc", action="store_true", help="benchmark ablation: staging buffers per chunk"
+    )
     p.add_argument("--store-timeout", type=float, default=5.0, help="seconds per store call")
     p.add_argument("--log-level", default="INFO")
     return p

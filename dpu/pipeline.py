@@ -50,6 +50,10 @@ class PipelineConfig:
     layer_group: int = 6  # layers per slab
     queue_depth: int = 64  # items per stage queue
     stage_cpus: tuple[tuple[int, ...], ...] = ()  # per stage (STAGES order): cores to pin to, or ()
+    # Ablations (benchmarks only): run a chunk's four stages back to back on the fetch worker, and/or
+    # allocate a chunk's staging buffers per chunk instead of using the pre-allocated slot regions.
+    serial: bool = False
+    prealloc: bool = True
 
 
 class JobState:
@@ -82,13 +86,15 @@ class ChunkTask:
     decoded: list[int] = field(default_factory=list)  # per layer: bytes the lossless stage wrote
     pending: int = 0  # slabs not yet finished
     failed: bool = False
+    own: tuple | None = None  # (src, inflate) arrays allocated per chunk (no-prealloc ablation only)
 
 
 @dataclass
 class StageStats:
     items: int = 0
     bytes: int = 0  # decoded-KV bytes the stage produced (fetch: compressed bytes received)
-    busy_s: float = 0.0
+    busy_s: float = 0.0  # wall time inside the stage's work (includes waiting for a core or the GIL)
+    cpu_s: float = 0.0  # thread CPU time inside the stage's work
     errors: int = 0
 
 
@@ -165,7 +171,7 @@ class Pipeline:
             if item is None:
                 return
             task = item[0] if isinstance(item, tuple) else item
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             nbytes = 0
             try:
                 nbytes = fn(item)
@@ -185,6 +191,7 @@ class Pipeline:
                 st.items += 1
                 st.bytes += nbytes or 0
                 st.busy_s += time.perf_counter() - t0
+                st.cpu_s += time.thread_time() - c0
 
     def _skip(self, task: ChunkTask) -> bool:
         """True if this chunk is failed or cancelled (reporting the cancellation once)."""
@@ -213,7 +220,7 @@ class Pipeline:
             task.pending = 0 if whole_chunk else task.pending - 1
             if task.pending > 0:
                 return
-            task.blob = task.header = None
+            task.blob = task.header = task.own = None
             job.terminal += 1
             if task.failed:
                 job.failed += 1
@@ -234,6 +241,27 @@ class Pipeline:
                 return
             del self._rounds[rid]
         self.on_round_free(entry[1])
+
+    def _src(self, task: ChunkTask):
+        if task.own is None:
+            return self.buf.src_chunk(task.slot, task.region, task.job.layout, task.job.dtype)
+        lay = task.job.layout
+        shape = (lay.num_layers, task.region.tokens, lay.num_kv_heads, lay.head_dim)
+        k, v = np.split(task.own[0].view(task.job.dtype), 2)
+        return k.reshape(shape), v.reshape(shape)
+
+    def _infl(self, task: ChunkTask, layer: int) -> np.ndarray:
+        if task.own is None:
+            return self.buf.infl_layer(task.slot, task.region, layer)
+        n = task.region.infl_layer
+        return task.own[1][layer * n : (layer + 1) * n]
+
+    def _forward(self, stage: str, item) -> None:
+        """Hand a slab to the next stage (inline in the serial ablation)."""
+        if self.cfg.serial:
+            {"inflate": self._inflate, "dequant": self._dequant, "dma": self._dma}[stage](item)
+        else:
+            self.queues[stage].put(item)
 
     def _slabs(self, task: ChunkTask) -> list[tuple[ChunkTask, int, int]]:
         n, g = task.job.layout.num_layers, max(1, self.cfg.layer_group)
@@ -258,12 +286,18 @@ class Pipeline:
             if job.codec.scratch_bytes(hdr, layer) > task.region.infl_layer:
                 raise CorruptChunk("lossless output larger than the inflate occupancy")
         slabs = self._slabs(task)
+        if not self.cfg.prealloc:
+            lay, r = job.layout, task.region
+            task.own = (
+                np.empty(2 * lay.num_layers * layer_bytes(lay, r.tokens), np.uint8),
+                np.empty(lay.num_layers * r.infl_layer, np.uint8),
+            )
         with job.lock:
             task.blob, task.header = blob, hdr
             task.decoded = [0] * job.layout.num_layers
             task.pending = len(slabs)
         for s in slabs:
-            self.queues["inflate"].put(s)
+            self._forward("inflate", s)
         return len(blob)
 
     def _inflate(self, item: tuple[ChunkTask, int, int]) -> int:
@@ -273,10 +307,10 @@ class Pipeline:
             return 0
         codec, n = task.job.codec, 0
         for layer in range(lo, hi):
-            out = self.buf.infl_layer(task.slot, task.region, layer)
+            out = self._infl(task, layer)
             task.decoded[layer] = codec.lossless_stage(layer_section(task.blob, task.header, layer), out)
             n += task.decoded[layer]
-        self.queues["dequant"].put(item)
+        self._forward("dequant", item)
         return n
 
     def _dequant(self, item: tuple[ChunkTask, int, int]) -> int:
@@ -285,11 +319,11 @@ class Pipeline:
             self._slab_finished(task)
             return 0
         job = task.job
-        k, v = self.buf.src_chunk(task.slot, task.region, job.layout, job.dtype)
+        k, v = self._src(task)
         for layer in range(lo, hi):
-            dec = self.buf.infl_layer(task.slot, task.region, layer)[: task.decoded[layer]]
+            dec = self._infl(task, layer)[: task.decoded[layer]]
             job.codec.dequant_stage(task.header, layer, dec, k[layer], v[layer])
-        self.queues["dma"].put(item)
+        self._forward("dma", item)
         return 2 * (hi - lo) * layer_bytes(job.layout, task.region.tokens)
 
     def _dma(self, item: tuple[ChunkTask, int, int]) -> int:
@@ -299,7 +333,7 @@ class Pipeline:
             return 0
         job = task.job
         d = job.dests[task.region.index]
-        k, v = self.buf.src_chunk(task.slot, task.region, job.layout, job.dtype)
+        k, v = self._src(task)
         lb = layer_bytes(job.layout, task.region.tokens)
         for layer in range(lo, hi):
             ko, vo = d.k_off + layer * d.layer_stride, d.v_off + layer * d.layer_stride

@@ -38,6 +38,7 @@ class ProcessSpec:
     pin_stages: bool = False
     store_timeout_s: float = 5.0
     log_level: str = "WARNING"
+    extra_args: tuple[str, ...] = ()  # appended verbatim (e.g. the benchmark's ablation flags)
 
 
 def auto_cpus() -> tuple[int, ...]:
@@ -57,6 +58,7 @@ def command(spec: ProcessSpec, endpoint: str, store_url: str, dest_name: str) ->
     cmd += ["--queue-depth", str(spec.queue_depth), "--slots", str(spec.slots)]
     cmd += ["--slot-bytes", str(spec.slot_bytes), "--inflate-ratio", str(spec.inflate_ratio)]
     cmd += ["--store-timeout", str(spec.store_timeout_s), "--log-level", spec.log_level]
+    cmd += list(spec.extra_args)
     if cpus:
         cmd += ["--cpus", ",".join(map(str, cpus))]
         if spec.pin_stages:

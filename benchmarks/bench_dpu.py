@@ -1,0 +1,283 @@
+"""DPU data-plane benchmark (ShadowServe Fig. 13/14 style) on real SmolLM2 KV from a real store.
+
+For each store (embedded file store; Redis when ``redis-server`` exists) and chunk size:
+
+- *standalone* throughput of each stage (fetch, inflate, dequantize, copy), one thread, in this process,
+  with the same calls the pipeline makes, expressed as decoded KV GB/s;
+- the real data-plane process (``DpuClient`` -> ``python -m sgl_remote_kv.dpu``): end-to-end decoded
+  GB/s, each stage's throughput *inside* the running pipeline (decoded bytes / the stage's busy time),
+  and decoded GB/s per core of data-plane CPU (bytes / (user+sys CPU seconds of the process));
+- ablations in the same process harness: ``--ablation-serial`` (no pipeline: each chunk through all
+  four stages on one thread) and ``--ablation-no-prealloc`` (staging buffers allocated per chunk).
+
+Writes ``docs/results/dpu.json`` and ``docs/results/dpu.png`` and prints a table.
+Usage: ``python -m benchmarks.bench_dpu [--quick] [--stores file,redis] [--chunk-sizes 64,256,512]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from sgl_remote_kv.dpu.buffers import chunk_bytes, layer_bytes
+
+from benchmarks import kvdata
+from sgl_remote_kv.codec.base import default_codec
+from sgl_remote_kv.codec.format import layer_section
+from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+from sgl_remote_kv.control.dpu_process import ProcessSpec
+from sgl_remote_kv.store.client import open_client
+from sgl_remote_kv.types import KVLayout, ModelFingerprint
+
+OUT = kvdata.REPO / "docs" / "results"
+LAYOUT = KVLayout(30, 3, 64, "bfloat16")
+FP = ModelFingerprint("LlamaForCausalLM", LAYOUT, "smollm2-135m-instruct-bench")
+GB = 1e9
+
+
+def load_chunks(chunk_size: int, texts) -> list[tuple[np.ndarray, np.ndarray]]:
+    out = []
+    for t in texts:
+        for i in range(t.k.shape[1] // chunk_size):
+            sl = slice(i * chunk_size, (i + 1) * chunk_size)
+            out.append((np.ascontiguousarray(t.k[:, sl]), np.ascontiguousarray(t.v[:, sl])))
+    return out
+
+
+def put(url: str, codec, chunks, tag: str) -> tuple[list[bytes], list[bytes]]:
+    keys = [f"{tag}-{i}".encode().ljust(32, b"\0") for i in range(len(chunks))]
+    blobs = [codec.encode(k, v, FP) for k, v in chunks]
+    client = open_client(url)
+    for i in range(0, len(keys), 8):
+        client.put_many(list(zip(keys[i : i + 8], blobs[i : i + 8], strict=True)))
+    client.close()
+    return keys, blobs
+
+
+# ---- standalone stages (this process, one thread) ---------------------------------------------------
+def standalone(url: str, codec, keys, blobs, chunk_size: int, reps: int) -> dict:
+    """Median over ``reps`` of each stage alone, as decoded GB/s (decoded bytes / stage seconds)."""
+    lay, nl = LAYOUT, LAYOUT.num_layers
+    dec_total = chunk_bytes(lay, chunk_size) * len(blobs)
+    lb = layer_bytes(lay, chunk_size)
+    infl = np.zeros(nl * 2 * lb, np.uint8)
+    src = np.zeros(2 * nl * lb, np.uint8)
+    dst = np.ones(len(blobs) * 2 * nl * lb, np.uint8)  # pre-faulted, like the shared region
+    shape = (nl, chunk_size, lay.num_kv_heads, lay.head_dim)
+    k_out, v_out = (a.view(np.uint16).reshape(shape) for a in np.split(src, 2))
+    client = open_client(url)
+    times: dict[str, list[float]] = {s: [] for s in ("fetch", "inflate", "dequant", "dma")}
+    for rep in range(reps + 1):  # rep 0 warms up (numba JIT, page cache) and is discarded
+        t = time.perf_counter()
+        for key in keys:
+            assert client.get_many([key])[0] is not None
+        times["fetch"].append(time.perf_counter() - t)
+        t_inf = t_deq = t_dma = 0.0
+        for ci, blob in enumerate(blobs):
+            hdr = codec.parse(blob, FP)
+            n = [0] * nl
+            t = time.perf_counter()
+            for layer in range(nl):
+                n[layer] = codec.lossless_stage(layer_section(blob, hdr, layer), infl[layer * 2 * lb :])
+            t_inf += time.perf_counter() - t
+            t = time.perf_counter()
+            for layer in range(nl):
+                piece = infl[layer * 2 * lb : layer * 2 * lb + n[layer]]
+                codec.dequant_stage(hdr, layer, piece, k_out[layer], v_out[layer])
+            t_deq += time.perf_counter() - t
+            t = time.perf_counter()
+            base = ci * 2 * nl * lb
+            for layer in range(nl):
+                dst[base + layer * lb : base + (layer + 1) * lb] = k_out[layer].reshape(-1).view(np.uint8)
+                vo = base + (nl + layer) * lb
+                dst[vo : vo + lb] = v_out[layer].reshape(-1).view(np.uint8)
+            t_dma += time.perf_counter() - t
+        if rep == 0:
+            times["fetch"].clear()
+            continue
+        times["inflate"].append(t_inf)
+        times["dequant"].append(t_deq)
+        times["dma"].append(t_dma)
+    client.close()
+    return {s: dec_total / statistics.median(v) / GB for s, v in times.items()}
+
+
+# ---- the real data-plane process --------------------------------------------------------------------
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _dp_stats(c: DpuClient) -> dict:
+    seen = c.last_pong.seq if c.last_pong else -1
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (c.last_pong is None or c.last_pong.seq == seen):
+        time.sleep(0.05)
+    return json.loads(c.last_pong.stats_json)["pipeline"]
+
+
+def run_dataplane(url: str, codec, keys, chunk_size: int, extra: tuple[str, ...], reps: int) -> dict:
+    """End-to-end decoded GB/s of the data-plane process (requests of 1792 tokens, all in flight)."""
+    cb = chunk_bytes(LAYOUT, chunk_size)
+    per_req = max(1, 1792 // chunk_size)
+    spec = ProcessSpec(layer_group=5, slots=2, slot_bytes=max(cb, 8 << 20) * 2, extra_args=extra, cpus=())
+    cfg = DpuClientConfig(
+        url, dest_slots=4, dest_slot_bytes=max(cb, 16 << 20), process=spec, heartbeat_s=0.25
+    )
+    c = DpuClient(cfg, FP, codec)
+    c.start()
+    try:
+        c.fetch("warm", keys[:2], chunk_size, None, timeout=120)
+        walls, cpus, stage, stage_cpu = [], [], [], []
+        for _ in range(reps):
+            before, cpu0 = _dp_stats(c), _cpu_s(c.pid)
+            t0 = time.perf_counter()
+            hs = [
+                c.submit(f"r{i}", keys[i : i + per_req], chunk_size, None)
+                for i in range(0, len(keys), per_req)
+            ]
+            res = [h.wait(300) for h in hs]
+            walls.append(time.perf_counter() - t0)
+            cpus.append(_cpu_s(c.pid) - cpu0)
+            assert sum(r.hit_chunks for r in res) == len(keys), [r.failures for r in res if r.failures]
+            after = _dp_stats(c)
+            stage.append({s: after[s]["busy_s"] - before[s]["busy_s"] for s in after})
+            stage_cpu.append({s: after[s]["cpu_s"] - before[s]["cpu_s"] for s in after})
+    finally:
+        c.close()
+    dec = cb * len(keys)
+    i = int(np.argsort(walls)[len(walls) // 2])
+    return {
+        "gbps": dec / walls[i] / GB,
+        "cpu_s": cpus[i],
+        "gbps_per_core": dec / cpus[i] / GB if cpus[i] > 0 else None,
+        "in_pipeline": {s: dec / b / GB if b > 0 else None for s, b in stage[i].items()},
+        "stage_cpu_s": stage_cpu[i],
+        # CPU left on the cores if inflate and the copy ran on DPU engines (BlueField-3 has both)
+        "gbps_per_core_sw_stages": dec
+        / max(1e-9, cpus[i] - stage_cpu[i]["inflate"] - stage_cpu[i]["dma"])
+        / GB,
+        "wall_s": walls[i],
+        "decoded_bytes": dec,
+    }
+
+
+# ---- driver -----------------------------------------------------------------------------------------
+def bench_store(name: str, url: str, codec, texts, sizes: list[int], reps: int) -> list[dict]:
+    rows = []
+    for cs in sizes:
+        chunks = load_chunks(cs, texts)
+        keys, blobs = put(url, codec, chunks, f"{name}-{cs}")
+        comp = sum(map(len, blobs))
+        row = {"store": name, "chunk_tokens": cs, "chunks": len(chunks), "compressed_bytes": comp}
+        row["ratio"] = chunk_bytes(LAYOUT, cs) * len(chunks) / comp
+        row["standalone"] = standalone(url, codec, keys, blobs, cs, reps)
+        row["pipeline"] = run_dataplane(url, codec, keys, cs, (), reps)
+        row["no_pipeline"] = run_dataplane(url, codec, keys, cs, ("--ablation-serial",), reps)
+        row["no_prealloc"] = run_dataplane(url, codec, keys, cs, ("--ablation-no-prealloc",), reps)
+        slowest = min(row["standalone"].values())
+        row["slowest_stage_gbps"] = slowest
+        row["pipeline_vs_slowest"] = row["pipeline"]["gbps"] / slowest
+        # CPU the running pipeline spent vs the sum of the stages' standalone times (1.0 = no overhead)
+        alone_s = sum(row["pipeline"]["decoded_bytes"] / (g * GB) for g in row["standalone"].values())
+        row["pipeline_cpu_vs_standalone_sum"] = row["pipeline"]["cpu_s"] / alone_s
+        rows.append(row)
+        print_row(row)
+    return rows
+
+
+def print_row(r: dict) -> None:
+    s, p = r["standalone"], r["pipeline"]
+    print(
+        f"{r['store']:6} {r['chunk_tokens']:4} tok | standalone GB/s fetch {s['fetch']:.2f} inflate "
+        f"{s['inflate']:.2f} dequant {s['dequant']:.2f} copy {s['dma']:.2f} | pipeline {p['gbps']:.2f} "
+        f"({r['pipeline_vs_slowest']:.0%} of slowest) {p['gbps_per_core'] or 0:.2f}/core "
+        f"({p['gbps_per_core_sw_stages']:.2f} w/o inflate+copy) cpu x{r['pipeline_cpu_vs_standalone_sum']:.2f} | no-pipe "
+        f"{r['no_pipeline']['gbps']:.2f} no-prealloc {r['no_prealloc']['gbps']:.2f}",
+        flush=True,
+    )
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stores = sorted({r["store"] for r in rows})
+    fig, axes = plt.subplots(len(stores), 2, figsize=(13, 4.2 * len(stores)), squeeze=False)
+    stages = ("fetch", "inflate", "dequant", "dma")
+    for si, store in enumerate(stores):
+        rs = [r for r in rows if r["store"] == store]
+        x = np.arange(len(rs))
+        ax = axes[si][0]
+        w = 0.1
+        for j, st in enumerate(stages):
+            ax.bar(x + (j - 4) * w, [r["standalone"][st] for r in rs], w, label=f"{st} alone", color=f"C{j}")
+            vals = [r["pipeline"]["in_pipeline"].get(st) or 0 for r in rs]
+            ax.bar(x + j * w, vals, w, color=f"C{j}", alpha=0.45, hatch="//", label=f"{st} in pipeline")
+        ax.set_xticks(x, [f"{r['chunk_tokens']} tok" for r in rs])
+        ax.set_ylabel("decoded KV GB/s")
+        ax.set_title(f"[{store}] stage throughput: standalone vs inside the running pipeline")
+        ax.legend(fontsize=7, ncol=2)
+        ax = axes[si][1]
+        for j, (lab, key) in enumerate((("full design", "pipeline"), ("no pipeline", "no_pipeline"))):
+            ax.bar(x + (j - 1) * 0.25, [r[key]["gbps"] for r in rs], 0.25, label=lab, color=f"C{j + 4}")
+        ax.bar(x + 0.25, [r["no_prealloc"]["gbps"] for r in rs], 0.25, label="no pre-allocation", color="C6")
+        ax.plot(x, [r["slowest_stage_gbps"] for r in rs], "k_", ms=30, mew=2, label="slowest stage alone")
+        ax.set_xticks(x, [f"{r['chunk_tokens']} tok" for r in rs])
+        ax.set_ylabel("end-to-end decoded KV GB/s")
+        ax.set_title(f"[{store}] data-plane process end to end (2 shared cores)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="one chunk size, one rep, embedded store only")
+    p.add_argument("--stores", default="file,redis")
+    p.add_argument("--chunk-sizes", default="64,256,512")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--texts", type=int, default=4, help="how many cached SmolLM2 texts (1792 tokens each)")
+    ns = p.parse_args(argv)
+    sizes = [256] if ns.quick else [int(x) for x in ns.chunk_sizes.split(",")]
+    stores = ["file"] if ns.quick else ns.stores.split(",")
+    reps = 1 if ns.quick else ns.reps
+    texts = kvdata.load_texts()[: ns.texts]
+    codec = default_codec()
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="bench-dpu-") as tmp:
+        for store in stores:
+            if store == "file":
+                rows += bench_store("file", f"file://{tmp}/store", codec, texts, sizes, reps)
+            elif store == "redis":
+                from sgl_remote_kv.store.redis_server import RedisServer, free_port
+
+                srv = RedisServer(Path(tmp) / "redis", free_port()).start()
+                try:
+                    rows += bench_store("redis", srv.url, codec, texts, sizes, reps)
+                finally:
+                    srv.stop()
+    meta = {
+        "codec": repr(codec),
+        "texts": [t.name for t in texts],
+        "cpus": len(os.sched_getaffinity(0)),
+        "workers": "1 per stage, layer_group 5, 2 staging slots",
+        "note": "host CPU emulation of the DPU; never run on a BlueField",
+    }
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "dpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    plot(rows, OUT / "dpu.png")
+    print(f"wrote {OUT / 'dpu.json'} and {OUT / 'dpu.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
