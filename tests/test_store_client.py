@@ -175,3 +175,37 @@ def test_deadline_grows_with_the_bytes_of_the_call(inner) -> None:
     assert client.get_many([k_big]) == [
         b"x" * 2_000_000
     ]  # the running average blob size (~300 KB) extends the deadline
+
+
+def test_soak_random_faults_from_threads_never_raise_nor_serve_wrong_bytes(inner) -> None:
+    import threading
+
+    faults = FaultConfig(
+        latency_s=0.0005, jitter_s=0.002, error_rate=0.2, corrupt_rate=0.2, drop_rate=0.1, seed=5
+    )
+    client, _ = make(inner, faults, breaker_failures=5, breaker_reset_s=0.05, negative_ttl_s=0.01)
+    ks = keys(16)
+    want = {k: os.urandom(2000) for k in ks}
+    wrong: list[bytes] = []
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            for i in range(60):
+                sub = ks[(seed + i) % 8 : (seed + i) % 8 + 8]
+                client.put_many([(k, want[k]) for k in sub[:3]])
+                client.count_prefix(sub)
+                for k, v in zip(sub, client.get_many(sub), strict=True):
+                    if v is not None and v != want[k]:
+                        wrong.append(k)
+        except BaseException as e:  # thread boundary: the assertion below reports it
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    st = client.stats()
+    assert errors == [] and wrong == []
+    assert st.hits > 0 and st.errors.get("corrupt", 0) > 0 and st.errors.get("unavailable", 0) > 0
