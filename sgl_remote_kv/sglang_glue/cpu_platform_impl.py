@@ -8,13 +8,19 @@ from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
 
 class CpuDevPlatform(CpuDeviceMixin, SRTPlatform):
-    """CPU device, native torch forwards for every op, ``torch_native`` attention, no graphs."""
+    """CPU device, native torch forwards for every op, ``cpu_prefix`` attention, no graphs.
+
+    ``cpu_prefix`` (``sgl_remote_kv.sglang_glue.cpu_attention``) is ``torch_native`` with
+    extend attention computed for the new tokens only; the general plugin registers it.
+    """
 
     _enum = PlatformEnum.OOT
     capabilities = PlatformCapabilities()
 
     def get_default_attention_backend(self) -> str:
-        return "torch_native"
+        from sgl_remote_kv.sglang_glue.cpu_attention import BACKEND_NAME
+
+        return BACKEND_NAME
 
     def get_dispatch_key_name(self) -> str:
         return "native"

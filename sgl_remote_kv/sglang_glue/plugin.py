@@ -72,6 +72,10 @@ def load() -> None:
     HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", _after_add_cli_args, HookType.AFTER)
     HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", _after_from_cli_args, HookType.AFTER)
     _register_remote_kv()
+    if env.cpu_platform_enabled():
+        from sgl_remote_kv.sglang_glue import cpu_attention
+
+        cpu_attention.register()  # --attention-backend cpu_prefix (CPU dev platform's default)
     cfg = RemoteKVConfig.current()
     if cfg.enabled:
         logger.info("sgl-remote-kv active in this process: mode=%s", cfg.mode)
