@@ -157,12 +157,13 @@ def test_counters_and_latency(inner) -> None:
 def test_closed_client_and_unreachable_store_never_raise(tmp_path) -> None:
     from sgl_remote_kv.store.client import open_client
 
-    client = open_client("redis://127.0.0.1:1/0?timeout=0.2", FAST)  # nothing listens on port 1
-    assert client.get_many(keys(1)) == [None]
-    assert client.put_many([(keys(1)[0], b"v")]) == 0
-    assert client.stats().errors["unavailable"] >= 1
-    client.close()
-    assert client.get_many(keys(1)) == [None]
+    for url in ("redis://127.0.0.1:1/0?timeout=0.2", "redis+cluster://127.0.0.1:1?timeout=0.2"):
+        client = open_client(url, FAST)  # nothing listens on port 1
+        assert client.get_many(keys(1)) == [None]
+        assert client.put_many([(keys(1)[0], b"v")]) == 0
+        assert client.stats().errors["unavailable"] >= 1
+        client.close()
+        assert client.get_many(keys(1)) == [None]
 
 
 def test_deadline_grows_with_the_bytes_of_the_call(inner) -> None:

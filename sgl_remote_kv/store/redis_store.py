@@ -55,7 +55,12 @@ def translate_errors() -> Iterator[None]:
         yield
     except redis.exceptions.TimeoutError as e:
         raise StoreTimeout(str(e)) from e
-    except (redis.exceptions.ConnectionError, redis.exceptions.ClusterError, OSError) as e:
+    except (
+        redis.exceptions.ConnectionError,
+        redis.exceptions.ClusterError,
+        redis.exceptions.RedisClusterException,  # not a RedisError: "cannot be connected", ...
+        OSError,
+    ) as e:
         raise StoreUnavailable(f"{type(e).__name__}: {e}") from e
     except redis.exceptions.ResponseError as e:
         if "CLUSTERDOWN" in str(e) or "LOADING" in str(e) or "TRYAGAIN" in str(e):
