@@ -56,9 +56,9 @@ class CacheGenCodec(QuantRansCodec):
         models, extra = [], []
         for codes, m in ((view.k_codes, view.mk), (view.v_codes, view.mv)):
             freq = _chunk_freq(codes, 2 * m + 1)
-            cum, _, ok = rans.build_tables(freq, rans.PROB_BITS)
+            cum, ok = rans.build_cum(freq, rans.PROB_BITS)
             assert ok, "normalize_counts always yields valid tables"
-            models.append((freq, cum, 0))
+            models.append((freq, cum, 0, rans.PROB_BITS))
             extra.append(freq.tobytes())
         return bytes(8), models, b"".join(extra)
 
@@ -70,9 +70,9 @@ class CacheGenCodec(QuantRansCodec):
             if o + 2 * n > len(section):
                 raise CorruptChunk("frequency tables truncated")
             freq = np.frombuffer(section, np.uint16, n, o).reshape(c_n, 2 * m + 1).copy()
-            cum, slot, ok = rans.build_tables(freq, rans.PROB_BITS)
+            cum16, bucket, ok = rans.build_decode_tables(freq, rans.PROB_BITS)
             if not ok:
                 raise CorruptChunk("invalid frequency table")
-            models.append((freq, cum, slot, 0))
+            models.append((cum16, bucket, 0, rans.PROB_BITS))
             o += 2 * n
         return models, o - offset

@@ -94,10 +94,11 @@ class QuantRansCodec(Codec):
 
     # ---- encode -----------------------------------------------------------------------------
     def _section_tables(self, view: quant.LayerView, layer: int, fingerprint: ModelFingerprint):
-        """(table id prefix, [(freq, cum, ctx0) for K, V], extra bytes to ship in the section)."""
+        """(table id prefix, [(freq, cum, ctx0, prob_bits) for K, V], extra bytes to ship in the section)."""
         t = self.tables_for(fingerprint)
-        freq, cum, _ = t.flat()
-        return t.table_id[:8], [(freq, cum, t.ctx0(layer, 0)), (freq, cum, t.ctx0(layer, 1))], b""
+        freq, cum = t.flat()
+        models = [(freq, cum, t.ctx0(layer, 0), t.prob_bits), (freq, cum, t.ctx0(layer, 1), t.prob_bits)]
+        return t.table_id[:8], models, b""
 
     def encode_layer(self, k: np.ndarray, v: np.ndarray, layer: int, fingerprint: ModelFingerprint) -> bytes:
         lay = fingerprint.layout
@@ -107,8 +108,8 @@ class QuantRansCodec(Codec):
         prefix_len = buf.size - 2 * t_n * c_n
         tid, models, extra = self._section_tables(view, layer, fingerprint)
         streams = []
-        for codes, (freq, cum, ctx0) in zip((view.k_codes, view.v_codes), models, strict=True):
-            words, ok = rans.encode(codes, ctx0, freq, cum, rans.PROB_BITS)
+        for codes, (freq, cum, ctx0, bits) in zip((view.k_codes, view.v_codes), models, strict=True):
+            words, ok = rans.encode(codes, ctx0, freq, cum, bits)
             if not ok:
                 raise ValueError(f"layer {layer}: a code has zero probability in its table")
             streams.append(words)
@@ -121,14 +122,15 @@ class QuantRansCodec(Codec):
         return quant.max_decoded_bytes(self.spec, header.num_tokens, lay.num_kv_heads, lay.head_dim)
 
     def _decode_models(self, section: memoryview, tid: bytes, layer: int, c_n: int, offset: int):
-        """([(freq, cum, slot, ctx0) for K, V], bytes of the section consumed by tables)."""
+        """([(cum16, bucket, ctx0, prob_bits) for K, V], bytes of the section consumed by tables)."""
         t = tables.lookup(tid)
         if t is None:
             raise ForeignChunk(f"unknown entropy table {tid.hex()}")
         if layer >= t.num_layers or c_n != t.channels:
             raise CorruptChunk("section layer/channels do not fit the entropy table")
-        freq, cum, slot = t.flat()
-        return [(freq, cum, slot, t.ctx0(layer, 0)), (freq, cum, slot, t.ctx0(layer, 1))], 0
+        cum16, bucket = t.decode_tables()
+        bits = t.prob_bits
+        return [(cum16, bucket, t.ctx0(layer, 0), bits), (cum16, bucket, t.ctx0(layer, 1), bits)], 0
 
     def lossless_stage(self, section: memoryview, out: np.ndarray) -> int:
         if len(section) < SUB.size:
@@ -146,9 +148,9 @@ class QuantRansCodec(Codec):
             raise CorruptChunk("section length does not match its streams")
         out[:prefix_len] = np.frombuffer(section, np.uint8, prefix_len, SUB.size)
         for j, count in enumerate((kw, vw)):
-            freq, cum, slot, ctx0 = models[j]
+            cum16, bucket, ctx0, bits = models[j]
             dst = out[prefix_len + j * n_codes : prefix_len + (j + 1) * n_codes].reshape(t_n, c_n)
-            rc = rans.decode(words_view(section, o, count), ctx0, freq, cum, slot, rans.PROB_BITS, dst)
+            rc = rans.decode(words_view(section, o, count), ctx0, cum16, bucket, bits, dst)
             if rc != 0:
                 raise CorruptChunk(f"rANS stream {j} of layer {layer} is corrupt ({rc})")
             o += 2 * count

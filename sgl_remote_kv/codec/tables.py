@@ -38,7 +38,8 @@ class EntropyTables:
     freq: np.ndarray
     table_id: bytes = field(default=b"", compare=False)
     _cum: np.ndarray = field(default=None, repr=False, compare=False)
-    _slot: np.ndarray = field(default=None, repr=False, compare=False)
+    _cum16: np.ndarray = field(default=None, repr=False, compare=False)
+    _bucket: np.ndarray = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         freq = np.ascontiguousarray(self.freq, np.uint16)
@@ -46,12 +47,14 @@ class EntropyTables:
             raise ValueError(f"freq must be [layers, 2, channels, {MAX_SYMBOLS}], got {freq.shape}")
         freq.setflags(write=False)
         flat = freq.reshape(-1, MAX_SYMBOLS)
-        cum, slot, ok = rans.build_tables(flat, self.prob_bits)
-        if not ok:
+        cum, ok = rans.build_cum(flat, self.prob_bits)
+        cum16, bucket, ok2 = rans.build_decode_tables(flat, self.prob_bits)
+        if not (ok and ok2):
             raise ValueError("frequencies do not sum to 2^prob_bits")
         object.__setattr__(self, "freq", freq)
         object.__setattr__(self, "_cum", cum)
-        object.__setattr__(self, "_slot", slot)
+        object.__setattr__(self, "_cum16", cum16)
+        object.__setattr__(self, "_bucket", bucket)
         object.__setattr__(self, "table_id", self.compute_id())
 
     def compute_id(self) -> bytes:
@@ -71,10 +74,14 @@ class EntropyTables:
     def channels(self) -> int:
         return self.freq.shape[2]
 
-    def flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(freq [N, S], cum [N, S+1], slot2sym [N, 2^bits]); context of (layer, kv, c) is
+    def flat(self) -> tuple[np.ndarray, np.ndarray]:
+        """Encoder tables (freq [N, S], cum [N, S+1] uint32); context of (layer, kv, c) is
         ``(layer * 2 + kv) * channels + c``."""
-        return self.freq.reshape(-1, MAX_SYMBOLS), self._cum, self._slot
+        return self.freq.reshape(-1, MAX_SYMBOLS), self._cum
+
+    def decode_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """Decoder tables (cum16 [N, S+1], bucket [N, 2^bits / 16]) from ``rans.build_decode_tables``."""
+        return self._cum16, self._bucket
 
     def ctx0(self, layer: int, kv: int) -> int:
         return (layer * 2 + kv) * self.channels
