@@ -93,6 +93,7 @@ def test_corrupt_blob_is_a_miss_and_is_deleted(inner) -> None:
     faulty.set_faults(FaultConfig(corrupt_rate=1.0))
     assert client.get_many(ks) == [None, None]
     assert client.stats().errors["corrupt"] == 2
+    assert faulty.stats().extra["injected_corrupt"] == 2
     assert inner.count_prefix(ks[:1]) == 0 and inner.get_many(ks) == [None, None]  # never served again
 
 

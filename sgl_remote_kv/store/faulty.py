@@ -59,7 +59,12 @@ class FaultyStore:
     def __init__(self, inner: KVStore, faults: FaultConfig | None = None) -> None:
         self.inner = inner
         self._lock = threading.Lock()
+        self._injected: dict[str, int] = {}
         self.set_faults(faults or FaultConfig())
+
+    def _count(self, kind: str, n: int = 1) -> None:
+        with self._lock:
+            self._injected[kind] = self._injected.get(kind, 0) + n
 
     def set_faults(self, faults: FaultConfig) -> None:
         with self._lock:
@@ -79,12 +84,15 @@ class FaultyStore:
                 extra = self._rng.uniform(0.0, f.jitter_s) if f.jitter_s else 0.0
             time.sleep(f.latency_s + extra)
         if f.down:
+            self._count("down")
             raise StoreUnavailable("injected outage")
         if self._chance(f.error_rate):
+            self._count(f"error_{f.error_kind}")
             if f.error_kind == "timeout":
                 raise StoreTimeout("injected timeout")
             raise StoreUnavailable("injected error")
         if f.unavailable_fraction and any(self.key_unavailable(k) for k in keys):
+            self._count("partial_outage")
             raise StoreUnavailable("injected partial outage")
 
     def key_unavailable(self, key: bytes) -> bool:
@@ -100,12 +108,14 @@ class FaultyStore:
         out: list[bytes | None] = []
         for v in values:
             if v is not None and self._chance(self.faults.drop_rate):
+                self._count("drop_get")
                 v = None
             elif v and self._chance(self.faults.corrupt_rate):
                 with self._lock:
                     i = self._rng.randrange(len(v))
                 buf = bytearray(v)
                 buf[i] ^= 0xFF
+                self._count("corrupt")
                 v = bytes(buf)
             out.append(v)
         return out
@@ -113,6 +123,8 @@ class FaultyStore:
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
         self._before([k for k, _ in items])
         kept = [(k, v) for k, v in items if not self._chance(self.faults.drop_rate)]
+        if len(kept) < len(items):
+            self._count("drop_put", len(items) - len(kept))
         if kept:
             self.inner.put_many(kept)
 
@@ -121,8 +133,13 @@ class FaultyStore:
         self.inner.delete_many(keys)
 
     def stats(self) -> StoreStats:
+        """The inner store's stats; ``extra`` adds ``injected_<kind>`` counts of injected faults."""
         inner = self.inner.stats()
-        return dataclasses.replace(inner, backend=f"faulty+{inner.backend}")
+        with self._lock:
+            injected = {f"injected_{k}": float(v) for k, v in self._injected.items()}
+        return dataclasses.replace(
+            inner, backend=f"faulty+{inner.backend}", extra={**inner.extra, **injected}
+        )
 
     def close(self) -> None:
         self.inner.close()
