@@ -216,7 +216,7 @@ class LocalStore:
     def _evict_locked(self) -> None:
         entries = self._scan()
         total = sum(size for _, size, _ in entries)
-        freed = 0
+        freed = removed = 0
         if total > self.max_bytes:
             target = int(self.low_water * self.max_bytes)
             entries.sort()  # oldest access first
@@ -226,9 +226,10 @@ class LocalStore:
                 try:
                     os.unlink(path)
                     freed += size
+                    removed += 1
                 except FileNotFoundError:
                     pass
-            self._counters.add(keys_evicted=1)
+            self._counters.add(keys_evicted=removed, bytes_evicted=freed, eviction_runs=1)
             log.debug("local store %s: evicted %d bytes (%d -> %d)", self.root, freed, total, total - freed)
         with self._lock:
             self._approx_bytes = total - freed
