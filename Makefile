@@ -24,5 +24,8 @@ test: model lint
 test-slow: model
 	$(PY) -m pytest -q -m slow
 
+bench-store: setup
+	$(PY) -m benchmarks.bench_store
+
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache
