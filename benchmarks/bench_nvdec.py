@@ -125,8 +125,8 @@ def do_long(texts, fp, choice: dict) -> dict:
     return out
 
 
-def _pool_pass(blobs: list, fp, instances: int) -> float:
-    """Decode + restore every blob through a pool of ``instances``; wall seconds."""
+def _pool_pass(blobs: list, fp, instances: int) -> tuple[float, float]:
+    """Decode + restore every blob through a pool of ``instances``; (wall s, summed worker CPU s)."""
     lay = fp.layout
     n = len(blobs) * bench_codec.CHUNK
     k_pool = np.zeros((lay.num_layers, n, lay.num_kv_heads, lay.head_dim), np.uint16)
@@ -140,18 +140,20 @@ def _pool_pass(blobs: list, fp, instances: int) -> float:
         ]
         wait(futs)
         wall = time.perf_counter() - t0
-        [f.result() for f in futs]
-    return wall
+        cpu = sum(f.result().cpu_s for f in futs)
+    return wall, cpu
 
 
 def do_throughput(blobs: dict, fp, raw_per_chunk: int, instances: int) -> dict:
     out = {}
+    _pool_pass(next(iter(blobs.values()))[:1], fp, 1)  # warm-up (numba, FFmpeg)
     for res, bl in blobs.items():
         row = {}
         for n in sorted({1, instances}):
-            wall = _pool_pass(bl, fp, n)
+            wall, cpu = _pool_pass(bl, fp, n)
             row[f"pool_{n}_mb_s"] = raw_per_chunk * len(bl) / wall / 1e6
             row[f"pool_{n}_chunk_s"] = wall / len(bl)
+            row[f"pool_{n}_cpu_mb_s_per_instance"] = raw_per_chunk * len(bl) / cpu / 1e6
         out[res] = row
         log(f"throughput {res} tok/frame: {row}")
     return out
@@ -188,9 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instances", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="passes over the tune chunks in the fetch")
     ap.add_argument("--skip-rows", action="store_true", help="skip the codec-table rows (quality runs)")
+    ap.add_argument("--reuse-rows", action="store_true", help="keep the rows of an existing --out file")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
+    prev = Path(args.out)
+    prev_rows = json.loads(prev.read_text()).get("rows") if args.reuse_rows and prev.exists() else None
     names = [n for n in args.texts.split(",") if n] or None
     fp = kvdata.fingerprint()
     texts = kvdata.load_texts(names)
@@ -209,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     doc["adaptive"] = do_adaptive(blobs, fp, doc["choice"]["tiling"], args.instances, args.rounds)
     doc["long_chunks"] = do_long(texts, fp, doc["choice"])
     Path(args.out).write_text(json.dumps(doc, indent=1))
-    if not args.skip_rows:
+    if prev_rows:
+        doc["rows"] = prev_rows
+    elif not args.skip_rows:
         ctx = bench_codec.EvalContext.create(names, greedy=args.greedy, repeat=1)
         doc["rows"] = do_rows(ctx, doc["choice"])
         print(bench_codec.format_table(doc["rows"]))

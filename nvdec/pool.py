@@ -56,7 +56,8 @@ class ChunkResult:
     frames: int
     blob_bytes: int
     queued_s: float
-    decode_s: float  # parse + decode + restoration, on the worker
+    decode_s: float  # parse + decode + restoration, on the worker (wall)
+    cpu_s: float  # the worker thread's CPU time for this chunk (robust to other load on the machine)
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,7 @@ class DecoderPool:
                     self._busy -= 1
 
     def _decode(self, job: _Job, decoder: VideoDecoder) -> ChunkResult:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         hdr = parse_header(job.blob, job.fingerprint, self.limits, mac_key=job.mac_key, bind=job.bind)
         codec = codec_for_header(hdr)
         if not isinstance(codec, HevcCodec):
@@ -228,4 +229,4 @@ class DecoderPool:
             frames += 1
         self._count("frames", frames)
         return ChunkResult(job.chunk_id, hdr.num_tokens, frames, len(job.blob), t0 - job.enqueued,
-                           time.perf_counter() - t0)  # fmt: skip
+                           time.perf_counter() - t0, time.thread_time() - c0)  # fmt: skip
