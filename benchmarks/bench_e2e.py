@@ -1,0 +1,296 @@
+"""End-to-end benchmark with SGLang's own harness against real CPU servers (issue 8).
+
+For each configuration (``e2e_server.CONFIGS``: recompute, device, raw, dpu, nvdec, auto) one real
+SGLang server is started (``SGLangServer``). Remote configurations use Redis inside a network
+namespace behind a ``tc tbf``-shaped veth (``benchmarks/netshape.py``) and go through:
+
+1. **warm-up** on the unshaped link: the harness's workload and our probe prompts are served once,
+   so write-back fills the store; we wait until the written-bytes counter stops moving;
+2. for every link rate: ``tc`` rate set, then ``python -m sglang.benchmark.serving`` with
+   ``--flush-cache`` (the device radix cache is emptied, the store keeps the prefixes: every shared
+   prefix must come back through the link), then the per-request **fetch probe** (sequential
+   requests after another flush; fetch time vs wire floor from ``/metrics``);
+3. the **load-latency curve** (request rates at one link rate), one multi-turn run
+   (``--gsp-num-turns``) and the **interference** measurement (TPOT of a decode while other requests
+   fetch).
+
+Local configurations (recompute, device) run the same workload, curve and interference without a
+link. Results: ``docs/results/e2e.json`` (+ PNGs from ``e2e_plots.py``); harness JSONL files and
+server logs stay in ``--workdir``. A configuration whose path the server does not actually take
+(per its ``sglang:remote_kv_decisions`` metric) is recorded with a ``status`` saying so.
+
+``--quick`` finishes in ~15 min on an idle 2-core machine (fewer configs, rates and prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from benchmarks import e2e_plots
+from benchmarks.e2e_probe import fetch_probe, generate, interference, probe_prompts
+from benchmarks.e2e_server import (
+    CONFIGS,
+    Config,
+    Workload,
+    decisions,
+    delta,
+    flush_device_cache,
+    metric,
+    run_harness,
+    scrape,
+    shaped_store,
+    wait_writeback_idle,
+)
+from benchmarks.netshape import netns_supported
+from sgl_remote_kv.launcher import ServerSpec, SGLangServer
+from sgl_remote_kv.model import ensure_model
+
+logger = logging.getLogger(__name__)
+
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+SUMMARY_KEYS = (
+    "completed", "request_throughput", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
+    "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms", "mean_itl_ms", "mean_e2e_latency_ms", "duration",
+)  # fmt: skip
+
+
+def summarize(res: dict) -> dict:
+    out = {k: res.get(k) for k in SUMMARY_KEYS}
+    out["cache_report"] = res.get("cache_report")
+    out["ttfts_s"] = res.get("ttfts")
+    out["cached_tokens_details"] = res.get("cached_tokens_details")
+    out["errors"] = [e for e in res.get("errors") or [] if e]
+    return out
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.a = args
+        self.model = str(ensure_model(args.dtype))
+        self.work = Path(args.workdir)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.wl = Workload(args.groups, args.per_group, args.system_len, args.question_len, args.output_len)
+        self.prompts = probe_prompts(self.model, args.probes, args.probe_chunks)
+        self.store = None
+
+    # -- one harness run with metric deltas --------------------------------------------------------
+    def harness(self, srv, tag: str, wl: Workload, rate_req: float, flush: bool) -> dict:
+        before = scrape(srv.base_url)
+        res = run_harness(srv.base_url, self.model, wl, self.work / f"{tag}.jsonl", rate_req, flush, self.log)
+        time.sleep(0.5)
+        d = delta(scrape(srv.base_url), before)
+        out = summarize(res)
+        out["remote"] = {
+            "hit_tokens": metric(d, "remote_kv_hit_tokens_total"),
+            "fetched_bytes": metric(d, "remote_kv_fetched_bytes_total"),
+            "decoded_bytes": metric(d, "remote_kv_decoded_bytes_total"),
+            "fetches": metric(d, "remote_kv_fetch_seconds_count"),
+            "fetch_s_sum": metric(d, "remote_kv_fetch_seconds_sum"),
+            "paths": decisions(d),
+            "failures": {k: v for k, v in d.items() if "failures" in k},
+        }
+        logger.info(
+            "%s: TTFT mean %.0f ms p90 %.0f ms, TPOT %.1f ms, %.3f req/s, remote hit %d tok, paths %s",
+            tag, out["mean_ttft_ms"] or 0, out["p90_ttft_ms"] or 0, out["mean_tpot_ms"] or 0,
+            out["request_throughput"] or 0, out["remote"]["hit_tokens"], out["remote"]["paths"],
+        )  # fmt: skip
+        return out
+
+    def warm(self, srv) -> dict:
+        """Unshaped: serve the workloads and probe prompts once so write-back fills the store."""
+        self.store.set_rate(None)
+        t0 = time.monotonic()
+        self.harness(srv, "warm", self.wl, float("inf"), flush=False)
+        if self.a.turns > 1:
+            self.harness(srv, "warm-mt", self.multi_turn_wl(), float("inf"), flush=False)
+        for ids in self.prompts:
+            generate(srv.base_url, ids)
+        written = wait_writeback_idle(srv.base_url)
+        return {"written_bytes": written, "seconds": time.monotonic() - t0}
+
+    def multi_turn_wl(self) -> Workload:
+        wl = Workload(**asdict(self.wl))
+        wl.turns, wl.seed = self.a.turns, self.wl.seed + 1
+        return wl
+
+    # -- one configuration ---------------------------------------------------------------------------
+    def server_spec(self, cfg: Config) -> ServerSpec:
+        extra = (*cfg.args, "--enable-metrics", "--enable-cache-report")
+        if cfg.remote:
+            extra += ("--remote-kv-store", self.store.url)
+        return ServerSpec(
+            self.model,
+            extra_args=extra,
+            dtype=self.a.dtype,
+            max_total_tokens=self.a.max_total_tokens,
+            log_path=str(self.work / f"{cfg.name}-server.log"),
+            env={"OMP_NUM_THREADS": str(self.a.threads)} if self.a.threads else {},
+        )
+
+    def run_config(self, cfg: Config) -> dict:
+        out: dict = {"config": cfg.name, "server_args": list(cfg.args), "note": cfg.note, "runs": []}
+        self.log = self.work / f"{cfg.name}-harness.log"
+        if cfg.remote:
+            self.store.flushall()
+        t0 = time.monotonic()
+        with SGLangServer(self.server_spec(cfg)) as srv:
+            out["startup_s"] = time.monotonic() - t0
+            if cfg.remote:
+                out["warm"] = self.warm(srv)
+            for rate in self.a.rates if cfg.remote else [None]:
+                out["runs"].append(self.run_rate(srv, cfg, rate))
+            if cfg.name == "device":
+                out["device_warm"] = self.harness(srv, "device-warm", self.wl, float("inf"), flush=False)
+            out["load_latency"] = self.load_curve(srv, cfg)
+            if self.a.turns > 1:
+                out["multi_turn"] = self.harness(
+                    srv, f"{cfg.name}-mt", self.multi_turn_wl(), float("inf"), True
+                )
+            out["interference"] = self.interference(srv, cfg)
+        out["status"] = self.status(cfg, out)
+        return out
+
+    def run_rate(self, srv, cfg: Config, rate: float | None) -> dict:
+        if cfg.remote:
+            self.store.set_rate(rate)
+        tag = f"{cfg.name}-{rate or 'local'}"
+        run = {"rate_mbit": rate, "harness": self.harness(srv, tag, self.wl, float("inf"), flush=True)}
+        flush_device_cache(srv.base_url)
+        run["probe"] = fetch_probe(srv.base_url, self.prompts, rate)
+        return run
+
+    def load_curve(self, srv, cfg: Config) -> dict:
+        rate = self.a.curve_link_rate
+        if cfg.remote:
+            self.store.set_rate(rate)
+        points = []
+        for rr in self.a.request_rates:
+            h = self.harness(srv, f"{cfg.name}-curve-{rr}", self.wl, rr, flush=True)
+            points.append({"request_rate": rr, **h})
+        return {"link_rate_mbit": rate if cfg.remote else None, "points": points}
+
+    def interference(self, srv, cfg: Config) -> dict:
+        if cfg.remote:
+            self.store.set_rate(self.a.curve_link_rate)
+        res = interference(
+            srv.base_url, self.prompts, self.a.decode_tokens, lambda: flush_device_cache(srv.base_url)
+        )
+        res["link_rate_mbit"] = self.a.curve_link_rate if cfg.remote else None
+        return res
+
+    @staticmethod
+    def status(cfg: Config, out: dict) -> str:
+        if not cfg.remote:
+            return "ok"
+        seen: set[str] = set()
+        for r in out["runs"]:
+            seen |= set(r["harness"]["remote"]["paths"]) | {p for x in r["probe"] for p in x["paths"]}
+        hits = sum(r["harness"]["remote"]["hit_tokens"] for r in out["runs"])
+        if cfg.expect_path and cfg.expect_path not in seen:
+            return (
+                f"not run as '{cfg.expect_path}': the server's policy decisions were {sorted(seen)}; "
+                "the numbers below are what that path measured"
+            )
+        return "ok" if hits else "ran, but no remote hits were recorded"
+
+
+def environment() -> dict:
+    return {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "loadavg_at_start": os.getloadavg(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    bench = Bench(args)
+    result = {
+        "env": environment(),
+        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "workload": asdict(bench.wl),
+        "probe_prompt_tokens": len(bench.prompts[0]),
+        "configs": {},
+    }
+    ok, reason = netns_supported()
+    remote_names = [c for c in args.configs if CONFIGS[c].remote]
+    if remote_names and not ok:
+        for c in remote_names:
+            result["configs"][c] = {"status": f"not run: network namespaces not permitted ({reason})"}
+    for name in args.configs:
+        if name in result["configs"]:
+            continue
+        cfg = CONFIGS[name]
+        logger.info("=== config %s (%s)", name, " ".join(cfg.args))
+        try:
+            if cfg.remote:
+                with shaped_store(bench.work) as bench.store:
+                    result["configs"][name] = bench.run_config(cfg)
+            else:
+                result["configs"][name] = bench.run_config(cfg)
+        except Exception as e:  # a broken configuration is recorded, the others still run
+            logger.exception("config %s failed", name)
+            result["configs"][name] = {"status": f"not run: {type(e).__name__}: {e}"[:2000]}
+        result["env"]["loadavg_after_" + name] = os.getloadavg()
+        write(result, args.out)  # partial results survive a later failure
+    return result
+
+
+def write(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e.json").write_text(json.dumps(result, indent=1, default=str))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small run (~15 min on an idle machine)")
+    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None)
+    ap.add_argument("--rates", type=float, nargs="+", default=None, help="link rates, Mbit/s")
+    ap.add_argument("--request-rates", type=float, nargs="+", default=None, help="load-latency curve, req/s")
+    ap.add_argument("--curve-link-rate", type=float, default=100.0, help="Mbit/s for curve/interference")
+    ap.add_argument("--groups", type=int, default=None)
+    ap.add_argument("--per-group", type=int, default=1)
+    ap.add_argument("--system-len", type=int, default=1024)
+    ap.add_argument("--question-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=None, help="multi-turn run (--gsp-num-turns); 1 = skip")
+    ap.add_argument("--probes", type=int, default=None, help="sequential fetch-probe requests")
+    ap.add_argument("--probe-chunks", type=int, default=4, help="chunks of 256 tokens per probe prompt")
+    ap.add_argument("--decode-tokens", type=int, default=None, help="interference decode length")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--threads", type=int, default=0, help="OMP_NUM_THREADS for the server (0: torch default)"
+    )
+    ap.add_argument("--max-total-tokens", type=int, default=24576)
+    ap.add_argument("--workdir", default="/tmp/srkv-bench-e2e")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    a = ap.parse_args(argv)
+    q = a.quick
+    a.configs = a.configs or (["recompute", "device", "dpu", "auto"] if q else list(CONFIGS))
+    a.rates = a.rates or ([25.0, 400.0] if q else [10.0, 25.0, 100.0, 400.0])
+    a.request_rates = a.request_rates or ([0.2, float("inf")] if q else [0.1, 0.2, 0.4, float("inf")])
+    a.groups = a.groups or (3 if q else 6)
+    a.turns = a.turns or (1 if q else 2)
+    a.probes = a.probes or (2 if q else 4)
+    a.decode_tokens = a.decode_tokens or (64 if q else 128)
+    return a
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = parse_args(argv)
+    result = run(args)
+    write(result, args.out)
+    e2e_plots.plot_all(result, args.out)
+    logger.info("wrote %s", args.out / "e2e.json")
+
+
+if __name__ == "__main__":
+    main()

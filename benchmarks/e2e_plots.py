@@ -1,0 +1,171 @@
+"""PNG plots of ``docs/results/e2e.json`` (matplotlib, Agg).
+
+- ``e2e_ttft.png``: mean / p90 TTFT per link rate for the remote configurations, the local ones
+  (recompute, cold device cache, warm device cache) as horizontal references;
+- ``e2e_load_latency.png``: mean TTFT and TPOT against achieved request throughput (ShadowServe
+  Fig. 9 style) at the curve's link rate;
+- ``e2e_fetch_floor.png``: each probe request's store fetch time against its wire-time floor;
+- ``e2e_interference.png``: a running decode's TPOT alone vs while other requests fetch.
+
+``python -m benchmarks.e2e_plots [e2e.json]`` re-draws from a saved result.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+LOCAL = ("recompute", "device")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _ok(cfgs: dict) -> dict:
+    return {k: v for k, v in cfgs.items() if "runs" in v}
+
+
+def _label(name: str, c: dict) -> str:
+    return name if c.get("status", "ok") == "ok" else f"{name} (*)"
+
+
+def plot_ttft(result: dict, out: Path) -> None:
+    plt = _plt()
+    cfgs = _ok(result["configs"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, title in ((axes[0], "mean_ttft_ms", "mean TTFT"), (axes[1], "p90_ttft_ms", "p90 TTFT")):
+        for name, c in cfgs.items():
+            runs = [r for r in c["runs"] if r["harness"].get(key) is not None]
+            if name in LOCAL and runs:
+                ax.axhline(
+                    runs[0]["harness"][key] / 1e3,
+                    ls="--",
+                    label=f"{name} (no link)",
+                    color="C7" if name == "recompute" else "C8",
+                )
+                continue
+            xs = [r["rate_mbit"] for r in runs]
+            ax.plot(xs, [r["harness"][key] / 1e3 for r in runs], "o-", label=_label(name, c))
+        warm = cfgs.get("device", {}).get("device_warm")
+        if warm and warm.get(key):
+            ax.axhline(warm[key] / 1e3, ls=":", color="k", label="device (warm, all hits)")
+        ax.set_xscale("log")
+        ax.set_xlabel("link rate to the store (Mbit/s, tc tbf)")
+        ax.set_ylabel("seconds")
+        ax.set_title(f"{title}, generated-shared-prefix, cold device cache")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.text(0.01, 0.01, "(*) = the server did not take the named path; see status in e2e.json", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "e2e_ttft.png", dpi=110)
+    plt.close(fig)
+
+
+def plot_load_latency(result: dict, out: Path) -> None:
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, c in _ok(result["configs"]).items():
+        pts = (c.get("load_latency") or {}).get("points") or []
+        pts = [p for p in pts if p.get("request_throughput")]
+        if not pts:
+            continue
+        thr = [p["request_throughput"] for p in pts]
+        axes[0].plot(thr, [p["mean_ttft_ms"] / 1e3 for p in pts], "o-", label=_label(name, c))
+        axes[1].plot(thr, [p["mean_tpot_ms"] for p in pts], "o-", label=_label(name, c))
+    link = result["args"].get("curve_link_rate")
+    axes[0].set_ylabel("mean TTFT (s)")
+    axes[1].set_ylabel("mean TPOT (ms)")
+    for ax in axes:
+        ax.set_xlabel("achieved request throughput (req/s)")
+        ax.grid(True, alpha=0.3)
+        ax.set_title(f"load-latency, remote link {link:g} Mbit/s")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "e2e_load_latency.png", dpi=110)
+    plt.close(fig)
+
+
+def plot_fetch_floor(result: dict, out: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 4.5))
+    lim = [1e9, 0.0]
+    for name, c in _ok(result["configs"]).items():
+        pts = [
+            (p["wire_floor_s"], p["fetch_s"])
+            for r in c["runs"]
+            for p in r["probe"]
+            if p.get("fetch_over_floor")
+        ]
+        if not pts:
+            continue
+        xs, ys = zip(*pts, strict=True)
+        ax.scatter(xs, ys, label=_label(name, c), s=18)
+        lim = [min(lim[0], *xs, *ys), max(lim[1], *xs, *ys)]
+    if lim[1] > 0:
+        xs = [lim[0] * 0.8, lim[1] * 1.2]
+        ax.plot(xs, xs, "k-", lw=0.8, label="= wire floor")
+        ax.plot(xs, [1.2 * x for x in xs], "k--", lw=0.8, label="1.2x floor (target)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("wire floor: compressed bytes / link rate (s)")
+    ax.set_ylabel("measured store fetch time (s)")
+    ax.set_title("per-request remote fetch vs wire floor")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "e2e_fetch_floor.png", dpi=110)
+    plt.close(fig)
+
+
+def plot_interference(result: dict, out: Path) -> None:
+    plt = _plt()
+    rows = []
+    for name, c in _ok(result["configs"]).items():
+        i = c.get("interference") or {}
+        if i.get("loaded_over_unloaded"):
+            rows.append(
+                (_label(name, c), i["unloaded_tpot"]["mean_s"] * 1e3, i["loaded_tpot"]["mean_s"] * 1e3)
+            )
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r[1] for r in rows], 0.4, label="decode alone")
+    ax.bar([x + 0.2 for x in xs], [r[2] for r in rows], 0.4, label="while other requests fetch / prefill")
+    for x, r in zip(xs, rows, strict=True):
+        ax.text(x + 0.2, r[2], f"{r[2] / r[1]:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), [r[0] for r in rows])
+    ax.set_ylabel("mean TPOT of the running decode (ms)")
+    ax.set_title("interference on a running decode")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "e2e_interference.png", dpi=110)
+    plt.close(fig)
+
+
+def plot_all(result: dict, out: Path) -> None:
+    for fn in (plot_ttft, plot_load_latency, plot_fetch_floor, plot_interference):
+        try:
+            fn(result, out)
+        except Exception:  # one broken plot must not lose the others
+            logger.exception("%s failed", fn.__name__)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    p = (
+        Path(sys.argv[1])
+        if len(sys.argv) > 1
+        else Path(__file__).resolve().parent.parent / "docs/results/e2e.json"
+    )
+    plot_all(json.loads(p.read_text()), p.parent)

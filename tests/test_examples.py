@@ -1,0 +1,101 @@
+"""Examples against a real server (marked e2e) and the bench harness's pure helpers (fast)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import e2e_server
+from sgl_remote_kv.launcher import ServerSpec, SGLangServer
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+import shared_document_qa as qa  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    store = tmp_path_factory.mktemp("store")
+    extra = ("--remote-kv", "dpu", "--remote-kv-store", f"file://{store}", "--enable-cache-report")
+    with SGLangServer(ServerSpec(model_path=model_dir, extra_args=extra, max_total_tokens=8192)) as srv:
+        yield srv
+
+
+@pytest.mark.e2e
+def test_shared_document_qa_two_questions(server):
+    doc = qa.load_document(qa.DEFAULT_DOC, 6000)
+    first = qa.run(server.base_url, clients=2, questions=2, max_tokens=8, document=doc)
+    assert len(first) == 2
+    for a in first:
+        assert a.prompt_tokens > 1000
+        assert 0 < a.ttft_s <= a.total_s
+        assert a.text
+    # the document is now in the device cache: a new question reuses it
+    (again,) = qa.run(server.base_url, clients=1, questions=1, max_tokens=8, document=doc)
+    assert again.cached_tokens > 1000
+    assert again.by_tier.get("device", 0) > 1000
+
+
+@pytest.mark.e2e
+def test_shared_document_qa_main_prints_per_question(server, capsys):
+    assert (
+        qa.main(["--base-url", server.base_url, "--clients", "2", "--questions", "2", "--max-tokens", "4"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert out.count("TTFT") == 2 and "cached" in out
+
+
+# -- bench_e2e helpers (no server) ---------------------------------------------------------------
+def test_metric_parsing_sums_labels_and_deltas(monkeypatch):
+    text = "\n".join(
+        [
+            "# HELP sglang:remote_kv_fetched_bytes_total x",
+            'sglang:remote_kv_fetched_bytes_total{tp_rank="0"} 1000.0',
+            'sglang:remote_kv_decisions_total{path="inproc",tp_rank="0"} 3.0',
+            'sglang:remote_kv_decisions_total{path="recompute"} 1.0',
+            "sglang:remote_kv_fetch_seconds_sum 0.5",
+            "sglang:other_metric 7",
+        ]
+    )
+
+    class R:
+        def __init__(self, t):
+            self.t = t
+
+        def read(self):
+            return self.t.encode()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    monkeypatch.setattr(e2e_server.urllib.request, "urlopen", lambda *a, **k: R(text))
+    m = e2e_server.scrape("http://x")
+    assert e2e_server.metric(m, "remote_kv_fetched_bytes_total") == 1000.0
+    assert e2e_server.decisions(m) == {"inproc": 3.0, "recompute": 1.0}
+    assert not any("other_metric" in k for k in m)
+    d = e2e_server.delta({"a": 5.0, "b": 1.0}, {"a": 2.0, "b": 1.0})
+    assert d == {"a": 3.0}
+
+
+def test_workload_args_are_offline_gsp():
+    wl = e2e_server.Workload(groups=3, system_len=512, turns=2)
+    a = wl.args()
+    assert a[a.index("--dataset-name") + 1] == "generated-shared-prefix"
+    assert a[a.index("--gsp-num-turns") + 1] == "2"
+    assert "--dataset-path" not in a
+
+
+def test_status_flags_a_path_the_server_did_not_take():
+    from benchmarks.bench_e2e import Bench
+
+    run = {"harness": {"remote": {"paths": {"inproc": 2.0}, "hit_tokens": 1024}}, "probe": []}
+    s = Bench.status(e2e_server.CONFIGS["dpu"], {"runs": [run]})
+    assert s.startswith("not run as 'dpu'") and "inproc" in s
+    assert Bench.status(e2e_server.CONFIGS["auto"], {"runs": [run]}) == "ok"
