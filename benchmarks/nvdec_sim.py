@@ -19,9 +19,12 @@ from sgl_remote_kv.nvdec.pool import DecoderPool, SlotWriter
 
 TRACE_DOC = (
     "piecewise-constant bandwidth: 'high' (2x the fastest balanced rate of any resolution) until t_switch, "
-    "then 'low' (0.5x the slowest); t_switch = half the chunks at the fastest policy's pace. A resolution's "
-    "balanced rate = mean blob bytes / (decode latency at full load / instances)"
+    "then 'low' (0.5x the slowest); t_switch = the time the decode stage needs for half the chunks at the "
+    "fastest resolution. A resolution's balanced rate = mean blob bytes / decode service time, the service "
+    "time = latency at full load / instances (profiled). The link stops while the bitstream buffer (chunks "
+    "queued or decoding in the pool) holds BUFFER_PER_INSTANCE x instances chunks."
 )
+BUFFER_PER_INSTANCE = 2
 
 
 def make_trace(table: adaptive.ProfileTable, n_chunks: int) -> list[tuple[float, float]]:
@@ -68,6 +71,8 @@ def fetch(order: list[int], blobs: dict, fp, table, trace, instances: int, polic
         t0 = time.perf_counter()
         link = 0.0
         for n, idx in enumerate(order):
+            while pool.load() >= BUFFER_PER_INSTANCE * instances:  # bounded bitstream buffer
+                time.sleep(0.002)
             if isinstance(policy, int):
                 res = policy
             else:
