@@ -94,7 +94,10 @@ def do_rows(ctx, choice: dict) -> list[dict]:
             "quant_deflate (256 bins/head, deflate) = default codec",
             get_codec("quant_deflate", **bench_rows.QUANT),
         ),
-        ("quant_rans (256 bins/head)", get_codec("quant_rans", **bench_rows.QUANT)),
+        (
+            "quant_deflate (256 bins/head, zstd 19)",
+            get_codec("quant_deflate", **bench_rows.QUANT, method="zstd", level=19),
+        ),
     ):
         rows.append(ctx.measure_codec(label, codec, family="entropy-coded", codec_name=type(codec).name))
     for r in bench_rows.rows(ctx, choice):
