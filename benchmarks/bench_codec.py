@@ -24,6 +24,7 @@ import os
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")  # single-thread codec timings
 
 import argparse  # noqa: E402
+import hashlib  # noqa: E402
 import importlib  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
@@ -74,8 +75,9 @@ class EvalContext:
         for t in self.texts:
             dk, dv, nbytes, te, td = _roundtrip(t, encode, decode, self.repeat if timing else 1)
             raw, blob, enc_t, dec_t = raw + t.k.nbytes + t.v.nbytes, blob + nbytes, enc_t + te, dec_t + td
-            q = quality.evaluate(self.model, t, self.baselines[t.name], dk, dv, greedy=self.greedy)
-            per_text[t.name] = {**q, "ratio": (t.k.nbytes + t.v.nbytes) / nbytes}
+            q = self.quality(t, dk, dv)
+            per_text[t.name] = {**q, "ratio": (t.k.nbytes + t.v.nbytes) / nbytes, "blob_bytes": nbytes,
+                                "bf16_bytes": t.k.nbytes + t.v.nbytes, "role": t.role}  # fmt: skip
         row = {"codec": label, "ratio": raw / blob, "bits_per_value": 16 * blob / raw}
         row["encode_mb_s"] = raw / enc_t / 1e6 if timing else None
         row["decode_mb_s"] = raw / dec_t / 1e6 if timing else None
@@ -86,6 +88,18 @@ class EvalContext:
         row["blob_bytes"], row["bf16_bytes"], row["per_text"] = blob, raw, per_text
         return row
 
+    def quality(self, t: kvdata.TextKV, dk: np.ndarray, dv: np.ndarray) -> dict:
+        """Quality of decoded KV, memoized on disk by a digest of the decoded bytes (equal quantization in
+        two codecs -> one model run)."""
+        key = f"{t.name}:{hashlib.sha256(dk.tobytes() + dv.tobytes()).hexdigest()}"
+        memo = _quality_memo()
+        hit = memo.get(key)
+        if hit is None or (self.greedy and hit.get("greedy_match") is None):
+            hit = quality.evaluate(self.model, t, self.baselines[t.name], dk, dv, greedy=self.greedy)
+            memo[key] = hit
+            _save_memo(memo)
+        return dict(hit)
+
     def measure_codec(self, label: str, codec, timing: bool = True, **extra) -> dict:
         fp = self.fingerprint
         row = self.measure(label, lambda k, v: codec.encode(k, v, fp), lambda b: codec.decode(b, fp),
@@ -93,6 +107,22 @@ class EvalContext:
         row["params"] = codec.params()
         row.setdefault("impl", type(codec).__name__)
         return row
+
+
+_MEMO_FILE = kvdata.CACHE.parent / "quality_memo.json"
+_MEMO: dict = {}
+
+
+def _quality_memo() -> dict:
+    if not _MEMO and _MEMO_FILE.exists():
+        _MEMO.update(json.loads(_MEMO_FILE.read_text()))
+    return _MEMO
+
+
+def _save_memo(memo: dict) -> None:
+    tmp = _MEMO_FILE.with_suffix(".tmp")
+    tmp.write_text(json.dumps(memo))
+    os.replace(tmp, _MEMO_FILE)
 
 
 def _chunks(t: kvdata.TextKV):
@@ -132,10 +162,27 @@ class Spec:
     codec: str
     params: tuple = ()
 
-    def make(self):
+    def make(self, ctx: EvalContext | None = None):
+        """The codec; ``quant_rans`` gets entropy tables fitted on the context's ``tune`` texts only."""
         from sgl_remote_kv.codec.base import get_codec
 
-        return get_codec(self.codec, **dict(self.params))
+        params = dict(self.params)
+        if self.codec == "quant_rans" and ctx is not None:
+            params["tables"] = fit_tables(ctx, params)
+        return get_codec(self.codec, **params)
+
+
+def fit_tables(ctx: EvalContext, params: dict):
+    """Entropy tables for ``quant_rans`` fitted on the chunks of the ``tune`` texts (held-out texts unseen)."""
+    from sgl_remote_kv.codec import quant, tables
+
+    spec = quant.QuantSpec.make(
+        **{k: params[k] for k in ("k_bins", "v_bins", "granularity", "k_channel_scale")}
+    )
+    samples = [c for t in ctx.texts if t.role == "tune" for c in _chunks(t)]
+    if not samples:
+        raise ValueError("no tune texts to fit entropy tables on")
+    return tables.fit(spec, ctx.fingerprint, samples)
 
 
 def quant(label, family, codec, k="256", v="256", gran="token", cs=False, **more) -> Spec:
@@ -199,7 +246,7 @@ def raw_bf16_row(ctx: EvalContext) -> dict:
 
 def spec_row(ctx: EvalContext, spec: Spec, timing: bool = True) -> dict | None:
     try:
-        codec = spec.make()
+        codec = spec.make(ctx)
     except (ImportError, KeyError, TypeError, ValueError) as e:
         print(f"  skip {spec.label}: {type(e).__name__}: {e}", file=sys.stderr)
         return None

@@ -70,17 +70,25 @@ def recompute_baseline(model, text: TextKV) -> Baseline:
     if f.exists():
         d = torch.load(f)
         return Baseline(d["logp"], d["greedy"].numpy())
-    ids = np.concatenate([text.prefix_ids, text.cont_ids])
+    base = compute_baseline(model, text.prefix_ids, text.cont_ids)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix(".tmp")
+    torch.save({"logp": base.logp, "greedy": torch.from_numpy(base.greedy)}, tmp)
+    os.replace(tmp, f)
+    return base
+
+
+@torch.no_grad()
+def compute_baseline(model, prefix_ids: np.ndarray, cont_ids: np.ndarray) -> Baseline:
+    """Log-probs over the continuation and greedy tokens, the model run on P + C from scratch."""
+    ids = np.concatenate([prefix_ids, cont_ids])
     out = model(input_ids=torch.from_numpy(ids[None]), use_cache=True)
-    n = len(text.prefix_ids)
+    n = len(prefix_ids)
     logp = torch.log_softmax(out.logits[0, n:].float(), dim=-1)
     cache = out.past_key_values
-    cache.crop(-(len(text.cont_ids) - 1))  # keep P + C[0]: greedy continues from there
-    greedy = _greedy_after_crop(model, cache, out.logits[0, n], n + 1)
-    tmp = f.with_suffix(".tmp")
-    torch.save({"logp": logp, "greedy": torch.from_numpy(greedy)}, tmp)
-    os.replace(tmp, f)
-    return Baseline(logp, greedy)
+    if len(cont_ids) > 1:
+        cache.crop(-(len(cont_ids) - 1))  # keep P + C[0]: greedy continues from there
+    return Baseline(logp, _greedy_after_crop(model, cache, out.logits[0, n], n + 1))
 
 
 def _greedy_after_crop(model, cache, logits0: torch.Tensor, pos: int) -> np.ndarray:

@@ -1,0 +1,250 @@
+"""Rate-distortion sweep (issue 11): every codec family's quality knobs, on real SmolLM2 KV.
+
+Each point is one codec configuration run over every text (``benchmarks.bench_codec.EvalContext``): ratio
+(bf16 bytes / blob bytes incl. headers and tables), mean next-token KL and top-1 against recomputation,
+greedy match. Points are cached in ``.cache/rd_points.json`` (keyed by codec, params and text set) so an
+interrupted sweep resumes.
+
+Selection is honest: for each family and floor the best-ratio configuration is chosen on the ``tune``
+texts only, then reported on the ``heldout`` texts (``benchmarks.kvdata.TEXT_SOURCES`` says which).
+Floors: near-lossless = mean KL <= 0.001 nats and top-1 >= 0.98; loose = mean KL <= 0.01.
+
+Writes ``docs/results/codec_rd.json`` and the plots ``codec_rd_kl.png`` / ``codec_rd_top1.png``.
+CLI: ``python -m benchmarks.bench_codec_rd [--families a,b] [--greedy] [--texts a,b]``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from benchmarks import kvdata  # noqa: E402
+from benchmarks.bench_codec import CACHEGEN_K, CACHEGEN_V, OUT, EvalContext, Spec, quant, spec_row  # noqa: E402
+
+RD_OUT = OUT.with_name("codec_rd.json")
+POINTS_CACHE = kvdata.CACHE.parent / "rd_points.json"
+FLOORS = {"near_lossless": {"kl": 0.001, "top1": 0.98}, "loose": {"kl": 0.01, "top1": 0.0}}
+OURS = ("ours-deflate", "ours-rans")
+UNIFORM = ("256", "192", "128", "96", "64", "32")
+
+
+def _scaled_cachegen(f: int) -> tuple[str, str]:
+    """CacheGen's layer-group shape with f times its bins (capped at 256)."""
+    return tuple(",".join(f"{min(256, int(b) * f)}@{s}" for b, s in (p.split("@") for p in x.split(",")))
+                 for x in (CACHEGEN_K, CACHEGEN_V))  # fmt: skip
+
+
+def family_specs(family: str) -> list[Spec]:
+    """The knob grid of one family."""
+    if family in ("ours-deflate", "ours-rans"):
+        codec = "quant_deflate" if family == "ours-deflate" else "quant_rans"
+        out = []
+        for gran, cs in (("token", False), ("head", False), ("token", True), ("head", True)):
+            for b in UNIFORM:
+                out.append(quant(f"{b}b/{gran}{'+kcs' if cs else ''}", family, codec, b, b, gran, cs))
+        for kb, vb in (("256", "128"), ("256", "64"), ("128", "64"), ("192", "96")):
+            out.append(quant(f"K{kb}/V{vb}/head+kcs", family, codec, kb, vb, "head", True))
+        return out
+    if family in ("cachegen", "shadowserve"):
+        codec = "cachegen" if family == "cachegen" else "quant_deflate"
+        out = [quant(f"{b}b/token", family, codec, b, b) for b in UNIFORM]
+        for f in (1, 2, 4, 8):
+            k, v = _scaled_cachegen(f)
+            out.append(quant(f"CacheGen bins x{f} ({k} | {v})", family, codec, k, v))
+        return out
+    if family == "int8":
+        return [quant("256b/token stored", family, "quant_deflate", method="raw")]
+    if family == "lossless":
+        return [Spec("zstd byte-shuffled", family, "lossless", (("method", "zstd"),))]
+    raise KeyError(family)
+
+
+FAMILIES = ("lossless", "int8", "shadowserve", "cachegen", "ours-deflate", "ours-rans")
+
+
+def _key(spec: Spec, ctx: EvalContext) -> str:
+    texts = ",".join(sorted(t.name for t in ctx.texts))
+    return json.dumps([spec.codec, dict(spec.params), texts, ctx.greedy], sort_keys=True)
+
+
+def sweep(ctx: EvalContext, families: list[str]) -> list[dict]:
+    cache = json.loads(POINTS_CACHE.read_text()) if POINTS_CACHE.exists() else {}
+    points = []
+    for fam in families:
+        for spec in family_specs(fam):
+            key = _key(spec, ctx)
+            if key not in cache:
+                t0 = time.perf_counter()
+                row = spec_row(ctx, spec, timing=False)
+                if row is None:
+                    continue
+                row["eval_s"] = round(time.perf_counter() - t0, 1)
+                cache[key] = row
+                POINTS_CACHE.write_text(json.dumps(cache))
+                print(f"  {fam:12s} {spec.label:40s} ratio {row['ratio']:6.2f} kl {row['kl']:.5f} "
+                      f"top1 {row['top1']:.3f} ({row['eval_s']} s)", file=sys.stderr)  # fmt: skip
+            points.append({**cache[key], "family": fam, "codec": spec.label})
+    return points
+
+
+def subset_metrics(point: dict, role: str | None) -> dict | None:
+    """Aggregate a point's per-text results over texts of ``role`` (None: all)."""
+    pt = [p for p in point["per_text"].values() if role is None or p["role"] == role]
+    if not pt:
+        return None
+    res = {"ratio": sum(p["bf16_bytes"] for p in pt) / sum(p["blob_bytes"] for p in pt), "texts": len(pt)}
+    for k in ("kl", "top1", "greedy_match"):
+        vals = [p[k] for p in pt if p.get(k) is not None]
+        res[k] = float(np.mean(vals)) if vals else None
+    return res
+
+
+def meets(m: dict, floor: dict) -> bool:
+    return m["kl"] <= floor["kl"] and m["top1"] >= floor["top1"]
+
+
+def best_at_floors(points: list[dict], tune_role: str = "tune", report_role: str = "heldout") -> dict:
+    """Per floor and family: best-ratio config on the tune texts, with its held-out and all-text numbers."""
+    out = {}
+    for fname, floor in FLOORS.items():
+        out[fname] = {}
+        for fam in dict.fromkeys(p["family"] for p in points):
+            ok = [(subset_metrics(p, tune_role), p) for p in points if p["family"] == fam]
+            ok = [(m, p) for m, p in ok if m and meets(m, floor)]
+            if not ok:
+                out[fname][fam] = None
+                continue
+            m, p = max(ok, key=lambda mp: mp[0]["ratio"])
+            held = subset_metrics(p, report_role)
+            out[fname][fam] = {"codec": p["codec"], "codec_name": p["codec_name"], "params": p["params"],
+                               "family": fam, "tune": m, "heldout": held,
+                               "heldout_meets_floor": bool(held and meets(held, floor)),
+                               "all": subset_metrics(p, None)}  # fmt: skip
+    return out
+
+
+def peer_comparison(best: dict) -> dict:
+    """Ratio of our best to the best peer, per floor (held-out ratios of tune-selected configs)."""
+    res = {}
+    for fname, fams in best.items():
+        ours = [v for f, v in fams.items() if f in OURS and v]
+        peers = [v for f, v in fams.items() if f in ("cachegen", "shadowserve", "int8") and v]
+        if ours and peers:
+            o = max(ours, key=lambda v: v["heldout"]["ratio"])
+            p = max(peers, key=lambda v: v["heldout"]["ratio"])
+            res[fname] = {"ours": o["codec"], "ours_family": o["family"], "ours_ratio": o["heldout"]["ratio"],
+                          "peer": p["codec"], "peer_family": p["family"], "peer_ratio": p["heldout"]["ratio"],
+                          "gain": o["heldout"]["ratio"] / p["heldout"]["ratio"]}  # fmt: skip
+    return res
+
+
+def recommend(best: dict) -> dict:
+    """Default quantized codec: best tune-selected ratio at the near-lossless floor among our families."""
+    fams = best["near_lossless"]
+    rec = {}
+    cands = [fams.get(f) for f in OURS if fams.get(f)]
+    if cands:
+        rec["near_lossless"] = max(cands, key=lambda v: v["tune"]["ratio"])
+    if fams.get("ours-deflate"):
+        rec["near_lossless_deflate"] = fams["ours-deflate"]
+    return rec
+
+
+# ---- plots ---------------------------------------------------------------------------------------------
+
+
+def frontier(xs: list[float], ys: list[float], lower_better: bool) -> list[int]:
+    """Indices of the Pareto frontier (higher ratio x, better y), sorted by x."""
+    order = sorted(range(len(xs)), key=lambda i: -xs[i])
+    keep, best = [], None
+    for i in order:
+        y = ys[i] if lower_better else -ys[i]
+        if best is None or y < best:
+            keep.append(i)
+            best = y
+    return sorted(keep, key=lambda i: xs[i])
+
+
+def plot(points: list[dict], metric: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for fam in dict.fromkeys(p["family"] for p in points):
+        ps = [p for p in points if p["family"] == fam and p.get(metric) is not None]
+        xs, ys = [p["ratio"] for p in ps], [max(p[metric], 1e-6) if metric == "kl" else p[metric] for p in ps]
+        (line,) = ax.plot([], [])
+        ax.scatter(xs, ys, s=12, alpha=0.35, color=line.get_color())
+        idx = frontier(xs, ys, lower_better=metric == "kl")
+        ax.plot([xs[i] for i in idx], [ys[i] for i in idx], "o-", color=line.get_color(), label=fam, ms=4)
+    if metric == "kl":
+        ax.set_yscale("log")
+        for fname, floor in FLOORS.items():
+            ax.axhline(floor["kl"], ls="--", lw=0.8, color="gray")
+            ax.text(ax.get_xlim()[0], floor["kl"], f" {fname} KL<={floor['kl']}", va="bottom", fontsize=8)
+    else:
+        ax.axhline(FLOORS["near_lossless"]["top1"], ls="--", lw=0.8, color="gray")
+    ax.set_xlabel("compression ratio (bf16 bytes / blob bytes, headers and tables included)")
+    ax.set_ylabel({"kl": "mean next-token KL vs recompute (nats, log)", "top1": "top-1 agreement"}[metric])
+    ax.set_title(f"SmolLM2-135M real KV, all texts: ratio vs {metric} (lines: Pareto front per codec)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="rate-distortion sweep over codec quality knobs")
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--texts", default="")
+    ap.add_argument("--greedy", action="store_true", help="also the 32-token greedy match (slow)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=RD_OUT)
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    names = [n for n in args.texts.split(",") if n] or None
+    ctx = EvalContext.create(names, greedy=args.greedy, threads=args.threads)
+    points = sweep(ctx, [f for f in args.families.split(",") if f])
+    best = best_at_floors(points)
+    meta = {"texts": kvdata.describe(ctx.texts), "floors": FLOORS, "runtime_s": round(time.perf_counter() - t0, 1),
+            "selection": "best ratio on role=tune texts; reported on role=heldout texts"}  # fmt: skip
+    res = {"meta": meta, "best_at_floor": best, "peer_comparison": peer_comparison(best),
+           "recommended": recommend(best), "points": points}  # fmt: skip
+    args.out.write_text(json.dumps(res, indent=1))
+    for metric in ("kl", "top1"):
+        plot(points, metric, args.out.with_name(f"codec_rd_{metric}.png"))
+    print_summary(res)
+    return 0
+
+
+def print_summary(res: dict) -> None:
+    for fname, fams in res["best_at_floor"].items():
+        print(f"== {fname} floor (selected on tune texts, reported on held-out) ==")
+        for fam, v in fams.items():
+            if v is None:
+                print(f"  {fam:14s} no config meets the floor")
+                continue
+            h, t = v["heldout"], v["tune"]
+            print(f"  {fam:14s} {v['codec']:38s} tune ratio {t['ratio']:.2f} kl {t['kl']:.5f} top1 {t['top1']:.3f}"
+                  f" | held-out ratio {h['ratio']:.2f} kl {h['kl']:.5f} top1 {h['top1']:.3f}"
+                  f"{'' if v['heldout_meets_floor'] else '  (misses floor on held-out)'}")  # fmt: skip
+    for fname, c in res["peer_comparison"].items():
+        print(f"{fname}: ours {c['ours_ratio']:.2f} ({c['ours']}) vs best peer {c['peer_ratio']:.2f} "
+              f"({c['peer_family']}: {c['peer']}) = {c['gain']:.2f}x")  # fmt: skip
+    print(f"runtime {res['meta']['runtime_s']} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
