@@ -24,6 +24,7 @@ class RemoteKVConfig:
     store_url: str = ""  # "" -> the embedded local store under env.cache_dir()/store
     chunk_size: int = 256
     codec: str = "default"
+    auth_key_file: str = ""  # "" -> values are not authenticated (see sgl_remote_kv/security.py)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -38,7 +39,12 @@ class RemoteKVConfig:
         return self.mode != "off"
 
     def resolved_store_url(self) -> str:
-        return self.store_url or f"file://{env.cache_dir() / 'store'}"
+        url = self.store_url or f"file://{env.cache_dir() / 'store'}"
+        if self.auth_key_file:
+            from sgl_remote_kv.security import auth_store_url
+
+            url = auth_store_url(url, self.auth_key_file)
+        return url
 
     # --- serialisation (JSON only) ---
     def to_json(self) -> str:
@@ -74,6 +80,7 @@ class RemoteKVConfig:
             "--remote-kv-store",
             dest="remote_kv_store",
             default="",
+            type=_store_url,
             metavar="URL",
             help="Store URL: file:///dir (embedded, default), redis://host:port/db, "
             "redis+cluster://host:port[,host:port].",
@@ -92,6 +99,15 @@ class RemoteKVConfig:
             default="default",
             help="Chunk codec name (see docs/CODEC.md); 'default' picks the near-lossless default.",
         )
+        g.add_argument(
+            "--remote-kv-auth-key-file",
+            dest="remote_kv_auth_key_file",
+            type=_auth_key_file,
+            default="",
+            metavar="PATH",
+            help="Shared secret (hex or raw, >= 16 bytes): values carry a MAC bound to their key; "
+            "others' writes become misses (docs/RELIABILITY.md).",
+        )
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> RemoteKVConfig:
@@ -100,6 +116,7 @@ class RemoteKVConfig:
             store_url=ns.remote_kv_store,
             chunk_size=ns.remote_kv_chunk_size,
             codec=ns.remote_kv_codec,
+            auth_key_file=getattr(ns, "remote_kv_auth_key_file", ""),
         )
 
 
@@ -111,3 +128,26 @@ def _chunk_size(text: str) -> int:
     if not 16 <= value <= MAX_CHUNK_SIZE or value % 16:
         raise argparse.ArgumentTypeError(f"must be a multiple of 16 in [16, {MAX_CHUNK_SIZE}], got {value}")
     return value
+
+
+def _store_url(text: str) -> str:
+    from sgl_remote_kv.preflight import check_store_url
+
+    try:
+        return check_store_url(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _auth_key_file(text: str) -> str:
+    if not text:
+        return ""
+    from pathlib import Path
+
+    from sgl_remote_kv.security import load_auth_key
+
+    try:
+        load_auth_key(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return str(Path(text).resolve())

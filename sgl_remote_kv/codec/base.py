@@ -238,13 +238,13 @@ def codec_for_header(header: ChunkHeader) -> Codec:
         raise ForeignChunk(f"unknown codec id {header.codec_id}") from None
     try:
         params = json.loads(header.params)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: hostile nesting
         raise CorruptChunk("codec params are not JSON") from None
     if not isinstance(params, dict):
         raise CorruptChunk("codec params are not an object")
     try:
         codec = cls(**params)
-    except (TypeError, ValueError, KeyError) as e:
+    except (TypeError, ValueError, KeyError, ArithmeticError) as e:  # e.g. {"level": 1e999}
         raise ForeignChunk(f"codec params not usable here: {e}") from None
     if codec.params_bytes() != header.params:
         raise ForeignChunk("codec params are not canonical")

@@ -17,6 +17,7 @@ URL schemes (resolved lazily, so using the embedded store never imports redis):
 - ``redis://host:port/db``: standalone Redis (``redis_store.py``)
 - ``redis+cluster://host:port[,host:port...]``: Redis Cluster (``redis_cluster.py``)
 - ``faulty+<inner url>``: fault-injecting wrapper around any of the above (``faulty.py``)
+- ``auth+<inner url>?auth_key_file=PATH``: MAC-authenticated values (``sgl_remote_kv/security.py``)
 
 Query parameters (``?timeout=2&prefix=srkv:``) are passed to the backend as options.
 """
@@ -198,6 +199,7 @@ _REGISTRY: dict[str, str] = {
     "redis": "sgl_remote_kv.store.redis_store:open_redis",
     "redis+cluster": "sgl_remote_kv.store.redis_cluster:open_redis_cluster",
     "faulty": "sgl_remote_kv.store.faulty:open_faulty",
+    "auth": "sgl_remote_kv.security:open_auth_store",
 }
 
 
@@ -239,6 +241,8 @@ def _scheme_of(url: str) -> str:
     if "://" not in url:
         return "file"  # a plain path
     scheme = url.split("://", 1)[0].lower()
+    if scheme.startswith("auth+"):
+        return "auth"
     if scheme.startswith("faulty+"):
         return "faulty"
     return scheme

@@ -1,0 +1,69 @@
+"""Start-up checks of the remote KV flags: one clear error before the server loads anything.
+
+``check_store_url`` validates a ``--remote-kv-store`` URL's *syntax* (known scheme, host and port,
+absolute path, numeric db) without opening it: reachability is not a start-up error, since the
+promise is that a store outage costs time, never the server. An unreachable store is reported once
+by ``store.client.open_client`` ("not reachable yet ... will retry lazily") and is a miss until it
+answers.
+
+Errors are ``ValueError`` with one line naming the URL and the problem; ``config.py`` turns them
+into ``argparse.ArgumentTypeError`` so argparse prints ``argument --remote-kv-store: ...`` and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+from urllib.parse import urlsplit
+
+from sgl_remote_kv.store import base
+
+logger = logging.getLogger(__name__)
+
+_WRAPPERS = ("auth+", "faulty+")
+
+
+def _unwrap(url: str) -> str:
+    """Strip ``auth+``/``faulty+`` prefixes (checking the auth one is complete)."""
+    while True:
+        low = url.lower()
+        if low.startswith("auth+"):
+            from sgl_remote_kv.security import split_auth_url
+
+            url, _ = split_auth_url(url)
+        elif low.startswith("faulty+"):
+            url = url[len("faulty+") :]
+        else:
+            return url
+
+
+def check_store_url(url: str) -> str:
+    """Return ``url`` unchanged if it is syntactically usable; ``ValueError`` otherwise."""
+    text = url.strip()
+    if not text:
+        return url  # empty -> the embedded default store
+    inner = _unwrap(text)
+    if "://" not in inner:
+        if inner.startswith(("-", "?")):
+            raise ValueError(f"store URL {url!r}: not a URL or a path")
+        return url  # a plain filesystem path
+    scheme = inner.split("://", 1)[0].lower()
+    if scheme not in base._REGISTRY or scheme in ("auth", "faulty"):
+        known = ", ".join(f"{s}://" for s in ("file", "redis", "redis+cluster"))
+        raise ValueError(f"store URL {url!r}: unknown scheme {scheme!r} (known: {known}, or a plain path)")
+    try:
+        parts = urlsplit(inner)
+    except ValueError as e:
+        raise ValueError(f"store URL {url!r}: {e}") from None
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(f"store URL {url!r}: file URLs need an absolute path (file:///dir)")
+        if not parts.path.startswith("/"):
+            raise ValueError(f"store URL {url!r}: file URLs need an absolute path (file:///dir)")
+        return url
+    if not parts.netloc:
+        raise ValueError(f"store URL {url!r}: missing host")
+    base.parse_host_ports(parts.netloc, url)  # ValueError on a missing host or a bad port
+    db = parts.path.strip("/")
+    if scheme == "redis" and db and not db.isdigit():
+        raise ValueError(f"store URL {url!r}: database must be a number, got {db!r}")
+    return url
