@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ablation-no-prealloc", action="store_true", help="benchmark ablation: staging buffers per chunk"
     )
+    p.add_argument("--parent-pid", type=int, default=0, help="exit when this process (the host) goes away")
     p.add_argument("--store-timeout", type=float, default=5.0, help="seconds per store call")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -93,6 +94,7 @@ def config_from_args(ns: argparse.Namespace) -> DataPlaneConfig:
         inflate_ratio=ns.inflate_ratio,
         cpus=ns.cpus,
         store_timeout_s=ns.store_timeout,
+        parent_pid=ns.parent_pid,
     )
 
 

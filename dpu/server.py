@@ -49,6 +49,7 @@ class DataPlaneConfig:
     cpus: tuple[int, ...] = ()  # process affinity (empty: inherit)
     store_timeout_s: float = 5.0
     max_jobs: int = 4096
+    parent_pid: int = 0  # when set, exit as soon as this process is no longer our parent
 
 
 class DataPlaneServer:
@@ -113,6 +114,9 @@ class DataPlaneServer:
         try:
             while not self._stop:
                 ready = dict(poller.poll(100))
+                if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
+                    logger.warning("parent %d is gone; exiting", self.cfg.parent_pid)
+                    break
                 if self.events in ready:
                     self._drain_events()
                 if self.router in ready:

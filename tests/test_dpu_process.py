@@ -220,3 +220,117 @@ def test_hostile_frames_do_not_hurt_the_data_plane(tmp_path, make_client):
     ctx.term()
     assert c.fetch("ok", keys, CHUNK, None, timeout=30).hit_chunks == 2
     assert c.stats()["restarts"] == 0
+
+
+def test_layer_wait_means_layer_is_in_the_pool(tmp_path, make_client):
+    codec = codecs()["quant"]
+    url = f"file://{tmp_path}/store"
+    keys, blobs = put_chunks(url, codec, random_chunks(4, seed=11))
+    c = make_client(url, codec)
+    target = make_pool(LAYOUT, 1024, 4 * CHUNK)
+    h = c.submit("lw", keys, CHUNK, target)
+    for layer in range(LAYOUT.num_layers):
+        assert h.wait_layer(layer, timeout=30)
+        n = h.hit_chunks_now()
+        for i in range(n):  # every hit chunk's layer is already scattered, finished or not
+            k, v = decode(blobs[i], FP)
+            pk, pv = pool_tokens(target, LAYOUT, i * CHUNK, (i + 1) * CHUNK)
+            assert np.array_equal(k[layer], pk[layer]) and np.array_equal(v[layer], pv[layer])
+    assert h.wait(timeout=30).hit_chunks == 4
+
+
+def test_bad_destination_is_rejected_not_written(tmp_path, make_client):
+    from sgl_remote_kv.dpu import protocol as P
+
+    codec = codecs()["lossless"]
+    url = f"file://{tmp_path}/store"
+    keys, _ = put_chunks(url, codec, random_chunks(1, seed=12))
+    c = make_client(url, codec)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(f"ipc://{c._proc.tmp}/dp-{c._proc.generation}.sock")
+    dest = P.ChunkDest(keys[0], CHUNK, c.dest.size - 16, 0, 4096)  # would write past the region
+    msg = P.SubmitFetch(
+        999, "evil", codec.name, codec.params_bytes(), c._wire_fp, c.dest.name.lstrip("/"), [dest]
+    )
+    s.send(P.encode(msg))
+    got = []
+    while s.poll(5000):
+        got.append(P.decode(s.recv()))
+        if isinstance(got[-1], P.JobDone):
+            break
+    s.close()
+    ctx.term()
+    assert isinstance(got[0], P.ChunkFailed) and got[0].kind == "bad_request"
+    assert got[-1] == P.JobDone(999, 0, 1)
+
+
+def test_sigterm_shuts_down_cleanly(tmp_path):
+    codec = codecs()["lossless"]
+    url = f"file://{tmp_path}/store"
+    keys, _ = put_chunks(url, codec, random_chunks(1, seed=13))
+    c = DpuClient(DpuClientConfig(url, dest_slot_bytes=2 * CB, process=_spec()), FP, codec)
+    c.start()
+    try:
+        assert c.fetch("t", keys, CHUNK, None, timeout=30).hit_chunks == 1
+    finally:
+        proc = c._proc.proc
+        c.close()
+    assert proc.returncode == 0  # SIGTERM handled: pipeline joined, sockets closed, exit 0
+
+
+def test_cli_help_lists_deployment_flags():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "sgl_remote_kv.dpu", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    for flag in ("--endpoint", "--store", "--dest-shm", "--inflate-workers", "--slot-bytes", "--cpus"):
+        assert flag in out
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+def test_data_plane_exits_when_the_host_dies(tmp_path):
+    import subprocess
+    import sys
+
+    script = f"""
+import sys, time
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from dpu_helpers import FP, codecs
+from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+from sgl_remote_kv.control.dpu_process import ProcessSpec
+spec = ProcessSpec(slot_bytes=1 << 20)
+c = DpuClient(DpuClientConfig("file://{tmp_path}/store", dest_slot_bytes=1 << 20, process=spec), FP, codecs()["lossless"])
+c.start()
+print(c.pid, flush=True)
+time.sleep(120)
+"""
+    host = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        dp_pid = int(host.stdout.readline())
+        host.kill()  # the serving process dies without cleaning up
+        host.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not _gone(dp_pid):
+            time.sleep(0.1)
+        assert _gone(dp_pid)
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait()
+        if "dp_pid" in locals() and not _gone(dp_pid):
+            os.kill(dp_pid, signal.SIGKILL)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import zmq
 
 from sgl_remote_kv.dpu import protocol as P
-from sgl_remote_kv.dpu.buffers import DestRegion, chunk_bytes, layer_bytes, plan_rounds
+from sgl_remote_kv.dpu.buffers import DestRegion, plan_rounds
 from sgl_remote_kv.types import ModelFingerprint
 
 from .dpu_process import DataPlaneProcess, ProcessSpec
@@ -178,6 +178,7 @@ class DpuClient:
             for r in handle.rounds:
                 if r.job and not r.terminal:
                     self._outbox.append(P.encode(P.Cancel(r.job, 0)))
+            self._drop_pending(handle)
             self._pump()
             self.cv.notify_all()
         self._wake()
@@ -201,7 +202,20 @@ class DpuClient:
     def _wake(self) -> None:
         with self.cv:
             if self._wake_tx is not None:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
+                try:
+                    self._wake_tx.send(b"", zmq.NOBLOCK)
+                except zmq.Again:  # plenty of wake-ups already queued
+                    pass
+
+    def _drop_pending(self, h: FetchHandle) -> None:
+        """Forget ``h``'s queued rounds that can no longer produce hits (cancelled or past a miss)."""
+        keep: deque[HostRound] = deque()
+        for r in self._pending:
+            if r.handle is h and (h.cancelled or r.chunk_lo >= h.first_fail):
+                self._lose_round(r, None)
+            else:
+                keep.append(r)
+        self._pending = keep
 
     def _pump(self) -> None:
         """Hand pending rounds free destination slots (skipping rounds already beyond a miss)."""
@@ -331,6 +345,7 @@ class DpuClient:
         for other in h.rounds:  # later rounds of this request are beyond the miss now
             if other.job and not other.terminal and other.chunk_lo > i:
                 self._outbox.append(P.encode(P.Cancel(other.job, 0)))
+        self._drop_pending(h)
         self._try_scatter(r)
 
     def _try_scatter(self, r: HostRound) -> None:
@@ -381,11 +396,3 @@ class DpuClient:
             logger.error("restarted data plane not ready yet; will retry")
         with self.cv:
             self._pump()
-
-
-def dest_bytes_for(layout, tokens_per_round: int) -> int:
-    """Destination slot size that fits ``tokens_per_round`` tokens (for sizing ``dest_slot_bytes``)."""
-    return chunk_bytes(layout, tokens_per_round)
-
-
-__all__ = ["DpuClient", "DpuClientConfig", "KVPoolTarget", "FetchHandle", "FetchResult", "layer_bytes"]

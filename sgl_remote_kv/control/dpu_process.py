@@ -58,6 +58,7 @@ def command(spec: ProcessSpec, endpoint: str, store_url: str, dest_name: str) ->
     cmd += ["--queue-depth", str(spec.queue_depth), "--slots", str(spec.slots)]
     cmd += ["--slot-bytes", str(spec.slot_bytes), "--inflate-ratio", str(spec.inflate_ratio)]
     cmd += ["--store-timeout", str(spec.store_timeout_s), "--log-level", spec.log_level]
+    cmd += ["--parent-pid", str(os.getpid())]  # the data plane exits if the serving process dies
     cmd += list(spec.extra_args)
     if cpus:
         cmd += ["--cpus", ",".join(map(str, cpus))]
