@@ -185,3 +185,13 @@ def test_rans_beats_deflate_and_cachegen_pays_for_tables():
     }
     assert sizes["quant_rans"] < sizes["quant_deflate"], sizes
     assert sizes["quant_rans"] < sizes["cachegen"], sizes
+
+
+def test_bins_specs_parse_and_merge():
+    assert quant.parse_bins("32@0,16@10") == ((0, 32), (10, 16))
+    assert quant.per_layer_spec([64, 64, 256, 256, 128]) == "64@0,256@2,128@4"
+    spec = QuantSpec.make(quant.per_layer_spec([64, 64, 256, 256, 128]), "9")
+    assert [spec.levels(i) for i in range(5)] == [(31, 4), (31, 4), (127, 4), (127, 4), (63, 4)]
+    for bad in ("16@3", "32@0,16@0", "2", "300", "x"):
+        with pytest.raises(ValueError):
+            quant.parse_bins(bad)

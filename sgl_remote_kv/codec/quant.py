@@ -52,6 +52,12 @@ def bins_spec(groups: tuple[tuple[int, int], ...]) -> str:
     return ",".join(f"{b}@{s}" for s, b in groups)
 
 
+def per_layer_spec(bins: list[int]) -> str:
+    """[192, 192, 256, ...] (bins of every layer) -> "192@0,256@2,..." (runs merged)."""
+    groups = [(i, b) for i, b in enumerate(bins) if i == 0 or bins[i - 1] != b]
+    return bins_spec(tuple(groups))
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     k_bins: tuple[tuple[int, int], ...]
