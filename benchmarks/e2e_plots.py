@@ -56,7 +56,7 @@ def plot_ttft(result: dict, out: Path) -> None:
                 continue
             xs = [r["rate_mbit"] for r in runs]
             ax.plot(xs, [r["harness"][key] / 1e3 for r in runs], "o-", label=_label(name, c))
-        warm = cfgs.get("device", {}).get("device_warm")
+        warm = next((r.get("device_warm") for r in cfgs.get("device", {}).get("runs", [])), None)
         if warm and warm.get(key):
             ax.axhline(warm[key] / 1e3, ls=":", color="k", label="device (warm, all hits)")
         ax.set_xscale("log")
@@ -111,17 +111,19 @@ def plot_fetch_floor(result: dict, out: Path) -> None:
         xs, ys = zip(*pts, strict=True)
         ax.scatter(xs, ys, label=_label(name, c), s=18)
         lim = [min(lim[0], *xs, *ys), max(lim[1], *xs, *ys)]
-    if lim[1] > 0:
+    if lim[1] == 0:
+        ax.text(0.5, 0.5, "no remote fetches recorded", ha="center", transform=ax.transAxes)
+    else:
         xs = [lim[0] * 0.8, lim[1] * 1.2]
         ax.plot(xs, xs, "k-", lw=0.8, label="= wire floor")
         ax.plot(xs, [1.2 * x for x in xs], "k--", lw=0.8, label="1.2x floor (target)")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
     ax.set_xlabel("wire floor: compressed bytes / link rate (s)")
     ax.set_ylabel("measured store fetch time (s)")
     ax.set_title("per-request remote fetch vs wire floor")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "e2e_fetch_floor.png", dpi=110)
     plt.close(fig)

@@ -1,0 +1,115 @@
+"""Derived views of an e2e result (all computed from measured fields of ``e2e.json``, nothing typed in).
+
+- ``scaling``: this machine's measured prefill rate (the recompute probe: prompt tokens / latency)
+  and, per link rate, the bandwidth that plays the same role for Llama-8B on an L40S. What decides
+  fetch-vs-recompute is how many tokens of KV the link delivers per second of prefill:
+  ``link / (kv_bytes_per_token * prefill_tok_s)``; keeping that ratio, a rate ``r`` here corresponds
+  to ``r * (128 KiB * P_L40S) / (kv_here * P_here)`` there (``P_L40S`` from ``projection.prefill_s``).
+- ``fetch_vs_floor``: every probe request's fetch/floor ratio per config and rate.
+- ``auto_vs_fixed``: per rate, auto's mean TTFT and paths next to the best fixed configuration.
+- ``interference``: loaded/unloaded TPOT per configuration.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+
+from benchmarks import projection
+
+logger = logging.getLogger(__name__)
+
+FIXED = ("recompute", "device", "raw", "dpu", "nvdec")
+
+
+def _cfgs(result: dict) -> dict:
+    return {k: v for k, v in result["configs"].items() if "runs" in v}
+
+
+def scaling(result: dict, kv_bytes_per_token: int) -> dict:
+    rec = _cfgs(result).get("recompute")
+    rows = [p for r in (rec or {}).get("runs", []) for p in r["probe"]]
+    if not rows:
+        return {"status": "no recompute probe"}
+    tok_s = statistics.median(p["prompt_tokens"] / p["latency_s"] for p in rows)
+    m, hw = projection.Model(), projection.HW
+    l40s_tok_s = 14000 / projection.prefill_s(14000, m, hw)
+    factor = (m.kv_bytes_per_token * l40s_tok_s) / (kv_bytes_per_token * tok_s)
+    rates = sorted({r["rate_mbit"] for c in _cfgs(result).values() for r in c["runs"] if r["rate_mbit"]})
+    return {
+        "cpu_prefill_tok_s": tok_s,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "l40s_llama8b_prefill_tok_s_model": l40s_tok_s,
+        "rate_scale_factor": factor,
+        "paper_equivalent_gbps": {str(r): r * factor / 1000 for r in rates},
+    }
+
+
+def fetch_vs_floor(result: dict) -> dict:
+    out = {}
+    for name, c in _cfgs(result).items():
+        for r in c["runs"]:
+            ratios = [p["fetch_over_floor"] for p in r["probe"] if p.get("fetch_over_floor")]
+            if ratios:
+                out.setdefault(name, {})[str(r["rate_mbit"])] = {
+                    "n": len(ratios),
+                    "median": statistics.median(ratios),
+                    "max": max(ratios),
+                    "within_1_2x": sum(x <= 1.2 for x in ratios),
+                    "compressed_mb_per_request": statistics.median(
+                        p["fetched_bytes"] / 1e6 for p in r["probe"] if p.get("fetch_over_floor")
+                    ),
+                }
+    return out
+
+
+def _ttft_at(c: dict, rate) -> float | None:
+    for r in c["runs"]:
+        if r["rate_mbit"] in (rate, None):
+            return r["harness"].get("mean_ttft_ms")
+    return None
+
+
+def auto_vs_fixed(result: dict) -> dict:
+    cfgs = _cfgs(result)
+    auto = cfgs.get("auto")
+    if not auto:
+        return {"status": "auto not run"}
+    out = {}
+    for r in auto["runs"]:
+        rate = r["rate_mbit"]
+        fixed = {n: _ttft_at(cfgs[n], rate) for n in FIXED if n in cfgs and _ttft_at(cfgs[n], rate)}
+        best = min(fixed, key=fixed.get) if fixed else None
+        a = r["harness"].get("mean_ttft_ms")
+        out[str(rate)] = {
+            "auto_mean_ttft_ms": a,
+            "auto_paths": r["harness"]["remote"]["paths"],
+            "auto_probe_paths": [p["paths"] for p in r["probe"]],
+            "fixed_mean_ttft_ms": fixed,
+            "best_fixed": best,
+            "auto_over_best": a / fixed[best] if best and a else None,
+        }
+    return out
+
+
+def interference(result: dict) -> dict:
+    out = {}
+    for name, c in _cfgs(result).items():
+        i = c.get("interference") or {}
+        if i.get("loaded_over_unloaded"):
+            out[name] = {
+                "unloaded_tpot_ms": i["unloaded_tpot"]["mean_s"] * 1e3,
+                "loaded_tpot_ms": i["loaded_tpot"]["mean_s"] * 1e3,
+                "ratio": i["loaded_over_unloaded"],
+                "paths": i.get("paths"),
+            }
+    return out
+
+
+def derive(result: dict, kv_bytes_per_token: int) -> dict:
+    return {
+        "scaling": scaling(result, kv_bytes_per_token),
+        "fetch_vs_floor": fetch_vs_floor(result),
+        "auto_vs_fixed": auto_vs_fixed(result),
+        "interference": interference(result),
+    }
