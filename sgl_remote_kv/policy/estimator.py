@@ -79,8 +79,10 @@ class Policy:
         self.config = cfg = config or PolicyConfig()
         self.available = available
         self._lock = threading.Lock()
-        self.bandwidth = Ewma(0.3, cfg.bw_initial_bps)
-        self.decode_bps = {p: Ewma(0.3, cfg.decode_initial_bps) for p in PATHS}
+        # EWMAs of seconds per byte (not bytes per second): time estimates need the harmonic mean,
+        # and one slow sample must be able to pull a fast estimate down.
+        self.link_spb = Ewma(0.3, 1.0 / cfg.bw_initial_bps)
+        self.decode_spb = {p: Ewma(0.3, 1.0 / cfg.decode_initial_bps) for p in PATHS}
         self.prefill = PrefillModel()
 
     def observe_fetch(
@@ -88,9 +90,9 @@ class Policy:
     ) -> None:
         with self._lock:
             if nbytes > 0 and fetch_s > 0:
-                self.bandwidth.update(nbytes / fetch_s)
+                self.link_spb.update(fetch_s / nbytes)
             if decoded_bytes > 0 and decode_s > 0:
-                self.decode_bps[path].update(decoded_bytes / decode_s)
+                self.decode_spb[path].update(decode_s / decoded_bytes)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         with self._lock:
@@ -110,8 +112,8 @@ class Policy:
             recompute = self.prefill.predict(tokens)
             best, best_t = "recompute", float("inf")
             for path in self._candidates():
-                dec = decoded_bytes / max(self.decode_bps[path].value, 1.0)
-                t = nbytes / max(self.bandwidth.value, 1.0) + dec * (1 + queue_depth.get(path, 0))
+                dec = decoded_bytes * self.decode_spb[path].value
+                t = nbytes * self.link_spb.value + dec * (1 + queue_depth.get(path, 0))
                 if t < best_t:
                     best, best_t = path, t
         if best_t > self.config.margin * recompute:

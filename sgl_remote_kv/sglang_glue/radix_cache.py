@@ -67,12 +67,18 @@ def _install_runtime(ctx, cfg: RemoteKVConfig) -> None:
     archs = getattr(ctx.model_config.hf_config, "architectures", None) or ["unknown"]
     fp = kv_io.fingerprint_for(kvcache, archs[0], ctx.server_args.model_path, ctx.tp_rank, ctx.tp_size)
     codec = runtime.resolve_codec(cfg.codec)
-    rt = runtime.RemoteKVRuntime(cfg, fp, codec, runtime.open_store_client(cfg))
+    backend = None
+    if cfg.mode in ("dpu", "auto") and runtime.GlueSettings().use_dpu:
+        from sgl_remote_kv.sglang_glue.fetch_dpu import start_dpu_backend
+
+        backend = start_dpu_backend(cfg, fp, codec, kvcache)
+    rt = runtime.RemoteKVRuntime(cfg, fp, codec, runtime.open_store_client(cfg), fetch_backend=backend)
     rt.writer = WriteBack(rt, kvcache, params.req_to_token_pool, rt.settings.writeback_queue)
     runtime.install(rt)
     logger.info(
-        "remote KV tier ready: store %s, codec %r, chunk %d, layout %s",
+        "remote KV tier ready: store %s, fetch path %s, codec %r, chunk %d, layout %s",
         cfg.resolved_store_url(),
+        rt.fetch_path,
         codec,
         cfg.chunk_size,
         fp.layout,

@@ -39,6 +39,7 @@ class GlueSettings:
     fetch_timeout_s: float = 30.0  # a fetch slower than this is cancelled and becomes a miss
     writeback_queue: int = 64  # pending write-back jobs; more are dropped (never blocks serving)
     idle_wait_s: float = 0.005  # how long an otherwise idle scheduler waits for a fetch to finish
+    use_dpu: bool = True  # --remote-kv dpu|auto: spawn the DPU data plane (in-process path if it fails)
 
 
 def resolve_codec(name: str) -> Codec:
@@ -74,11 +75,12 @@ class RemoteKVRuntime:
         self.codec = codec
         self.client = client
         self.metrics = metrics_mod.get()
-        self.policy = Policy(PolicyConfig(mode=config.mode))
         self.wakeup = threading.Event()  # set by workers when something completes
+        self.fetch_path = "dpu" if fetch_backend is not None else "inproc"
         self.fetcher = fetch_backend or InProcessFetchBackend(
             client, codec, fingerprint, config.chunk_size, on_done=self.wakeup.set
         )
+        self.policy = Policy(PolicyConfig(mode=config.mode), available=(self.fetch_path,))
         self._namespaces: dict[str | None, bytes] = {}
         self.writer = None  # set by radix_cache.build (needs the pool)
 

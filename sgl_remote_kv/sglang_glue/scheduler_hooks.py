@@ -13,6 +13,9 @@ unless ``--remote-kv`` is on and the ``remote_kv`` radix cache built the runtime
 - BEFORE ``on_idle``: with nothing to run but parked requests, wait a few ms for a worker to report
   progress instead of spinning a core.
 - BEFORE ``abort_request``: cancel parked requests' fetches and hand them to SGLang's abort path.
+- AROUND ``run_batch``: time prefill batches for the policy's prefill-time model. With the overlap
+  scheduler a batch's time includes waiting for the previous one, a slight over-estimate of
+  recompute cost (it biases towards fetching).
 
 All hooks run on the scheduler thread. The queue object lives on the scheduler instance
 (``scheduler._srkv_queue``), created on first use.
@@ -21,6 +24,7 @@ All hooks run on the scheduler thread. The queue object lives on the scheduler i
 from __future__ import annotations
 
 import logging
+import time
 
 from sgl_remote_kv.sglang_glue import runtime
 
@@ -98,6 +102,19 @@ def before_abort_request(self, recv_req, *args, **kwargs):
         q.abort(recv_req.rid or "", bool(recv_req.abort_all))
 
 
+def around_run_batch(original, self, batch, *args, **kwargs):
+    """Time pure prefill batches to fit the policy's prefill-time model (the recompute estimate)."""
+    q = self.__dict__.get(_ATTR)
+    mode = getattr(batch, "forward_mode", None)
+    if q is None or mode is None or not mode.is_extend():
+        return original(self, batch, *args, **kwargs)
+    t0 = time.perf_counter()
+    result = original(self, batch, *args, **kwargs)
+    tokens = int(getattr(batch, "extend_num_tokens", 0) or 0)
+    q.rt.policy.observe_prefill(tokens, time.perf_counter() - t0)
+    return result
+
+
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -106,3 +123,4 @@ def register() -> None:
     HookRegistry.register(f"{_SCHED}.is_fully_idle", after_is_fully_idle, HookType.AFTER)
     HookRegistry.register(f"{_SCHED}.on_idle", before_on_idle, HookType.BEFORE)
     HookRegistry.register(f"{_SCHED}.abort_request", before_abort_request, HookType.BEFORE)
+    HookRegistry.register(f"{_SCHED}.run_batch", around_run_batch, HookType.AROUND)

@@ -32,13 +32,12 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import time
-from array import array
 from dataclasses import dataclass, field
 
 import torch
 
-from sgl_remote_kv.sglang_glue import kv_io
 from sgl_remote_kv.sglang_glue.fetch import FetchHandle
+from sgl_remote_kv.sglang_glue.install import TreeInstaller
 from sgl_remote_kv.sglang_glue.runtime import RemoteKVRuntime, tenant_salt
 
 logger = logging.getLogger(__name__)
@@ -54,6 +53,9 @@ class _Parked:
     handle: FetchHandle | None = None
     remote_chunks: int = 0
     fetch_started: float = 0.0
+    prefix_node: object = None  # tree node ending at the fetched span's start, locked while fetching
+    prefix_lock: object = None
+    slots: torch.Tensor | None = None  # direct backends: reserved destination slots not yet in the tree
 
 
 class WaitingForKV:
@@ -64,9 +66,9 @@ class WaitingForKV:
         self.rt = rt
         self._release_fn = release
         self.tree = scheduler.tree_cache
-        self.allocator = self.tree.token_to_kv_pool_allocator
-        self.kvcache = self.allocator.get_kvcache()
+        self.inst = TreeInstaller(self.tree)
         self.parked: dict[str, _Parked] = {}
+        self.zombies: list[_Parked] = []  # dropped fetches whose backend may still write their slots
         self.held: list[tuple[object, object]] = []  # (req, tree lock) until the req is admitted
         self._lookups = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="srkv-lookup")
         self.enabled = self._check_supported()
@@ -82,7 +84,7 @@ class WaitingForKV:
 
     # -- admission ---------------------------------------------------------------------------------
     def busy(self) -> bool:
-        return bool(self.parked)
+        return bool(self.parked or self.zombies)
 
     def park(self, req) -> bool:
         """True if ``req`` was parked (the caller must not enqueue it)."""
@@ -93,7 +95,7 @@ class WaitingForKV:
         usable = (len(ids) - 1) // c  # always leave the last prompt token to compute
         if usable <= 0:
             return False
-        local = self._local_match(req, len(ids)).device_prefix_len
+        local = self.inst.match(req, len(ids)).device_prefix_len
         local_chunks = local // c
         if local_chunks >= usable:
             return False
@@ -110,17 +112,12 @@ class WaitingForKV:
         finally:
             self.rt.wakeup.set()
 
-    def _local_match(self, req, end: int):
-        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-
-        key = RadixKey(array("q", req.origin_input_ids[:end]), req.extra_key, cache_salt=req.cache_salt)
-        return self.tree.match_prefix(MatchPrefixParams(key=key))
-
     # -- progress ----------------------------------------------------------------------------------
     def poll(self) -> None:
         """Advance every parked request (scheduler thread, once per scheduling pass)."""
         self._release_admitted_locks()
+        if self.zombies:
+            self._reap_zombies()
         if not self.parked:
             return
         self.rt.wakeup.clear()
@@ -142,86 +139,115 @@ class WaitingForKV:
             return
         n = p.lookup.result() if p.lookup.exception() is None else 0
         self.rt.metrics.lookup("hit" if n else "miss")
-        if n == 0:
-            self._release(p)
-            return
-        c, lay = self.rt.chunk_size, self.rt.fingerprint.layout
-        raw = n * c * lay.bytes_per_token()
-        est_wire = raw // 2 if self.rt.codec.name != "lossless" else raw  # refined by observe_fetch
-        decision = self.rt.policy.decide(n * c, est_wire, raw, {"inproc": self.rt.fetcher.queue_depth()})
-        self.rt.metrics.decision(decision.path)
-        if decision.path == "recompute":
+        if n == 0 or not self._decide_fetch(p, n):
             self._release(p)
             return
         p.remote_chunks = n
         p.fetch_started = now
-        start = (p.local_chunks) * c
-        p.handle = self.rt.fetcher.submit(p.req.rid, p.keys[:n], start)
+        if not self._submit(p):
+            self._release(p)
+
+    def _decide_fetch(self, p: _Parked, n: int) -> bool:
+        c, lay = self.rt.chunk_size, self.rt.fingerprint.layout
+        raw = n * c * lay.bytes_per_token()
+        est_wire = raw // 2 if self.rt.codec.name != "lossless" else raw  # refined by observe_fetch
+        depth = {self.rt.fetch_path: self.rt.fetcher.queue_depth()}
+        decision = self.rt.policy.decide(n * c, est_wire, raw, depth)
+        self.rt.metrics.decision(decision.path)
+        return decision.path != "recompute"
+
+    def _submit(self, p: _Parked) -> bool:
+        """Lock the local prefix the fetched chunks extend; reserve slots first for direct backends."""
+        start = p.local_chunks * self.rt.chunk_size
+        m = self.inst.match(p.req, start)
+        if m.device_prefix_len < start:
+            self.rt.metrics.failure("local_prefix_evicted")
+            return False
+        p.prefix_node, p.prefix_lock = m.last_device_node, self.inst.lock(m.last_device_node)
+        keys = p.keys[: p.remote_chunks]
+        if getattr(self.rt.fetcher, "direct", False):
+            p.slots = self.inst.alloc(p.remote_chunks * self.rt.chunk_size)
+            if p.slots is None:
+                self.rt.metrics.failure("no_kv_slots")
+                self.inst.unlock(p.prefix_lock)
+                return False
+            p.handle = self.rt.fetcher.submit(p.req.rid, keys, start, p.slots)
+        else:
+            p.handle = self.rt.fetcher.submit(p.req.rid, keys, start)
+        return True
 
     def _poll_fetch(self, p: _Parked, now: float) -> None:
         h = p.handle
         assert h is not None
         if not h.done():
             if now - p.fetch_started > self.rt.settings.fetch_timeout_s:
-                h.cancel()
                 self.rt.metrics.failure("fetch_timeout")
+                self._drop(p)
                 self._release(p)
             return
         if h.failure is not None:
             self.rt.metrics.failure(h.failure)
-        self.rt.policy.observe_fetch("inproc", h.fetched_bytes, h.fetch_s, h.decoded_bytes, h.decode_s)
+        self.rt.policy.observe_fetch(
+            self.rt.fetch_path, h.fetched_bytes, h.fetch_s, h.decoded_bytes, h.decode_s
+        )
         self.rt.metrics.fetched(h.fetched_bytes, h.decoded_bytes, h.fetch_s, h.decode_s, now - p.parked_at)
-        if h.ok_tokens > 0 and h.k is not None:
-            try:
-                self._install(p, h)
-            except Exception as e:  # boundary: a failed install is a miss, never a crash
-                self.rt.metrics.failure(f"install:{type(e).__name__}")
-                logger.warning("installing fetched KV for %s failed: %r", p.req.rid, e)
+        try:
+            self._install(p, h)
+        except Exception as e:  # boundary: a failed install is a miss, never a crash
+            self.rt.metrics.failure(f"install:{type(e).__name__}")
+            logger.warning("installing fetched KV for %s failed: %r", p.req.rid, e)
+        finally:
+            self.inst.free(p.slots)  # whatever the tree did not take
+            self.inst.unlock(p.prefix_lock)
         self._release(p)
 
-    # -- install into the radix tree ---------------------------------------------------------------
     def _install(self, p: _Parked, h: FetchHandle) -> None:
-        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-        from sglang.srt.mem_cache.common import evict_from_tree_cache
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-
-        req, start = p.req, h.start_token
-        end = start + h.ok_tokens
-        m = self._local_match(req, end)
-        have = m.device_prefix_len
-        if have >= end:
-            return  # someone computed it meanwhile
-        if have < start:
-            self.rt.metrics.failure("local_prefix_evicted")
+        ok = h.ok_tokens
+        if ok <= 0:
             return
-        local_lock = self.tree.lock(m.last_device_node)
-        try:
-            n_new = end - have
-            evict_from_tree_cache(self.tree, n_new)
-            slots = self.allocator.alloc(n_new)
+        start = h.start_token
+        if p.slots is not None:  # direct: the KV is already in the reserved slots
+            slots, p.slots = p.slots[:ok], p.slots[ok:]
+        else:
+            if h.k is None:
+                return
+            slots = self.inst.alloc(ok)
             if slots is None:
                 self.rt.metrics.failure("no_kv_slots")
                 return
-            off = have - start
-            kv_io.write_kv(self.kvcache, slots, h.k[:, off : off + n_new], h.v[:, off : off + n_new])
-            prefix = self.tree.path_device_indices(m.last_device_node)[:have].to(torch.int64)
-            value = torch.cat([prefix, slots.to(device=prefix.device, dtype=torch.int64)])
-            key = RadixKey(array("q", req.origin_input_ids[:end]), req.extra_key, cache_salt=req.cache_salt)
-            res = self.tree.insert(InsertParams(key=key, value=value, prev_prefix_len=have))
-            self.held.append((req, self.tree.lock(res.last_device_node)))
-        finally:
-            self.tree.unlock(local_lock)
-        req.storage_hit_length = end - have
-        req.storage_hit_start = have
-        self.rt.metrics.hit(end - have, (end - have) // self.rt.chunk_size)
+            self.inst.scatter(slots, h.k[:, :ok], h.v[:, :ok])
+        self.held.append((p.req, self.inst.insert(p.req, p.prefix_node, start, slots)))
+        p.req.storage_hit_length = ok
+        p.req.storage_hit_start = start
+        self.rt.metrics.hit(ok, ok // self.rt.chunk_size)
         if self.rt.writer is not None:
-            self.rt.writer.note_present(req.rid, p.local_chunks + p.remote_chunks)
-        logger.debug("remote KV hit for %s: tokens [%d, %d)", req.rid, have, end)
+            self.rt.writer.note_present(p.req.rid, p.local_chunks + p.remote_chunks)
+        logger.debug("remote KV hit for %s: tokens [%d, %d)", p.req.rid, start, start + ok)
 
     # -- release / abort ---------------------------------------------------------------------------
     def _release(self, p: _Parked) -> None:
         self.parked.pop(p.req.rid, None)
         self._release_fn(p.req)
+
+    def _drop(self, p: _Parked) -> None:
+        """Give up on a fetch. Reserved slots are freed only once the backend stopped writing them."""
+        if p.lookup is not None:
+            p.lookup.cancel()
+        if p.handle is None:
+            return
+        p.handle.cancel()
+        if p.slots is not None or p.prefix_lock is not None:
+            self.zombies.append(p)
+
+    def _reap_zombies(self) -> None:
+        keep = []
+        for p in self.zombies:
+            if p.handle.done():
+                self.inst.free(p.slots)
+                self.inst.unlock(p.prefix_lock)
+            else:
+                keep.append(p)
+        self.zombies = keep
 
     def _release_admitted_locks(self) -> None:
         if not self.held:
@@ -232,7 +258,7 @@ class WaitingForKV:
             if id(req) in waiting:
                 keep.append((req, lock))
             else:
-                self.tree.unlock(lock)
+                self.inst.unlock(lock)
         self.held = keep
 
     def abort(self, rid: str, abort_all: bool) -> None:
@@ -241,10 +267,7 @@ class WaitingForKV:
         for key in list(self.parked):
             if abort_all or key.startswith(rid):
                 p = self.parked.pop(key)
-                if p.handle is not None:
-                    p.handle.cancel()
-                if p.lookup is not None:
-                    p.lookup.cancel()
+                self._drop(p)
                 self.rt.metrics.failure("aborted_while_waiting")
                 self.s.waiting_queue.append(p.req)
 
