@@ -158,18 +158,28 @@ def measured_inputs() -> tuple[Hardware, dict]:
     dpu = _load("dpu.json")
     if dpu and dpu.get("rows"):
         row = dpu["rows"][0]
-        hw = replace(hw, ratio_quant=float(row["ratio"]))
+        hw = replace(hw, ratio_quant=float(row["ratio"]), ratio_inproc=float(row["ratio"]))
         used["ratio_quant"] = f"dpu.json rows[0].ratio = {row['ratio']:.3f} ({dpu['meta'].get('codec', '?')})"
+        used["ratio_inproc"] = "same codec decoded in the serving process (our inproc path): = ratio_quant"
         used["cpu_emulated_stage_gbps"] = row.get("standalone")
         used["cpu_emulated_pipeline_gbps"] = row.get("pipeline", {}).get("gbps")
     nv = _load("nvdec.json")
-    ratio = _find_ratio(nv, ("lossless_ratio", "ratio")) if nv else None
+    ratio = _nvdec_ratio(nv) if nv else None
     if ratio:
         hw = replace(hw, ratio_video=ratio)
         used["ratio_video"] = f"nvdec.json ratio = {ratio:.3f}"
     for key in ("ratio_quant", "ratio_video"):
         used.setdefault(key, f"paper figure {getattr(hw, key)} (our file not found)")
     return hw, used
+
+
+def _nvdec_ratio(nv: dict) -> float | None:
+    """The chosen resolution's ratio (vs bf16 KV) from nvdec.json; else the first ratio found."""
+    try:
+        tpf = str(nv["choice"]["tokens_per_frame"])
+        return float(nv["resolutions"]["per_resolution"][tpf]["ratio"])
+    except (KeyError, TypeError, ValueError):
+        return _find_ratio(nv, ("lossless_ratio", "ratio"))
 
 
 def _find_ratio(obj, keys: tuple[str, ...]) -> float | None:
