@@ -1,7 +1,8 @@
-"""The ``cpu_prefix`` attention backend: unit tests on random tensors (no server).
+"""The ``cpu_prefix`` attention backend.
 
-The e2e tests (real server, real model: token-identical greedy output vs transformers, and the
-cached-prefix TTFT bound) live in ``tests/test_cpu_attention_e2e.py``.
+Unit tests on random tensors against a float64 reference and SGLang's own ``torch_native`` (no
+server), then ``e2e`` tests on one real CPU server with the float32 model: greedy tokens identical to
+transformers (plain prompts and after a cached prefix) and the cached-prefix TTFT bound.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from sgl_remote_kv.sglang_glue.cpu_attention import (  # noqa: E402
     attend_new_tokens,
     lower_right_causal_mask,
 )
+
+pytest_plugins = ["fixtures.sglang_server"]
 
 HQ, HKV, D = 9, 3, 64  # SmolLM2-135M's attention shape
 POOL = 4096
@@ -247,8 +250,6 @@ def test_cpu_platform_defaults_to_cpu_prefix():
 # ---------------------------------------------------------------------------------------------
 # e2e: a real CPU server (default backend = cpu_prefix) with the real float32 model.
 # ---------------------------------------------------------------------------------------------
-
-pytest_plugins = ["fixtures.sglang_server"]
 
 _TEXTS = ("/usr/share/common-licenses/Apache-2.0", "/usr/share/common-licenses/GPL-3")
 
