@@ -1,6 +1,6 @@
 """End-to-end benchmark with SGLang's own harness against real CPU servers (issue 8).
 
-For each configuration (``e2e_server.CONFIGS``: recompute, device, raw, dpu, nvdec, auto) one real
+For each configuration (``e2e_server.CONFIGS``: recompute, device, raw, dpu, nvdec, auto, inproc) one real
 SGLang server is started (``SGLangServer``). Remote configurations use Redis inside a network
 namespace behind a ``tc tbf``-shaped veth (``benchmarks/netshape.py``) and go through:
 
@@ -29,6 +29,8 @@ import json
 import logging
 import os
 import platform
+import signal
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -108,7 +110,7 @@ class Bench:
         self.store.set_rate(None)
         t0 = time.monotonic()
         self.harness(srv, "warm", self.wl, float("inf"), flush=False)
-        if self.a.turns > 1:
+        if self.a.turns > 1 and self.cfg_name in self.a.mt_configs:
             self.harness(srv, "warm-mt", self.multi_turn_wl(), float("inf"), flush=False)
         for ids in self.prompts:
             generate(srv.base_url, ids)
@@ -137,6 +139,7 @@ class Bench:
     def run_config(self, cfg: Config) -> dict:
         out: dict = {"config": cfg.name, "server_args": list(cfg.args), "note": cfg.note, "runs": []}
         self.log = self.work / f"{cfg.name}-harness.log"
+        self.cfg_name = cfg.name
         if cfg.remote:
             self.store.flushall()
         t0 = time.monotonic()
@@ -148,7 +151,7 @@ class Bench:
                 out["runs"].append(self.run_rate(srv, cfg, rate))
             if cfg.name in self.a.curve_configs:
                 out["load_latency"] = self.load_curve(srv, cfg)
-            if self.a.turns > 1:
+            if self.a.turns > 1 and cfg.name in self.a.mt_configs:
                 out["multi_turn"] = self.harness(
                     srv, f"{cfg.name}-mt", self.multi_turn_wl(), float("inf"), True
                 )
@@ -164,7 +167,8 @@ class Bench:
         if cfg.name == "device":  # same workload again on the now-warm device cache: the ceiling
             run["device_warm"] = self.harness(srv, "device-warm", self.wl, float("inf"), flush=False)
         flush_device_cache(srv.base_url)
-        run["probe"] = fetch_probe(srv.base_url, self.prompts, rate)
+        wire = self.store.wire_bytes if cfg.remote else None
+        run["probe"] = fetch_probe(srv.base_url, self.prompts, rate, wire)
         return run
 
     def load_curve(self, srv, cfg: Config) -> dict:
@@ -233,6 +237,9 @@ def run(args: argparse.Namespace) -> dict:
     if remote_names and not ok:
         for c in remote_names:
             result["configs"][c] = {"status": f"not run: network namespaces not permitted ({reason})"}
+    for item in args.not_run:
+        name, _, reason = item.partition("=")
+        result["configs"][name] = {"status": f"not run: {reason}"}
     for name in args.configs:
         if name in result["configs"]:
             continue
@@ -263,7 +270,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None)
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="link rates, Mbit/s")
     ap.add_argument("--request-rates", type=float, nargs="+", default=None, help="load-latency curve, req/s")
-    ap.add_argument("--curve-configs", nargs="+", default=["recompute", "device", "dpu", "auto"])
+    ap.add_argument("--curve-configs", nargs="+", default=["recompute", "device", "dpu", "inproc"])
+    ap.add_argument("--mt-configs", nargs="+", default=["device", "dpu", "inproc"], help="multi-turn runs")
+    ap.add_argument("--not-run", nargs="*", default=[], metavar="NAME=REASON", help="record a skipped config")
     ap.add_argument("--curve-link-rate", type=float, default=100.0, help="Mbit/s for curve/interference")
     ap.add_argument("--groups", type=int, default=None)
     ap.add_argument("--per-group", type=int, default=1)
@@ -283,7 +292,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=RESULTS)
     a = ap.parse_args(argv)
     q = a.quick
-    a.configs = a.configs or (["recompute", "device", "dpu", "auto"] if q else list(CONFIGS))
+    a.configs = a.configs or (["recompute", "device", "dpu", "inproc", "auto"] if q else list(CONFIGS))
     a.rates = a.rates or ([25.0, 400.0] if q else [10.0, 25.0, 100.0, 400.0])
     a.request_rates = a.request_rates or ([0.2, float("inf")] if q else [0.1, 0.2, 0.4, float("inf")])
     a.groups = a.groups or (3 if q else 6)
@@ -294,6 +303,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # SIGTERM unwinds like Ctrl-C, so servers, redis and the namespace are removed on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
     result = run(args)

@@ -113,3 +113,54 @@ def derive(result: dict, kv_bytes_per_token: int) -> dict:
         "auto_vs_fixed": auto_vs_fixed(result),
         "interference": interference(result),
     }
+
+
+# -- markdown tables for docs/RESULTS.md (printed, pasted by hand; every cell from e2e.json) ----------
+def _f(x, fmt="{:.0f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def tables(result: dict) -> str:
+    lines = [
+        "| config | link Mbit/s | TTFT mean / p50 / p90 (ms) | TPOT mean (ms) | req/s | cached dev/storage tok | remote paths |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, c in result["configs"].items():
+        if "runs" not in c:
+            lines.append(f"| {name} | - | {c.get('status', '?')} | | | | |")
+            continue
+        for r in c["runs"]:
+            for tag, h in ((name, r["harness"]), (f"{name} (warm)", r.get("device_warm"))):
+                if not h:
+                    continue
+                cr = h.get("cache_report") or {}
+                lines.append(
+                    f"| {tag} | {_f(r['rate_mbit'])} | {_f(h['mean_ttft_ms'])} / {_f(h['median_ttft_ms'])} / "
+                    f"{_f(h['p90_ttft_ms'])} | {_f(h['mean_tpot_ms'])} | {_f(h['request_throughput'], '{:.3f}')} | "
+                    f"{cr.get('device_cached_tokens')}/{cr.get('storage_cached_tokens')} | {h['remote']['paths'] or '-'} |"
+                )
+    lines += [
+        "",
+        "| config | link Mbit/s | probe: tokens, MB on wire, fetch s, floor s, fetch/floor, latency s, path |",
+        "|---|---|---|",
+    ]
+    for name, c in result["configs"].items():
+        for r in c.get("runs", []):
+            cells = [
+                f"{p['prompt_tokens']} tok, {_f(p['fetched_bytes'] / 1e6, '{:.2f}')} MB, {_f(p['fetch_s'], '{:.2f}')}, "
+                f"{_f(p['wire_floor_s'], '{:.2f}')}, {_f(p['fetch_over_floor'], '{:.2f}')}x, "
+                f"{p['latency_s']:.2f}, {p['paths'] or '-'}"
+                for p in r["probe"]
+            ]
+            lines.append(f"| {name} | {_f(r['rate_mbit'])} | {'; '.join(cells)} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    from pathlib import Path
+
+    res = json.loads(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/results/e2e.json").read_text())
+    print(tables(res))
+    print(json.dumps(res.get("derived"), indent=1))

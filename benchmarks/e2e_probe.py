@@ -63,18 +63,32 @@ def generate(base_url: str, input_ids: list[int], max_new_tokens: int = 1, timeo
         return json.loads(r.read())
 
 
-def fetch_probe(base_url: str, prompts: list[list[int]], rate_mbit: float | None) -> list[dict]:
-    """One request at a time; per request: latency, fetch time, bytes, wire floor, path taken."""
+def fetch_probe(
+    base_url: str, prompts: list[list[int]], rate_mbit: float | None, wire_bytes=None
+) -> list[dict]:
+    """One request at a time; per request: latency, fetch time, bytes, wire floor, path taken.
+
+    ``wire_bytes()`` (the veth's received-bytes counter) measures what crossed the shaped link for
+    the request, headers included; the server's ``fetched_bytes`` counter is the payload as the
+    in-process backend saw it (the DPU backend does not report it per job). The floor uses the
+    payload when known, else the wire count. ``fetch_s`` is the backend's own time (store get for
+    in-process; the whole pipelined job for the DPU); ``kv_wait_s`` is park-to-release as the request
+    lived it (lookup + fetch + decode + install).
+    """
     rows = []
     for ids in prompts:
-        before = scrape(base_url)
+        before, w0 = scrape(base_url), wire_bytes() if wire_bytes else 0
         t0 = time.perf_counter()
         out = generate(base_url, ids)
         latency = time.perf_counter() - t0
         time.sleep(0.3)  # metrics are updated by the scheduler after the request was released
         d = delta(scrape(base_url), before)
-        nbytes = metric(d, "remote_kv_fetched_bytes_total")
-        fetch_s = metric(d, "remote_kv_fetch_seconds_sum")
+        wire = wire_bytes() - w0 if wire_bytes else None
+        hit = metric(d, "remote_kv_hit_tokens_total")
+        payload = metric(d, "remote_kv_fetched_bytes_total") or None
+        nbytes = payload or (wire if hit else None)
+        fetch_s = metric(d, "remote_kv_fetch_seconds_sum") if hit else None
+        wait_s = metric(d, "remote_kv_kv_wait_seconds_sum") if hit else None
         floor = nbytes * 8 / (rate_mbit * 1e6) if rate_mbit and nbytes else None
         meta = out.get("meta_info", {})
         rows.append(
@@ -83,14 +97,17 @@ def fetch_probe(base_url: str, prompts: list[list[int]], rate_mbit: float | None
                 "latency_s": latency,
                 "cached_tokens": meta.get("cached_tokens"),
                 "cached_tokens_details": meta.get("cached_tokens_details"),
-                "remote_hit_tokens": metric(d, "remote_kv_hit_tokens_total"),
-                "fetched_bytes": nbytes,
+                "remote_hit_tokens": hit,
+                "payload_bytes": payload,
+                "wire_bytes": wire,
+                "fetched_bytes": nbytes or 0,
                 "decoded_bytes": metric(d, "remote_kv_decoded_bytes_total"),
-                "fetch_s": fetch_s if nbytes else None,
-                "decode_s": metric(d, "remote_kv_decode_seconds_sum") if nbytes else None,
-                "kv_wait_s": metric(d, "remote_kv_kv_wait_seconds_sum") or None,
+                "fetch_s": fetch_s,
+                "decode_s": metric(d, "remote_kv_decode_seconds_sum") if hit else None,
+                "kv_wait_s": wait_s,
                 "wire_floor_s": floor,
-                "fetch_over_floor": fetch_s / floor if floor else None,
+                "fetch_over_floor": fetch_s / floor if floor and fetch_s else None,
+                "kv_wait_over_floor": wait_s / floor if floor and wait_s else None,
                 "paths": decisions(d),
                 "failures": {k: v for k, v in d.items() if "failures" in k},
             }
