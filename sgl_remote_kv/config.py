@@ -111,6 +111,15 @@ class RemoteKVConfig:
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> RemoteKVConfig:
+        cfg = cls._from_namespace(ns)
+        if cfg.enabled and getattr(ns, "remote_kv_probe_store", True):
+            from sgl_remote_kv.preflight import probe_store_async
+
+            probe_store_async(cfg.resolved_store_url())  # one warning if unreachable; never blocks
+        return cfg
+
+    @classmethod
+    def _from_namespace(cls, ns: argparse.Namespace) -> RemoteKVConfig:
         return cls(
             mode=ns.remote_kv,
             store_url=ns.remote_kv_store,

@@ -3,8 +3,8 @@
 ``check_store_url`` validates a ``--remote-kv-store`` URL's *syntax* (known scheme, host and port,
 absolute path, numeric db) without opening it: reachability is not a start-up error, since the
 promise is that a store outage costs time, never the server. An unreachable store is reported once
-by ``store.client.open_client`` ("not reachable yet ... will retry lazily") and is a miss until it
-answers.
+once at start by ``probe_store_async`` (a background probe from the launcher process) and is a miss
+until it answers.
 
 Errors are ``ValueError`` with one line naming the URL and the problem; ``config.py`` turns them
 into ``argparse.ArgumentTypeError`` so argparse prints ``argument --remote-kv-store: ...`` and exits.
@@ -13,6 +13,7 @@ into ``argparse.ArgumentTypeError`` so argparse prints ``argument --remote-kv-st
 from __future__ import annotations
 
 import logging
+import threading
 from urllib.parse import urlsplit
 
 from sgl_remote_kv.store import base
@@ -67,3 +68,52 @@ def check_store_url(url: str) -> str:
     if scheme == "redis" and db and not db.isdigit():
         raise ValueError(f"store URL {url!r}: database must be a number, got {db!r}")
     return url
+
+
+def probe_store_async(url: str, timeout_s: float = 3.0) -> threading.Thread:
+    """Check in the background that the store answers; log ONE clear warning if it does not.
+
+    Never raises and never delays start-up: an unreachable store is a miss until it answers.
+    """
+    t = threading.Thread(target=_probe, args=(url, timeout_s), name="srkv-store-probe", daemon=True)
+    t.start()
+    return t
+
+
+def _probe(url: str, timeout_s: float) -> None:
+    done = threading.Event()
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            store = base.open_store(url)
+            try:
+                store.count_prefix([bytes(base.KEY_BYTES)])
+            finally:
+                store.close()
+        except Exception as e:  # reported below; a probe must never take the server down
+            error.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="srkv-store-probe-call", daemon=True).start()
+    if not done.wait(timeout_s):
+        error.append(TimeoutError(f"no answer in {timeout_s:.0f} s"))
+    if error:
+        logger.warning(
+            "remote KV store %s is unreachable at start (%s: %s); serving continues, every lookup is a "
+            "miss until the store answers",
+            _redact(url),
+            type(error[0]).__name__,
+            error[0],
+        )
+    else:
+        logger.info("remote KV store %s reachable", _redact(url))
+
+
+def _redact(url: str) -> str:
+    """Hide a password in ``scheme://:pw@host``."""
+    head, sep, rest = url.partition("://")
+    if "@" in rest.split("/", 1)[0]:
+        rest = "***@" + rest.split("@", 1)[1]
+    return head + sep + rest

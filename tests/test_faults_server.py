@@ -130,8 +130,8 @@ def _in_fetch_then(srv, case, action, wait_s: float = 120) -> dict:
 
 
 def test_store_unreachable_at_start_then_recovers(srv, proxy, tok):
-    lines = log_matches(srv.log_text(), r"not reachable yet")
-    assert 1 <= len(lines) <= 2, lines  # once per process that opens the store (scheduler, data plane)
+    lines = wait_for(lambda: log_matches(srv.log_text(), r"unreachable at start"), 30, what="start warning")
+    assert len(lines) == 1 and proxy.address in lines[0], lines  # one clear line, naming the store
     case = make_case(tok, "unreachable-at-start")
     out = gen(srv, case.ids)
     case.ref = out["output_ids"]
@@ -340,7 +340,8 @@ def test_tenants_never_share_remote_kv_nor_observe_each_others_prefix(srv, tok, 
 def test_failures_are_logged_once_not_per_token(srv):
     """Across every fault above (hundreds of failed store calls and chunks), each warning message
     appears a bounded number of times: once per process and fault episode, never per chunk/token."""
-    warnings = log_matches(srv.log_text(), r"WARNING|warning|failed")
+    ours = r"(?i)store|remote[- ]kv|data plane|write-back|breaker|fetch"
+    warnings = [ln for ln in log_matches(srv.log_text(), ours) if "server_args=" not in ln]
     templates: dict[str, int] = {}
     for line in warnings:
         key = " ".join(w for w in line.split()[2:12] if not any(c.isdigit() for c in w))

@@ -14,7 +14,7 @@ import pytest
 
 from sgl_remote_kv import env
 from sgl_remote_kv.config import RemoteKVConfig
-from sgl_remote_kv.preflight import check_store_url
+from sgl_remote_kv.preflight import check_store_url, probe_store_async
 
 BAD_URLS = {
     "ftp://host/x": "unknown scheme",
@@ -64,6 +64,23 @@ def test_good_store_urls_pass_without_touching_the_network(url):
     ns = _parser().parse_args(["--remote-kv", "dpu", f"--remote-kv-store={url}"])
     assert RemoteKVConfig.from_namespace(ns).store_url == url
     assert time.perf_counter() - t0 < 0.5  # syntax only: an unreachable host costs nothing here
+
+
+def test_unreachable_store_is_one_warning_not_an_error(tmp_path, caplog):
+    from sgl_remote_kv.store.redis_server import free_port
+
+    with caplog.at_level("INFO", logger="sgl_remote_kv.preflight"):
+        t0 = time.perf_counter()
+        port = free_port()
+        t = probe_store_async(f"redis://:secret@127.0.0.1:{port}/0?timeout=0.5")
+        assert time.perf_counter() - t0 < 0.2  # never delays start-up
+        t.join(10)
+        probe_store_async(f"file://{tmp_path / 's'}").join(10)
+    msgs = [r for r in caplog.records if str(port) in r.getMessage() or "/s " in r.getMessage()]
+    warnings = [r.getMessage() for r in msgs if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "unreachable at start" in warnings[0], warnings
+    assert "secret" not in warnings[0]  # the password is redacted
+    assert any("reachable" in r.getMessage() and r.levelname == "INFO" for r in msgs)
 
 
 def _launch(model_dir: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -1,0 +1,287 @@
+"""Soak: mixed multi-turn traffic against one real CPU SGLang server while faults are injected at
+random; every answer is compared token by token with a cold recompute. Writes docs/results/soak.json.
+
+Setup: real redis-server behind ``tests.fixtures.faults.TcpProxy`` (network faults), the server with
+``--remote-kv dpu`` (lossless codec, float32: answers must be identical), store values corrupted
+directly in Redis, the data plane signalled by PID.
+
+Phases:
+1. references: with the store unreachable (proxy down: nothing fetched, nothing written) and the local
+   cache flushed before each, every (conversation, turn) prompt is computed once: the recompute answer;
+2. soak: ``--requests`` requests (bounded by ``--max-minutes``) picking a random conversation turn;
+   half of them after a local cache flush (forcing remote fetches); a fault episode starts with
+   probability ``--fault-prob`` when none is active and lasts 1-4 requests;
+3. end: RSS of the server's process tree and used KV slots (``sglang:num_used_tokens`` after a cache
+   flush, so anything left is a leak) are compared with the values after warm-up.
+
+Usage: ``python -m benchmarks.soak [--requests 120] [--max-minutes 25] [--seed 0]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import re
+import signal
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from sgl_remote_kv.launcher import ServerSpec, SGLangServer
+from sgl_remote_kv.model import ensure_model
+from sgl_remote_kv.store.client import frame, unframe
+from sgl_remote_kv.store.redis_server import RedisServer, free_port
+from tests.fixtures.faults import TcpProxy, data_plane_procs, tree_rss_mb
+from tests.fixtures.remote_kv_server import CHUNK, flush_cache, post, storage_tokens
+
+logger = logging.getLogger(__name__)
+
+OUT = Path("docs/results/soak.json")
+FAULT_KINDS = (
+    "store_outage",
+    "slow_store",
+    "flaky_store",
+    "hung_store",
+    "writeback_cut",
+    "corrupt_blob",
+    "dpu_sigkill",
+    "dpu_sigstop",
+    "dpu_sigterm",
+)
+TOPICS = ["tides", "bread", "glaciers", "bridges", "owls", "volcanoes", "compilers", "orchards"]
+
+
+def conversations(tok, n: int, turns: int) -> list[list[list[int]]]:
+    """``n`` chats of ``turns`` growing prompts (fixed assistant replies keep traffic deterministic)."""
+    out = []
+    for c in range(n):
+        topic = TOPICS[c % len(TOPICS)]
+        msgs = [{"role": "system", "content": f"You are a patient tutor on {topic}. Session {c}."}]
+        prompts = []
+        for t in range(turns):
+            detail = " ".join(
+                f"Point {t}.{i}: {topic} matter for reason {i * (c + 3) % 17}." for i in range(12)
+            )
+            msgs.append({"role": "user", "content": f"Question {t} about {topic}. {detail} Explain briefly."})
+            prompts.append(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+            msgs.append({"role": "assistant", "content": f"Answer {t}: {topic} are interesting. " * 6})
+        out.append(prompts)
+    return out
+
+
+def generate(srv, ids, salt: str | None = "soak") -> dict:
+    payload = {"input_ids": list(ids), "sampling_params": {"temperature": 0, "max_new_tokens": 12}}
+    if salt:
+        payload["cache_salt"] = salt
+    return post(srv.base_url + "/generate", payload, timeout=600)
+
+
+def used_kv_tokens(srv) -> float:
+    with urllib.request.urlopen(srv.base_url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    vals = [float(m.group(1)) for m in re.finditer(r"^sglang:num_used_tokens\{[^}]*\}\s+(\S+)$", text, re.M)]
+    return sum(vals)
+
+
+class Injector:
+    """Starts and clears one fault episode at a time (see module docstring)."""
+
+    def __init__(self, srv, proxy: TcpProxy, rdb, rng: random.Random) -> None:
+        self.srv, self.proxy, self.rdb, self.rng = srv, proxy, rdb, rng
+        self.counts = {k: 0 for k in FAULT_KINDS}
+        self.active: str | None = None
+        self.signal_on_next: int | None = None
+
+    def start(self, kind: str) -> None:
+        self.counts[kind] += 1
+        self.active = kind
+        p = self.proxy
+        if kind == "store_outage":
+            p.set_down(True)
+        elif kind == "slow_store":
+            p.delay_s = self.rng.choice([0.1, 0.5, 3.0])
+        elif kind == "flaky_store":
+            p.reset_rate = 0.3
+        elif kind == "hung_store":
+            p.stall = True
+        elif kind == "writeback_cut":
+            p.arm_cut(self.rng.randint(1, 6) << 20)
+        elif kind == "corrupt_blob":
+            self._corrupt_some()
+        else:
+            p.delay_s = 0.3  # keep fetches in flight when the signal lands
+            self.signal_on_next = {
+                "dpu_sigkill": signal.SIGKILL,
+                "dpu_sigstop": signal.SIGSTOP,
+                "dpu_sigterm": signal.SIGTERM,
+            }[kind]
+
+    def _corrupt_some(self) -> None:
+        keys = [k for _, k in zip(range(200), self.rdb.scan_iter(match=b"srkv:*", count=100), strict=False)]
+        for rkey in self.rng.sample(keys, min(3, len(keys))):
+            raw = self.rdb.get(rkey)
+            if not raw:
+                continue
+            mode = self.rng.randrange(3)
+            if mode == 0:
+                bad = raw[: len(raw) // 2]
+            elif mode == 1:
+                bad = bytearray(raw)
+                bad[self.rng.randrange(len(bad))] ^= 0xFF
+            else:  # well-framed, codec-level corruption
+                payload = bytearray(unframe(rkey[5:], raw) or b"\x00" * 64)
+                payload[self.rng.randrange(len(payload))] ^= 0x01
+                bad = frame(rkey[5:], bytes(payload))
+            self.rdb.set(rkey, bytes(bad))
+
+    def fire_signal(self) -> None:
+        if self.signal_on_next is None:
+            return
+        sig, self.signal_on_next = self.signal_on_next, None
+        time.sleep(self.rng.uniform(0.0, 1.0))
+        for p in data_plane_procs(self.srv.proc.pid)[:1]:
+            os.kill(p.pid, sig)
+            if sig == signal.SIGSTOP:
+                threading.Timer(30.0, _cont, args=(p.pid,)).start()
+
+    def clear(self) -> None:
+        self.proxy.clear()
+        self.proxy.set_down(False)
+        if self.active == "hung_store":
+            self.proxy.drop_connections()
+        self.active = None
+
+
+def _cont(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
+def run(args) -> dict:
+    import redis
+    from transformers import AutoTokenizer
+
+    model = str(ensure_model("float32"))
+    tok = AutoTokenizer.from_pretrained(model)
+    convs = conversations(tok, args.conversations, args.turns)
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory(prefix="srkv-soak-") as tmp:
+        rs = RedisServer(Path(tmp) / "redis", free_port()).start()
+        proxy = TcpProxy("127.0.0.1", rs.port, seed=args.seed)
+        rdb = redis.Redis(port=rs.port)
+        extra = ("--enable-metrics", "--enable-cache-report", "--attention-backend", "torch_native")
+        extra += ("--remote-kv", "dpu", "--remote-kv-store", f"redis://{proxy.address}/0?timeout=1")
+        extra += ("--remote-kv-chunk-size", str(CHUNK), "--remote-kv-codec", "lossless")
+        spec = ServerSpec(
+            model_path=model, extra_args=extra, max_total_tokens=8192, log_path=f"{tmp}/server.log"
+        )
+        try:
+            with SGLangServer(spec) as srv:
+                return soak(srv, proxy, rdb, convs, rng, args)
+        finally:
+            proxy.close()
+            rdb.close()
+            rs.stop(kill=True)
+
+
+def references(srv, proxy: TcpProxy, convs) -> dict[tuple[int, int], list[int]]:
+    proxy.set_down(True)  # nothing fetched, nothing written: pure recompute
+    refs = {}
+    for c, prompts in enumerate(convs):
+        for t, ids in enumerate(prompts):
+            flush_cache(srv)
+            refs[(c, t)] = generate(srv, ids, salt=None)["output_ids"]
+    proxy.set_down(False)
+    return refs
+
+
+def soak(srv, proxy, rdb, convs, rng, args) -> dict:
+    t_start = time.monotonic()
+    refs = references(srv, proxy, convs)
+    for prompts in convs:  # warm-up: populate the store under the soak tenant
+        generate(srv, prompts[0])
+    time.sleep(3)
+    flush_cache(srv)
+    rss_start, kv_start = tree_rss_mb(srv.proc.pid), used_kv_tokens(srv)
+    inj = Injector(srv, proxy, rdb, rng)
+    stats = {"requests": 0, "tokens_compared": 0, "wrong_tokens": 0, "remote_hit_tokens": 0}
+    stats.update({"recoveries": 0, "fault_episodes_seen_recovering": 0})
+    remaining, awaiting_recovery = 0, False
+    deadline = t_start + args.max_minutes * 60
+    while stats["requests"] < args.requests and time.monotonic() < deadline:
+        if inj.active is None and rng.random() < args.fault_prob:
+            inj.start(rng.choice(FAULT_KINDS))
+            remaining = rng.randint(1, 4)
+        if rng.random() < 0.5:
+            flush_cache(srv)
+        c = rng.randrange(len(convs))
+        t = rng.randrange(len(convs[c]))
+        sig_thread = threading.Thread(target=inj.fire_signal)
+        sig_thread.start()
+        out = generate(srv, convs[c][t])
+        sig_thread.join()
+        ref = refs[(c, t)]
+        got = out["output_ids"]
+        stats["requests"] += 1
+        stats["tokens_compared"] += len(ref)
+        stats["wrong_tokens"] += sum(a != b for a, b in zip(got, ref, strict=False)) + abs(
+            len(got) - len(ref)
+        )
+        hit = storage_tokens(out)
+        stats["remote_hit_tokens"] += hit
+        if awaiting_recovery and inj.active is None and hit > 0:
+            stats["recoveries"] += 1
+            awaiting_recovery = False
+        if inj.active is not None:
+            remaining -= 1
+            if remaining <= 0:
+                inj.clear()
+                awaiting_recovery = True
+    inj.clear()
+    time.sleep(5)  # let write-backs and a restarted data plane settle
+    flush_cache(srv)
+    log = srv.log_text()
+    return {
+        **stats,
+        "faults": inj.counts,
+        "fault_episodes": sum(inj.counts.values()),
+        "server_restarts": 0,  # the SGLang server process never restarted (a death aborts the run)
+        "server_alive": srv.proc.poll() is None,
+        "dataplane_restarts": len(re.findall(r"restarting data plane", log)),
+        "rss_mb_start": round(rss_start, 1),
+        "rss_mb_end": round(tree_rss_mb(srv.proc.pid), 1),
+        "kv_used_tokens_start": kv_start,
+        "kv_used_tokens_end": used_kv_tokens(srv),
+        "elapsed_s": round(time.monotonic() - t_start, 1),
+        "config": vars(args),
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=120)
+    ap.add_argument("--max-minutes", type=float, default=25.0)
+    ap.add_argument("--fault-prob", type=float, default=0.3)
+    ap.add_argument("--conversations", type=int, default=5)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    result = run(args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "config"}, indent=2))
+    if result["wrong_tokens"] or not result["server_alive"]:
+        raise SystemExit("soak FAILED: wrong tokens or server died")
+
+
+if __name__ == "__main__":
+    main()
