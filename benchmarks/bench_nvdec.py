@@ -162,7 +162,7 @@ def do_throughput(blobs: dict, fp, raw_per_chunk: int, instances: int) -> dict:
     return out
 
 
-def do_adaptive(blobs: dict, fp, tiling: str, instances: int, rounds: int) -> dict:
+def do_adaptive(blobs: dict, fp, tiling: str, instances: int, rounds: int, repeats: int) -> dict:
     key = adaptive.table_key(
         {**bench_rows.QUANT, "tiling": tiling, "resolutions": sorted(blobs)}, "cpu", instances
     )
@@ -170,7 +170,7 @@ def do_adaptive(blobs: dict, fp, tiling: str, instances: int, rounds: int) -> di
         table = adaptive.load_or_profile(key, lambda: adaptive.profile(pool, fp, blobs, lambda: (lambda fc: None)),
                                          refresh=True)  # fmt: skip
     log(f"profile: {table}")
-    runs = run_fetch(blobs, fp, table, instances, rounds)
+    runs = run_fetch(blobs, fp, table, instances, rounds, repeats)
     return {"profile": json.loads(table.to_json()), "profile_path": str(adaptive.default_path(key)),
             "trace": TRACE_DOC, **runs}  # fmt: skip
 
@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--greedy", action="store_true", help="also the 32-token greedy match (slow)")
     ap.add_argument("--instances", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="passes over the tune chunks in the fetch")
+    ap.add_argument("--fetch-repeats", type=int, default=2, help="interleaved repeats of every fetch policy")
     ap.add_argument("--skip-rows", action="store_true", help="skip the codec-table rows (quality runs)")
     ap.add_argument("--reuse-rows", action="store_true", help="keep the rows of an existing --out file")
     ap.add_argument("--out", default=str(OUT))
@@ -214,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(doc, indent=1))  # early write: bench_rows reads the choice
     raw_chunk = sweep["bf16_bytes"] / sweep["chunks"]
     doc["throughput"] = do_throughput(blobs, fp, raw_chunk, args.instances)
-    doc["adaptive"] = do_adaptive(blobs, fp, doc["choice"]["tiling"], args.instances, args.rounds)
+    doc["adaptive"] = do_adaptive(
+        blobs, fp, doc["choice"]["tiling"], args.instances, args.rounds, args.fetch_repeats
+    )
     doc["long_chunks"] = do_long(texts, fp, doc["choice"])
     Path(args.out).write_text(json.dumps(doc, indent=1))
     if prev_rows:

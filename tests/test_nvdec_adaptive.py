@@ -93,3 +93,12 @@ def test_profile_with_the_real_pool():
     assert table.size_bytes == tuple(len(blobs[n][0]) for n in (4, 16))
     assert ad.ProfileTable.from_json(table.to_json()) == table
     assert ad.choose({4: 100, 16: 100}, 1e9, table, 1).resolution in (4, 16)
+
+
+def test_simulated_link_integrates_the_bandwidth_trace():
+    from benchmarks.nvdec_sim import transmit_time
+
+    trace = [(0.0, 100.0), (2.0, 10.0)]
+    assert transmit_time(50, 0.0, trace) == pytest.approx(0.5)
+    assert transmit_time(150, 1.0, trace) == pytest.approx(1.0 + 5.0)  # 100 B in the first second, 50 B at 10 B/s
+    assert transmit_time(20, 3.0, trace) == pytest.approx(2.0)
