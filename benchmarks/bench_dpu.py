@@ -265,20 +265,25 @@ def plot(rows: list[dict], path: Path) -> None:
                 label=f"{st} in pipeline (per CPU s)",
             )
         ax.set_xticks(x, [f"{r['chunk_tokens']} tok" for r in rs])
-        ax.set_ylabel("decoded KV GB/s")
-        ax.set_title(f"[{store}] stage throughput per CPU second: alone vs inside the pipeline")
-        ax.legend(fontsize=7, ncol=2)
+        ax.set_ylabel("decoded KV GB/s per CPU second")
+        ax.set_title(f"[{store}] each stage alone vs inside the running pipeline")
+        ax.set_ylim(0, max(r["standalone"]["cpu"]["dma"] for r in rs) * 1.45)
+        ax.legend(fontsize=7, ncol=2, loc="upper left")
         ax = axes[si][1]
         for j, (lab, key) in enumerate((("full design", "pipeline"), ("no pipeline", "no_pipeline"))):
             ax.bar(x + (j - 1) * 0.25, [r[key]["gbps"] for r in rs], 0.25, label=lab, color=f"C{j + 4}")
         ax.bar(x + 0.25, [r["no_prealloc"]["gbps"] for r in rs], 0.25, label="no pre-allocation", color="C6")
-        ax.plot(x, [r["slowest_stage_gbps"] for r in rs], "k_", ms=30, mew=2, label="slowest stage alone")
+        ax.plot(
+            x - 0.12, [r["slowest_stage_gbps"] for r in rs], "k_", ms=22, mew=3, label="slowest stage alone"
+        )
         bound = [r["bound_2_free_cores_gbps"] for r in rs]
-        ax.plot(x, bound, "r_", ms=30, mew=2, label="bound with 2 free cores")
+        ax.plot(x + 0.12, bound, "r_", ms=22, mew=3, label="CPU bound with 2 idle cores")
+        ax.set_ylim(0, max(bound) * 1.5)
         ax.set_xticks(x, [f"{r['chunk_tokens']} tok" for r in rs])
         ax.set_ylabel("end-to-end decoded KV GB/s")
-        ax.set_title(f"[{store}] data-plane process end to end (2 shared cores)")
-        ax.legend(fontsize=8)
+        load = max(r["load_avg_1m"] for r in rs)
+        ax.set_title(f"[{store}] data-plane process end to end (2 cores, load avg up to {load:.0f})")
+        ax.legend(fontsize=8, ncol=2, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -290,7 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-sizes", default="64,256,512")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--texts", type=int, default=4, help="how many cached SmolLM2 texts (1792 tokens each)")
+    p.add_argument("--replot", action="store_true", help="only redraw the PNG from the JSON")
     ns = p.parse_args(argv)
+    if ns.replot:
+        plot(json.loads((OUT / "dpu.json").read_text())["rows"], OUT / "dpu.png")
+        return 0
     sizes = [256] if ns.quick else [int(x) for x in ns.chunk_sizes.split(",")]
     stores = ["file"] if ns.quick else ns.stores.split(",")
     reps = 1 if ns.quick else ns.reps

@@ -87,6 +87,7 @@ class ChunkTask:
     pending: int = 0  # slabs not yet finished
     failed: bool = False
     own: tuple | None = None  # (src, inflate) arrays allocated per chunk (no-prealloc ablation only)
+    wire_bytes: int = 0
 
 
 @dataclass
@@ -228,7 +229,7 @@ class Pipeline:
                 job.done += 1
             job_over = job.terminal == len(job.dests)
         if not task.failed:
-            self.emit(job.peer, ChunkDone(job.job, task.region.index))
+            self.emit(job.peer, ChunkDone(job.job, task.region.index, task.wire_bytes))
         if job_over:
             self.emit(job.peer, JobDone(job.job, job.done, job.failed))
         self._round_chunk_terminal(task.round_id)
@@ -293,7 +294,7 @@ class Pipeline:
                 np.empty(lay.num_layers * r.infl_layer, np.uint8),
             )
         with job.lock:
-            task.blob, task.header = blob, hdr
+            task.blob, task.header, task.wire_bytes = blob, hdr, len(blob)
             task.decoded = [0] * job.layout.num_layers
             task.pending = len(slabs)
         for s in slabs:

@@ -131,6 +131,7 @@ class Pong(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class ChunkDone(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     job: JobId
     chunk: U32
+    wire_bytes: U64 = 0  # size of the codec blob the store returned (compressed)
 
 
 class LayerDone(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

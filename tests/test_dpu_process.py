@@ -74,6 +74,8 @@ def test_round_trip_bit_exact_with_rounds(tmp_path, make_client, codec_name):
     assert h.wait_layer(0, timeout=30)
     res = h.wait(timeout=30)
     assert res.hit_chunks == 7 and res.hit_tokens == 7 * CHUNK and not res.failures
+    assert res.wire_bytes == sum(map(len, blobs))  # the codec blobs the store returned
+    assert h.layer_is_ready(LAYOUT.num_layers - 1)
     assert len(h.rounds) == 3
     _assert_pool_equals_decode(target, blobs, 7)
     dp = c.stats()

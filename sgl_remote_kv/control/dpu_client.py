@@ -325,6 +325,7 @@ class DpuClient:
             i = r.chunk_lo + msg.chunk
             if i < r.chunk_hi and h.layers_seen[i] >= h.num_layers and h.state[i] != FAILED:
                 h.state[i] = DONE
+                h.wire_bytes[i] = msg.wire_bytes
                 self.counters["chunks_done"] += 1
         elif isinstance(msg, P.ChunkFailed):
             self._on_failed(r, r.chunk_lo + msg.chunk, msg.kind)

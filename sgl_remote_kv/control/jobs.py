@@ -30,6 +30,7 @@ class FetchResult:
     num_chunks: int
     failures: dict[int, str]  # chunk index -> kind (ChunkFailed kinds)
     elapsed_s: float
+    wire_bytes: int = 0  # compressed bytes the data plane fetched for the hit chunks
 
 
 @dataclass
@@ -65,6 +66,7 @@ class FetchHandle:
         self.state = [PENDING] * len(keys)
         self.layers_seen = [0] * len(keys)  # per chunk: layers reported done
         self.failures: dict[int, str] = {}
+        self.wire_bytes = [0] * len(keys)
         self.first_fail = len(keys)
         self.layer_ready = [0] * num_layers  # per layer: chunks whose layer is in the pool
         self.rounds: list[HostRound] = []
@@ -97,6 +99,11 @@ class FetchHandle:
                 lambda: self.finished or self.layer_ready[layer] >= self.first_fail, timeout
             )
 
+    def layer_is_ready(self, layer: int) -> bool:
+        """Non-blocking ``wait_layer(layer, 0)``."""
+        with self._cv:
+            return self.finished or self.layer_ready[layer] >= self.first_fail
+
     def hit_chunks_now(self) -> int:
         with self._cv:
             return self.first_fail
@@ -115,6 +122,7 @@ class FetchHandle:
             len(self.keys),
             dict(self.failures),
             (self.t_done or time.monotonic()) - self.t0,
+            sum(self.wire_bytes[:hit]),
         )
 
     def mark_failed(self, index: int, kind: str) -> None:
