@@ -128,6 +128,23 @@ def do_long(texts, fp, choice: dict) -> dict:
     return out
 
 
+def do_bins(tune, fp, choice: dict) -> dict:
+    """Does video coding pay at coarser quantization? Ratio of hevc vs Deflate per bin count (tune chunks)."""
+    chunks = [chunk(t, i) for t in tune for i in range(SWEEP_CHUNKS)]
+    raw = sum(k.nbytes + v.nbytes for k, v in chunks)
+    out = {}
+    for bins in ("256", "64", "16"):
+        q = {**bench_rows.QUANT, "k_bins": bins, "v_bins": bins}
+        ours = HevcCodec(**q, tiling=choice["tiling"], tokens_per_frame=choice["tokens_per_frame"])
+        qd = get_codec("quant_deflate", **q)
+        out[bins] = {
+            "hevc": raw / sum(len(ours.encode(k, v, fp)) for k, v in chunks),
+            "quant_deflate": raw / sum(len(qd.encode(k, v, fp)) for k, v in chunks),
+        }
+        log(f"bins {bins}: {out[bins]}")
+    return out
+
+
 def _pool_pass(blobs: list, fp, instances: int) -> tuple[float, float]:
     """Decode + restore every blob through a pool of ``instances``; (wall s, summed worker CPU s)."""
     lay = fp.layout
@@ -219,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         blobs, fp, doc["choice"]["tiling"], args.instances, args.rounds, args.fetch_repeats
     )
     doc["long_chunks"] = do_long(texts, fp, doc["choice"])
+    doc["bins"] = do_bins(tune, fp, doc["choice"])
     Path(args.out).write_text(json.dumps(doc, indent=1))
     if prev_rows:
         doc["rows"] = prev_rows
