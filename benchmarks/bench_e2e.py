@@ -25,6 +25,7 @@ server logs stay in ``--workdir``. A configuration whose path the server does no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -143,7 +144,7 @@ class Bench:
         if cfg.remote:
             self.store.flushall()
         t0 = time.monotonic()
-        with SGLangServer(self.server_spec(cfg)) as srv:
+        with running(self.server_spec(cfg)) as srv:
             out["startup_s"] = time.monotonic() - t0
             if cfg.remote:
                 out["warm"] = self.warm(srv)
@@ -204,6 +205,17 @@ class Bench:
                 "the numbers below are what that path measured"
             )
         return "ok" if hits else "ran, but no remote hits were recorded"
+
+
+@contextlib.contextmanager
+def running(spec: ServerSpec):
+    """Like ``with SGLangServer(spec)``, but also stops a server interrupted while starting up."""
+    srv = SGLangServer(spec)
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
 
 
 def environment() -> dict:

@@ -195,7 +195,8 @@ def run_harness(
     base_url: str, model: str, wl: Workload, out: Path, request_rate: float, flush: bool, log: Path
 ) -> dict:
     """One ``python -m sglang.benchmark.serving`` run; returns its JSONL summary line."""
-    cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", base_url]
+    backend = "sglang-oai-chat" if wl.turns > 1 else "sglang"  # the harness's multi-turn needs chat
+    cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", backend, "--base-url", base_url]
     cmd += ["--model", model, "--tokenizer", model, *wl.args(), "--request-rate", str(request_rate)]
     cmd += ["--output-file", str(out), "--output-details", "--cache-report", "--disable-tqdm"]
     cmd += ["--warmup-requests", "0"] + (["--flush-cache"] if flush else [])

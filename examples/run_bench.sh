@@ -32,11 +32,13 @@ case "$MODE" in
     mkdir -p "$OUT"
     GSP=(--dataset-name generated-shared-prefix --gsp-num-groups 4 --gsp-prompts-per-group 2
          --gsp-system-prompt-len 1024 --gsp-question-len 32 --gsp-output-len 16 --gsp-range-ratio 1.0)
-    COMMON=(--backend sglang --base-url "$URL" --model "$MODEL" --tokenizer "$MODEL" --seed 1
+    COMMON=(--base-url "$URL" --model "$MODEL" --tokenizer "$MODEL" --seed 1
             --cache-report --output-details --flush-cache --disable-tqdm)
-    "$PY" -m sglang.benchmark.serving "${COMMON[@]}" "${GSP[@]}" --request-rate inf \
+    "$PY" -m sglang.benchmark.serving --backend sglang "${COMMON[@]}" "${GSP[@]}" --request-rate inf \
       --output-file "$OUT/single_turn.jsonl" "$@"
-    "$PY" -m sglang.benchmark.serving "${COMMON[@]}" "${GSP[@]}" --gsp-num-turns 2 --request-rate inf \
+    # the harness's multi-turn mode only runs on chat backends
+    "$PY" -m sglang.benchmark.serving --backend sglang-oai-chat "${COMMON[@]}" \
+      "${GSP[@]}" --gsp-num-turns 2 --request-rate inf \
       --output-file "$OUT/multi_turn.jsonl" "$@"
     echo "JSONL results in $OUT" ;;
   *) echo "usage: $0 quick|full [bench_e2e args] | harness URL [harness args]" >&2; exit 2 ;;
