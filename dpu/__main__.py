@@ -52,7 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", required=True, help="store URL (file:///dir, redis://host:port/db, ...)")
     p.add_argument("--dest-shm", required=True, help="name of the host's shared-memory destination region")
     for stage in STAGES:
-        p.add_argument(f"--{stage}-workers", type=int, default=1, help=f"worker threads of the {stage} stage")
+        default = 2 if stage == "fetch" else 1  # fetch threads mostly wait on the store
+        p.add_argument(
+            f"--{stage}-workers", type=int, default=default, help=f"worker threads of the {stage} stage"
+        )
     p.add_argument("--layer-group", type=int, default=6, help="layers per pipeline work item (slab)")
     p.add_argument("--queue-depth", type=int, default=64, help="items per inter-stage queue")
     p.add_argument("--slots", type=int, default=2, help="round slots in the staging buffers")

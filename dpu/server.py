@@ -48,7 +48,8 @@ class DataPlaneConfig:
     inflate_ratio: float = 1.0
     cpus: tuple[int, ...] = ()  # process affinity (empty: inherit)
     store_timeout_s: float = 5.0
-    max_jobs: int = 4096
+    max_jobs: int = 1024
+    max_active_chunks: int = 1 << 16  # over all active jobs: bounds the job table's memory
     parent_pid: int = 0  # when set, exit as soon as this process is no longer our parent
 
 
@@ -83,7 +84,7 @@ class DataPlaneServer:
         self.free_slots = list(range(cfg.slots))
         self._codecs: dict[tuple[str, bytes], object] = {}
         self._stop = False
-        self.counters = {"submitted": 0, "rejected": 0, "bad_frames": 0, "cancels": 0}
+        self.counters = {"submitted": 0, "rejected": 0, "bad_frames": 0, "cancels": 0, "handler_errors": 0}
         self.peers: set[bytes] = set()
 
     # ---- called from any thread -------------------------------------------------------------------
@@ -156,7 +157,14 @@ class DataPlaneServer:
                 logger.warning("dropping bad frame from peer: %s", e)
                 continue
             self.peers.add(peer)
-            self._handle(peer, msg)
+            try:
+                self._handle(peer, msg)
+            except Exception:  # process boundary: a message must never take the server thread down
+                self.counters["handler_errors"] += 1
+                logger.exception("handling %s failed", type(msg).__name__)
+                if isinstance(msg, P.SubmitFetch):
+                    self.jobs.pop(msg.job, None)
+                    self._reject(peer, msg, "internal error")
 
     def _handle(self, peer: bytes, msg: P.Message) -> None:
         if isinstance(msg, P.Heartbeat):
@@ -194,6 +202,8 @@ class DataPlaneServer:
             raise ValueError(f"job id {msg.job} already active")
         if len(self.jobs) >= self.cfg.max_jobs:
             raise ValueError("too many active jobs")
+        if sum(len(j.dests) for j in self.jobs.values()) + len(msg.chunks) > self.cfg.max_active_chunks:
+            raise ValueError("too many active chunks")
         if msg.dest_name != self.dest.name.lstrip("/"):
             raise ValueError(f"unknown destination {msg.dest_name!r}")
         w = msg.fingerprint

@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 class ProcessSpec:
     """Data-plane command-line settings (see ``python -m sgl_remote_kv.dpu --help``)."""
 
-    workers: tuple[int, int, int, int] = (1, 1, 1, 1)  # fetch, inflate, dequant, dma
+    # fetch, inflate, dequant, dma; two fetch workers hide store latency (measured: docs/DPU.md)
+    workers: tuple[int, int, int, int] = (2, 1, 1, 1)
     layer_group: int = 6
     queue_depth: int = 64
     slots: int = 2
