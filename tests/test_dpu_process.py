@@ -336,3 +336,29 @@ time.sleep(120)
             host.wait()
         if "dp_pid" in locals() and not _gone(dp_pid):
             os.kill(dp_pid, signal.SIGKILL)
+
+
+def test_concurrent_requests_are_isolated(tmp_path, make_client):
+    codec = codecs()["quant"]
+    url = f"file://{tmp_path}/store"
+    keys, blobs = put_chunks(url, codec, random_chunks(9, seed=21))
+    from sgl_remote_kv.store.client import open_client
+
+    bad = bytearray(blobs[4])
+    bad[len(bad) // 2] ^= 0x55
+    s = open_client(url)
+    s.put_many([(keys[4], bytes(bad))])
+    s.close()
+    c = make_client(url, codec, dest_chunks=2)
+    groups = [keys[0:3], keys[3:6], keys[6:9]]  # the middle request holds the corrupt chunk (its #1)
+    targets = [make_pool(LAYOUT, 1024, 3 * CHUNK, seed=30 + i) for i in range(3)]
+    handles = [c.submit(f"r{i}", g, CHUNK, t) for i, (g, t) in enumerate(zip(groups, targets, strict=True))]
+    results = [h.wait(timeout=60) for h in handles]
+    assert [r.hit_chunks for r in results] == [3, 1, 3]
+    assert results[1].failures[1] == "corrupt"
+    for gi, (res, t) in enumerate(zip(results, targets, strict=True)):
+        for j in range(res.hit_chunks):
+            k, v = decode(blobs[3 * gi + j], FP)
+            pk, pv = pool_tokens(t, LAYOUT, j * CHUNK, (j + 1) * CHUNK)
+            assert np.array_equal(k, pk) and np.array_equal(v, pv)
+    assert c.stats()["inflight_rounds"] == 0 and c.stats()["pending_rounds"] == 0
