@@ -13,7 +13,7 @@ On the codec table's real SmolLM2 KV (same texts, 256-token bf16 chunks), CPU tw
    a bandwidth trace that drops mid-fetch: transmission is simulated (sleep bytes / bandwidth) while the
    pool decodes for real; adaptive (Alg. 1, both objectives) vs every fixed resolution.
 
-CLI: ``python -m benchmarks.bench_nvdec [--texts a,b] [--greedy] [--instances 2] [--skip-rows]``.
+CLI: ``python -m benchmarks.bench_nvdec [--texts a,b] [--greedy] [--instances 2] [--skip-rows] [--only adaptive,bins]``.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from sgl_remote_kv.codec.base import get_codec  # noqa: E402
 
 OUT = kvdata.REPO / "docs" / "results" / "nvdec.json"
 RESOLUTIONS = (16, 32, 64, 128, 256)
+SECTIONS = ("search", "sweep", "throughput", "adaptive", "long", "bins", "rows")
 SWEEP_CHUNKS = 3  # first chunks of each tune text used for the sweep, throughput and the fetch
 
 
@@ -211,12 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="passes over the tune chunks in the fetch")
     ap.add_argument("--fetch-repeats", type=int, default=2, help="interleaved repeats of every fetch policy")
     ap.add_argument("--skip-rows", action="store_true", help="skip the codec-table rows (quality runs)")
-    ap.add_argument("--reuse-rows", action="store_true", help="keep the rows of an existing --out file")
+    ap.add_argument("--only", default="", help=f"comma-separated sections to (re)run into --out: {SECTIONS}")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    prev = Path(args.out)
-    prev_rows = json.loads(prev.read_text()).get("rows") if args.reuse_rows and prev.exists() else None
+    out = Path(args.out)
+    old = json.loads(out.read_text()) if out.exists() else {}
+    only = set(args.only.split(",")) if args.only else set(SECTIONS)
     names = [n for n in args.texts.split(",") if n] or None
     fp = kvdata.fingerprint()
     texts = kvdata.load_texts(names)
@@ -224,28 +226,35 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict = {"meta": {"texts": kvdata.describe(texts), "chunk_tokens": bench_codec.CHUNK,
                           "quant": bench_rows.QUANT, "device": "cpu (FFmpeg hevc software decoder)",
                           "encoder": "libx265 lossless=1 preset fast pools=1", "cores": os.cpu_count()}}  # fmt: skip
-    doc["search"] = do_search(tune, fp)
-    sweep, blobs = do_sweep(tune, fp, doc["search"]["best"])
-    doc["resolutions"] = sweep
-    best_res = max(sweep["per_resolution"], key=lambda r: sweep["per_resolution"][r]["ratio"])
-    doc["choice"] = {"tiling": doc["search"]["best"], "tokens_per_frame": best_res}
-    Path(args.out).write_text(json.dumps(doc, indent=1))  # early write: bench_rows reads the choice
-    raw_chunk = sweep["bf16_bytes"] / sweep["chunks"]
-    doc["throughput"] = do_throughput(blobs, fp, raw_chunk, args.instances)
-    doc["adaptive"] = do_adaptive(
-        blobs, fp, doc["choice"]["tiling"], args.instances, args.rounds, args.fetch_repeats
-    )
-    doc["long_chunks"] = do_long(texts, fp, doc["choice"])
-    doc["bins"] = do_bins(tune, fp, doc["choice"])
-    Path(args.out).write_text(json.dumps(doc, indent=1))
-    if prev_rows:
-        doc["rows"] = prev_rows
-    elif not args.skip_rows:
+    if args.only:
+        doc = {**old, **doc}
+    if "search" in only or "search" not in doc:
+        doc["search"] = do_search(tune, fp)
+    if only & {"sweep", "throughput", "adaptive"}:
+        sweep, blobs = do_sweep(tune, fp, doc["search"]["best"])
+        doc["resolutions"] = sweep
+        best_res = max(sweep["per_resolution"], key=lambda r: sweep["per_resolution"][r]["ratio"])
+        doc["choice"] = {"tiling": doc["search"]["best"], "tokens_per_frame": best_res}
+        if not args.only:
+            out.write_text(json.dumps(doc, indent=1))  # early write: bench_rows reads the choice
+    if "throughput" in only:
+        raw_chunk = sweep["bf16_bytes"] / sweep["chunks"]
+        doc["throughput"] = do_throughput(blobs, fp, raw_chunk, args.instances)
+    if "adaptive" in only:
+        tiling = doc["choice"]["tiling"]
+        doc["adaptive"] = do_adaptive(blobs, fp, tiling, args.instances, args.rounds, args.fetch_repeats)
+    if "long" in only:
+        doc["long_chunks"] = do_long(texts, fp, doc["choice"])
+    if "bins" in only:
+        doc["bins"] = do_bins(tune, fp, doc["choice"])
+    if "rows" in only and not args.skip_rows:
         ctx = bench_codec.EvalContext.create(names, greedy=args.greedy, repeat=1)
         doc["rows"] = do_rows(ctx, doc["choice"])
         print(bench_codec.format_table(doc["rows"]))
         merge_codec_json([r for r in doc["rows"] if r.get("codec_name") == "hevc"])
-    doc["meta"]["runtime_s"] = round(time.perf_counter() - t0, 1)
+    if args.only and out.exists():  # merge into the file as it is now (another run may have written it)
+        doc = {**json.loads(out.read_text()), **{k: v for k, v in doc.items() if k != "meta"}}
+    doc["meta"][f"runtime_s{'_' + args.only if args.only else ''}"] = round(time.perf_counter() - t0, 1)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     log(f"wrote {args.out} ({doc['meta']['runtime_s']} s)")
     return 0
