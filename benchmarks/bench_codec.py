@@ -120,7 +120,11 @@ def _quality_memo() -> dict:
 
 
 def _save_memo(memo: dict) -> None:
-    tmp = _MEMO_FILE.with_suffix(".tmp")
+    """Merge with what other runs wrote meanwhile, then replace atomically."""
+    if _MEMO_FILE.exists():
+        for k, v in json.loads(_MEMO_FILE.read_text()).items():
+            memo.setdefault(k, v)
+    tmp = _MEMO_FILE.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(memo))
     os.replace(tmp, _MEMO_FILE)
 
@@ -207,10 +211,10 @@ def table_specs() -> list[Spec]:
         quant("ShadowServe peer (256 bins + Deflate)", "shadowserve", "quant_deflate"),
     ]
     for codec, fam in (("quant_deflate", "ours-deflate"), ("quant_rans", "ours-rans")):
-        for bins in ("256", "128", "64"):
-            for gran, cs in (("token", False), ("head", False), ("head", True)):
-                tag = f"{bins} bins/{gran}" + (" + key channel scales" if cs else "")
-                specs.append(quant(f"ours {codec} ({tag})", fam, codec, bins, bins, gran, cs))
+        for bins, gran, cs in (("256", "token", False), ("256", "head", False), ("256", "head", True),
+                               ("128", "head", True), ("64", "head", True)):  # fmt: skip
+            tag = f"{bins} bins/{gran}" + (" + key channel scales" if cs else "")
+            specs.append(quant(f"ours {codec} ({tag})", fam, codec, bins, bins, gran, cs))
     return specs + recommended_specs()
 
 
@@ -288,7 +292,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run(ctx: EvalContext, specs: list[Spec], extra_files: list[Path]) -> list[dict]:
+def run(ctx: EvalContext, specs: list[Spec], extra_files: list[Path], producers: bool = True) -> list[dict]:
     rows = [raw_bf16_row(ctx)]
     for spec in specs:
         t0 = time.perf_counter()
@@ -297,7 +301,7 @@ def run(ctx: EvalContext, specs: list[Spec], extra_files: list[Path]) -> list[di
             rows.append(row)
             print(f"  {spec.label}: ratio {row['ratio']:.2f} kl {row['kl']:.5f} ({time.perf_counter() - t0:.0f} s)",
                   file=sys.stderr)  # fmt: skip
-    for producer in discovered_producers():
+    for producer in discovered_producers() if producers else []:
         rows.extend(producer(ctx))
     for f in extra_files:
         rows.extend(json.loads(Path(f).read_text()))
@@ -312,13 +316,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch threads for the model runs")
     ap.add_argument("--only", default="", help="substring filter on row labels")
     ap.add_argument("--extra-rows", action="append", default=[], help="JSON list of finished rows to add")
+    ap.add_argument("--update", action="store_true", help="merge into --out, keeping rows not re-measured")
+    ap.add_argument("--no-producers", action="store_true", help="skip discovered row producers (nvdec)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     names = [n for n in args.texts.split(",") if n] or None
     ctx = EvalContext.create(names, greedy=not args.no_greedy, repeat=args.repeat, threads=args.threads)
     specs = [s for s in table_specs() if args.only.lower() in s.label.lower()]
-    rows = run(ctx, specs, args.extra_rows)
+    rows = run(ctx, specs, args.extra_rows, not args.no_producers)
+    if args.update and args.out.exists():  # keep earlier rows not measured this time, in their order
+        fresh = {r["codec"]: r for r in rows}
+        old = json.loads(args.out.read_text())["rows"]
+        rows = [fresh.pop(r["codec"], r) for r in old] + list(fresh.values())
     print(format_table(rows))
     meta = {"texts": kvdata.describe(ctx.texts), "chunk_tokens": CHUNK, "greedy_tokens": quality.GREEDY,
             "runtime_s": round(time.perf_counter() - t0, 1), "timing": "single thread, best of --repeat",

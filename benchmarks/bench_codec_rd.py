@@ -48,11 +48,11 @@ def family_specs(family: str) -> list[Spec]:
     if family in ("ours-deflate", "ours-rans"):
         codec = "quant_deflate" if family == "ours-deflate" else "quant_rans"
         out = []
-        for gran, cs in (("token", False), ("head", False), ("token", True), ("head", True)):
-            for b in UNIFORM:
+        for gran, cs in (("token", False), ("head", True), ("token", True), ("head", False)):
+            for b in UNIFORM if (gran, cs) == ("token", False) else UNIFORM[:-1]:
                 out.append(quant(f"{b}b/{gran}{'+kcs' if cs else ''}", family, codec, b, b, gran, cs))
-        for kb, vb in (("256", "128"), ("256", "64"), ("128", "64"), ("192", "96")):
-            out.append(quant(f"K{kb}/V{vb}/head+kcs", family, codec, kb, vb, "head", True))
+        for kb, vb in (("256", "128"), ("256", "64"), ("128", "64")):
+            out.insert(len(UNIFORM) + 5, quant(f"K{kb}/V{vb}/head+kcs", family, codec, kb, vb, "head", True))
         return out
     if family in ("cachegen", "shadowserve"):
         codec = "cachegen" if family == "cachegen" else "quant_deflate"
@@ -76,23 +76,39 @@ def _key(spec: Spec, ctx: EvalContext) -> str:
     return json.dumps([spec.codec, dict(spec.params), texts, ctx.greedy], sort_keys=True)
 
 
-def sweep(ctx: EvalContext, families: list[str]) -> list[dict]:
+def _jobs(families: list[str]) -> list[tuple[str, Spec]]:
+    """(family, spec) in run order; each ours-rans config right after its ours-deflate twin (same
+    quantization, so its quality is a memo hit) so that an interrupted sweep still compares them."""
+    jobs = [(f, s) for f in families if f != "ours-rans" for s in family_specs(f)]
+    if "ours-rans" not in families:
+        return jobs
+    rans = {s.label: s for s in family_specs("ours-rans")}
+    out = []
+    for f, s in jobs:
+        out.append((f, s))
+        if f == "ours-deflate" and s.label in rans:
+            out.append(("ours-rans", rans.pop(s.label)))
+    return out + [("ours-rans", s) for s in rans.values()]
+
+
+def sweep(ctx: EvalContext, families: list[str], cached_only: bool = False) -> list[dict]:
     cache = json.loads(POINTS_CACHE.read_text()) if POINTS_CACHE.exists() else {}
     points = []
-    for fam in families:
-        for spec in family_specs(fam):
-            key = _key(spec, ctx)
-            if key not in cache:
-                t0 = time.perf_counter()
-                row = spec_row(ctx, spec, timing=False)
-                if row is None:
-                    continue
-                row["eval_s"] = round(time.perf_counter() - t0, 1)
-                cache[key] = row
-                POINTS_CACHE.write_text(json.dumps(cache))
-                print(f"  {fam:12s} {spec.label:40s} ratio {row['ratio']:6.2f} kl {row['kl']:.5f} "
-                      f"top1 {row['top1']:.3f} ({row['eval_s']} s)", file=sys.stderr)  # fmt: skip
-            points.append({**cache[key], "family": fam, "codec": spec.label})
+    for fam, spec in _jobs(families):
+        key = _key(spec, ctx)
+        if key not in cache and cached_only:
+            continue
+        if key not in cache:
+            t0 = time.perf_counter()
+            row = spec_row(ctx, spec, timing=False)
+            if row is None:
+                continue
+            row["eval_s"] = round(time.perf_counter() - t0, 1)
+            cache[key] = row
+            POINTS_CACHE.write_text(json.dumps(cache))
+            print(f"  {fam:12s} {spec.label:40s} ratio {row['ratio']:6.2f} kl {row['kl']:.5f} "
+                  f"top1 {row['top1']:.3f} ({row['eval_s']} s)", file=sys.stderr)  # fmt: skip
+        points.append({**cache[key], "family": fam, "codec": spec.label})
     return points
 
 
@@ -211,12 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--texts", default="")
     ap.add_argument("--greedy", action="store_true", help="also the 32-token greedy match (slow)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cached-only", action="store_true", help="report the points already measured, run none")
     ap.add_argument("--out", type=Path, default=RD_OUT)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     names = [n for n in args.texts.split(",") if n] or None
     ctx = EvalContext.create(names, greedy=args.greedy, threads=args.threads)
-    points = sweep(ctx, [f for f in args.families.split(",") if f])
+    points = sweep(ctx, [f for f in args.families.split(",") if f], args.cached_only)
     best = best_at_floors(points)
     meta = {"texts": kvdata.describe(ctx.texts), "floors": FLOORS, "runtime_s": round(time.perf_counter() - t0, 1),
             "selection": "best ratio on role=tune texts; reported on role=heldout texts"}  # fmt: skip
