@@ -10,12 +10,17 @@ One scenario per test (each starts servers one at a time, always stopped by the 
   prefill chunk.
 - ``test_slow_store_no_hit_not_delayed_and_abort``: with a store that answers every call after 1 s, a
   request without a remote hit sent while another waits for its fetch gets its answer first; a
-  request aborted while waiting for KV is cancelled cleanly and the server keeps serving.
+  request aborted while waiting for KV is cancelled cleanly and the server keeps serving; the DPU data
+  plane SIGKILLed during a fetch: the request still completes with the recomputed answer and the data
+  plane is restarted.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import threading
 import time
 import urllib.error
@@ -138,7 +143,7 @@ def test_slow_store_no_hit_not_delayed_and_abort(model_dir, tmp_path, tok):
     short_ids = _ids(tok, "Name one colour.")
     assert len(short_ids) <= CHUNK  # no full chunk: never looked up, never parked
     with remote_kv_server(model_dir, store) as srv:
-        generate(srv, doc_ids + _ids(tok, Q1))
+        computed, _ = generate(srv, doc_ids + _ids(tok, Q1))
         _wait_written(srv, len(doc_ids) // CHUNK)
         flush_cache(srv)  # drop the local copy: the next hit must be remote
 
@@ -170,3 +175,30 @@ def test_slow_store_no_hit_not_delayed_and_abort(model_dir, tmp_path, tok):
         assert metrics(srv).get(key, 0) == before + 1
         out, _ = generate(srv, short_ids, max_new_tokens=2)  # still serving
         assert out["meta_info"]["completion_tokens"] == 2
+
+        _kill_data_plane_during_fetch(srv, doc_ids + _ids(tok, Q1), computed)
+
+
+def _kill_data_plane_during_fetch(srv, prompt: list[int], reference: dict) -> None:
+    """SIGKILL the DPU data plane while it fetches: the request must still answer exactly as when
+    it was computed (``reference``), and the client must have restarted the data plane."""
+    pids = [int(p) for p in re.findall(r"data plane generation \d+ pid (\d+)", srv.log_text())]
+    assert pids, "server did not start a DPU data plane"
+    flush_cache(srv)
+    key = 'sglang:remote_kv_lookups_total{result="hit"}'
+    hits_before = metrics(srv).get(key, 0)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(out=generate(srv, prompt)[0]))
+    t.start()
+    deadline = time.monotonic() + 60
+    while metrics(srv).get(key, 0) <= hits_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(pids[-1], signal.SIGKILL)  # the fetch now needs >= 1 s more (store latency)
+    t.join(timeout=300)
+    assert result["out"]["output_ids"] == reference["output_ids"]
+    deadline = time.monotonic() + 60
+    while (
+        len(re.findall(r"data plane generation \d+ pid", srv.log_text())) < 2 and time.monotonic() < deadline
+    ):
+        time.sleep(0.5)
+    assert len(re.findall(r"data plane generation \d+ pid", srv.log_text())) >= 2

@@ -20,8 +20,17 @@ def test_ewma_first_sample_replaces_initial_then_smooths():
 def test_prefill_model_recovers_quadratic_cost():
     m = PrefillModel()
     for n in (100, 400, 800, 1600, 3200):
-        m.observe(n, 0.05 + 2e-3 * n + 1e-7 * n * n)
-    assert m.predict(2000) == pytest.approx(0.05 + 2e-3 * 2000 + 1e-7 * 2000**2, rel=1e-3)
+        m.observe(n, 2e-3 * n + 1e-7 * n * n)
+    assert m.predict(2000) == pytest.approx(2e-3 * 2000 + 1e-7 * 2000**2, rel=1e-6)
+
+
+def test_prefill_model_never_predicts_free_prefill_from_noise():
+    m = PrefillModel()
+    m.observe(6, 9.0)  # warm-up: ignored (below min_tokens)
+    m.observe(1, 14.0)
+    for n, t in ((64, 5.0), (128, 1.0), (1500, 2.0)):  # noisy, even decreasing
+        m.observe(n, t)
+    assert m.predict(1472) > 0.5
 
 
 def test_fast_link_fetches_and_slow_link_recomputes():

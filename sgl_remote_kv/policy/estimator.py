@@ -36,27 +36,41 @@ class Ewma:
 
 
 class PrefillModel:
-    """``t(n) = a + b n + c n^2`` fitted on the last ``window`` (tokens, seconds) samples."""
+    """``t(n) = b n + c n^2`` (b, c >= 0) fitted on the last ``window`` (tokens, seconds) samples.
 
-    def __init__(self, window: int = 64, default_tok_per_s: float = 400.0) -> None:
+    No intercept and non-negative coefficients: a handful of noisy samples (warm-up batches, a
+    loaded machine) must never produce a model that says a long prefill is free. Batches shorter
+    than ``min_tokens`` are ignored (their time is dominated by fixed overheads).
+    """
+
+    def __init__(self, window: int = 64, default_tok_per_s: float = 400.0, min_tokens: int = 32) -> None:
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)
-        self._coef = np.array([0.0, 1.0 / default_tok_per_s, 0.0])
+        self.min_tokens = min_tokens
+        self._coef = (1.0 / default_tok_per_s, 0.0)
 
     def observe(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or seconds <= 0:
+        if tokens < self.min_tokens or seconds <= 0:
             return
         self._samples.append((float(tokens), float(seconds)))
-        if len(self._samples) >= 4:
-            n = np.array([s[0] for s in self._samples])
-            t = np.array([s[1] for s in self._samples])
-            a = np.stack([np.ones_like(n), n, n * n], axis=1)
-            coef, *_ = np.linalg.lstsq(a, t, rcond=None)
-            if coef[1] + coef[2] * n.max() > 0:  # keep only physically sensible fits
-                self._coef = coef
+        if len(self._samples) >= 3:
+            self._coef = self._fit()
+
+    def _fit(self) -> tuple[float, float]:
+        n = np.array([s[0] for s in self._samples])
+        t = np.array([s[1] for s in self._samples])
+        (b, c), *_ = np.linalg.lstsq(np.stack([n, n * n], axis=1), t, rcond=None)
+        if b >= 0 and c >= 0:
+            return float(b), float(c)
+        # One coefficient negative: the best fit with it at zero (1-D least squares, closed form).
+        b_only = float(n @ t / (n @ n))
+        c_only = float((n * n) @ t / ((n * n) @ (n * n)))
+        err_b = float(np.sum((t - b_only * n) ** 2))
+        err_c = float(np.sum((t - c_only * n * n) ** 2))
+        return (b_only, 0.0) if err_b <= err_c else (0.0, c_only)
 
     def predict(self, tokens: int) -> float:
-        a, b, c = self._coef
-        return max(0.0, float(a + b * tokens + c * tokens * tokens))
+        b, c = self._coef
+        return float(b * tokens + c * tokens * tokens)
 
 
 @dataclass(frozen=True)
