@@ -195,3 +195,24 @@ def test_bins_specs_parse_and_merge():
     for bad in ("16@3", "32@0,16@0", "2", "300", "x"):
         with pytest.raises(ValueError):
             quant.parse_bins(bad)
+
+
+def test_hot_loops_are_compiled_nogil():
+    from sgl_remote_kv.codec import rans
+
+    for fn in (quant.dequant_rows, rans.decode, rans.encode, rans.build_decode_tables):
+        assert fn.targetoptions.get("nogil") is True, fn
+
+
+@pytest.mark.parametrize("name", ["quant_deflate", "quant_rans", "lossless"])
+def test_one_codec_instance_many_threads(name):
+    from concurrent.futures import ThreadPoolExecutor
+
+    fp = synthetic.fingerprint(dtype="bfloat16")
+    k, v = synthetic.kv(fp.layout, 64, seed=12)
+    codec = make_codec(name, fp)
+    blobs = [codec.encode(k, v, fp) for _ in range(2)]
+    expect = codec.decode(blobs[0], fp)
+    with ThreadPoolExecutor(4) as ex:
+        outs = list(ex.map(lambda i: codec.decode(blobs[i % 2], fp), range(16)))
+    assert all(np.array_equal(o[0], expect[0]) and np.array_equal(o[1], expect[1]) for o in outs)
