@@ -186,6 +186,10 @@ def test_plan_is_built_once_per_forward_and_rebuilt_when_the_batch_changes(monke
     other = _Batch(prefix_lens=[3, 21], extend_lens=[2, 4], seed=1)  # stale plan must be detected
     _run_extend(backend, other, causal=True)
     assert len(built) == 2
+    moved = _Batch(prefix_lens=[3, 21], extend_lens=[2, 4], seed=1)  # same lengths, other slots
+    moved.req_pool_indices = moved.req_pool_indices.flip(0)
+    _run_extend(backend, moved, causal=True)
+    assert len(built) == 3
     backend.init_forward_metadata(SimpleNamespace(out_cache_loc=None))  # a new forward drops it
     assert backend._plan is None
 

@@ -107,16 +107,18 @@ def attend_new_tokens(
 class _BatchPlan:
     """Per-forward-batch request layout, shared by all layers (built on the forward thread)."""
 
-    seq_lens: torch.Tensor  # snapshot, to detect a stale plan
+    seq_lens: torch.Tensor  # snapshots, to detect a stale plan
+    req_pool_indices: torch.Tensor
     q_lens: list[int]
     seq_len_list: list[int]
     kv_index: list[torch.Tensor]  # per request: KV pool slots of the whole sequence
     masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 
-    def matches(self, seq_lens: torch.Tensor, q_lens: list[int] | None) -> bool:
+    def matches(self, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, q_lens) -> bool:
         return (
             self.seq_lens.shape == seq_lens.shape
             and torch.equal(self.seq_lens, seq_lens)
+            and torch.equal(self.req_pool_indices, req_pool_indices)
             and (q_lens is None or q_lens == self.q_lens)
         )
 
@@ -138,7 +140,7 @@ def _build_plan(
     seq_list = [int(s) for s in seq_lens.tolist()]
     pool_list = [int(r) for r in req_pool_indices.tolist()]
     kv_index = [req_to_token[r, :s] for r, s in zip(pool_list, seq_list, strict=True)]
-    return _BatchPlan(seq_lens.clone(), q_lens, seq_list, kv_index)
+    return _BatchPlan(seq_lens.clone(), req_pool_indices.clone(), q_lens, seq_list, kv_index)
 
 
 class CpuPrefixAttnBackend(TorchNativeAttnBackend):
@@ -159,7 +161,7 @@ class CpuPrefixAttnBackend(TorchNativeAttnBackend):
     def _get_plan(self, mode, req_to_token, req_pool_indices, seq_lens, q_lens):
         plan = self._plan
         check_q = q_lens if mode == "extend" else None
-        if plan is None or self._plan_mode != mode or not plan.matches(seq_lens, check_q):
+        if plan is None or self._plan_mode != mode or not plan.matches(seq_lens, req_pool_indices, check_q):
             if q_lens is None:
                 q_lens = [1] * int(seq_lens.shape[0])
             plan = _build_plan(req_to_token, req_pool_indices, seq_lens, q_lens)
