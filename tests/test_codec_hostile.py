@@ -24,7 +24,7 @@ CODECS = [
     ("lossless", {}),
     ("quant_deflate", {}),
     ("quant_deflate", dict(k_bins="32@0,16@2", granularity="head", k_channel_scale=True, method="zstd")),
-    ("quant_rans", dict(k_bins="64", granularity="head")),
+    ("quant_rans", dict(k_bins="64", granularity="head", k_outliers=4)),
     ("cachegen", {}),
 ]
 

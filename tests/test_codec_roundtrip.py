@@ -15,6 +15,7 @@ QUANT_CONFIGS = [
     dict(k_bins="256", v_bins="256", granularity="token"),
     dict(k_bins="64", v_bins="32", granularity="head", k_channel_scale=True),
     dict(k_bins="32@0,16@2", v_bins="32@0,16@1", granularity="token"),
+    dict(k_bins="64", v_bins="128", granularity="token", k_outliers=5),
 ]
 TOKENS = 37
 
@@ -36,6 +37,10 @@ def _bound(spec: QuantSpec, layer: int, x: np.ndarray, dtype: str, is_k: bool) -
     mk, mv = spec.levels(layer)
     m = mk if is_k else mv
     xf = np.abs(x)
+    if is_k and spec.k_outliers:  # exact channels are excluded from the vector scaling
+        flat = xf.reshape(xf.shape[0], -1).copy()
+        flat[:, np.argsort(-flat.max(axis=0), kind="stable")[: spec.k_outliers]] = 0
+        xf = flat.reshape(xf.shape)
     if is_k and spec.k_channel_scale:
         cs = xf.max(axis=0, keepdims=True)
         a = (xf / np.where(cs > 0, cs, 1)).max(
@@ -216,3 +221,16 @@ def test_one_codec_instance_many_threads(name):
     with ThreadPoolExecutor(4) as ex:
         outs = list(ex.map(lambda i: codec.decode(blobs[i % 2], fp), range(16)))
     assert all(np.array_equal(o[0], expect[0]) and np.array_equal(o[1], expect[1]) for o in outs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_outlier_key_channels_are_exact(dtype):
+    fp = synthetic.fingerprint(dtype=dtype)
+    k, v = synthetic.kv(fp.layout, TOKENS, seed=13)
+    codec = get_codec("quant_deflate", k_bins="16", v_bins="16", k_outliers=6)
+    k2, _ = codec.decode(codec.encode(k, v, fp), fp)
+    for layer in range(fp.layout.num_layers):
+        flat = to_f32(k[layer], dtype).reshape(TOKENS, -1)
+        top = np.argsort(-np.abs(flat).max(axis=0), kind="stable")[:6]
+        assert np.array_equal(k2[layer].reshape(TOKENS, -1)[:, top], k[layer].reshape(TOKENS, -1)[:, top])
+    assert get_codec("quant_deflate").params() == get_codec("quant_deflate", k_outliers=0).params()

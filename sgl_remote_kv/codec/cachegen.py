@@ -44,8 +44,9 @@ class CacheGenCodec(QuantRansCodec):
         v_bins: str | int = CACHEGEN_V_BINS,
         granularity: str = "token",
         k_channel_scale: bool = False,
+        k_outliers: int = 0,
     ):
-        super().__init__(k_bins, v_bins, granularity, k_channel_scale)
+        super().__init__(k_bins, v_bins, granularity, k_channel_scale, k_outliers=k_outliers)
 
     parse = Codec.parse
 

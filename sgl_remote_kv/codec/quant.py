@@ -7,13 +7,16 @@ scale (fp16: relative 2^-11) and of the output dtype. All-zero vectors store ``a
 
 Scale granularity: ``token`` = one scale per (layer, token) over all heads (CacheGen); ``head`` = one
 per (token, head). ``k_channel_scale`` additionally divides keys by a per-(layer, channel) max-abs over
-the chunk's tokens before the vector scaling (keys have outlier channels).
+the chunk's tokens before the vector scaling (keys have outlier channels). ``k_outliers = n`` keeps the
+``n`` key channels with the largest max-abs in the chunk (per layer) exact, in the KV dtype, and
+quantizes the rest without them: outlier key channels dominate q·k, and this is what KL rewards most.
 
 The decoded-layer buffer (what the lossless stage produces, what ``dequant_stage`` reads)::
 
     prelude  <BBBBI  scale dtype (0 fp16, 1 fp32), has channel scales, m_k, m_v, reserved
     k scales [T * G] , v scales [T * G]          (G = 1 or num_kv_heads), scale dtype
     k channel scales [H * D]                      (only if has channel scales), scale dtype
+    k outlier channel ids [n] uint32, k outlier values [T, n] KV storage dtype   (only if k_outliers)
     k codes  [T, H * D] uint8, v codes [T, H * D] uint8
 """
 
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numba import njit
@@ -64,22 +67,35 @@ class QuantSpec:
     v_bins: tuple[tuple[int, int], ...]
     granularity: str = "token"
     k_channel_scale: bool = False
+    k_outliers: int = 0
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}")
+        if not 0 <= self.k_outliers <= 4096:
+            raise ValueError("k_outliers must be in [0, 4096]")
 
     @classmethod
-    def make(cls, k_bins="256", v_bins="256", granularity="token", k_channel_scale=False) -> QuantSpec:
-        return cls(parse_bins(k_bins), parse_bins(v_bins), granularity, bool(k_channel_scale))
+    def make(
+        cls, k_bins="256", v_bins="256", granularity="token", k_channel_scale=False, k_outliers=0
+    ) -> QuantSpec:
+        return cls(
+            parse_bins(k_bins), parse_bins(v_bins), granularity, bool(k_channel_scale), int(k_outliers)
+        )
 
     def params(self) -> dict:
-        return {
+        p = {
             "k_bins": bins_spec(self.k_bins),
             "v_bins": bins_spec(self.v_bins),
             "granularity": self.granularity,
             "k_channel_scale": self.k_channel_scale,
         }
+        if self.k_outliers:  # only when used, so existing params (and blobs) keep their canonical form
+            p["k_outliers"] = self.k_outliers
+        return p
+
+    def outliers(self, channels: int) -> int:
+        return min(self.k_outliers, channels)
 
     def levels(self, layer: int) -> tuple[int, int]:
         """(m_k, m_v): levels per side for ``layer``."""
@@ -122,6 +138,9 @@ def quantize_layer(spec: QuantSpec, k: np.ndarray, v: np.ndarray, layer: int, dt
     parts = [
         np.frombuffer(PRELUDE.pack(int(sdt == np.float32), int(spec.k_channel_scale), mk, mv, 0), np.uint8)
     ]
+    outl = _split_outliers(spec, k, kf)
+    if outl is not None:
+        kf = outl[2]
     cs = None
     if spec.k_channel_scale:
         cs = np.abs(kf).max(axis=0).reshape(-1).astype(sdt)
@@ -133,14 +152,34 @@ def quantize_layer(spec: QuantSpec, k: np.ndarray, v: np.ndarray, layer: int, dt
     parts += [ks.view(np.uint8), vs.view(np.uint8)]
     if cs is not None:
         parts.append(cs.view(np.uint8))
+    if outl is not None:
+        parts += [outl[0].view(np.uint8), outl[1].reshape(-1).view(np.uint8)]
     parts += [kc.reshape(-1), vc.reshape(-1)]
     return np.concatenate(parts)
 
 
+def _split_outliers(spec: QuantSpec, k: np.ndarray, kf: np.ndarray):
+    """(channel ids uint32 [n], exact values [T, n] storage dtype, kf with those channels zeroed)."""
+    t = k.shape[0]
+    n = spec.outliers(k[0].size)
+    if n == 0:
+        return None
+    flat = kf.reshape(t, -1)
+    idx = np.sort(np.argsort(-np.abs(flat).max(axis=0), kind="stable")[:n]).astype(np.uint32)
+    vals = np.ascontiguousarray(k.reshape(t, -1)[:, idx])
+    rest = flat.copy()
+    rest[:, idx] = 0
+    return idx, vals, rest.reshape(kf.shape)
+
+
 def max_decoded_bytes(spec: QuantSpec, t: int, h: int, d: int) -> int:
-    """Upper bound of the decoded-layer buffer size (fp32 scales)."""
+    """Upper bound of the decoded-layer buffer size (fp32 scales and values)."""
     g = spec.groups(h)
-    return PRELUDE.size + 4 * (2 * t * g + (h * d if spec.k_channel_scale else 0)) + 2 * t * h * d
+    n = spec.outliers(h * d)
+    return PRELUDE.size + 4 * (2 * t * g + (h * d if spec.k_channel_scale else 0) + n + t * n) + 2 * t * h * d
+
+
+_NO_IDX = np.empty(0, np.uint32)
 
 
 @dataclass(frozen=True)
@@ -154,10 +193,18 @@ class LayerView:
     k_cs: np.ndarray  # [H*D] or empty
     k_codes: np.ndarray  # [T, H*D] uint8
     v_codes: np.ndarray
+    k_out_idx: np.ndarray = field(default_factory=lambda: _NO_IDX)  # [n] uint32 exact key channels
+    k_out_vals: np.ndarray = field(
+        default_factory=lambda: _NO_IDX
+    )  # [T, n] raw bits (u16 fp16/bf16, u32 fp32)
 
 
-def split_layer(spec: QuantSpec, buf: np.ndarray, layer: int, t: int, h: int, d: int) -> LayerView:
-    """Validate and slice a decoded-layer buffer; ``CorruptChunk`` on any inconsistency."""
+def split_layer(
+    spec: QuantSpec, buf: np.ndarray, layer: int, t: int, h: int, d: int, itemsize: int = 2
+) -> LayerView:
+    """Validate and slice a decoded-layer buffer; ``CorruptChunk`` on any inconsistency.
+
+    ``itemsize`` is the KV dtype's (only matters with ``k_outliers``)."""
     if buf.size < PRELUDE.size:
         raise CorruptChunk("decoded layer shorter than its prelude")
     sdt_code, has_cs, mk, mv, _ = PRELUDE.unpack_from(buf, 0)
@@ -167,7 +214,9 @@ def split_layer(spec: QuantSpec, buf: np.ndarray, layer: int, t: int, h: int, d:
     g, c = spec.groups(h), h * d
     n_s = t * g * sdt.itemsize
     n_cs = c * sdt.itemsize if has_cs else 0
-    want = PRELUDE.size + 2 * n_s + n_cs + 2 * t * c
+    n_out = spec.outliers(c)
+    n_ob = n_out * 4 + t * n_out * itemsize
+    want = PRELUDE.size + 2 * n_s + n_cs + n_ob + 2 * t * c
     if buf.size != want:
         raise CorruptChunk(f"decoded layer is {buf.size} bytes, expected {want}")
     o = PRELUDE.size
@@ -176,9 +225,16 @@ def split_layer(spec: QuantSpec, buf: np.ndarray, layer: int, t: int, h: int, d:
     o += 2 * n_s
     cs = buf[o : o + n_cs].view(sdt)
     o += n_cs
+    idx, vals = _NO_IDX, _NO_IDX
+    if n_out:
+        idx = buf[o : o + 4 * n_out].view(np.uint32)
+        if idx.max() >= c:
+            raise CorruptChunk("outlier channel id out of range")
+        vals = buf[o + 4 * n_out : o + n_ob].view(np.uint32 if itemsize == 4 else np.uint16).reshape(t, n_out)
+        o += n_ob
     kc = buf[o : o + t * c].reshape(t, c)
     vc = buf[o + t * c :].reshape(t, c)
-    return LayerView(mk, mv, ks, vs, cs, kc, vc)
+    return LayerView(mk, mv, ks, vs, cs, kc, vc, idx, vals)
 
 
 # ---- numba dequantization (the CPU hot path; releases the GIL) --------------------------------
@@ -261,3 +317,6 @@ def dequant_layer(view: LayerView, dtype: str, out_k: np.ndarray, out_v: np.ndar
             dequant_rows(codes, s32, c, m, 0, o2, _EMPTY16)
         else:
             dequant_rows(codes, s32, c, m, mode, _EMPTY32, o2.view(np.uint16))
+    if view.k_out_idx.size:  # exact outlier key channels overwrite their (zero) dequantized values
+        ok = out_k.reshape(view.k_codes.shape[0], -1)
+        ok.view(view.k_out_vals.dtype)[:, view.k_out_idx] = view.k_out_vals

@@ -44,10 +44,11 @@ class QuantDeflateCodec(Codec):
         k_channel_scale: bool = False,
         method: str = "deflate",
         level: int = 1,
+        k_outliers: int = 0,
     ):
         if method not in lz.METHODS:
             raise ValueError(f"method must be one of {sorted(lz.METHODS)}")
-        self.spec = quant.QuantSpec.make(k_bins, v_bins, granularity, k_channel_scale)
+        self.spec = quant.QuantSpec.make(k_bins, v_bins, granularity, k_channel_scale, k_outliers)
         self.method, self.level = method, int(level)
 
     def params(self) -> dict:
@@ -97,5 +98,7 @@ class QuantDeflateCodec(Codec):
         self._check_out(header, out_k, out_v)
         lay = header.layout
         buf = np.asarray(decoded, dtype=np.uint8)
-        view = quant.split_layer(self.spec, buf, layer, header.num_tokens, lay.num_kv_heads, lay.head_dim)
+        view = quant.split_layer(
+            self.spec, buf, layer, header.num_tokens, lay.num_kv_heads, lay.head_dim, lay.itemsize
+        )
         quant.dequant_layer(view, lay.dtype, out_k, out_v)

@@ -49,8 +49,9 @@ class QuantRansCodec(Codec):
         granularity: str = "token",
         k_channel_scale: bool = False,
         tables: tables.EntropyTables | None = None,
+        k_outliers: int = 0,
     ):
-        self.spec = quant.QuantSpec.make(k_bins, v_bins, granularity, k_channel_scale)
+        self.spec = quant.QuantSpec.make(k_bins, v_bins, granularity, k_channel_scale, k_outliers)
         self._spec_json = quant_spec_json(self.spec)
         if tables is not None:
             if tables.spec_params != self._spec_json:
@@ -104,7 +105,7 @@ class QuantRansCodec(Codec):
         lay = fingerprint.layout
         t_n, c_n = k.shape[0], lay.num_kv_heads * lay.head_dim
         buf = quant.quantize_layer(self.spec, k, v, layer, lay.dtype)
-        view = quant.split_layer(self.spec, buf, layer, t_n, lay.num_kv_heads, lay.head_dim)
+        view = quant.split_layer(self.spec, buf, layer, t_n, lay.num_kv_heads, lay.head_dim, lay.itemsize)
         prefix_len = buf.size - 2 * t_n * c_n
         tid, models, extra = self._section_tables(view, layer, fingerprint)
         streams = []
@@ -162,7 +163,9 @@ class QuantRansCodec(Codec):
         self._check_out(header, out_k, out_v)
         lay = header.layout
         buf = np.asarray(decoded, dtype=np.uint8)
-        view = quant.split_layer(self.spec, buf, layer, header.num_tokens, lay.num_kv_heads, lay.head_dim)
+        view = quant.split_layer(
+            self.spec, buf, layer, header.num_tokens, lay.num_kv_heads, lay.head_dim, lay.itemsize
+        )
         quant.dequant_layer(view, lay.dtype, out_k, out_v)
 
 

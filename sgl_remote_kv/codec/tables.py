@@ -130,7 +130,9 @@ def fit(
     for k, v in samples:
         for layer in range(lay.num_layers):
             buf = quant.quantize_layer(spec, k[layer], v[layer], layer, lay.dtype)
-            view = quant.split_layer(spec, buf, layer, k.shape[1], lay.num_kv_heads, lay.head_dim)
+            view = quant.split_layer(
+                spec, buf, layer, k.shape[1], lay.num_kv_heads, lay.head_dim, lay.itemsize
+            )
             for kv, codes in enumerate((view.k_codes, view.v_codes)):
                 idx = (codes.astype(np.int64) + offs).ravel()
                 counts[layer, kv] += np.bincount(idx, minlength=c * MAX_SYMBOLS).reshape(c, MAX_SYMBOLS)
