@@ -141,13 +141,14 @@ def tables(result: dict) -> str:
                 )
     lines += [
         "",
-        "| config | link Mbit/s | probe: tokens, MB on wire, fetch s, floor s, fetch/floor, latency s, path |",
+        "| config | link Mbit/s | probe: tokens, MB over the link, fetch s, floor s, fetch/floor, latency s, path |",
         "|---|---|---|",
     ]
     for name, c in result["configs"].items():
         for r in c.get("runs", []):
             cells = [
-                f"{p['prompt_tokens']} tok, {_f(p['fetched_bytes'] / 1e6, '{:.2f}')} MB, {_f(p['fetch_s'], '{:.2f}')}, "
+                f"{p['prompt_tokens']} tok, {_f((p.get('wire_bytes') or p['fetched_bytes']) / 1e6, '{:.2f}')} MB, "
+                f"{_f(p['fetch_s'], '{:.2f}')}, "
                 f"{_f(p['wire_floor_s'], '{:.2f}')}, {_f(p['fetch_over_floor'], '{:.2f}')}x, "
                 f"{p['latency_s']:.2f}, {p['paths'] or '-'}"
                 for p in r["probe"]

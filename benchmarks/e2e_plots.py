@@ -60,6 +60,7 @@ def plot_ttft(result: dict, out: Path) -> None:
         if warm and warm.get(key):
             ax.axhline(warm[key] / 1e3, ls=":", color="k", label="device (warm, all hits)")
         ax.set_xscale("log")
+        ax.set_yscale("log")
         ax.set_xlabel("link rate to the store (Mbit/s, tc tbf)")
         ax.set_ylabel("seconds")
         ax.set_title(f"{title}, generated-shared-prefix, cold device cache")
