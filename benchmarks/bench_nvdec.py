@@ -204,6 +204,12 @@ def merge_codec_json(rows: list[dict]) -> None:
     log(f"merged {len(rows)} rows into {bench_codec.OUT}")
 
 
+def _merge(out: Path, doc: dict) -> None:
+    """Write ``doc``'s sections into ``out`` as it is now (another run may have written it)."""
+    cur = json.loads(out.read_text()) if out.exists() else {}
+    out.write_text(json.dumps({**cur, **{k: v for k, v in doc.items() if k != "meta"}}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="NVDEC path benchmark (CPU twin)")
     ap.add_argument("--texts", default="")
@@ -243,17 +249,24 @@ def main(argv: list[str] | None = None) -> int:
     if "adaptive" in only:
         tiling = doc["choice"]["tiling"]
         doc["adaptive"] = do_adaptive(blobs, fp, tiling, args.instances, args.rounds, args.fetch_repeats)
+        if args.only:
+            _merge(out, doc)
     if "long" in only:
         doc["long_chunks"] = do_long(texts, fp, doc["choice"])
+        if args.only:
+            _merge(out, doc)
     if "bins" in only:
         doc["bins"] = do_bins(tune, fp, doc["choice"])
+        if args.only:
+            _merge(out, doc)
     if "rows" in only and not args.skip_rows:
         ctx = bench_codec.EvalContext.create(names, greedy=args.greedy, repeat=1)
         doc["rows"] = do_rows(ctx, doc["choice"])
         print(bench_codec.format_table(doc["rows"]))
         merge_codec_json([r for r in doc["rows"] if r.get("codec_name") == "hevc"])
-    if args.only and out.exists():  # merge into the file as it is now (another run may have written it)
-        doc = {**json.loads(out.read_text()), **{k: v for k, v in doc.items() if k != "meta"}}
+    if args.only:
+        _merge(out, doc)
+        doc = json.loads(out.read_text())
     doc["meta"][f"runtime_s{'_' + args.only if args.only else ''}"] = round(time.perf_counter() - t0, 1)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     log(f"wrote {args.out} ({doc['meta']['runtime_s']} s)")
