@@ -210,11 +210,15 @@ def table_specs() -> list[Spec]:
         ),
         quant("ShadowServe peer (256 bins + Deflate)", "shadowserve", "quant_deflate"),
     ]
+    from sgl_remote_kv.codec.base import DEFAULT_K_BINS, DEFAULT_V_BINS
+
     for codec, fam in (("quant_deflate", "ours-deflate"), ("quant_rans", "ours-rans")):
-        for bins, gran, cs in (("256", "token", False), ("256", "head", False), ("256", "head", True),
-                               ("128", "head", True), ("64", "head", True)):  # fmt: skip
-            tag = f"{bins} bins/{gran}" + (" + key channel scales" if cs else "")
-            specs.append(quant(f"ours {codec} ({tag})", fam, codec, bins, bins, gran, cs))
+        for kb, vb, gran, cs in (("256", "256", "token", False), ("256", "256", "head", False),
+                                 ("256", "256", "head", True), ("256", "128", "token", False)):  # fmt: skip
+            tag = f"K{kb}/V{vb} bins/{gran}" + (" + key channel scales" if cs else "")
+            specs.append(quant(f"ours {codec} ({tag})", fam, codec, kb, vb, gran, cs))
+        tag = f"codec default K{DEFAULT_K_BINS}/V{DEFAULT_V_BINS}/token"
+        specs.append(quant(f"ours {codec} ({tag})", fam, codec, DEFAULT_K_BINS, DEFAULT_V_BINS))
     return specs + recommended_specs()
 
 

@@ -51,9 +51,19 @@ def family_specs(family: str) -> list[Spec]:
         for gran, cs in (("token", False), ("head", True), ("token", True), ("head", False)):
             for b in UNIFORM if (gran, cs) == ("token", False) else UNIFORM[:-1]:
                 out.append(quant(f"{b}b/{gran}{'+kcs' if cs else ''}", family, codec, b, b, gran, cs))
-        for kb, vb in (("256", "128"), ("256", "64"), ("128", "64")):
-            out.insert(len(UNIFORM) + 5, quant(f"K{kb}/V{vb}/head+kcs", family, codec, kb, vb, "head", True))
-        return out
+        asym = [quant(f"K{kb}/V{vb}/{g}{'+kcs' if cs else ''}", family, codec, kb, vb, g, cs)
+                for kb, vb, g, cs in (("256", "128", "token", False), ("128", "256", "token", False),
+                                      ("256", "192", "token", False), ("256", "96", "token", False),
+                                      ("256", "64", "token", False), ("192", "96", "token", False),
+                                      ("256", "128", "head", True), ("256", "64", "head", True))]  # fmt: skip
+        from sgl_remote_kv.codec.base import DEFAULT_K_BINS, DEFAULT_V_BINS
+
+        dv = DEFAULT_V_BINS
+        extra = [quant(f"codec default K{DEFAULT_K_BINS}/V{dv}/token", family, codec, DEFAULT_K_BINS, dv),
+                 quant("K128+4 exact/V128/token", family, codec, "128", "128", k_outliers=4),
+                 quant(f"K128+4 exact/V{dv}/token", family, codec, "128", dv, k_outliers=4)]  # fmt: skip
+        n = len(UNIFORM)
+        return out[:n] + extra + asym[:6] + out[n : n + 4] + asym[6:] + out[n + 4 :]
     if family in ("cachegen", "shadowserve"):
         codec = "cachegen" if family == "cachegen" else "quant_deflate"
         out = [quant(f"{b}b/token", family, codec, b, b) for b in UNIFORM]
@@ -215,7 +225,7 @@ def plot(points: list[dict], metric: str, path: Path) -> None:
     ax.set_ylabel({"kl": "mean next-token KL vs recompute (nats, log)", "top1": "top-1 agreement"}[metric])
     ax.set_title(f"SmolLM2-135M real KV, all texts: ratio vs {metric} (lines: Pareto front per codec)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(loc="lower right" if metric == "kl" else "lower left", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
