@@ -90,6 +90,8 @@ class WaitingForKV:
         """True if ``req`` was parked (the caller must not enqueue it)."""
         if not self.enabled or req.rid in self.parked:
             return False
+        if getattr(req, "input_embeds", None) is not None or getattr(req, "session", None) is not None:
+            return False  # embeddings have no token keys; streaming sessions own their KV row
         ids = req.origin_input_ids
         c = self.rt.chunk_size
         usable = (len(ids) - 1) // c  # always leave the last prompt token to compute
