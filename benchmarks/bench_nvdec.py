@@ -210,7 +210,7 @@ def _merge(out: Path, doc: dict) -> None:
     out.write_text(json.dumps({**cur, **{k: v for k, v in doc.items() if k != "meta"}}, indent=1))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="NVDEC path benchmark (CPU twin)")
     ap.add_argument("--texts", default="")
     ap.add_argument("--greedy", action="store_true", help="also the 32-token greedy match (slow)")
@@ -220,7 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-rows", action="store_true", help="skip the codec-table rows (quality runs)")
     ap.add_argument("--only", default="", help=f"comma-separated sections to (re)run into --out: {SECTIONS}")
     ap.add_argument("--out", default=str(OUT))
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     t0 = time.perf_counter()
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.exists() else {}
