@@ -148,6 +148,8 @@ class Bench:
             out["startup_s"] = time.monotonic() - t0
             if cfg.remote:
                 out["warm"] = self.warm(srv)
+            if self.a.interference_first:  # before slow links can teach the policy to recompute
+                out["interference"] = self.interference(srv, cfg)
             for rate in self.a.rates if cfg.remote else [None]:
                 out["runs"].append(self.run_rate(srv, cfg, rate))
             if cfg.name in self.a.curve_configs:
@@ -156,7 +158,11 @@ class Bench:
                 out["multi_turn"] = self.harness(
                     srv, f"{cfg.name}-mt", self.multi_turn_wl(), float("inf"), True
                 )
-            out["interference"] = self.interference(srv, cfg)
+            if not self.a.interference_first:
+                out["interference"] = self.interference(srv, cfg)
+        out["order"] = (
+            "interference, rates, curve" if self.a.interference_first else "rates, curve, interference"
+        )
         out["status"] = self.status(cfg, out)
         return out
 
@@ -237,13 +243,18 @@ def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
 
 def run(args: argparse.Namespace) -> dict:
     bench = Bench(args)
+    previous = json.loads((args.out / "e2e.json").read_text()) if args.merge else {}
     result = {
         "env": environment(),
         "args": {k: v for k, v in vars(args).items() if k != "func"},
         "workload": asdict(bench.wl),
         "probe_prompt_tokens": len(bench.prompts[0]),
-        "configs": {},
+        "configs": dict(previous.get("configs", {})),
     }
+    if previous:  # --merge: keep the other configurations' results and say which run made which
+        result["merged_from"] = [previous.get("env"), *previous.get("merged_from", [])]
+    for name in args.configs:
+        result["configs"].pop(name, None)
     ok, reason = netns_supported()
     remote_names = [c for c in args.configs if CONFIGS[c].remote]
     if remote_names and not ok:
@@ -284,6 +295,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--request-rates", type=float, nargs="+", default=None, help="load-latency curve, req/s")
     ap.add_argument("--curve-configs", nargs="+", default=["recompute", "device", "dpu", "inproc"])
     ap.add_argument("--mt-configs", nargs="+", default=["device", "dpu", "inproc"], help="multi-turn runs")
+    ap.add_argument("--merge", action="store_true", help="add to/replace configs in an existing e2e.json")
+    ap.add_argument("--interference-first", action="store_true", help="measure interference before rates")
     ap.add_argument("--not-run", nargs="*", default=[], metavar="NAME=REASON", help="record a skipped config")
     ap.add_argument("--curve-link-rate", type=float, default=100.0, help="Mbit/s for curve/interference")
     ap.add_argument("--groups", type=int, default=None)
