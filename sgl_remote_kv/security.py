@@ -22,6 +22,7 @@ Threads: ``AuthenticatedStore`` is as thread-safe as its inner store (the key is
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -146,8 +147,6 @@ class AuthenticatedStore:
         self.inner.delete_many(keys)
 
     def stats(self) -> StoreStats:
-        import dataclasses
-
         inner = self.inner.stats()
         with self._lock:
             rejected = self._rejected
