@@ -100,5 +100,6 @@ def test_simulated_link_integrates_the_bandwidth_trace():
 
     trace = [(0.0, 100.0), (2.0, 10.0)]
     assert transmit_time(50, 0.0, trace) == pytest.approx(0.5)
-    assert transmit_time(150, 1.0, trace) == pytest.approx(1.0 + 5.0)  # 100 B in the first second, 50 B at 10 B/s
+    # 100 B in the first second at 100 B/s, then 50 B at 10 B/s
+    assert transmit_time(150, 1.0, trace) == pytest.approx(1.0 + 5.0)
     assert transmit_time(20, 3.0, trace) == pytest.approx(2.0)
