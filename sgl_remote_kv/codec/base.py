@@ -201,6 +201,7 @@ _REGISTRY: dict[str, tuple[int, str]] = {
     "quant_deflate": (2, "sgl_remote_kv.codec.quant_deflate:QuantDeflateCodec"),
     "quant_rans": (3, "sgl_remote_kv.codec.quant_rans:QuantRansCodec"),
     "cachegen": (4, "sgl_remote_kv.codec.cachegen:CacheGenCodec"),
+    "hevc": (5, "sgl_remote_kv.nvdec.hevc_codec:HevcCodec"),
 }
 
 
