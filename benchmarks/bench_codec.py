@@ -54,6 +54,7 @@ class EvalContext:
     greedy: bool = True
     repeat: int = 1
     fingerprint: object = None
+    memo_only: bool = False  # never run the model: a quality not memoized raises LookupError
 
     @classmethod
     def create(cls, names=None, greedy=True, repeat=1, threads=2) -> EvalContext:
@@ -95,6 +96,8 @@ class EvalContext:
         memo = _quality_memo()
         hit = memo.get(key)
         if hit is None or (self.greedy and hit.get("greedy_match") is None):
+            if self.memo_only:
+                raise LookupError(f"quality of {key} not memoized")
             hit = quality.evaluate(self.model, t, self.baselines[t.name], dk, dv, greedy=self.greedy)
             memo[key] = hit
             _save_memo(memo)
@@ -180,9 +183,8 @@ def fit_tables(ctx: EvalContext, params: dict):
     """Entropy tables for ``quant_rans`` fitted on the chunks of the ``tune`` texts (held-out texts unseen)."""
     from sgl_remote_kv.codec import quant, tables
 
-    spec = quant.QuantSpec.make(
-        **{k: params[k] for k in ("k_bins", "v_bins", "granularity", "k_channel_scale")}
-    )
+    keys = ("k_bins", "v_bins", "granularity", "k_channel_scale", "k_outliers")
+    spec = quant.QuantSpec.make(**{k: params[k] for k in keys if k in params})
     samples = [c for t in ctx.texts if t.role == "tune" for c in _chunks(t)]
     if not samples:
         raise ValueError("no tune texts to fit entropy tables on")

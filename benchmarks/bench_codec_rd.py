@@ -101,16 +101,17 @@ def _jobs(families: list[str]) -> list[tuple[str, Spec]]:
     return out + [("ours-rans", s) for s in rans.values()]
 
 
-def sweep(ctx: EvalContext, families: list[str], cached_only: bool = False) -> list[dict]:
+def sweep(ctx: EvalContext, families: list[str]) -> list[dict]:
     cache = json.loads(POINTS_CACHE.read_text()) if POINTS_CACHE.exists() else {}
     points = []
     for fam, spec in _jobs(families):
         key = _key(spec, ctx)
-        if key not in cache and cached_only:
-            continue
         if key not in cache:
             t0 = time.perf_counter()
-            row = spec_row(ctx, spec, timing=False)
+            try:
+                row = spec_row(ctx, spec, timing=False)
+            except LookupError:
+                continue
             if row is None:
                 continue
             row["eval_s"] = round(time.perf_counter() - t0, 1)
@@ -237,13 +238,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--texts", default="")
     ap.add_argument("--greedy", action="store_true", help="also the 32-token greedy match (slow)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--cached-only", action="store_true", help="report the points already measured, run none")
+    ap.add_argument(
+        "--cached-only", action="store_true", help="no model runs: only points whose quality is memoized"
+    )
     ap.add_argument("--out", type=Path, default=RD_OUT)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     names = [n for n in args.texts.split(",") if n] or None
     ctx = EvalContext.create(names, greedy=args.greedy, threads=args.threads)
-    points = sweep(ctx, [f for f in args.families.split(",") if f], args.cached_only)
+    ctx.memo_only = args.cached_only
+    points = sweep(ctx, [f for f in args.families.split(",") if f])
     best = best_at_floors(points)
     meta = {"texts": kvdata.describe(ctx.texts), "floors": FLOORS, "runtime_s": round(time.perf_counter() - t0, 1),
             "selection": "best ratio on role=tune texts; reported on role=heldout texts"}  # fmt: skip
