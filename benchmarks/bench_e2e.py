@@ -252,7 +252,12 @@ def run(args: argparse.Namespace) -> dict:
         "configs": dict(previous.get("configs", {})),
     }
     if previous:  # --merge: keep the other configurations' results and say which run made which
-        result["merged_from"] = [previous.get("env"), *previous.get("merged_from", [])]
+        earlier = {
+            "env": previous.get("env"),
+            "args": previous.get("args"),
+            "configs": list(previous["configs"]),
+        }
+        result["merged_from"] = [earlier, *previous.get("merged_from", [])]
     for name in args.configs:
         result["configs"].pop(name, None)
     ok, reason = netns_supported()
