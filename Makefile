@@ -2,7 +2,8 @@
 PY := .venv/bin/python
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup model demo test test-slow lint bench-codec bench-codec-rd bench-store bench-dpu bench-cpu-attention clean
+.PHONY: setup model demo test test-slow lint bench-codec bench-codec-rd bench-store bench-dpu bench-nvdec \
+	bench-cpu-attention bench-e2e bench-e2e-quick projection soak clean
 
 setup:
 	bash scripts/setup_env.sh
@@ -24,8 +25,36 @@ test: model lint
 test-slow: model
 	$(PY) -m pytest -q -m slow
 
+# Benchmarks print tables and write docs/results/*.json (+ PNG plots). None of them is a test.
+bench-codec-rd: model
+	$(PY) -m benchmarks.bench_codec_rd
+
+bench-codec: model
+	$(PY) -m benchmarks.bench_codec
+
 bench-store: setup
 	$(PY) -m benchmarks.bench_store
+
+bench-dpu: model
+	$(PY) -m benchmarks.bench_dpu
+
+bench-nvdec: model
+	$(PY) -m benchmarks.bench_nvdec
+
+bench-cpu-attention: model
+	$(PY) -m benchmarks.bench_cpu_attention
+
+bench-e2e: model
+	$(PY) -m benchmarks.bench_e2e
+
+bench-e2e-quick: model
+	$(PY) -m benchmarks.bench_e2e --quick
+
+projection: setup
+	$(PY) -m benchmarks.projection
+
+soak: model
+	$(PY) -m benchmarks.soak
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache
