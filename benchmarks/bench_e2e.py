@@ -146,6 +146,8 @@ class Bench:
         t0 = time.monotonic()
         with running(self.server_spec(cfg)) as srv:
             out["startup_s"] = time.monotonic() - t0
+            tier = [x for x in srv.log_text().splitlines() if "remote KV tier ready" in x]
+            out["tier"] = tier[-1].split("] ", 1)[-1] if tier else None  # store, path and codec used
             if cfg.remote:
                 out["warm"] = self.warm(srv)
             if self.a.interference_first:  # before slow links can teach the policy to recompute
@@ -303,7 +305,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--merge", action="store_true", help="add to/replace configs in an existing e2e.json")
     ap.add_argument("--interference-first", action="store_true", help="measure interference before rates")
     ap.add_argument("--not-run", nargs="*", default=[], metavar="NAME=REASON", help="record a skipped config")
-    ap.add_argument("--curve-link-rate", type=float, default=100.0, help="Mbit/s for curve/interference")
+    ap.add_argument("--curve-link-rate", type=float, default=40.0, help="Mbit/s for curve/interference")
     ap.add_argument("--groups", type=int, default=None)
     ap.add_argument("--per-group", type=int, default=1)
     ap.add_argument("--system-len", type=int, default=1024)
@@ -315,7 +317,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decode-tokens", type=int, default=None, help="interference decode length")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument(
-        "--threads", type=int, default=0, help="OMP_NUM_THREADS for the server (0: torch default)"
+        "--threads", type=int, default=1, help="OMP_NUM_THREADS for the server (0: torch default)"
     )
     ap.add_argument("--max-total-tokens", type=int, default=24576)
     ap.add_argument("--workdir", default="/tmp/srkv-bench-e2e")
@@ -323,12 +325,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     q = a.quick
     a.configs = a.configs or (["recompute", "device", "dpu", "inproc", "auto"] if q else list(CONFIGS))
-    a.rates = a.rates or ([25.0, 400.0] if q else [10.0, 25.0, 100.0, 400.0])
-    a.request_rates = a.request_rates or ([0.2, float("inf")] if q else [0.1, 0.2, 0.4, float("inf")])
+    a.rates = a.rates or ([10.0, 40.0, 160.0] if q else [10.0, 20.0, 40.0, 80.0, 160.0, 320.0])
+    a.request_rates = a.request_rates or ([0.05, float("inf")] if q else [0.05, 0.1, 0.2, float("inf")])
     a.groups = a.groups or (3 if q else 6)
-    a.turns = a.turns or (1 if q else 2)
+    a.turns = a.turns or 2
     a.probes = a.probes or (2 if q else 4)
-    a.decode_tokens = a.decode_tokens or (64 if q else 128)
+    a.decode_tokens = a.decode_tokens or (48 if q else 128)
     return a
 
 
