@@ -68,7 +68,8 @@ def conversations(tok, n: int, turns: int) -> list[list[list[int]]]:
                 f"Point {t}.{i}: {topic} matter for reason {i * (c + 3) % 17}." for i in range(12)
             )
             msgs.append({"role": "user", "content": f"Question {t} about {topic}. {detail} Explain briefly."})
-            prompts.append(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+            text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            prompts.append(tok(text, add_special_tokens=False)["input_ids"])
             msgs.append({"role": "assistant", "content": f"Answer {t}: {topic} are interesting. " * 6})
         out.append(prompts)
     return out
