@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,8 @@ import numpy as np
 from sgl_remote_kv.sglang_glue import kv_io
 
 logger = logging.getLogger(__name__)
+
+_MAX_TRACKED = 65536
 
 
 @dataclass
@@ -41,7 +44,8 @@ class WriteBack:
         self.kvcache = kvcache
         self.req_to_token_pool = req_to_token_pool
         self._q: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queue)
-        self._progress: dict[str, int] = {}  # rid -> chunks already offered or known present
+        # rid -> chunks already offered or known present; bounded (an aborted request never finishes)
+        self._progress: OrderedDict[str, int] = OrderedDict()
         self._errors_logged: set[str] = set()
         self._idle = threading.Event()
         self._idle.set()
@@ -51,7 +55,13 @@ class WriteBack:
     # -- scheduler thread -------------------------------------------------------------------------
     def note_present(self, rid: str, chunks: int) -> None:
         """The first ``chunks`` chunks of ``rid``'s prompt are known to be in the store."""
-        self._progress[rid] = max(self._progress.get(rid, 0), chunks)
+        self._set_progress(rid, max(self._progress.get(rid, 0), chunks))
+
+    def _set_progress(self, rid: str, chunks: int) -> None:
+        self._progress[rid] = chunks
+        self._progress.move_to_end(rid)
+        while len(self._progress) > _MAX_TRACKED:
+            self._progress.popitem(last=False)
 
     def forget(self, rid: str) -> None:
         self._progress.pop(rid, None)
@@ -67,7 +77,7 @@ class WriteBack:
         keys = self.rt.keys_for(token_ids, last, salt)
         idx = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, first * c : last * c]
         k, v = kv_io.read_kv(self.kvcache, idx)
-        self._progress[req.rid] = last
+        self._set_progress(req.rid, last)
         try:
             self._q.put_nowait(_Job(keys, first, k, v))
             self._idle.clear()
