@@ -114,19 +114,25 @@ class SGLangServer:
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM the process group, SIGKILL what is left after ``grace_s``. Idempotent."""
-        if self.proc is None or self.proc.poll() is not None and not _group_alive(self.proc.pid):
+        if self.proc is None or not self._alive():
             return
         _signal_group(self.proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and _group_alive(self.proc.pid):
+        while time.monotonic() < deadline and self._alive():
             time.sleep(0.2)
-        if _group_alive(self.proc.pid):
+        if self._alive():
             logger.warning("server group %d ignored SIGTERM; killing", self.proc.pid)
             _signal_group(self.proc.pid, signal.SIGKILL)
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+
+    def _alive(self) -> bool:
+        """True while the launcher or any process of its group runs (reaps the launcher first, so its own
+        zombie does not count as alive)."""
+        self.proc.poll()
+        return self.proc.returncode is None or _group_alive(self.proc.pid)
 
     def __enter__(self) -> SGLangServer:
         return self.start()
