@@ -136,18 +136,18 @@ def plot_interference(result: dict, out: Path) -> None:
     for name, c in _ok(result["configs"]).items():
         i = c.get("interference") or {}
         if i.get("loaded_over_unloaded"):
-            rows.append(
-                (_label(name, c), i["unloaded_tpot"]["mean_s"] * 1e3, i["loaded_tpot"]["mean_s"] * 1e3)
-            )
+            bg = "+".join(sorted(i.get("paths") or {})) or "prefill"  # what the background requests did
+            label = f"{_label(name, c)}\nbg: {bg}"
+            rows.append((label, i["unloaded_tpot"]["mean_s"] * 1e3, i["loaded_tpot"]["mean_s"] * 1e3))
     if not rows:
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9, 4.4))
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], [r[1] for r in rows], 0.4, label="decode alone")
     ax.bar([x + 0.2 for x in xs], [r[2] for r in rows], 0.4, label="while other requests fetch / prefill")
     for x, r in zip(xs, rows, strict=True):
         ax.text(x + 0.2, r[2], f"{r[2] / r[1]:.2f}x", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(xs), [r[0] for r in rows])
+    ax.set_xticks(list(xs), [r[0] for r in rows], fontsize=8)
     ax.set_ylabel("mean TPOT of the running decode (ms)")
     ax.set_title("interference on a running decode")
     ax.legend(fontsize=7)
