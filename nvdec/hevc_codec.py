@@ -32,7 +32,7 @@ from sgl_remote_kv.nvdec import layout as lo
 from sgl_remote_kv.nvdec.video import VideoDecoder, encode_planes
 
 from sgl_remote_kv.codec import quant
-from sgl_remote_kv.codec.base import Codec
+from sgl_remote_kv.codec.base import Codec, check_chunk_arrays
 from sgl_remote_kv.codec.errors import CorruptChunk
 from sgl_remote_kv.codec.format import ChunkHeader, layer_section
 from sgl_remote_kv.types import ModelFingerprint, numpy_storage_dtype
@@ -122,14 +122,7 @@ class HevcCodec(Codec):
         from sgl_remote_kv.codec.format import pack
 
         lay = fingerprint.layout
-        dt = numpy_storage_dtype(lay.dtype)
-        for a in (k, v):
-            if a.ndim != 4 or a.shape[0] != lay.num_layers or a.shape[2:] != (lay.num_kv_heads, lay.head_dim):
-                raise ValueError(f"shape {a.shape} does not match layout {lay}")
-            if a.dtype != dt:
-                raise ValueError(f"dtype {a.dtype} != storage dtype {dt}")
-        if k.shape != v.shape or k.shape[1] == 0:
-            raise ValueError(f"k {k.shape} / v {v.shape} mismatch or empty")
+        check_chunk_arrays(k, v, lay)
         sections: list[bytes] = []
         for g in range(0, lay.num_layers, GROUP):
             layers = range(g, min(g + GROUP, lay.num_layers))

@@ -39,7 +39,7 @@ from sgl_remote_kv.codec.format import (
     pack,
     parse_header,
 )
-from sgl_remote_kv.types import ModelFingerprint, numpy_storage_dtype
+from sgl_remote_kv.types import KVLayout, ModelFingerprint, numpy_storage_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -83,14 +83,7 @@ class Codec(ABC):
     ) -> bytes:
         """Encode a chunk. Raises ``ValueError`` for shapes/dtypes that do not match ``fingerprint``."""
         lay = fingerprint.layout
-        dt = numpy_storage_dtype(lay.dtype)
-        for name, a in (("k", k), ("v", v)):
-            if a.ndim != 4 or a.shape[0] != lay.num_layers or a.shape[2:] != (lay.num_kv_heads, lay.head_dim):
-                raise ValueError(f"{name} shape {a.shape} does not match layout {lay}")
-            if a.dtype != dt:
-                raise ValueError(f"{name} dtype {a.dtype} != storage dtype {dt} of {lay.dtype}")
-        if k.shape != v.shape or k.shape[1] == 0:
-            raise ValueError(f"k {k.shape} / v {v.shape} mismatch or empty")
+        check_chunk_arrays(k, v, lay)
         sections = [self.encode_layer(k[i], v[i], i, fingerprint) for i in range(lay.num_layers)]
         return pack(
             self.codec_id,
@@ -117,9 +110,13 @@ class Codec(ABC):
         hdr = parse_header(blob, fingerprint, limits, mac_key=mac_key, bind=bind)
         if hdr.codec_id != self.codec_id or hdr.params != self.params_bytes():
             raise ForeignChunk(f"chunk of codec {hdr.codec_id} {hdr.params[:80]!r}, not {self!r}")
-        if hdr.aux_id != self.aux_id(fingerprint):
-            raise ForeignChunk("chunk references another entropy-model table")
+        self._check_aux(hdr, fingerprint)
         return hdr
+
+    def _check_aux(self, header: ChunkHeader, fingerprint: ModelFingerprint) -> None:
+        """``ForeignChunk`` unless the header's ``aux_id`` names the table this codec uses here."""
+        if header.aux_id != self.aux_id(fingerprint):
+            raise ForeignChunk("chunk references another entropy-model table")
 
     @abstractmethod
     def scratch_bytes(self, header: ChunkHeader, layer: int) -> int:
@@ -142,6 +139,10 @@ class Codec(ABC):
         for a in (out_k, out_v):
             if a.shape != shape or a.dtype != dt or not a.flags.c_contiguous:
                 raise ValueError(f"output {a.shape} {a.dtype} must be C-contiguous {shape} {dt}")
+
+    def max_scratch_bytes(self, header: ChunkHeader) -> int:
+        """One scratch size that serves every layer of ``header``'s chunk."""
+        return max(self.scratch_bytes(header, i) for i in range(header.layout.num_layers))
 
     def decode_layer_into(
         self, blob, header: ChunkHeader, layer: int, scratch: np.ndarray, out_k: np.ndarray, out_v: np.ndarray
@@ -167,7 +168,7 @@ class Codec(ABC):
         lay = hdr.layout
         dt = numpy_storage_dtype(lay.dtype)
         shape = (hdr.num_tokens, lay.num_kv_heads, lay.head_dim)
-        scratch = np.empty(max(self.scratch_bytes(hdr, i) for i in range(lay.num_layers)), np.uint8)
+        scratch = np.empty(self.max_scratch_bytes(hdr), np.uint8)
         for i in range(lay.num_layers):
             k, v = np.empty(shape, dt), np.empty(shape, dt)
             self.decode_layer_into(blob, hdr, i, scratch, k, v)
@@ -188,10 +189,22 @@ class Codec(ABC):
         dt = numpy_storage_dtype(lay.dtype)
         shape = (lay.num_layers, hdr.num_tokens, lay.num_kv_heads, lay.head_dim)
         k, v = np.empty(shape, dt), np.empty(shape, dt)
-        scratch = np.empty(max(self.scratch_bytes(hdr, i) for i in range(lay.num_layers)), np.uint8)
+        scratch = np.empty(self.max_scratch_bytes(hdr), np.uint8)
         for i in range(lay.num_layers):
             self.decode_layer_into(blob, hdr, i, scratch, k[i], v[i])
         return k, v
+
+
+def check_chunk_arrays(k: np.ndarray, v: np.ndarray, lay: KVLayout) -> None:
+    """``ValueError`` unless ``k``/``v`` are equal-shaped, non-empty ``[L, T, H, D]`` arrays of ``lay``."""
+    dt = numpy_storage_dtype(lay.dtype)
+    for name, a in (("k", k), ("v", v)):
+        if a.ndim != 4 or a.shape[0] != lay.num_layers or a.shape[2:] != (lay.num_kv_heads, lay.head_dim):
+            raise ValueError(f"{name} shape {a.shape} does not match layout {lay}")
+        if a.dtype != dt:
+            raise ValueError(f"{name} dtype {a.dtype} != storage dtype {dt} of {lay.dtype}")
+    if k.shape != v.shape or k.shape[1] == 0:
+        raise ValueError(f"k {k.shape} / v {v.shape} mismatch or empty")
 
 
 # ---- registry -------------------------------------------------------------------------------

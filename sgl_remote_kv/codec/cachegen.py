@@ -48,7 +48,7 @@ class CacheGenCodec(QuantRansCodec):
     ):
         super().__init__(k_bins, v_bins, granularity, k_channel_scale, k_outliers=k_outliers)
 
-    parse = Codec.parse
+    _check_aux = Codec._check_aux
 
     def aux_id(self, fingerprint: ModelFingerprint) -> bytes:
         return NO_AUX

@@ -51,7 +51,7 @@ def _stages(codec, blobs, fp, clock) -> dict[str, float]:
         h = codec.parse(b, fp)
         t["parse"] += clock() - t0
         lay = h.layout
-        scratch = np.empty(max(codec.scratch_bytes(h, i) for i in range(lay.num_layers)), np.uint8)
+        scratch = np.empty(codec.max_scratch_bytes(h), np.uint8)
         ok = np.empty((h.num_tokens, lay.num_kv_heads, lay.head_dim), np.uint16)
         ov = np.empty_like(ok)
         for i in range(lay.num_layers):

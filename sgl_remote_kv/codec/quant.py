@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import njit
 
+from sgl_remote_kv.codec.base import Codec
 from sgl_remote_kv.codec.errors import CorruptChunk
+from sgl_remote_kv.codec.format import ChunkHeader
 
 logger = logging.getLogger(__name__)
 
@@ -320,3 +322,26 @@ def dequant_layer(view: LayerView, dtype: str, out_k: np.ndarray, out_v: np.ndar
     if view.k_out_idx.size:  # exact outlier key channels overwrite their (zero) dequantized values
         ok = out_k.reshape(view.k_codes.shape[0], -1)
         ok.view(view.k_out_vals.dtype)[:, view.k_out_idx] = view.k_out_vals
+
+
+class QuantCodec(Codec):
+    """The stages the per-layer quantized codecs share: their lossless stage yields this module's
+    decoded-layer buffer, so its size bound and its dequantization are the same for all of them.
+    Subclasses set ``self.spec`` (a ``QuantSpec``)."""
+
+    spec: QuantSpec
+
+    def scratch_bytes(self, header: ChunkHeader, layer: int) -> int:
+        lay = header.layout
+        return max_decoded_bytes(self.spec, header.num_tokens, lay.num_kv_heads, lay.head_dim)
+
+    def dequant_stage(
+        self, header: ChunkHeader, layer: int, decoded, out_k: np.ndarray, out_v: np.ndarray
+    ) -> None:
+        self._check_out(header, out_k, out_v)
+        lay = header.layout
+        buf = np.asarray(decoded, dtype=np.uint8)
+        view = split_layer(
+            self.spec, buf, layer, header.num_tokens, lay.num_kv_heads, lay.head_dim, lay.itemsize
+        )
+        dequant_layer(view, lay.dtype, out_k, out_v)

@@ -20,9 +20,7 @@ import struct
 import numpy as np
 
 from sgl_remote_kv.codec import lz, quant
-from sgl_remote_kv.codec.base import Codec
 from sgl_remote_kv.codec.errors import CorruptChunk
-from sgl_remote_kv.codec.format import ChunkHeader
 from sgl_remote_kv.types import ModelFingerprint
 
 logger = logging.getLogger(__name__)
@@ -32,7 +30,7 @@ STREAM = struct.Struct("<BxxxII")
 MAX_STREAMS = 3
 
 
-class QuantDeflateCodec(Codec):
+class QuantDeflateCodec(quant.QuantCodec):
     name = "quant_deflate"
     codec_id = 2
 
@@ -68,10 +66,6 @@ class QuantDeflateCodec(Codec):
             bodies.append(body)
         return b"".join([SUB.pack(0, len(bodies), 0, buf.size), *heads, *bodies])
 
-    def scratch_bytes(self, header: ChunkHeader, layer: int) -> int:
-        lay = header.layout
-        return quant.max_decoded_bytes(self.spec, header.num_tokens, lay.num_kv_heads, lay.head_dim)
-
     def lossless_stage(self, section: memoryview, out: np.ndarray) -> int:
         if len(section) < SUB.size:
             raise CorruptChunk("section shorter than its sub-header")
@@ -91,14 +85,3 @@ class QuantDeflateCodec(Codec):
             lz.decompress_into(method, section[body : body + cl], out[o : o + rl], rl)
             o, body = o + rl, body + cl
         return raw_len
-
-    def dequant_stage(
-        self, header: ChunkHeader, layer: int, decoded, out_k: np.ndarray, out_v: np.ndarray
-    ) -> None:
-        self._check_out(header, out_k, out_v)
-        lay = header.layout
-        buf = np.asarray(decoded, dtype=np.uint8)
-        view = quant.split_layer(
-            self.spec, buf, layer, header.num_tokens, lay.num_kv_heads, lay.head_dim, lay.itemsize
-        )
-        quant.dequant_layer(view, lay.dtype, out_k, out_v)

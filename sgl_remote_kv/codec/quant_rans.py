@@ -22,9 +22,8 @@ import numpy as np
 
 from sgl_remote_kv.codec import quant, rans, tables
 from sgl_remote_kv.codec import tables as tables_mod
-from sgl_remote_kv.codec.base import Codec
 from sgl_remote_kv.codec.errors import CorruptChunk, ForeignChunk
-from sgl_remote_kv.codec.format import DEFAULT_LIMITS, ChunkHeader, Limits, parse_header
+from sgl_remote_kv.codec.format import ChunkHeader
 from sgl_remote_kv.types import ModelFingerprint
 
 logger = logging.getLogger(__name__)
@@ -38,7 +37,7 @@ def words_view(section: memoryview, offset: int, count: int) -> np.ndarray:
     return w if w.ctypes.data % 2 == 0 else w.copy()
 
 
-class QuantRansCodec(Codec):
+class QuantRansCodec(quant.QuantCodec):
     name = "quant_rans"
     codec_id = 3
 
@@ -74,24 +73,13 @@ class QuantRansCodec(Codec):
     def aux_id(self, fingerprint: ModelFingerprint) -> bytes:
         return self.tables_for(fingerprint).table_id
 
-    def parse(
-        self,
-        blob,
-        fingerprint: ModelFingerprint,
-        limits: Limits = DEFAULT_LIMITS,
-        *,
-        mac_key: bytes | None = None,
-        bind: bytes = b"",
-    ) -> ChunkHeader:
-        hdr = parse_header(blob, fingerprint, limits, mac_key=mac_key, bind=bind)
-        if hdr.codec_id != self.codec_id or hdr.params != self.params_bytes():
-            raise ForeignChunk(f"chunk of codec {hdr.codec_id} {hdr.params[:80]!r}, not {self!r}")
-        t = tables.lookup(hdr.aux_id)
+    def _check_aux(self, header: ChunkHeader, fingerprint: ModelFingerprint) -> None:
+        """The blob's table is a registered one for this model and spec (found by id, not refitted)."""
+        t = tables.lookup(header.aux_id)
         if t is None:
-            raise ForeignChunk(f"unknown entropy table {hdr.aux_id.hex()}")
-        if t.fingerprint_digest != hdr.fingerprint_digest or t.spec_params != self._spec_json:
+            raise ForeignChunk(f"unknown entropy table {header.aux_id.hex()}")
+        if t.fingerprint_digest != header.fingerprint_digest or t.spec_params != self._spec_json:
             raise ForeignChunk("entropy table belongs to another model or spec")
-        return hdr
 
     # ---- encode -----------------------------------------------------------------------------
     def _section_tables(self, view: quant.LayerView, layer: int, fingerprint: ModelFingerprint):
@@ -118,10 +106,6 @@ class QuantRansCodec(Codec):
         return b"".join([head, buf[:prefix_len].tobytes(), extra, streams[0].tobytes(), streams[1].tobytes()])
 
     # ---- decode -----------------------------------------------------------------------------
-    def scratch_bytes(self, header: ChunkHeader, layer: int) -> int:
-        lay = header.layout
-        return quant.max_decoded_bytes(self.spec, header.num_tokens, lay.num_kv_heads, lay.head_dim)
-
     def _decode_models(self, section: memoryview, tid: bytes, layer: int, c_n: int, offset: int):
         """([(cum16, bucket, ctx0, prob_bits) for K, V], bytes of the section consumed by tables)."""
         t = tables.lookup(tid)
@@ -156,17 +140,6 @@ class QuantRansCodec(Codec):
                 raise CorruptChunk(f"rANS stream {j} of layer {layer} is corrupt ({rc})")
             o += 2 * count
         return raw_len
-
-    def dequant_stage(
-        self, header: ChunkHeader, layer: int, decoded, out_k: np.ndarray, out_v: np.ndarray
-    ) -> None:
-        self._check_out(header, out_k, out_v)
-        lay = header.layout
-        buf = np.asarray(decoded, dtype=np.uint8)
-        view = quant.split_layer(
-            self.spec, buf, layer, header.num_tokens, lay.num_kv_heads, lay.head_dim, lay.itemsize
-        )
-        quant.dequant_layer(view, lay.dtype, out_k, out_v)
 
 
 def quant_spec_json(spec: quant.QuantSpec) -> str:
