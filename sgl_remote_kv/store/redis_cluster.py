@@ -14,14 +14,17 @@ Thread-safety: ``RedisCluster`` keeps a connection pool per node; share one stor
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
-
-from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.retry import Retry
 
-from .base import parse_host_ports, url_options
-from .redis_store import _READ_SIZE, COMMON_OPTIONS, DEFAULT_PREFIX, RedisKV, common_kwargs, translate_errors
+from .base import parse_host_ports
+from .redis_store import (
+    DEFAULT_PREFIX,
+    RedisKV,
+    common_kwargs,
+    connection_kwargs,
+    split_url,
+    translate_errors,
+)
 
 
 class RedisClusterStore(RedisKV):
@@ -38,10 +41,7 @@ class RedisClusterStore(RedisKV):
         with translate_errors():
             client = RedisCluster(
                 startup_nodes=[ClusterNode(h, p) for h, p in nodes],
-                socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s,
-                socket_read_size=_READ_SIZE,
-                retry=Retry(NoBackoff(), 0),  # StoreClient owns retries
+                **connection_kwargs(timeout_s),
                 require_full_coverage=False,  # serve the live shards when one is down
             )
         super().__init__(client, "redis-cluster", prefix, ttl_s, batch)
@@ -50,11 +50,5 @@ class RedisClusterStore(RedisKV):
 
 def open_redis_cluster(url: str) -> RedisClusterStore:
     """Factory for ``redis+cluster://h1:p1,h2:p2``."""
-    parts = urlsplit(url)
-    opts = url_options(url)
-    unknown = set(opts) - COMMON_OPTIONS
-    if unknown:
-        raise ValueError(f"store URL {url!r}: unknown options {sorted(unknown)}")
-    if not parts.netloc:
-        raise ValueError(f"store URL {url!r}: missing host (redis+cluster://host:port[,host:port...])")
+    parts, opts = split_url(url, "redis+cluster://host:port[,host:port...]")
     return RedisClusterStore(parse_host_ports(parts.netloc, url), **common_kwargs(url, opts))

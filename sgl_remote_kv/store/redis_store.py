@@ -24,7 +24,7 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -167,13 +167,32 @@ class RedisStore(RedisKV):
             port=port,
             db=db,
             password=password,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            socket_read_size=_READ_SIZE,
-            retry=Retry(NoBackoff(), 0),  # StoreClient owns retries
+            **connection_kwargs(timeout_s),
         )
         super().__init__(client, "redis", prefix, ttl_s, batch)
         self.address = (host, port)
+
+
+def connection_kwargs(timeout_s: float) -> dict[str, Any]:
+    """Socket settings shared by both Redis backends' clients."""
+    return {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "socket_read_size": _READ_SIZE,
+        "retry": Retry(NoBackoff(), 0),  # StoreClient owns retries
+    }
+
+
+def split_url(url: str, usage: str) -> tuple[SplitResult, dict[str, str]]:
+    """``(parts, options)`` of a Redis store URL; ``ValueError`` on unknown options or a missing host."""
+    parts = urlsplit(url)
+    opts = url_options(url)
+    unknown = set(opts) - COMMON_OPTIONS
+    if unknown:
+        raise ValueError(f"store URL {url!r}: unknown options {sorted(unknown)}")
+    if not parts.netloc:
+        raise ValueError(f"store URL {url!r}: missing host ({usage})")
+    return parts, opts
 
 
 def common_kwargs(url: str, opts: dict[str, str]) -> dict[str, Any]:
@@ -191,13 +210,7 @@ def common_kwargs(url: str, opts: dict[str, str]) -> dict[str, Any]:
 
 def open_redis(url: str) -> RedisStore:
     """Factory for ``redis://host:port/db``."""
-    parts = urlsplit(url)
-    opts = url_options(url)
-    unknown = set(opts) - COMMON_OPTIONS
-    if unknown:
-        raise ValueError(f"store URL {url!r}: unknown options {sorted(unknown)}")
-    if not parts.netloc:
-        raise ValueError(f"store URL {url!r}: missing host (redis://host:port/db)")
+    parts, opts = split_url(url, "redis://host:port/db")
     if "," in parts.netloc:
         raise ValueError(f"store URL {url!r}: expected redis://host:port/db (one host)")
     ((host, port),) = parse_host_ports(parts.netloc, url)
