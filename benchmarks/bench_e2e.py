@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> dict:
         }
         result["merged_from"] = [earlier, *previous.get("merged_from", [])]
     for name in args.configs:
-        result["configs"].pop(name, None)
+        result["configs"].pop(name + args.tag, None)
     ok, reason = netns_supported()
     remote_names = [c for c in args.configs if CONFIGS[c].remote]
     if remote_names and not ok:
@@ -271,20 +271,21 @@ def run(args: argparse.Namespace) -> dict:
         name, _, reason = item.partition("=")
         result["configs"][name] = {"status": f"not run: {reason}"}
     for name in args.configs:
-        if name in result["configs"]:
+        key = name + args.tag  # --tag: keep several runs of one configuration side by side
+        if key in result["configs"]:
             continue
         cfg = CONFIGS[name]
         logger.info("=== config %s (%s)", name, " ".join(cfg.args))
         try:
             if cfg.remote:
                 with shaped_store(bench.work) as bench.store:
-                    result["configs"][name] = bench.run_config(cfg)
+                    result["configs"][key] = bench.run_config(cfg)
             else:
-                result["configs"][name] = bench.run_config(cfg)
+                result["configs"][key] = bench.run_config(cfg)
         except Exception as e:  # a broken configuration is recorded, the others still run
             logger.exception("config %s failed", name)
-            result["configs"][name] = {"status": f"not run: {type(e).__name__}: {e}"[:2000]}
-        result["env"]["loadavg_after_" + name] = os.getloadavg()
+            result["configs"][key] = {"status": f"not run: {type(e).__name__}: {e}"[:2000]}
+        result["env"]["loadavg_after_" + key] = os.getloadavg()
         write(result, args.out)  # partial results survive a later failure
     return result
 
@@ -302,6 +303,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--request-rates", type=float, nargs="+", default=None, help="load-latency curve, req/s")
     ap.add_argument("--curve-configs", nargs="+", default=["recompute", "device", "dpu", "inproc"])
     ap.add_argument("--mt-configs", nargs="+", default=["device", "dpu", "inproc"], help="multi-turn runs")
+    ap.add_argument("--tag", default="", help="suffix for the result keys (e.g. _curve160)")
     ap.add_argument("--merge", action="store_true", help="add to/replace configs in an existing e2e.json")
     ap.add_argument("--interference-first", action="store_true", help="measure interference before rates")
     ap.add_argument("--not-run", nargs="*", default=[], metavar="NAME=REASON", help="record a skipped config")
