@@ -193,7 +193,6 @@ def test_slow_store_costs_time_not_tokens(srv, proxy, tok):
     assert wait_full_hit(srv, case) == case.chunks * CHUNK
 
 
-@pytest.mark.slow
 def test_flaky_connections(srv, proxy, tok):
     cases = [prime(srv, make_case(tok, f"flaky-{i}")) for i in range(2)]
     proxy.reset_rate = 0.3
@@ -206,7 +205,6 @@ def test_flaky_connections(srv, proxy, tok):
         assert wait_full_hit(srv, case) == case.chunks * CHUNK
 
 
-@pytest.mark.slow
 def test_hung_store_is_a_miss_within_bounded_time(srv, proxy, tok):
     case = prime(srv, make_case(tok, "hung"))
     proxy.stall = True
@@ -275,7 +273,6 @@ def test_undecodable_chunk_is_repaired_by_the_recompute(srv, tok, rdb, chunk_key
     assert wait_full_hit(srv, case, timeout=45) == case.chunks * CHUNK
 
 
-@pytest.mark.slow
 def test_writeback_failing_halfway_publishes_only_whole_chunks(srv, proxy, tok, rdb, chunk_keys):
     case = make_case(tok, "writeback-halfway", n_chunks=4)
     keys = chunk_keys(case.ids, case.chunks)
@@ -309,8 +306,8 @@ def _dpu_pid(srv) -> int:
     "sig",
     [
         pytest.param(signal.SIGKILL, id="sigkill"),
-        pytest.param(signal.SIGSTOP, id="sigstop-hang", marks=pytest.mark.slow),
-        pytest.param(signal.SIGTERM, id="channel-closed", marks=pytest.mark.slow),
+        pytest.param(signal.SIGSTOP, id="sigstop-hang"),
+        pytest.param(signal.SIGTERM, id="channel-closed"),
     ],
 )
 def test_data_plane_lost_mid_fetch(srv, proxy, tok, sig):
