@@ -5,10 +5,12 @@ Every fixture closes its client, which SIGTERMs (then SIGKILLs) and reaps the da
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +31,20 @@ def _spec(**kw) -> ProcessSpec:
     base = dict(workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * CB, store_timeout_s=2.0)
     base.update(kw)
     return ProcessSpec(**base)
+
+
+@contextlib.contextmanager
+def _raw_dealer(client: DpuClient) -> Iterator[zmq.Socket]:
+    """A DEALER socket of our own on ``client``'s data-plane endpoint (closed, context ended, on exit)."""
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(f"ipc://{client._proc.tmp}/dp-{client._proc.generation}.sock")
+    try:
+        yield s
+    finally:
+        s.close()
+        ctx.term()
 
 
 @pytest.fixture
@@ -209,17 +225,12 @@ def test_hostile_frames_do_not_hurt_the_data_plane(tmp_path, make_client):
     url = f"file://{tmp_path}/store"
     keys, _ = put_chunks(url, codec, random_chunks(2, seed=8))
     c = make_client(url, codec)
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(f"ipc://{c._proc.tmp}/dp-{c._proc.generation}.sock")
-    rng = np.random.default_rng(0)
-    for _ in range(300):
-        s.send(rng.integers(0, 256, int(rng.integers(0, 200)), dtype=np.uint8).tobytes())
-    s.send_multipart([b"a", b"b", b"c"])
-    time.sleep(0.3)
-    s.close()
-    ctx.term()
+    with _raw_dealer(c) as s:
+        rng = np.random.default_rng(0)
+        for _ in range(300):
+            s.send(rng.integers(0, 256, int(rng.integers(0, 200)), dtype=np.uint8).tobytes())
+        s.send_multipart([b"a", b"b", b"c"])
+        time.sleep(0.3)
     assert c.fetch("ok", keys, CHUNK, None, timeout=30).hit_chunks == 2
     assert c.stats()["restarts"] == 0
 
@@ -248,22 +259,17 @@ def test_bad_destination_is_rejected_not_written(tmp_path, make_client):
     url = f"file://{tmp_path}/store"
     keys, _ = put_chunks(url, codec, random_chunks(1, seed=12))
     c = make_client(url, codec)
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(f"ipc://{c._proc.tmp}/dp-{c._proc.generation}.sock")
     dest = P.ChunkDest(keys[0], CHUNK, c.dest.size - 16, 0, 4096)  # would write past the region
     msg = P.SubmitFetch(
         999, "evil", codec.name, codec.params_bytes(), c._wire_fp, c.dest.name.lstrip("/"), [dest]
     )
-    s.send(P.encode(msg))
     got = []
-    while s.poll(5000):
-        got.append(P.decode(s.recv()))
-        if isinstance(got[-1], P.JobDone):
-            break
-    s.close()
-    ctx.term()
+    with _raw_dealer(c) as s:
+        s.send(P.encode(msg))
+        while s.poll(5000):
+            got.append(P.decode(s.recv()))
+            if isinstance(got[-1], P.JobDone):
+                break
     assert isinstance(got[0], P.ChunkFailed) and got[0].kind == "bad_request"
     assert got[-1] == P.JobDone(999, 0, 1)
 
