@@ -26,7 +26,7 @@ from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 
 from . import protocol as P
-from .buffers import DestRegion, StagingBuffers, chunk_bytes, layer_bytes, plan_rounds
+from .buffers import DestRegion, StagingBuffers, layer_bytes, plan_rounds
 from .pipeline import JobState, Pipeline, PipelineConfig
 
 logger = logging.getLogger(__name__)
@@ -276,8 +276,3 @@ class DataPlaneServer:
         self.router.close(0)
         self.ctx.term()
         self.dest.close()
-
-
-def bytes_per_chunk_hint(layout: KVLayout, tokens: int) -> int:
-    """Decoded bytes of one chunk (for sizing ``slot_bytes``)."""
-    return chunk_bytes(layout, tokens)

@@ -14,7 +14,6 @@ import numpy as np
 from numba import njit
 
 PROB_BITS = 12
-PROB_SCALE = 1 << PROB_BITS
 RANS_L = 1 << 16
 NSTATES = 4
 
@@ -192,7 +191,3 @@ def decode(words, ctx0, cum, bucket, prob_bits, out):
         if x[j] != RANS_L:
             return -4
     return 0
-
-
-def check_ctx(freq: np.ndarray, ctx0: int, channels: int) -> bool:
-    return 0 <= ctx0 and ctx0 + channels <= freq.shape[0]
