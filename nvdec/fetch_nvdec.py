@@ -103,6 +103,9 @@ class NvdecFetchBackend:
             handle.fetched_bytes += len(blob)
         if handle.ok_chunks == 0:
             return
+        self._verify(handle, blobs)
+        if handle.ok_chunks == 0:
+            return
         lay, c = self.fingerprint.layout, self.chunk_size
         shape = (lay.num_layers, handle.ok_chunks * c, lay.num_kv_heads, lay.head_dim)
         handle.k = np.empty(shape, numpy_storage_dtype(lay.dtype))
@@ -123,3 +126,18 @@ class NvdecFetchBackend:
                 handle._fail_from(i, f"decode:{type(e).__name__}")
             except PoolClosed:
                 handle._fail_from(i, "cancelled")
+
+    def _verify(self, handle: FetchHandle, blobs: list) -> None:
+        """Parse (header, checksum) every fetched chunk up front; publish ``handle.verified``."""
+        headers = []
+        for i in range(handle.ok_chunks):
+            try:
+                headers.append(self.codec.parse(blobs[i], self.fingerprint))
+            except ChunkError as e:
+                handle._fail_from(i, f"decode:{type(e).__name__}")
+                break
+            if headers[-1].num_tokens != self.chunk_size:
+                handle._fail_from(i, "decode:chunk_size")
+                headers.pop()
+                break
+        handle._mark_verified(blobs, headers, self._on_done)

@@ -25,6 +25,8 @@ class RemoteKVConfig:
     chunk_size: int = 256
     codec: str = "default"
     auth_key_file: str = ""  # "" -> values are not authenticated (see sgl_remote_kv/security.py)
+    nvdec_instances: int = 2  # decoder instances of the NVDEC pool (--remote-kv nvdec|auto)
+    layerwise: bool = False  # admit fully fetched requests before every layer is in the pool
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -33,6 +35,8 @@ class RemoteKVConfig:
             raise ValueError(
                 f"--remote-kv-chunk-size must be a multiple of 16 in [16, {MAX_CHUNK_SIZE}], got {self.chunk_size}"
             )
+        if not 1 <= self.nvdec_instances <= 64:
+            raise ValueError(f"--remote-kv-nvdec-instances must be in [1, 64], got {self.nvdec_instances}")
 
     @property
     def enabled(self) -> bool:
@@ -108,6 +112,20 @@ class RemoteKVConfig:
             help="Shared secret (hex or raw, >= 16 bytes): values carry a MAC bound to their key; "
             "others' writes become misses (docs/RELIABILITY.md).",
         )
+        g.add_argument(
+            "--remote-kv-nvdec-instances",
+            dest="remote_kv_nvdec_instances",
+            type=_nvdec_instances,
+            default=2,
+            metavar="N",
+            help="Decoder instances in the NVDEC pool (--remote-kv nvdec|auto; default 2).",
+        )
+        g.add_argument(
+            "--remote-kv-layerwise",
+            dest="remote_kv_layerwise",
+            action="store_true",
+            help="Layer-wise fetch/compute pipelining (docs/INTEGRATION.md); off by default.",
+        )
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> RemoteKVConfig:
@@ -126,6 +144,8 @@ class RemoteKVConfig:
             chunk_size=ns.remote_kv_chunk_size,
             codec=ns.remote_kv_codec,
             auth_key_file=getattr(ns, "remote_kv_auth_key_file", ""),
+            nvdec_instances=getattr(ns, "remote_kv_nvdec_instances", 2),
+            layerwise=getattr(ns, "remote_kv_layerwise", False),
         )
 
 
@@ -136,6 +156,16 @@ def _chunk_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if not 16 <= value <= MAX_CHUNK_SIZE or value % 16:
         raise argparse.ArgumentTypeError(f"must be a multiple of 16 in [16, {MAX_CHUNK_SIZE}], got {value}")
+    return value
+
+
+def _nvdec_instances(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 1 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"must be in [1, 64], got {value}")
     return value
 
 

@@ -136,3 +136,26 @@ class Policy:
             "policy: %d tokens -> %s (fetch %.3fs, recompute %.3fs)", tokens, best, best_t, recompute
         )
         return Decision(best, best_t, recompute)
+
+    def decide_among(self, options: dict[str, tuple[int, int, int]], queue_depth: dict[str, int]) -> Decision:
+        """Pick among paths that may cover different prefix lengths.
+
+        ``options[path] = (tokens, wire bytes, decoded bytes)`` that ``path`` could fetch. The winner
+        maximises the time saved, ``margin * recompute(tokens) - fetch time``; recompute if no path
+        saves time. With one option this is exactly ``decide``.
+        """
+        allowed = set(self._candidates())
+        best: Decision = Decision("recompute", float("inf"), 0.0)
+        best_gain = 0.0
+        with self._lock:
+            for path, (tokens, nbytes, decoded) in options.items():
+                if path not in allowed or tokens <= 0:
+                    continue
+                recompute = self.prefill.predict(tokens)
+                dec = decoded * self.decode_spb[path].value
+                t = nbytes * self.link_spb.value + dec * (1 + queue_depth.get(path, 0))
+                gain = self.config.margin * recompute - t
+                if gain >= best_gain and (best.path == "recompute" or gain > best_gain):
+                    best, best_gain = Decision(path, t, recompute), gain
+        logger.debug("policy: options %s depth %s -> %s", options, queue_depth, best)
+        return best

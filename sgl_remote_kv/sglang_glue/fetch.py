@@ -56,6 +56,12 @@ class FetchHandle:
         self.submitted_at = time.monotonic()
         self._done = threading.Event()
         self._cancelled = threading.Event()
+        # Set once every chunk's bytes are fetched and verified (``codec.parse``: header, checksum,
+        # MAC) with ``ok_chunks == n_chunks``; ``blobs``/``headers`` then stay readable (layer-wise
+        # admission and its in-process fallback decode, ``layerwise.py``).
+        self.verified = threading.Event()
+        self.blobs: list | None = None
+        self.headers: list | None = None
 
     # -- scheduler side ------------------------------------------------------------------------
     def done(self) -> bool:
@@ -86,6 +92,13 @@ class FetchHandle:
 
     def _finish(self) -> None:
         self._done.set()
+
+    def _mark_verified(self, blobs: list, headers: list, on_event=None) -> None:
+        if self.ok_chunks == self.n_chunks and len(headers) == self.n_chunks and not self.cancelled:
+            self.blobs, self.headers = list(blobs[: self.n_chunks]), list(headers)
+            self.verified.set()
+            if on_event is not None:
+                on_event()
 
 
 class FetchBackend(Protocol):
@@ -172,6 +185,7 @@ class InProcessFetchBackend:
             if handle.cancelled:
                 handle._fail_from(0, "cancelled")
             return
+        handle._mark_verified(blobs, headers, self._on_done)
         self._decode_layer_major(handle, blobs, headers)
 
     def _decode_layer_major(self, handle: FetchHandle, blobs: list, headers: list) -> None:

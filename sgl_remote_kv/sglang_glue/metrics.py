@@ -69,6 +69,9 @@ class RemoteKVMetrics:
     def decision(self, path: str) -> None:
         self._inc("decisions", path=path)
 
+    def layerwise_admission(self) -> None:
+        self._inc("layerwise_admissions")
+
     def writeback(self, chunks: int, nbytes: int) -> None:
         self._inc("written_chunks", chunks)
         self._inc("written_bytes", nbytes)
@@ -93,6 +96,9 @@ def _build_prometheus() -> dict:
         "decoded_bytes": Counter(p + "decoded_bytes", "KV bytes produced by decoding fetched chunks"),
         "failures": Counter(p + "failures", "Remote KV failures (each became a miss)", ["kind"]),
         "decisions": Counter(p + "decisions", "Policy decisions by path", ["path"]),
+        "layerwise_admissions": Counter(
+            p + "layerwise_admissions", "Requests admitted before their fetched KV was in the pool"
+        ),
         "written_chunks": Counter(p + "written_chunks", "Chunks written back to the store"),
         "written_bytes": Counter(p + "written_bytes", "Compressed bytes written back"),
         "writeback_skipped": Counter(p + "writeback_skipped", "Write-back chunks skipped", ["reason"]),

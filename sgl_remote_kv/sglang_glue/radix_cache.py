@@ -23,7 +23,7 @@ import logging
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sgl_remote_kv.config import RemoteKVConfig
-from sgl_remote_kv.sglang_glue import kv_io, runtime
+from sgl_remote_kv.sglang_glue import kv_io, paths, runtime
 from sgl_remote_kv.sglang_glue.writeback import WriteBack
 
 logger = logging.getLogger(__name__)
@@ -66,19 +66,15 @@ def _install_runtime(ctx, cfg: RemoteKVConfig) -> None:
     kvcache = params.token_to_kv_pool_allocator.get_kvcache()
     archs = getattr(ctx.model_config.hf_config, "architectures", None) or ["unknown"]
     fp = kv_io.fingerprint_for(kvcache, archs[0], ctx.server_args.model_path, ctx.tp_rank, ctx.tp_size)
-    codec = runtime.resolve_codec(cfg.codec)
-    backend = None
-    if cfg.mode in ("dpu", "auto") and runtime.GlueSettings().use_dpu:
-        from sgl_remote_kv.sglang_glue.fetch_dpu import start_dpu_backend
-
-        backend = start_dpu_backend(cfg, fp, codec, kvcache)
-    rt = runtime.RemoteKVRuntime(cfg, fp, codec, runtime.open_store_client(cfg), fetch_backend=backend)
+    codec = paths.write_codec(cfg)
+    rt = runtime.RemoteKVRuntime(cfg, fp, codec, runtime.open_store_client(cfg))
+    paths.install_paths(rt, kvcache)
     rt.writer = WriteBack(rt, kvcache, params.req_to_token_pool, rt.settings.writeback_queue)
     runtime.install(rt)
     logger.info(
-        "remote KV tier ready: store %s, fetch path %s, codec %r, chunk %d, layout %s",
+        "remote KV tier ready: store %s, fetch paths %s, codec %r, chunk %d, layout %s",
         cfg.resolved_store_url(),
-        rt.fetch_path,
+        list(rt.paths),
         codec,
         cfg.chunk_size,
         fp.layout,

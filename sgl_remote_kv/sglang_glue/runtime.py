@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sgl_remote_kv.codec.base import Codec, default_codec, get_codec
 from sgl_remote_kv.config import RemoteKVConfig
@@ -40,6 +40,17 @@ class GlueSettings:
     writeback_queue: int = 64  # pending write-back jobs; more are dropped (never blocks serving)
     idle_wait_s: float = 0.005  # how long an otherwise idle scheduler waits for a fetch to finish
     use_dpu: bool = True  # --remote-kv dpu|auto: spawn the DPU data plane (in-process path if it fails)
+
+
+@dataclass(frozen=True)
+class FetchPath:
+    """One way to get a prefix into the pool: a backend plus the codec it decodes. A path's chunks
+    live under its codec's namespace (codec id + params are part of every key)."""
+
+    name: str  # dpu | nvdec | inproc
+    backend: FetchBackend
+    codec: Codec
+    closers: tuple = field(default=())  # extra resources to close with the backend (e.g. a pool)
 
 
 def resolve_codec(name: str) -> Codec:
@@ -76,35 +87,60 @@ class RemoteKVRuntime:
         self.client = client
         self.metrics = metrics_mod.get()
         self.wakeup = threading.Event()  # set by workers when something completes
-        self.fetch_path = "dpu" if fetch_backend is not None else "inproc"
-        self.fetcher = fetch_backend or InProcessFetchBackend(
-            client, codec, fingerprint, config.chunk_size, on_done=self.wakeup.set
-        )
-        self.policy = Policy(PolicyConfig(mode=config.mode), available=(self.fetch_path,))
-        self._namespaces: dict[str | None, bytes] = {}
+        self._namespaces: dict[tuple[str | None, str, bytes], bytes] = {}
         self.writer = None  # set by radix_cache.build (needs the pool)
+        if fetch_backend is not None:
+            self.set_paths([FetchPath("dpu", fetch_backend, codec)])
+        else:
+            self.set_paths([self.inproc_path()])
+
+    def inproc_path(self) -> FetchPath:
+        be = InProcessFetchBackend(
+            self.client, self.codec, self.fingerprint, self.config.chunk_size, on_done=self.wakeup.set
+        )
+        return FetchPath("inproc", be, self.codec)
+
+    def set_paths(self, paths: list[FetchPath]) -> None:
+        """Install the fetch paths (first = primary: the one whose codec write-back uses)."""
+        old = getattr(self, "paths", {})
+        self.paths = {p.name: p for p in paths}
+        for name, p in old.items():
+            if self.paths.get(name) is not p:
+                _close_path(p)
+        self.fetch_path = paths[0].name
+        self.fetcher = paths[0].backend
+        self.policy = Policy(PolicyConfig(mode=self.config.mode), available=tuple(self.paths))
 
     @property
     def chunk_size(self) -> int:
         return self.config.chunk_size
 
-    def namespace(self, salt: str | None) -> bytes:
-        ns = self._namespaces.get(salt)
+    def namespace(self, salt: str | None, codec: Codec | None = None) -> bytes:
+        codec = codec or self.codec
+        memo = (salt, codec.name, codec.params_bytes())
+        ns = self._namespaces.get(memo)
         if ns is None:
-            ns = keys_mod.namespace(self.fingerprint, self.codec.name, self.codec.params_bytes(), salt)
+            ns = keys_mod.namespace(self.fingerprint, codec.name, codec.params_bytes(), salt)
             if len(self._namespaces) < 4096:
-                self._namespaces[salt] = ns
+                self._namespaces[memo] = ns
         return ns
 
-    def keys_for(self, token_ids, n_chunks: int, salt: str | None) -> list[bytes]:
+    def keys_for(self, token_ids, n_chunks: int, salt: str | None, codec: Codec | None = None) -> list[bytes]:
         c = self.chunk_size
-        return keys_mod.chunk_keys(self.namespace(salt), list(token_ids[: n_chunks * c]), c)
+        return keys_mod.chunk_keys(self.namespace(salt, codec), list(token_ids[: n_chunks * c]), c)
 
     def close(self) -> None:
-        self.fetcher.close()
+        for p in self.paths.values():
+            _close_path(p)
         if self.writer is not None:
             self.writer.close()
         self.client.close()
+
+
+def _close_path(p: FetchPath) -> None:
+    p.backend.close()
+    for c in p.closers:
+        c.close()
 
 
 _RUNTIME: RemoteKVRuntime | None = None

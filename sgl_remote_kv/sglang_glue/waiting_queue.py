@@ -46,8 +46,9 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Parked:
     req: object
-    keys: list[bytes]  # keys of chunks [local_chunks, usable)
+    keys: dict[str, list[bytes]]  # per fetch path: keys of chunks [local_chunks, usable)
     local_chunks: int
+    path: str = ""  # the fetch path the policy chose
     parked_at: float = field(default_factory=time.monotonic)
     lookup: cf.Future | None = None
     handle: FetchHandle | None = None
@@ -72,6 +73,11 @@ class WaitingForKV:
         self.held: list[tuple[object, object]] = []  # (req, tree lock) until the req is admitted
         self._lookups = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="srkv-lookup")
         self.enabled = self._check_supported()
+        self.layerwise = None  # --remote-kv-layerwise: early admission of verified fetches
+        if self.enabled and rt.config.layerwise:
+            from sgl_remote_kv.sglang_glue import layerwise
+
+            self.layerwise = layerwise.attach(self.inst.kvcache, rt.fingerprint, rt.metrics)
 
     def _check_supported(self) -> bool:
         if getattr(self.tree.tree_core, "is_eagle", False):
@@ -84,7 +90,7 @@ class WaitingForKV:
 
     # -- admission ---------------------------------------------------------------------------------
     def busy(self) -> bool:
-        return bool(self.parked or self.zombies)
+        return bool(self.parked or self.zombies or (self.layerwise and self.layerwise.busy()))
 
     def park(self, req) -> bool:
         """True if ``req`` was parked (the caller must not enqueue it)."""
@@ -102,21 +108,36 @@ class WaitingForKV:
         if local_chunks >= usable:
             return False
         salt = tenant_salt(req.cache_salt, req.extra_key)
-        keys = self.rt.keys_for(ids, usable, salt)[local_chunks:]
+        by_codec: dict[str, list[bytes]] = {}
+        keys = {}
+        for name, path in self.rt.paths.items():
+            cname = path.codec.name
+            if cname not in by_codec:
+                by_codec[cname] = self.rt.keys_for(ids, usable, salt, path.codec)[local_chunks:]
+            keys[name] = by_codec[cname]
         p = _Parked(req=req, keys=keys, local_chunks=local_chunks)
         p.lookup = self._lookups.submit(self._count, keys)
         self.parked[req.rid] = p
         return True
 
-    def _count(self, keys: list[bytes]) -> int:
+    def _count(self, keys: dict[str, list[bytes]]) -> dict[str, int]:
+        """Remote chunk count per path (one store round trip per distinct codec)."""
         try:
-            return self.rt.client.count_prefix(keys)
+            seen: dict[int, int] = {}
+            out = {}
+            for name, ks in keys.items():
+                if id(ks) not in seen:
+                    seen[id(ks)] = self.rt.client.count_prefix(ks)
+                out[name] = seen[id(ks)]
+            return out
         finally:
             self.rt.wakeup.set()
 
     # -- progress ----------------------------------------------------------------------------------
     def poll(self) -> None:
         """Advance every parked request (scheduler thread, once per scheduling pass)."""
+        if self.layerwise is not None:
+            self.layerwise.finish_all()  # before any lock release / slot reuse below
         self._release_admitted_locks()
         if self.zombies:
             self._reap_zombies()
@@ -139,24 +160,35 @@ class WaitingForKV:
                 self.rt.metrics.lookup("timeout")
                 self._release(p)
             return
-        n = p.lookup.result() if p.lookup.exception() is None else 0
+        counts = p.lookup.result() if p.lookup.exception() is None else {}
+        n = max(counts.values(), default=0)
         self.rt.metrics.lookup("hit" if n else "miss")
-        if n == 0 or not self._decide_fetch(p, n):
+        if n == 0 or not self._decide_fetch(p, counts):
             self._release(p)
             return
-        p.remote_chunks = n
         p.fetch_started = now
         if not self._submit(p):
             self._release(p)
 
-    def _decide_fetch(self, p: _Parked, n: int) -> bool:
-        c, lay = self.rt.chunk_size, self.rt.fingerprint.layout
-        raw = n * c * lay.bytes_per_token()
-        est_wire = raw // 2 if self.rt.codec.name != "lossless" else raw  # refined by observe_fetch
-        depth = {self.rt.fetch_path: self.rt.fetcher.queue_depth()}
-        decision = self.rt.policy.decide(n * c, est_wire, raw, depth)
+    def _decide_fetch(self, p: _Parked, counts: dict[str, int]) -> bool:
+        """Policy choice among the paths that have the prefix (sets ``p.path``/``p.remote_chunks``)."""
+        c, bpt = self.rt.chunk_size, self.rt.fingerprint.layout.bytes_per_token()
+        options, depth = {}, {}
+        for name, n in counts.items():
+            if n <= 0:
+                continue
+            raw = n * c * bpt
+            # wire-size guess before any fetch was observed; the link EWMA absorbs the error
+            wire = raw if self.rt.paths[name].codec.name == "lossless" else raw // 2
+            options[name] = (n * c, wire, raw)
+            depth[name] = self.rt.paths[name].backend.queue_depth()
+        decision = self.rt.policy.decide_among(options, depth)
         self.rt.metrics.decision(decision.path)
-        return decision.path != "recompute"
+        logger.debug("remote KV decision for %s: %s (counts %s)", p.req.rid, decision, counts)
+        if decision.path == "recompute":
+            return False
+        p.path, p.remote_chunks = decision.path, counts[decision.path]
+        return True
 
     def _submit(self, p: _Parked) -> bool:
         """Lock the local prefix the fetched chunks extend; reserve slots first for direct backends."""
@@ -166,22 +198,26 @@ class WaitingForKV:
             self.rt.metrics.failure("local_prefix_evicted")
             return False
         p.prefix_node, p.prefix_lock = m.last_device_node, self.inst.lock(m.last_device_node)
-        keys = p.keys[: p.remote_chunks]
-        if getattr(self.rt.fetcher, "direct", False):
+        keys = p.keys[p.path][: p.remote_chunks]
+        fetcher = self.rt.paths[p.path].backend
+        if getattr(fetcher, "direct", False):
             p.slots = self.inst.alloc(p.remote_chunks * self.rt.chunk_size)
             if p.slots is None:
                 self.rt.metrics.failure("no_kv_slots")
                 self.inst.unlock(p.prefix_lock)
                 return False
-            p.handle = self.rt.fetcher.submit(p.req.rid, keys, start, p.slots)
+            p.handle = fetcher.submit(p.req.rid, keys, start, p.slots)
         else:
-            p.handle = self.rt.fetcher.submit(p.req.rid, keys, start)
+            p.handle = fetcher.submit(p.req.rid, keys, start)
         return True
 
     def _poll_fetch(self, p: _Parked, now: float) -> None:
         h = p.handle
         assert h is not None
         if not h.done():
+            if self.layerwise is not None and p.slots is None and h.verified.is_set():
+                self._admit_early(p, h, now)
+                return
             if now - p.fetch_started > self.rt.settings.fetch_timeout_s:
                 self.rt.metrics.failure("fetch_timeout")
                 self._drop(p)
@@ -189,9 +225,7 @@ class WaitingForKV:
             return
         if h.failure is not None:
             self.rt.metrics.failure(h.failure)
-        self.rt.policy.observe_fetch(
-            self.rt.fetch_path, h.fetched_bytes, h.fetch_s, h.decoded_bytes, h.decode_s
-        )
+        self.rt.policy.observe_fetch(p.path, h.fetched_bytes, h.fetch_s, h.decoded_bytes, h.decode_s)
         self.rt.metrics.fetched(h.fetched_bytes, h.decoded_bytes, h.fetch_s, h.decode_s, now - p.parked_at)
         try:
             self._install(p, h)
@@ -203,11 +237,34 @@ class WaitingForKV:
             self.inst.unlock(p.prefix_lock)
         self._release(p)
 
+    def _admit_early(self, p: _Parked, h: FetchHandle, now: float) -> None:
+        """Layer-wise: every chunk is fetched and verified; insert the slots now and let the forward
+        pass wait per layer (``layerwise.py``). Falls back to the normal path if no slots are free."""
+        slots = self.inst.alloc(h.n_chunks * h.chunk_size)
+        if slots is None:
+            return  # retried next pass; the normal completion path still works
+        try:
+            self._insert_hit(p, h, slots)
+        except Exception as e:  # boundary: keep waiting on the normal completion path instead
+            self.rt.metrics.failure(f"install:{type(e).__name__}")
+            logger.warning("layer-wise install for %s failed: %r", p.req.rid, e)
+            self.inst.free(slots)
+            return
+        self.layerwise.add(h, slots, self.rt.paths[p.path].codec)
+        self.rt.policy.observe_fetch(p.path, h.fetched_bytes, h.fetch_s, 0, 0.0)
+        self.rt.metrics.fetched(h.fetched_bytes, h.n_chunks * h.chunk_size * self._bpt(), h.fetch_s, 0.0,
+                                now - p.parked_at)  # fmt: skip
+        self.rt.metrics.layerwise_admission()
+        self.inst.unlock(p.prefix_lock)
+        self._release(p)
+
+    def _bpt(self) -> int:
+        return self.rt.fingerprint.layout.bytes_per_token()
+
     def _install(self, p: _Parked, h: FetchHandle) -> None:
         ok = h.ok_tokens
         if ok <= 0:
             return
-        start = h.start_token
         if p.slots is not None:  # direct: the KV is already in the reserved slots
             slots, p.slots = p.slots[:ok], p.slots[ok:]
         else:
@@ -218,11 +275,15 @@ class WaitingForKV:
                 self.rt.metrics.failure("no_kv_slots")
                 return
             self.inst.scatter(slots, h.k[:, :ok], h.v[:, :ok])
+        self._insert_hit(p, h, slots)
+
+    def _insert_hit(self, p: _Parked, h: FetchHandle, slots) -> None:
+        ok, start = len(slots), h.start_token
         self.held.append((p.req, self.inst.insert(p.req, p.prefix_node, start, slots)))
         p.req.storage_hit_length = ok
         p.req.storage_hit_start = start
         self.rt.metrics.hit(ok, ok // self.rt.chunk_size)
-        if self.rt.writer is not None:
+        if self.rt.writer is not None and self.rt.paths[p.path].codec is self.rt.codec:
             self.rt.writer.note_present(p.req.rid, p.local_chunks + p.remote_chunks)
         logger.debug("remote KV hit for %s: tokens [%d, %d)", p.req.rid, start, start + ok)
 

@@ -1,0 +1,75 @@
+"""Which fetch paths a deployment runs, and which codec it writes (``--remote-kv dpu|nvdec|auto``).
+
+One codec is *written* per deployment (write-back uses the primary path's codec); reads may use
+several paths, each under its own codec's namespace (codec id + params are in every key, so chunks of
+different codecs never collide):
+
+- ``dpu``: write the configured codec (``default`` = the quantized default); read through the DPU data
+  plane (in-process path if it cannot start).
+- ``nvdec``: write ``hevc`` (``--remote-kv-codec default`` resolves to hevc: NVDEC decodes video only);
+  read through ``NvdecFetchBackend`` over a ``DecoderPool`` of ``--remote-kv-nvdec-instances``. An
+  explicit non-hevc codec cannot be decoded by NVDEC: a warning, then the in-process path.
+- ``auto``: write the configured codec like ``dpu`` and read it through the DPU data plane; *also*
+  read hevc chunks (written by ``nvdec`` servers sharing the store) through the NVDEC pool. The policy
+  picks per request among the paths that have the prefix, and recompute. (The DPU pipeline cannot
+  decode hevc — its ``lossless_stage`` needs the chunk header — so with ``--remote-kv-codec hevc``,
+  auto reads hevc through NVDEC and the in-process path.)
+
+Threads: built once on the scheduler thread by ``radix_cache.build``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sgl_remote_kv.codec.base import Codec, get_codec
+from sgl_remote_kv.config import RemoteKVConfig
+from sgl_remote_kv.sglang_glue.runtime import FetchPath, RemoteKVRuntime, resolve_codec
+
+logger = logging.getLogger(__name__)
+
+HEVC = "hevc"
+
+
+def write_codec(cfg: RemoteKVConfig) -> Codec:
+    """The codec this deployment writes (and its primary path reads)."""
+    if cfg.mode == "nvdec" and cfg.codec in ("", "default"):
+        return get_codec(HEVC)
+    return resolve_codec(cfg.codec)
+
+
+def nvdec_path(rt: RemoteKVRuntime, codec: Codec) -> FetchPath:
+    from sgl_remote_kv.nvdec.fetch_nvdec import NvdecFetchBackend
+    from sgl_remote_kv.nvdec.pool import DecoderPool
+
+    pool = DecoderPool(instances=rt.config.nvdec_instances)
+    be = NvdecFetchBackend(rt.client, pool, codec, rt.fingerprint, rt.chunk_size, on_done=rt.wakeup.set)
+    return FetchPath("nvdec", be, codec, closers=(pool,))
+
+
+def _dpu_or_inproc(rt: RemoteKVRuntime, kvcache) -> FetchPath:
+    if rt.codec.name != HEVC and rt.settings.use_dpu:
+        from sgl_remote_kv.sglang_glue.fetch_dpu import start_dpu_backend
+
+        be = start_dpu_backend(rt.config, rt.fingerprint, rt.codec, kvcache, on_done=rt.wakeup.set)
+        if be is not None:
+            return FetchPath("dpu", be, rt.codec)
+    return rt.paths.get("inproc") or rt.inproc_path()
+
+
+def install_paths(rt: RemoteKVRuntime, kvcache) -> None:
+    """Replace the runtime's default in-process path with the mode's paths."""
+    mode = rt.config.mode
+    if mode == "dpu":
+        rt.set_paths([_dpu_or_inproc(rt, kvcache)])
+    elif mode == "nvdec":
+        if rt.codec.name == HEVC:
+            rt.set_paths([nvdec_path(rt, rt.codec)])
+        else:
+            logger.warning("--remote-kv nvdec needs the hevc codec, got %r: in-process path", rt.codec.name)
+    elif mode == "auto":
+        if rt.codec.name == HEVC:
+            rt.set_paths([nvdec_path(rt, rt.codec), rt.paths.get("inproc") or rt.inproc_path()])
+        else:
+            rt.set_paths([_dpu_or_inproc(rt, kvcache), nvdec_path(rt, get_codec(HEVC))])
+    logger.info("remote KV fetch paths: %s", {n: p.codec.name for n, p in rt.paths.items()})
