@@ -1,0 +1,153 @@
+"""Layer-wise fetch/compute pipelining (``--remote-kv-layerwise``, off by default).
+
+SGLang's HiCache overlaps host->device loading with the forward pass through a *layer-transfer
+counter* registered on the KV pool (``KVCache.register_layer_transfer_counter``): the pool's
+``get_key_buffer``/``get_value_buffer`` call ``counter.wait_until(layer)`` before an attention layer
+reads its KV. ``LayerwiseInstalls`` is such a counter (duck-typed ``LayerDoneCounter``), registered on
+the pool only when nothing else (HiCache) uses that slot.
+
+Safety rule: a fetched request is admitted before its KV is in the pool only when **every chunk's bytes
+were fetched and verified** (the codec's ``parse`` checked header, checksum and MAC: the handle's
+``verified`` event, with ``ok_chunks == n_chunks``). The remaining work is deterministic (decode +
+dequant + scatter). ``wait_until(layer)`` then, for every pending install and every layer up to
+``layer``: waits for the backend's per-layer completion and scatters that layer from staging into the
+slots; if the backend failed, was cancelled, or makes no progress for ``stall_s``, it decodes the layer
+from the already-fetched, verified blobs in-process (``codec.decode_layer_into``) instead. A decode
+error there is impossible short of a codec bug; it raises (the scheduler stops) rather than letting
+attention read wrong KV.
+
+Only non-direct paths (in-process, NVDEC: staging + scatter on this thread) are pipelined; the DPU path
+writes slots from its own process and is admitted when complete (see docs/INTEGRATION.md).
+
+Threads: ``add``/``finish_all`` on the scheduler thread, ``wait_until`` on the forward thread (the same
+thread without overlap scheduling); one lock serialises them. Slots: tree-owned from admission; only
+this class writes them until the install is complete, and every forward pass completes every layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from sgl_remote_kv.codec.errors import ChunkError
+from sgl_remote_kv.sglang_glue import kv_io
+from sgl_remote_kv.sglang_glue.fetch import FetchHandle
+from sgl_remote_kv.types import numpy_storage_dtype
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    handle: FetchHandle
+    slots: object  # torch int64 tensor, one slot per fetched token
+    codec: object
+    next_layer: int = 0
+    fell_back: bool = False
+
+
+class LayerwiseInstalls:
+    """Duck-typed ``LayerDoneCounter`` (see module docstring)."""
+
+    consumer_index = -1  # SGLang's hybrid pools peek at this; we never use HiCache's indices
+
+    def __init__(self, kvcache, fingerprint, metrics, stall_s: float = 5.0) -> None:
+        self.kvcache, self.fingerprint, self.metrics = kvcache, fingerprint, metrics
+        self.num_layers = fingerprint.layout.num_layers
+        self.stall_s = stall_s
+        self._pending: list[_Pending] = []
+        self._lock = threading.Lock()
+
+    # -- LayerDoneCounter surface --------------------------------------------------------------------
+    def wait_until(self, threshold: int) -> None:
+        if not self._pending:  # hot path of every forward pass: no lock
+            return
+        with self._lock:
+            for p in self._pending:
+                self._complete(p, threshold + 1)
+            self._pending = [p for p in self._pending if p.next_layer < self.num_layers]
+
+    def set_consumer(self, index: int) -> None:  # HiCache API; unused
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    # -- scheduler side --------------------------------------------------------------------------------
+    def busy(self) -> bool:
+        return bool(self._pending)
+
+    def add(self, handle: FetchHandle, slots, codec) -> None:
+        with self._lock:
+            self._pending.append(_Pending(handle, slots, codec))
+
+    def finish_all(self) -> None:
+        """Complete every pending install (start of each scheduling pass, before any slot reuse)."""
+        self.wait_until(self.num_layers - 1)
+
+    # -- internals (lock held) -----------------------------------------------------------------------
+    def _complete(self, p: _Pending, upto: int) -> None:
+        while p.next_layer < min(upto, self.num_layers):
+            layer = p.next_layer
+            if not p.fell_back and self._wait_layer(p.handle, layer):
+                n = p.handle.n_chunks * p.handle.chunk_size
+                kv_io.write_kv_layer(
+                    self.kvcache, layer, p.slots, p.handle.k[layer, :n], p.handle.v[layer, :n]
+                )
+            else:
+                if not p.fell_back:
+                    p.fell_back = True
+                    p.handle.cancel()
+                    self.metrics.failure("layerwise_fallback")
+                    logger.warning("layer-wise fetch %s: backend failed/stalled; decoding in-process",
+                                   p.handle.request_id)  # fmt: skip
+                self._decode_layer(p, layer)
+            p.next_layer = layer + 1
+
+    def _wait_layer(self, h: FetchHandle, layer: int) -> bool:
+        """True when ``layer`` of every chunk is in staging; False on failure / cancel / stall."""
+        deadline = time.monotonic() + self.stall_s
+        while True:
+            # layer first: workers cut ok_chunks *before* they advance layers_ready
+            if h.layer_ready(layer):
+                return h.ok_chunks == h.n_chunks and h.failure is None
+            if h.ok_chunks < h.n_chunks or h.failure is not None:
+                return False
+            if h.done() or time.monotonic() > deadline:
+                return False
+            h.wait(0.002)
+
+    def _decode_layer(self, p: _Pending, layer: int) -> None:
+        h, lay, c = p.handle, self.fingerprint.layout, p.handle.chunk_size
+        shape = (h.n_chunks * c, lay.num_kv_heads, lay.head_dim)
+        k, v = (
+            np.empty(shape, numpy_storage_dtype(lay.dtype)),
+            np.empty(shape, numpy_storage_dtype(lay.dtype)),
+        )
+        for i, (blob, hdr) in enumerate(zip(h.blobs, h.headers, strict=True)):
+            scratch = np.empty(max(1, p.codec.scratch_bytes(hdr, layer)), np.uint8)
+            try:
+                p.codec.decode_layer_into(
+                    blob, hdr, layer, scratch, k[i * c : (i + 1) * c], v[i * c : (i + 1) * c]
+                )
+            except ChunkError as e:
+                self.metrics.failure("layerwise_decode_error")
+                raise RuntimeError(f"verified chunk {i} of {h.request_id} failed to decode: {e!r}") from e
+        kv_io.write_kv_layer(self.kvcache, layer, p.slots, k, v)
+
+
+def attach(kvcache, fingerprint, metrics) -> LayerwiseInstalls | None:
+    """Register a ``LayerwiseInstalls`` on the pool; ``None`` if the pool cannot take one."""
+    if not hasattr(kvcache, "register_layer_transfer_counter"):
+        logger.warning("layer-wise pipelining off: %s has no layer-transfer counter", type(kvcache).__name__)
+        return None
+    if getattr(kvcache, "layer_transfer_counter", None) is not None:
+        logger.warning("layer-wise pipelining off: the pool's layer-transfer counter is taken (HiCache)")
+        return None
+    counter = LayerwiseInstalls(kvcache, fingerprint, metrics)
+    kvcache.register_layer_transfer_counter(counter)
+    return counter

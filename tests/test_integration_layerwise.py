@@ -1,0 +1,130 @@
+"""Layer-wise installs without a server: a real embedded store, the real lossless codec, the in-process
+fetch backend, and a stand-in KV pool (per-layer ``k_buffer``/``v_buffer`` tensors like SGLang's MHA
+pool, with its ``register_layer_transfer_counter`` / ``get_key_buffer`` contract).
+
+Covers: the handle is ``verified`` (all bytes fetched + parsed) before decoding finishes; per-layer
+waits scatter exactly the fetched KV; a backend that dies or stalls after admission falls back to
+decoding the verified blobs in-process (same bytes); the hot path is a no-op with nothing pending.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from sgl_remote_kv.codec.base import get_codec
+from sgl_remote_kv.sglang_glue import layerwise
+from sgl_remote_kv.sglang_glue.fetch import FetchHandle, InProcessFetchBackend
+from sgl_remote_kv.sglang_glue.metrics import RemoteKVMetrics
+from sgl_remote_kv.store import keys as keys_mod
+from sgl_remote_kv.store.client import open_client
+from sgl_remote_kv.types import KVLayout, ModelFingerprint
+
+C, N = 16, 3
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, dtype="float32")
+FP = ModelFingerprint("TestArch", LAYOUT, "w" * 64)
+
+
+class Pool:
+    """The slice of ``MHATokenToKVPool`` the layer-transfer counter touches."""
+
+    def __init__(self, slots: int = 128) -> None:
+        shape = (slots, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+        self.k_buffer = [torch.zeros(shape) for _ in range(LAYOUT.num_layers)]
+        self.v_buffer = [torch.zeros(shape) for _ in range(LAYOUT.num_layers)]
+        self.layer_transfer_counter = None
+
+    def register_layer_transfer_counter(self, counter) -> None:
+        self.layer_transfer_counter = counter
+
+    def get_key_buffer(self, layer_id: int):
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(layer_id)
+        return self.k_buffer[layer_id]
+
+
+@pytest.fixture()
+def stored(tmp_path):
+    client = open_client(f"file://{tmp_path / 'store'}")
+    codec = get_codec("lossless")
+    keys = keys_mod.chunk_keys(
+        keys_mod.namespace(FP, codec.name, codec.params_bytes(), None), np.arange(N * C), C
+    )
+    rng = np.random.default_rng(1)
+    shape = (LAYOUT.num_layers, N * C, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    k, v = rng.standard_normal(shape, dtype=np.float32), rng.standard_normal(shape, dtype=np.float32)
+    for i in range(N):
+        blob = codec.encode(k[:, i * C : (i + 1) * C].copy(), v[:, i * C : (i + 1) * C].copy(), FP)
+        client.put_many([(keys[i], blob)])
+    yield client, codec, keys, k, v
+    client.close()
+
+
+def _slots() -> torch.Tensor:
+    return torch.arange(100, 100 - N * C, -1)  # scattered, descending: catches index mix-ups
+
+
+def _assert_pool_holds(pool: Pool, slots, k, v) -> None:
+    for layer in range(LAYOUT.num_layers):
+        assert np.array_equal(pool.k_buffer[layer][slots].numpy(), k[layer])
+        assert np.array_equal(pool.v_buffer[layer][slots].numpy(), v[layer])
+
+
+def test_verified_then_per_layer_waits_install_exact_kv(stored):
+    client, codec, keys, k, v = stored
+    pool = Pool()
+    counter = layerwise.attach(pool, FP, RemoteKVMetrics())
+    assert pool.layer_transfer_counter is counter
+    assert layerwise.attach(pool, FP, RemoteKVMetrics()) is None  # slot taken (e.g. by HiCache)
+    be = InProcessFetchBackend(client, codec, FP, C)
+    h = be.submit("r", keys, 0)
+    assert h.verified.wait(30) and len(h.blobs) == N
+    slots = _slots()
+    counter.add(h, slots, codec)
+    assert counter.busy()
+    pool.get_key_buffer(0)  # the forward pass's first layer: only layer 0 needs to be in
+    assert np.array_equal(pool.k_buffer[0][slots].numpy(), k[0])
+    for layer in range(1, LAYOUT.num_layers):
+        pool.get_key_buffer(layer)
+    assert not counter.busy()
+    _assert_pool_holds(pool, slots, k, v)
+    be.close()
+
+
+def _dead_handle(client, codec, keys, *, failure: str | None) -> FetchHandle:
+    """A handle whose bytes were verified but whose backend then died (or stalls forever)."""
+    h = FetchHandle("r", N, 0, C)
+    blobs = client.get_many(keys)
+    h._mark_verified(blobs, [codec.parse(b, FP) for b in blobs])
+    if failure is not None:
+        h._fail_from(0, failure)
+        h._finish()
+    return h
+
+
+@pytest.mark.parametrize("failure", ["internal", None])
+def test_backend_death_or_stall_after_admission_decodes_in_process(stored, failure):
+    client, codec, keys, k, v = stored
+    pool, metrics = Pool(), RemoteKVMetrics()
+    counter = layerwise.LayerwiseInstalls(pool, FP, metrics, stall_s=0.05)
+    pool.register_layer_transfer_counter(counter)
+    slots = _slots()
+    counter.add(_dead_handle(client, codec, keys, failure=failure), slots, codec)
+    t = threading.Thread(target=counter.finish_all)
+    t.start()
+    t.join(30)
+    assert not t.is_alive() and not counter.busy()
+    _assert_pool_holds(pool, slots, k, v)
+    assert metrics.snapshot()["failures|kind=layerwise_fallback"] == 1
+
+
+def test_partial_fetch_is_never_verified(stored):
+    client, codec, keys, _, _ = stored
+    be = InProcessFetchBackend(client, codec, FP, C)
+    h = be.submit("r", keys[:2] + [bytes(32)], 0)  # third key never written
+    assert h.wait(30) and h.ok_chunks == 2
+    assert not h.verified.is_set() and h.blobs is None
+    be.close()
