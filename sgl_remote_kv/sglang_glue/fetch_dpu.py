@@ -43,8 +43,8 @@ class DpuFetchHandle(FetchHandle):
         elif self.cancelled:
             self.failure = "cancelled"
         self.fetch_s = res.elapsed_s
-        # Wire bytes are counted inside the data plane and not reported per job (yet): only the
-        # decoded bytes that landed in the pool are known here.
+        # Compressed bytes of the hit chunks, from the data plane's per-chunk ChunkDone.wire_bytes.
+        self.fetched_bytes = int(getattr(res, "wire_bytes", 0))
         self.decoded_bytes = self.ok_tokens * self._bytes_per_token
         self.layers_ready = self.ok_chunks and self._inner.num_layers
         self._done.set()

@@ -1,0 +1,31 @@
+"""``DpuFetchHandle`` (our view of a data-plane fetch) over a stand-in control-plane handle: the hit
+prefix, failure kind, decoded bytes and the compressed wire bytes the data plane reports per chunk."""
+
+from __future__ import annotations
+
+from sgl_remote_kv.control.jobs import FetchResult
+from sgl_remote_kv.sglang_glue.fetch_dpu import DpuFetchHandle
+
+C, BPT = 64, 1000
+
+
+class Inner:
+    def __init__(self, result: FetchResult | None) -> None:
+        self.request_id, self.num_chunks, self.num_layers = "r", 4, 30
+        self._result = result
+
+    def result(self) -> FetchResult | None:
+        return self._result
+
+
+def test_done_reports_hit_prefix_wire_and_decoded_bytes():
+    res = FetchResult("r", 3, 3 * C, 4, {3: "store_miss"}, 0.25, wire_bytes=12345)
+    h = DpuFetchHandle(None, Inner(res), 128, C, BPT)
+    assert h.done()
+    assert (h.ok_chunks, h.ok_tokens, h.failure) == (3, 3 * C, "store_miss")
+    assert h.fetched_bytes == 12345 and h.decoded_bytes == 3 * C * BPT and h.fetch_s == 0.25
+
+
+def test_not_done_until_the_data_plane_answers():
+    h = DpuFetchHandle(None, Inner(None), 0, C, BPT)
+    assert not h.done() and h.fetched_bytes == 0
