@@ -2,8 +2,7 @@
 
 - embedded store (``file://``) on a small tmpfs: disk full (write-backs fail, reads still serve),
   read-only remount (same), then recovery once space / write access is back;
-- Redis Cluster: one master SIGKILLed mid-run (its shard's chunks become misses), then restarted with
-  its nodes.conf (empty) and the tier refills.
+(Redis Cluster node loss: ``test_faults_cluster_server.py``.)
 
 Same contract as ``test_faults_server.py``: exact tokens vs. cold recompute, server healthy, failure
 counted, full remote hits once the fault clears.
@@ -16,7 +15,6 @@ import subprocess
 
 import pytest
 
-from sgl_remote_kv.store.redis_server import RedisCluster
 from tests.fixtures.faults import (
     CHUNK,
     ask,
@@ -64,52 +62,65 @@ def _remount(path, mode: str) -> None:
     subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], check=True)
 
 
-def test_embedded_store_disk_full_and_read_only(model_dir, tmp_path, tok):
-    with tmpfs(tmp_path / "mnt", 96) as mnt, remote_kv_server(model_dir, f"file://{mnt / 'store'}") as srv:
-        served = prime(srv, make_case(tok, "embedded-served"))
+@pytest.fixture(scope="module")
+def mnt(tmp_path_factory):
+    with tmpfs(tmp_path_factory.mktemp("embedded") / "mnt", 96) as m:
+        yield m
 
-        _fill(mnt)  # disk full
+
+@pytest.fixture(scope="module")
+def embedded(model_dir, mnt, tok):
+    """A server on the tmpfs store, plus a case stored while the disk was healthy."""
+    with remote_kv_server(model_dir, f"file://{mnt / 'store'}") as srv:
+        yield srv, prime(srv, make_case(tok, "embedded-served"))
+
+
+def _cold(srv, case):
+    flush_cache(srv)
+    case.ref = gen(srv, case.ids)["output_ids"]
+    return case
+
+
+def test_embedded_store_disk_full(embedded, mnt, tok):
+    srv, served = embedded
+    _fill(mnt)
+    try:
         before = failures(srv)
-        full = make_case(tok, "embedded-full")
-        flush_cache(srv)
-        full.ref = gen(srv, full.ids)["output_ids"]
+        full = _cold(srv, make_case(tok, "embedded-full"))
         wait_for(lambda: failures(srv) > before, 60, what="write-back failure on a full disk")
+        assert metric(srv, "failures", kind="writeback:store") > 0
         _, hit = ask(srv, served)  # what is stored keeps being served
         assert hit == served.chunks * CHUNK
-        (mnt / "filler").unlink()
-        assert wait_full_hit(srv, full, timeout=120) == full.chunks * CHUNK
-
-        _remount(mnt, "ro")  # read-only
-        try:
-            before = failures(srv)
-            ro = make_case(tok, "embedded-ro")
-            flush_cache(srv)
-            ro.ref = gen(srv, ro.ids)["output_ids"]
-            wait_for(lambda: failures(srv) > before, 60, what="write-back failure on a read-only store")
-            _, hit = ask(srv, served)
-            assert hit == served.chunks * CHUNK
-        finally:
-            _remount(mnt, "rw")
-        assert wait_full_hit(srv, ro, timeout=120) == ro.chunks * CHUNK
-        assert metric(srv, "failures", kind="writeback:store") > 0
-        assert healthy(srv)
-
-
-def test_redis_cluster_node_killed_mid_run(model_dir, tmp_path, tok):
-    cluster = RedisCluster(tmp_path / "cluster").start()
-    try:
-        with remote_kv_server(model_dir, cluster.url + "?timeout=1") as srv:
-            cases = [prime(srv, make_case(tok, f"cluster-{i}", n_chunks=4)) for i in range(2)]
-            victim = cluster.nodes[1]
-            victim.stop(kill=True)
-            hits = [ask(srv, case)[1] for case in cases]  # tokens checked inside ask
-            # 8 chunks over 3 shards: some chunk of a case sits on the dead one (a batch touching it
-            # fails whole, and the breaker opens), so not everything can still be a hit.
-            assert any(h < c.chunks * CHUNK for h, c in zip(hits, cases, strict=True)), hits
-            assert healthy(srv)
-            victim.start()  # rejoins with its nodes.conf (same id and slots); its data is gone
-            cluster.wait_ok()
-            for case in cases:
-                assert wait_full_hit(srv, case, timeout=120) == case.chunks * CHUNK
     finally:
-        cluster.stop()
+        (mnt / "filler").unlink()
+    assert wait_full_hit(srv, full, timeout=120) == full.chunks * CHUNK
+    assert healthy(srv)
+
+
+def test_embedded_store_read_only_write_backs_fail_counted_then_recover(embedded, mnt, tok):
+    srv, _ = embedded
+    _remount(mnt, "ro")
+    try:
+        before = failures(srv)
+        ro = _cold(srv, make_case(tok, "embedded-ro"))
+        wait_for(lambda: failures(srv) > before, 60, what="write-back failure on a read-only store")
+        assert healthy(srv)
+    finally:
+        _remount(mnt, "rw")
+    assert wait_full_hit(srv, ro, timeout=120) == ro.chunks * CHUNK
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="gap: a read-only embedded store serves nothing: LocalStore._read touches the file's mtime "
+    "(os.utime, for LRU) and only catches FileNotFoundError, so EROFS fails the whole get_many and "
+    "every stored chunk becomes a miss (the touch should be best-effort)",
+)
+def test_embedded_store_read_only_still_serves_stored_chunks(embedded, mnt):
+    srv, served = embedded
+    _remount(mnt, "ro")
+    try:
+        _, hit = ask(srv, served)
+        assert hit == served.chunks * CHUNK
+    finally:
+        _remount(mnt, "rw")
