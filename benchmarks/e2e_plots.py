@@ -46,12 +46,13 @@ def plot_ttft(result: dict, out: Path) -> None:
     for ax, key, title in ((axes[0], "mean_ttft_ms", "mean TTFT"), (axes[1], "p90_ttft_ms", "p90 TTFT")):
         for name, c in cfgs.items():
             runs = [r for r in c["runs"] if r["harness"].get(key) is not None]
-            if name in LOCAL and runs:
+            if name.partition("_")[0] in LOCAL and runs:
+                ls = "--" if "_" not in name else "-."
                 ax.axhline(
                     runs[0]["harness"][key] / 1e3,
-                    ls="--",
+                    ls=ls,
+                    color={"recompute": "grey", "device": "tab:olive"}.get(name, "tab:cyan"),
                     label=f"{name} (no link)",
-                    color="C7" if name == "recompute" else "C8",
                 )
                 continue
             xs = [r["rate_mbit"] for r in runs]
@@ -73,27 +74,32 @@ def plot_ttft(result: dict, out: Path) -> None:
 
 
 def plot_load_latency(result: dict, out: Path) -> None:
+    """One column per run group (configs tagged ``name_tag`` ran together, untagged in the main run)."""
     plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    groups: dict[str, dict] = {}
     for name, c in _ok(result["configs"]).items():
-        pts = (c.get("load_latency") or {}).get("points") or []
-        pts = [p for p in pts if p.get("request_throughput")]
-        if not pts:
-            continue
-        thr = [p["request_throughput"] for p in pts]
-        link = c["load_latency"].get("link_rate_mbit")
-        name = f"{name} ({link:g} Mbit/s)" if link else f"{name} (no link)"
-        axes[0].plot(thr, [p["mean_ttft_ms"] / 1e3 for p in pts], "o-", label=_label(name, c))
-        axes[1].plot(thr, [p["mean_tpot_ms"] for p in pts], "o-", label=_label(name, c))
-    axes[0].set_ylabel("mean TTFT (s)")
-    axes[1].set_ylabel("mean TPOT (ms)")
-    for ax in axes:
-        ax.set_xlabel("achieved request throughput (req/s)")
-        ax.grid(True, alpha=0.3)
-        ax.set_title("load-latency (Poisson arrivals; link rate in the legend)")
-    axes[0].legend(fontsize=7)
+        pts = [p for p in ((c.get("load_latency") or {}).get("points") or []) if p.get("request_throughput")]
+        if pts:
+            groups.setdefault(name.partition("_")[2], {})[name] = (c, pts)
+    if not groups:
+        return
+    fig, axes = plt.subplots(2, len(groups), figsize=(5.5 * len(groups), 7), squeeze=False)
+    for col, (tag, members) in enumerate(sorted(groups.items())):
+        for name, (c, pts) in members.items():
+            link = c["load_latency"].get("link_rate_mbit")
+            label = f"{_label(name, c)} ({link:g} Mbit/s)" if link else f"{name} (no link)"
+            thr = [p["request_throughput"] for p in pts]
+            axes[0][col].plot(thr, [p["mean_ttft_ms"] / 1e3 for p in pts], "o-", label=label)
+            axes[1][col].plot(thr, [p["mean_tpot_ms"] for p in pts], "o-", label=label)
+        axes[0][col].set_title(f"run: {tag or 'main'} (Poisson arrivals)")
+        axes[0][col].set_ylabel("mean TTFT (s)")
+        axes[1][col].set_ylabel("mean TPOT (ms)")
+        for ax in axes[:, col]:
+            ax.set_xlabel("achieved request throughput (req/s)")
+            ax.grid(True, alpha=0.3)
+        axes[0][col].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "e2e_load_latency.png", dpi=110)
+    fig.savefig(out / "e2e_load_latency.png", dpi=100)
     plt.close(fig)
 
 
