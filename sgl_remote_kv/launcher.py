@@ -85,7 +85,11 @@ class SGLangServer:
             self.command(), stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
         )
         log.close()
-        self._wait_healthy()
+        try:
+            self._wait_healthy()
+        except BaseException:  # also Ctrl-C / SIGTERM during startup: never leave a server behind
+            self.stop()
+            raise
         return self
 
     def _wait_healthy(self) -> None:
@@ -103,7 +107,6 @@ class SGLangServer:
             except OSError:
                 pass
             time.sleep(1.0)
-        self.stop()
         raise TimeoutError(f"server not healthy after {self.spec.startup_timeout_s}s:\n{self.log_tail()}")
 
     def log_text(self) -> str:
