@@ -109,3 +109,25 @@ def test_waiting_queue_decision_picks_path_counts_and_metrics(rt):
     for path in ("nvdec", "dpu"):
         key = f"decisions|path={path}"
         assert after.get(key, 0) - before.get(key, 0) == 1
+
+
+def test_in_flight_dedup_follows_then_reparks(rt):
+    wq = WaitingForKV.__new__(WaitingForKV)
+    wq.rt, wq.parked = rt, {}
+    released, reparked = [], []
+    wq._release_fn = released.append
+    wq.park = lambda req: reparked.append(req.rid) or False  # local match now covers it
+    req = type("R", (), {})
+    lead = _Parked(req=req(), keys={"dpu": [b"a", b"b"]}, local_chunks=0, path="dpu", handle=object())
+    lead.req.rid = "lead"
+    other = _Parked(req=req(), keys={"dpu": [b"x"]}, local_chunks=0, path="dpu")
+    same = _Parked(req=req(), keys={"dpu": [b"a"]}, local_chunks=0, path="dpu", fetch_started=1e18)
+    same.req.rid = "same"
+    wq.parked = {"lead": lead, "same": same}
+    assert wq._inflight_leader(other) is None and wq._inflight_leader(same) is lead
+    same.follow = "lead"
+    wq._poll_follower(same, 0.0)
+    assert "same" in wq.parked and not reparked  # leader still fetching
+    del wq.parked["lead"]  # leader installed and released
+    wq._poll_follower(same, 0.0)
+    assert reparked == ["same"] and released == [same.req] and "same" not in wq.parked

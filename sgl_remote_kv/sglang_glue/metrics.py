@@ -69,6 +69,9 @@ class RemoteKVMetrics:
     def decision(self, path: str) -> None:
         self._inc("decisions", path=path)
 
+    def dedup(self) -> None:
+        self._inc("dedup_followers")
+
     def layerwise_admission(self) -> None:
         self._inc("layerwise_admissions")
 
@@ -96,6 +99,9 @@ def _build_prometheus() -> dict:
         "decoded_bytes": Counter(p + "decoded_bytes", "KV bytes produced by decoding fetched chunks"),
         "failures": Counter(p + "failures", "Remote KV failures (each became a miss)", ["kind"]),
         "decisions": Counter(p + "decisions", "Policy decisions by path", ["path"]),
+        "dedup_followers": Counter(
+            p + "dedup_followers", "Requests that waited on another request's in-flight fetch"
+        ),
         "layerwise_admissions": Counter(
             p + "layerwise_admissions", "Requests admitted before their fetched KV was in the pool"
         ),

@@ -49,6 +49,7 @@ class _Parked:
     keys: dict[str, list[bytes]]  # per fetch path: keys of chunks [local_chunks, usable)
     local_chunks: int
     path: str = ""  # the fetch path the policy chose
+    follow: str | None = None  # rid of an in-flight fetch of the same chunks this request waits on
     parked_at: float = field(default_factory=time.monotonic)
     lookup: cf.Future | None = None
     handle: FetchHandle | None = None
@@ -147,7 +148,9 @@ class WaitingForKV:
         now = time.monotonic()
         for rid in list(self.parked):
             p = self.parked[rid]
-            if p.handle is None:
+            if p.follow is not None:
+                self._poll_follower(p, now)
+            elif p.handle is None:
                 self._poll_lookup(p, now)
             else:
                 self._poll_fetch(p, now)
@@ -167,8 +170,33 @@ class WaitingForKV:
             self._release(p)
             return
         p.fetch_started = now
+        leader = self._inflight_leader(p)
+        if leader is not None:  # in-flight dedup: wait for it, then re-match locally
+            p.follow = leader.req.rid
+            self.rt.metrics.dedup()
+            return
         if not self._submit(p):
             self._release(p)
+
+    def _inflight_leader(self, p: _Parked) -> _Parked | None:
+        """A parked request already fetching this request's first chunk on the same path. Chunk keys
+        chain the whole prefix, so equal first keys mean the same tokens from the same chunk on."""
+        first = p.keys[p.path][:1]
+        for q in self.parked.values():
+            if q is not p and q.handle is not None and q.path == p.path and q.keys[q.path][:1] == first:
+                return q
+        return None
+
+    def _poll_follower(self, p: _Parked, now: float) -> None:
+        if p.follow in self.parked:
+            if now - p.fetch_started > self.rt.settings.fetch_timeout_s:
+                self.rt.metrics.failure("fetch_timeout")
+                self._release(p)
+            return
+        # The leader is installed (its chunks are now device nodes) or failed: start over.
+        self.parked.pop(p.req.rid, None)
+        if not self.park(p.req):
+            self._release_fn(p.req)
 
     def _decide_fetch(self, p: _Parked, counts: dict[str, int]) -> bool:
         """Policy choice among the paths that have the prefix (sets ``p.path``/``p.remote_chunks``)."""
