@@ -128,3 +128,18 @@ def test_partial_fetch_is_never_verified(stored):
     assert h.wait(30) and h.ok_chunks == 2
     assert not h.verified.is_set() and h.blobs is None
     be.close()
+
+
+def test_on_demand_decodes_each_layer_when_first_needed(stored):
+    client, codec, keys, k, v = stored
+    pool, metrics = Pool(), RemoteKVMetrics()
+    counter = layerwise.attach(pool, FP, metrics)
+    h = _dead_handle(client, codec, keys, failure=None)  # no worker at all: only the blobs
+    slots = _slots()
+    counter.add(h, slots, codec, on_demand=True)
+    pool.get_key_buffer(1)
+    assert np.array_equal(pool.k_buffer[1][slots].numpy(), k[1])
+    assert not np.any(pool.k_buffer[2][slots].numpy())  # layer 2 not decoded yet
+    counter.finish_all()
+    _assert_pool_holds(pool, slots, k, v)
+    assert "failures|kind=layerwise_fallback" not in metrics.snapshot()

@@ -75,6 +75,9 @@ class RemoteKVMetrics:
     def layerwise_admission(self) -> None:
         self._inc("layerwise_admissions")
 
+    def layerwise_wait(self, seconds: float) -> None:
+        self._inc("layerwise_wait", seconds)
+
     def writeback(self, chunks: int, nbytes: int) -> None:
         self._inc("written_chunks", chunks)
         self._inc("written_bytes", nbytes)
@@ -101,6 +104,9 @@ def _build_prometheus() -> dict:
         "decisions": Counter(p + "decisions", "Policy decisions by path", ["path"]),
         "dedup_followers": Counter(
             p + "dedup_followers", "Requests that waited on another request's in-flight fetch"
+        ),
+        "layerwise_wait": Counter(
+            p + "layerwise_wait_seconds", "Time forward passes waited for layer-wise installs"
         ),
         "layerwise_admissions": Counter(
             p + "layerwise_admissions", "Requests admitted before their fetched KV was in the pool"

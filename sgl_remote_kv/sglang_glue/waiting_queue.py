@@ -278,11 +278,15 @@ class WaitingForKV:
             logger.warning("layer-wise install for %s failed: %r", p.req.rid, e)
             self.inst.free(slots)
             return
-        self.layerwise.add(h, slots, self.rt.paths[p.path].codec)
+        on_demand = p.path == "inproc"  # decode in the forward thread: no GIL convoy with a worker
+        if on_demand:
+            h.cancel()
+        self.layerwise.add(h, slots, self.rt.paths[p.path].codec, on_demand=on_demand)
         self.rt.policy.observe_fetch(p.path, h.fetched_bytes, h.fetch_s, 0, 0.0)
         self.rt.metrics.fetched(h.fetched_bytes, h.n_chunks * h.chunk_size * self._bpt(), h.fetch_s, 0.0,
                                 now - p.parked_at)  # fmt: skip
         self.rt.metrics.layerwise_admission()
+        logger.debug("layer-wise: admitted %s before its KV is in the pool", p.req.rid)
         self.inst.unlock(p.prefix_lock)
         self._release(p)
 

@@ -1,0 +1,96 @@
+"""End to end, layer-wise pipelining (``--remote-kv-layerwise``): real CPU SGLang servers, real SmolLM2
+(float32), real embedded store, lossless codec, in-process fetch path (``--remote-kv nvdec`` with a
+non-hevc codec falls back to it; the DPU path is not pipelined, see docs/INTEGRATION.md).
+
+One long prompt: a cold run (the baseline) writes it back; ``/flush_cache`` empties the local cache and
+the same prompt is a remote hit *without* pipelining; a second server with ``--remote-kv-layerwise``
+serves it as a remote hit admitted early (``layerwise_admissions``). One output token (TTFT): both
+remote answers must equal the baseline's token and its logprob (a wrong layer of KV would move it); the
+TTFTs and the time spent in waiting_for_KV are printed (the measurement for docs/INTEGRATION.md).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.fixtures.remote_kv_server import (
+    CHUNK,
+    flush_cache,
+    metrics,
+    post,
+    remote_kv_server,
+    storage_tokens,
+)
+
+pytestmark = pytest.mark.e2e
+
+DOC = " ".join(
+    f"Section {i}: the quick brown fox number {i} jumps over the lazy dog and studies topic {i * 7 % 13}."
+    for i in range(64)
+)
+ARGS = ("--chunked-prefill-size", "4096")
+
+
+def _wait_written(srv, at_least: float, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while metrics(srv).get("sglang:remote_kv_written_chunks_total", 0.0) < at_least:
+        assert time.monotonic() < deadline, "write-back did not finish"
+        time.sleep(0.5)
+
+
+def _first_token(srv, ids: list[int]) -> tuple[dict, float]:
+    t0 = time.perf_counter()
+    payload = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 1},
+        "return_logprob": True,
+    }
+    out = post(srv.base_url + "/generate", payload)
+    return out, time.perf_counter() - t0
+
+
+def _logprob(out: dict) -> float:
+    return float(out["meta_info"]["output_token_logprobs"][0][0])
+
+
+def _kv_wait(srv) -> float:
+    return metrics(srv).get("sglang:remote_kv_kv_wait_seconds_sum", 0.0)
+
+
+def test_layerwise_remote_hit_exact_and_ttft(model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir)(DOC + "\nWhat does the fox do?", add_special_tokens=False)[
+        "input_ids"
+    ]
+    usable = (len(ids) - 1) // CHUNK * CHUNK
+    store = f"file://{tmp_path / 'store'}"
+    with remote_kv_server(model_dir, store, *ARGS, mode="nvdec") as s1:
+        base, t_cold = _first_token(s1, ids)
+        _wait_written(s1, usable // CHUNK)
+        offs = []
+        for _ in range(2):  # the 2nd one is the measurement (the 1st warms the long-prefix path)
+            flush_cache(s1)
+            offs.append(_first_token(s1, ids))
+        w_off = _kv_wait(s1)
+    with remote_kv_server(model_dir, store, *ARGS, "--remote-kv-layerwise", mode="nvdec") as s2:
+        ons = []
+        for _ in range(2):
+            flush_cache(s2)
+            ons.append(_first_token(s2, ids))
+        w_on = _kv_wait(s2)
+        m = metrics(s2)
+    for out, _ in offs + ons:
+        assert storage_tokens(out) == usable and out["output_ids"] == base["output_ids"]
+        assert abs(_logprob(out) - _logprob(base)) < 1e-3
+    assert m.get("sglang:remote_kv_layerwise_admissions_total", 0) == 2, m
+    assert m.get('sglang:remote_kv_failures_total{kind="layerwise_fallback"}', 0) == 0
+    stalled = m.get("sglang:remote_kv_layerwise_wait_seconds_total", 0)
+    print(
+        f"\n{len(ids)}-token prompt, remote hit {usable} tokens, TTFT: cold {t_cold:.2f} s; remote hit "
+        f"without layer-wise {offs[0][1]:.2f} / {offs[1][1]:.2f} s (waiting_for_KV total {w_off:.2f} s), "
+        f"with layer-wise {ons[0][1]:.2f} / {ons[1][1]:.2f} s (waiting_for_KV total {w_on:.2f} s, "
+        f"forward waited on layers {stalled:.2f} s)"
+    )
