@@ -26,7 +26,7 @@ from sgl_remote_kv.security import (
 )
 from sgl_remote_kv.sglang_glue.fetch import InProcessFetchBackend
 from sgl_remote_kv.store.base import open_store
-from sgl_remote_kv.store.client import ClientConfig, StoreClient, frame
+from sgl_remote_kv.store.client import ClientConfig, StoreClient, frame, unframe
 from sgl_remote_kv.store.local import LocalStore
 
 SECRET = bytes(range(32))
@@ -201,3 +201,34 @@ def test_world_readable_key_warns_once(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="sgl_remote_kv.security"):
         load_auth_key(p)
     assert sum("every user" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_real_server_with_auth_key_serves_sealed_chunks_and_rejects_replays(model_dir, tmp_path, key_file):
+    """End to end with the data plane: write-backs are sealed, fetches through the DPU process verify
+    them (full hit, exact tokens), and a chunk replayed under another key is a miss from there on."""
+    from transformers import AutoTokenizer
+
+    from tests.fixtures.faults import CHUNK, ask, make_case, prime
+    from tests.fixtures.remote_kv_server import remote_kv_server
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    store = tmp_path / "store"
+    with remote_kv_server(model_dir, f"file://{store}", "--remote-kv-auth-key-file", str(key_file)) as srv:
+        assert "auth+file://" in srv.log_text()
+        case = prime(srv, make_case(tok, "auth-e2e"))
+        _, hit = ask(srv, case)
+        assert hit == case.chunks * CHUNK
+        files = sorted((store / "objects").rglob("*"), key=lambda p: p.stat().st_mtime)
+        blobs = [p for p in files if p.is_file()]
+        assert len(blobs) == case.chunks
+        # Attacker with write access: replay chunk A's KV under chunk B's key, re-framed for B (the
+        # framing CRC is public) and carrying A's MAC (the secret is not theirs).
+        (ka, pa), (kb, pb) = [(bytes.fromhex(p.name), p) for p in blobs[:2]]
+        sealed = pa.read_bytes()
+        payload = unframe(ka, sealed[:-MAC_LEN])
+        assert payload is not None
+        pb.write_bytes(frame(kb, payload) + sealed[-MAC_LEN:])
+        _, hit = ask(srv, case)  # tokens still checked against the recompute inside ask
+        assert hit < case.chunks * CHUNK
