@@ -131,3 +131,19 @@ def test_in_flight_dedup_follows_then_reparks(rt):
     del wq.parked["lead"]  # leader installed and released
     wq._poll_follower(same, 0.0)
     assert reparked == ["same"] and released == [same.req] and "same" not in wq.parked
+
+
+def test_nvdec_and_layerwise_flags_parse_and_validate(capsys):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    RemoteKVConfig.add_cli_args(p)
+    argv = ["--remote-kv", "nvdec", "--remote-kv-store", "file:///x", "--remote-kv-nvdec-instances", "3"]
+    cfg = RemoteKVConfig._from_namespace(p.parse_args(argv + ["--remote-kv-layerwise"]))
+    assert (cfg.mode, cfg.nvdec_instances, cfg.layerwise) == ("nvdec", 3, True)
+    assert RemoteKVConfig.from_json(cfg.to_json()) == cfg
+    default = RemoteKVConfig._from_namespace(p.parse_args(argv[:4]))
+    assert (default.nvdec_instances, default.layerwise) == (2, False)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--remote-kv-nvdec-instances", "0"])
+    assert "--remote-kv-nvdec-instances" in capsys.readouterr().err
