@@ -110,12 +110,6 @@ def test_embedded_store_read_only_write_backs_fail_counted_then_recover(embedded
     assert wait_full_hit(srv, ro, timeout=120) == ro.chunks * CHUNK
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gap: a read-only embedded store serves nothing: LocalStore._read touches the file's mtime "
-    "(os.utime, for LRU) and only catches FileNotFoundError, so EROFS fails the whole get_many and "
-    "every stored chunk becomes a miss (the touch should be best-effort)",
-)
 def test_embedded_store_read_only_still_serves_stored_chunks(embedded, mnt):
     srv, served = embedded
     _remount(mnt, "ro")

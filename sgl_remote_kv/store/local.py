@@ -120,9 +120,11 @@ class LocalStore:
         except FileNotFoundError:
             return None
         try:
-            os.utime(path)  # LRU: mtime = last access
-        except FileNotFoundError:
-            pass  # evicted or replaced meanwhile; we already hold the complete old content
+            os.utime(path)  # LRU: mtime = last access (best effort)
+        except OSError:
+            # evicted/replaced meanwhile, or a read-only filesystem (EROFS): we already hold the complete
+            # content; only the LRU order loses this touch.
+            pass
         return data
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
