@@ -49,6 +49,10 @@ class PoolClosed(Exception):
     """The pool was closed before or while the chunk was decoded."""
 
 
+class DecoderCrashed(RuntimeError):
+    """A decoder instance died mid-chunk (e.g. SystemExit from a native binding); the chunk is a miss."""
+
+
 @dataclass(frozen=True)
 class ChunkResult:
     chunk_id: object
@@ -119,7 +123,14 @@ class DecoderPool:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._busy = 0
-        self.stats = {"ok": 0, "chunk_errors": 0, "internal_errors": 0, "cancelled": 0, "frames": 0}
+        self.stats = {
+            "ok": 0,
+            "chunk_errors": 0,
+            "internal_errors": 0,
+            "cancelled": 0,
+            "frames": 0,
+            "instance_restarts": 0,
+        }
         self._threads = [
             threading.Thread(target=self._worker, name=f"nvdec-{i}", daemon=True) for i in range(instances)
         ]
@@ -211,6 +222,15 @@ class DecoderPool:
                 )
                 decoder.reset()
                 job.future.set_exception(e)
+            except BaseException as e:  # noqa: B036 -- thread boundary: SystemExit & co. from a binding
+                # The decoder instance is in an unknown state: fail this chunk (a miss for the caller) and
+                # replace the instance; the thread keeps serving the queue.
+                self._count("instance_restarts")
+                logger.error(
+                    "decoder instance %s died (%r); replacing it", threading.current_thread().name, e
+                )
+                job.future.set_exception(DecoderCrashed(f"decoder instance died: {e!r}"))
+                decoder = VideoDecoder(self.device)
             finally:
                 with self._lock:
                     self._busy -= 1

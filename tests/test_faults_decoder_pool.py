@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import sgl_remote_kv.nvdec  # noqa: F401
 from sgl_remote_kv.nvdec import video
-from sgl_remote_kv.nvdec.pool import DecoderPool, SlotWriter
+from sgl_remote_kv.nvdec.pool import DecoderCrashed, DecoderPool, SlotWriter
 
 from sgl_remote_kv.codec import synthetic
 from sgl_remote_kv.codec.base import get_codec
@@ -97,12 +97,6 @@ def test_decoder_failing_mid_stream_is_reset_and_reused(chunks, monkeypatch):
         _assert_healthy(pool, fp, cs, 3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gap: a decoder instance thread that dies (BaseException out of the decoder, e.g. "
-    "SystemExit/KeyboardInterrupt from a native binding) is not replaced and its chunk's future is "
-    "never resolved; with one instance the pool hangs instead of turning the chunk into a miss",
-)
 def test_dead_worker_thread_is_replaced_and_its_chunk_fails(chunks, monkeypatch):
     fp, cs = chunks
     real = video.VideoDecoder.frames
@@ -123,7 +117,7 @@ def test_dead_worker_thread_is_replaced_and_its_chunk_fails(chunks, monkeypatch)
             fut.result(timeout=8)
         except FutureTimeout:
             pytest.fail("the crashed chunk's future was never resolved")
-        except BaseException:  # the chunk failed: that is the expected outcome
+        except DecoderCrashed:  # the chunk failed (a miss for the caller): the expected outcome
             pass
         nxt, k, _ = _restore(pool, fp, cs[1][0])
         try:

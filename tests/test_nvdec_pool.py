@@ -80,7 +80,14 @@ def test_pool_reports_corrupt_and_foreign_chunks_and_keeps_working():
             timeout=30
         )
     assert np.array_equal(k_pool, rk) and calls == ["k"]
-    assert pool.stats == {"ok": 1, "chunk_errors": 2, "internal_errors": 1, "cancelled": 0, "frames": 6}
+    assert pool.stats == {
+        "ok": 1,
+        "chunk_errors": 2,
+        "internal_errors": 1,
+        "cancelled": 0,
+        "frames": 6,
+        "instance_restarts": 0,
+    }
 
 
 def test_shutdown_with_chunks_in_flight():
