@@ -3,7 +3,7 @@ PY := .venv/bin/python
 export PYTHONUNBUFFERED := 1
 
 .PHONY: setup model demo test test-slow lint bench-codec bench-codec-rd bench-store bench-dpu bench-nvdec \
-	bench-cpu-attention bench-e2e bench-e2e-quick projection soak clean
+	bench-cpu-attention bench-e2e bench-e2e-quick projection soak test-faults clean
 
 setup:
 	bash scripts/setup_env.sh
@@ -24,6 +24,12 @@ test: model lint
 # Slower tests (soak-like, long benchmarks-as-tests); separate target.
 test-slow: model
 	$(PY) -m pytest -q -m slow
+
+# The whole fault-injection suite (default + slow fault tests) against real servers.
+test-faults: model
+	$(PY) -m pytest -q -m "not gpu" tests/test_faults_server.py tests/test_faults_store_server.py \
+		tests/test_faults_cluster_server.py tests/test_faults_decoder_pool.py tests/test_security_auth.py \
+		tests/test_security_config.py
 
 # Benchmarks print tables and write docs/results/*.json (+ PNG plots). None of them is a test.
 bench-codec-rd: model
