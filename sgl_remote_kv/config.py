@@ -27,6 +27,7 @@ class RemoteKVConfig:
     auth_key_file: str = ""  # "" -> values are not authenticated (see sgl_remote_kv/security.py)
     nvdec_instances: int = 2  # decoder instances of the NVDEC pool (--remote-kv nvdec|auto)
     layerwise: bool = False  # admit fully fetched requests before every layer is in the pool
+    policy_margin: float = 1.0  # fetch when est. fetch time <= margin x est. recompute time
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -35,6 +36,8 @@ class RemoteKVConfig:
             raise ValueError(
                 f"--remote-kv-chunk-size must be a multiple of 16 in [16, {MAX_CHUNK_SIZE}], got {self.chunk_size}"
             )
+        if not 0.0 <= self.policy_margin <= 1e12:
+            raise ValueError(f"--remote-kv-policy-margin must be in [0, 1e12], got {self.policy_margin}")
         if not 1 <= self.nvdec_instances <= 64:
             raise ValueError(f"--remote-kv-nvdec-instances must be in [1, 64], got {self.nvdec_instances}")
 
@@ -121,6 +124,15 @@ class RemoteKVConfig:
             help="Decoder instances in the NVDEC pool (--remote-kv nvdec|auto; default 2).",
         )
         g.add_argument(
+            "--remote-kv-policy-margin",
+            dest="remote_kv_policy_margin",
+            type=_policy_margin,
+            default=1.0,
+            metavar="X",
+            help="Fetch when the estimated fetch time is at most X times the estimated recompute time "
+            "(default 1.0; 0 = never fetch, large = always fetch when the store has the prefix).",
+        )
+        g.add_argument(
             "--remote-kv-layerwise",
             dest="remote_kv_layerwise",
             action="store_true",
@@ -146,6 +158,7 @@ class RemoteKVConfig:
             auth_key_file=getattr(ns, "remote_kv_auth_key_file", ""),
             nvdec_instances=getattr(ns, "remote_kv_nvdec_instances", 2),
             layerwise=getattr(ns, "remote_kv_layerwise", False),
+            policy_margin=getattr(ns, "remote_kv_policy_margin", 1.0),
         )
 
 
@@ -166,6 +179,16 @@ def _nvdec_instances(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if not 1 <= value <= 64:
         raise argparse.ArgumentTypeError(f"must be in [1, 64], got {value}")
+    return value
+
+
+def _policy_margin(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 1e12:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1e12], got {value}")
     return value
 
 

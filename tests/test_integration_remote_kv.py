@@ -142,7 +142,9 @@ def test_slow_store_no_hit_not_delayed_and_abort(model_dir, tmp_path, tok):
     doc_ids = _ids(tok, DOC)
     short_ids = _ids(tok, "Name one colour.")
     assert len(short_ids) <= CHUNK  # no full chunk: never looked up, never parked
-    with remote_kv_server(model_dir, store) as srv:
+    # The store is artificially slow (1 s per call): pin the policy to "fetch" so this test exercises
+    # waiting / abort / data-plane death rather than the fetch-vs-recompute choice.
+    with remote_kv_server(model_dir, store, "--remote-kv-policy-margin", "1e9") as srv:
         computed, _ = generate(srv, doc_ids + _ids(tok, Q1))
         _wait_written(srv, len(doc_ids) // CHUNK)
         flush_cache(srv)  # drop the local copy: the next hit must be remote

@@ -109,7 +109,8 @@ class RemoteKVRuntime:
                 _close_path(p)
         self.fetch_path = paths[0].name
         self.fetcher = paths[0].backend
-        self.policy = Policy(PolicyConfig(mode=self.config.mode), available=tuple(self.paths))
+        pcfg = PolicyConfig(mode=self.config.mode, margin=self.config.policy_margin)
+        self.policy = Policy(pcfg, available=tuple(self.paths))
 
     @property
     def chunk_size(self) -> int:
