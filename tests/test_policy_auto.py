@@ -139,11 +139,13 @@ def test_nvdec_and_layerwise_flags_parse_and_validate(capsys):
     p = argparse.ArgumentParser()
     RemoteKVConfig.add_cli_args(p)
     argv = ["--remote-kv", "nvdec", "--remote-kv-store", "file:///x", "--remote-kv-nvdec-instances", "3"]
-    cfg = RemoteKVConfig._from_namespace(p.parse_args(argv + ["--remote-kv-layerwise"]))
-    assert (cfg.mode, cfg.nvdec_instances, cfg.layerwise) == ("nvdec", 3, True)
+    cfg = RemoteKVConfig._from_namespace(
+        p.parse_args(argv + ["--remote-kv-layerwise", "--remote-kv-policy-margin", "1e9"])
+    )
+    assert (cfg.mode, cfg.nvdec_instances, cfg.layerwise, cfg.policy_margin) == ("nvdec", 3, True, 1e9)
     assert RemoteKVConfig.from_json(cfg.to_json()) == cfg
     default = RemoteKVConfig._from_namespace(p.parse_args(argv[:4]))
-    assert (default.nvdec_instances, default.layerwise) == (2, False)
+    assert (default.nvdec_instances, default.layerwise, default.policy_margin) == (2, False, 1.0)
     with pytest.raises(SystemExit):
         p.parse_args(["--remote-kv-nvdec-instances", "0"])
     assert "--remote-kv-nvdec-instances" in capsys.readouterr().err
