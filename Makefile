@@ -12,7 +12,7 @@ model: setup
 	$(PY) -m sgl_remote_kv.model --dtype float32
 
 demo: model
-	$(PY) scripts/demo.py --remote-kv dpu --turns 3
+	$(PY) scripts/demo.py --remote-kv dpu --turns 3 --restart
 
 lint: setup
 	$(PY) -m ruff check .

@@ -32,6 +32,12 @@ def main() -> int:
     )
     rounds = 2 if args.restart else 1
     for i in range(rounds):
+        what = (
+            "fresh server"
+            if i == 0
+            else "restarted server: local cache empty, the remote tier serves the prefix"
+        )
+        logging.info("round %d/%d: %s", i + 1, rounds, what)
         with SGLangServer(spec) as srv:
             marker = "sgl-remote-kv: --remote-kv"
             logging.info(
