@@ -14,7 +14,6 @@ and restoration on the pool's workers. The staging arrays are allocated here and
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import threading
 
@@ -23,7 +22,7 @@ from sgl_remote_kv.nvdec.hevc_codec import GROUP, FrameCodes
 from sgl_remote_kv.nvdec.pool import DecoderPool, PoolClosed, SlotWriter
 
 from sgl_remote_kv.codec.errors import ChunkError
-from sgl_remote_kv.sglang_glue.fetch import FetchHandle
+from sgl_remote_kv.sglang_glue.fetch import FetchHandle, ThreadedFetchBackend
 from sgl_remote_kv.types import ModelFingerprint, numpy_storage_dtype
 
 logger = logging.getLogger(__name__)
@@ -51,45 +50,18 @@ class _Progress:
         return on_frame
 
 
-class NvdecFetchBackend:
+class NvdecFetchBackend(ThreadedFetchBackend):
     """Fetch chunks from ``client`` and decode them on a shared :class:`DecoderPool` (see module doc)."""
+
+    label = "nvdec-fetch"
 
     def __init__(self, client, pool: DecoderPool, codec, fingerprint: ModelFingerprint, chunk_size: int,
                  fetch_threads: int = 1, on_done=None) -> None:  # fmt: skip
-        self.client, self.pool, self.codec = client, pool, codec
-        self.fingerprint, self.chunk_size, self._on_done = fingerprint, chunk_size, on_done
-        self._exec = cf.ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="srkv-nvdec-fetch")
-        self._pending = 0
-        self._lock = threading.Lock()
+        super().__init__(client, codec, fingerprint, chunk_size, workers=fetch_threads, on_done=on_done)
+        self.pool = pool
 
-    def queue_depth(self) -> int:
-        with self._lock:
-            return self._pending
-
-    def submit(self, request_id: str, keys: list[bytes], start_token: int) -> FetchHandle:
-        handle = FetchHandle(request_id, len(keys), start_token, self.chunk_size)
-        with self._lock:
-            self._pending += 1
-        self._exec.submit(self._run, handle, list(keys))
-        return handle
-
-    def close(self) -> None:
-        self._exec.shutdown(wait=False, cancel_futures=True)
-
-    def _run(self, handle: FetchHandle, keys: list[bytes]) -> None:
-        try:
-            self._fetch_and_decode(handle, keys)
-        except Exception as e:  # thread boundary: any surprise is a miss for this request
-            logger.warning("nvdec fetch for %s failed unexpectedly: %r", handle.request_id, e)
-            handle._fail_from(0, "internal")
-        finally:
-            with self._lock:
-                self._pending -= 1
-            if handle.failure is None:
-                handle.layers_ready = self.fingerprint.layout.num_layers
-            handle._finish()
-            if self._on_done is not None:
-                self._on_done()
+    def _on_success(self, handle: FetchHandle) -> None:
+        handle.layers_ready = self.fingerprint.layout.num_layers
 
     def _fetch_and_decode(self, handle: FetchHandle, keys: list[bytes]) -> None:
         if handle.cancelled:

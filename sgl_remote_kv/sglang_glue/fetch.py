@@ -109,24 +109,24 @@ class FetchBackend(Protocol):
     def close(self) -> None: ...
 
 
-class InProcessFetchBackend:
-    """Fetch + decode in worker threads of this process (see module docstring)."""
+class ThreadedFetchBackend:
+    """Base of the fetch backends that run each request's fetch on a thread pool of this process.
 
-    def __init__(
-        self,
-        client,
-        codec: Codec,
-        fingerprint: ModelFingerprint,
-        chunk_size: int,
-        workers: int = 1,
-        on_done=None,
-    ) -> None:
+    ``submit`` (scheduler thread) queues ``_fetch_and_decode(handle, keys)`` (subclass, worker thread);
+    any unexpected exception there is a miss for the whole request. ``_on_success`` runs on the worker
+    just before the handle finishes, when no chunk failed.
+    """
+
+    label = "fetch"
+
+    def __init__(self, client, codec: Codec, fingerprint: ModelFingerprint, chunk_size: int,
+                 workers: int = 1, on_done=None) -> None:  # fmt: skip
         self.client = client
         self.codec = codec
         self.fingerprint = fingerprint
         self.chunk_size = chunk_size
         self._on_done = on_done
-        self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="srkv-fetch")
+        self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"srkv-{self.label}")
         self._pending = 0
         self._lock = threading.Lock()
 
@@ -149,14 +149,26 @@ class InProcessFetchBackend:
         try:
             self._fetch_and_decode(handle, keys)
         except Exception as e:  # thread boundary: any surprise is a miss for this request
-            logger.warning("fetch for %s failed unexpectedly: %r", handle.request_id, e)
+            logger.warning("%s for %s failed unexpectedly: %r", self.label, handle.request_id, e)
             handle._fail_from(0, "internal")
         finally:
             with self._lock:
                 self._pending -= 1
+            if handle.failure is None:
+                self._on_success(handle)
             handle._finish()
             if self._on_done is not None:
                 self._on_done()
+
+    def _on_success(self, handle: FetchHandle) -> None:
+        pass
+
+    def _fetch_and_decode(self, handle: FetchHandle, keys: list[bytes]) -> None:
+        raise NotImplementedError
+
+
+class InProcessFetchBackend(ThreadedFetchBackend):
+    """Fetch + decode in worker threads of this process (see module docstring)."""
 
     def _fetch_and_decode(self, handle: FetchHandle, keys: list[bytes]) -> None:
         if handle.cancelled:
