@@ -252,17 +252,10 @@ def test_corrupt_truncated_and_foreign_blobs_are_partial_misses(srv, tok, rdb, c
         if name in CAUGHT_BY_FRAMING:
             assert wait_full_hit(srv, case) == case.chunks * CHUNK, name  # deleted, then rewritten
         else:
-            rdb.set(PREFIX + keys[1], raws[1])  # see the xfail below: nothing repairs these yet
+            rdb.set(PREFIX + keys[1], raws[1])
 
 
-@pytest.mark.slow  # waits 45 s for a repair that does not come
-@pytest.mark.xfail(
-    strict=True,
-    reason="gap: a well-framed chunk that fails to decode (corrupt/foreign) is never repaired: "
-    "waiting_queue._install calls writer.note_present(rid, local_chunks + remote_chunks) with the "
-    "looked-up count, not the installed one, so the write-back skips the recomputed chunks and the "
-    "bad value stays (a permanent partial hit: costs time on every request, never correctness)",
-)
+@pytest.mark.slow  # a server round trip + the repair write-back
 def test_undecodable_chunk_is_repaired_by_the_recompute(srv, tok, rdb, chunk_keys):
     case = prime(srv, make_case(tok, "bad-blob-repair"))
     keys = chunk_keys(case.ids, case.chunks)

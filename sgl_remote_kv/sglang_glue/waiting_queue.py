@@ -253,6 +253,7 @@ class WaitingForKV:
             return
         if h.failure is not None:
             self.rt.metrics.failure(h.failure)
+            self._drop_undecodable(p, h)
         self.rt.policy.observe_fetch(p.path, h.fetched_bytes, h.fetch_s, h.decoded_bytes, h.decode_s)
         self.rt.metrics.fetched(h.fetched_bytes, h.decoded_bytes, h.fetch_s, h.decode_s, now - p.parked_at)
         try:
@@ -316,8 +317,18 @@ class WaitingForKV:
         p.req.storage_hit_start = start
         self.rt.metrics.hit(ok, ok // self.rt.chunk_size)
         if self.rt.writer is not None and self.rt.paths[p.path].codec is self.rt.codec:
-            self.rt.writer.note_present(p.req.rid, p.local_chunks + p.remote_chunks)
+            # Only the chunks that were installed are known good; the write-back re-offers the rest.
+            self.rt.writer.note_present(p.req.rid, p.local_chunks + ok // self.rt.chunk_size)
         logger.debug("remote KV hit for %s: tokens [%d, %d)", p.req.rid, start, start + ok)
+
+    def _drop_undecodable(self, p: _Parked, h: FetchHandle) -> None:
+        """A well-framed chunk that failed to decode (corrupt / foreign) would stay in the store and cut
+        every later hit short; delete it (on a worker thread: store I/O) so the write-back of this
+        request's recompute replaces it."""
+        kind, bad, keys = str(h.failure or ""), h.ok_chunks, p.keys[p.path]
+        if bad < len(keys) and (kind.startswith("decode:") or kind in ("corrupt", "foreign")):
+            self.rt.metrics.failure("repair_undecodable")
+            self._lookups.submit(self.rt.client.delete_many, [keys[bad]])
 
     # -- release / abort ---------------------------------------------------------------------------
     def _release(self, p: _Parked) -> None:
