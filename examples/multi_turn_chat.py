@@ -55,10 +55,11 @@ class TurnResult:
     cached_by_tier: dict
 
 
-def _ask(
+def stream_chat(
     client: OpenAI, model: str, messages: list[dict], max_tokens: int
 ) -> tuple[str, float, float, dict, dict]:
-    """Stream one completion; return (answer, ttft, total, usage, cached_tokens_details)."""
+    """Stream one chat completion; return (answer, ttft, total, usage, cached_tokens_details).
+    Also used by shared_document_qa.py."""
     t0 = time.perf_counter()
     ttft = None
     parts: list[str] = []
@@ -95,7 +96,7 @@ def run(base_url: str, turns: int, max_tokens: int) -> list[TurnResult]:
     results = []
     for i, question in enumerate(TURNS[:turns], start=1):
         messages.append({"role": "user", "content": question})
-        answer, ttft, total, usage, details = _ask(client, model, messages, max_tokens)
+        answer, ttft, total, usage, details = stream_chat(client, model, messages, max_tokens)
         messages.append({"role": "assistant", "content": answer})
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         results.append(

@@ -17,10 +17,10 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from multi_turn_chat import stream_chat  # same directory: the streaming + TTFT + cache-report helper
 from openai import OpenAI
 
 logger = logging.getLogger(__name__)
@@ -54,41 +54,14 @@ def load_document(path: str, max_chars: int) -> str:
 
 
 def ask(client: OpenAI, model: str, document: str, question: str, max_tokens: int) -> Answer:
-    t0 = time.perf_counter()
-    ttft, parts, usage, details = None, [], {}, {}
-    stream = client.chat.completions.create(
-        model=model,
-        messages=[
-            {"role": "system", "content": "Answer questions about this document.\n\n" + document},
-            {"role": "user", "content": question},
-        ],
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"return_cached_tokens_details": True},
-    )
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            parts.append(chunk.choices[0].delta.content)
-        raw = chunk.model_dump()
-        usage = raw.get("usage") or usage
-        for place in (raw.get("sglext"), *(c.get("sglext") for c in raw.get("choices") or [])):
-            if place and place.get("cached_tokens_details"):
-                details = place["cached_tokens_details"]
-    total = time.perf_counter() - t0
+    messages = [
+        {"role": "system", "content": "Answer questions about this document.\n\n" + document},
+        {"role": "user", "content": question},
+    ]
+    text, ttft, total, usage, details = stream_chat(client, model, messages, max_tokens)
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return Answer(
-        question,
-        "".join(parts).strip(),
-        ttft if ttft is not None else total,
-        total,
-        usage.get("prompt_tokens", 0),
-        cached,
-        {k: v for k, v in details.items() if v is not None},
-    )
+    by_tier = {k: v for k, v in details.items() if v is not None}
+    return Answer(question, text, ttft, total, usage.get("prompt_tokens", 0), cached, by_tier)
 
 
 def run(base_url: str, clients: int, questions: int, max_tokens: int, document: str) -> list[Answer]:
