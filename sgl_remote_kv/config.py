@@ -162,34 +162,26 @@ class RemoteKVConfig:
         )
 
 
-def _chunk_size(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not 16 <= value <= MAX_CHUNK_SIZE or value % 16:
-        raise argparse.ArgumentTypeError(f"must be a multiple of 16 in [16, {MAX_CHUNK_SIZE}], got {value}")
-    return value
+def _bounded(cast, lo, hi, multiple_of: int | None = None):
+    """An argparse ``type`` parsing ``cast(text)`` within [lo, hi] (and a multiple of ``multiple_of``)."""
+    what = "an integer" if cast is int else "a number"
+    rule = f"a multiple of {multiple_of} in [{lo:g}, {hi:g}]" if multiple_of else f"in [{lo:g}, {hi:g}]"
+
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not lo <= value <= hi or (multiple_of and value % multiple_of):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {value}")
+        return value
+
+    return parse
 
 
-def _nvdec_instances(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not 1 <= value <= 64:
-        raise argparse.ArgumentTypeError(f"must be in [1, 64], got {value}")
-    return value
-
-
-def _policy_margin(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 <= value <= 1e12:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1e12], got {value}")
-    return value
+_chunk_size = _bounded(int, 16, MAX_CHUNK_SIZE, multiple_of=16)
+_nvdec_instances = _bounded(int, 1, 64)
+_policy_margin = _bounded(float, 0.0, 1e12)
 
 
 def _store_url(text: str) -> str:
