@@ -98,18 +98,3 @@ class NvdecFetchBackend(ThreadedFetchBackend):
                 handle._fail_from(i, f"decode:{type(e).__name__}")
             except PoolClosed:
                 handle._fail_from(i, "cancelled")
-
-    def _verify(self, handle: FetchHandle, blobs: list) -> None:
-        """Parse (header, checksum) every fetched chunk up front; publish ``handle.verified``."""
-        headers = []
-        for i in range(handle.ok_chunks):
-            try:
-                headers.append(self.codec.parse(blobs[i], self.fingerprint))
-            except ChunkError as e:
-                handle._fail_from(i, f"decode:{type(e).__name__}")
-                break
-            if headers[-1].num_tokens != self.chunk_size:
-                handle._fail_from(i, "decode:chunk_size")
-                headers.pop()
-                break
-        handle._mark_verified(blobs, headers, self._on_done)

@@ -163,6 +163,23 @@ class ThreadedFetchBackend:
     def _on_success(self, handle: FetchHandle) -> None:
         pass
 
+    def _verify(self, handle: FetchHandle, blobs: list) -> list:
+        """Parse (header, checksum) every fetched chunk up front, cut the hit at the first bad one,
+        publish ``handle.verified`` when all are good; return the good chunks' headers."""
+        headers = []
+        for i in range(handle.ok_chunks):
+            try:
+                headers.append(self.codec.parse(blobs[i], self.fingerprint))
+            except ChunkError as e:
+                handle._fail_from(i, f"decode:{type(e).__name__}")
+                break
+            if headers[-1].num_tokens != self.chunk_size:
+                handle._fail_from(i, "decode:chunk_size")
+                headers.pop()
+                break
+        handle._mark_verified(blobs, headers, self._on_done)
+        return headers
+
     def _fetch_and_decode(self, handle: FetchHandle, keys: list[bytes]) -> None:
         raise NotImplementedError
 
@@ -182,22 +199,11 @@ class InProcessFetchBackend(ThreadedFetchBackend):
                 handle._fail_from(i, "store_miss")
                 break
             handle.fetched_bytes += len(blob)
-        headers = []
-        for i in range(handle.ok_chunks):
-            try:
-                headers.append(self.codec.parse(blobs[i], self.fingerprint))
-            except ChunkError as e:
-                handle._fail_from(i, f"decode:{type(e).__name__}")
-                break
-            if headers[-1].num_tokens != self.chunk_size:
-                handle._fail_from(i, "decode:chunk_size")
-                headers.pop()
-                break
+        headers = self._verify(handle, blobs)
         if handle.ok_chunks == 0 or handle.cancelled:
             if handle.cancelled:
                 handle._fail_from(0, "cancelled")
             return
-        handle._mark_verified(blobs, headers, self._on_done)
         self._decode_layer_major(handle, blobs, headers)
 
     def _decode_layer_major(self, handle: FetchHandle, blobs: list, headers: list) -> None:
