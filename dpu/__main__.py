@@ -9,22 +9,18 @@ import argparse
 import logging
 import sys
 
+from sgl_remote_kv.config import parse_cpu_list
+
 from .pipeline import STAGES, PipelineConfig
 from .server import DataPlaneConfig, DataPlaneServer
 
 
 def _cpus(text: str) -> tuple[int, ...]:
-    """``"0,2-3"`` -> (0, 2, 3)."""
-    out: list[int] = []
+    """``"0,2-3"`` -> (0, 2, 3) (the same parser as ``--remote-kv-dpu-cpus``)."""
     try:
-        for part in filter(None, text.split(",")):
-            lo, _, hi = part.partition("-")
-            out.extend(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad cpu list {text!r}") from None
-    if any(c < 0 for c in out):
-        raise argparse.ArgumentTypeError(f"bad cpu list {text!r}")
-    return tuple(out)
+        return parse_cpu_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _size(text: str) -> int:

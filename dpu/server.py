@@ -59,7 +59,10 @@ class DataPlaneServer:
 
         self.cfg = cfg
         if cfg.cpus:
-            os.sched_setaffinity(0, cfg.cpus)
+            try:
+                os.sched_setaffinity(0, cfg.cpus)
+            except OSError as e:  # e.g. a core outside our cpuset: serve unpinned, say so
+                logger.error("cannot pin the data plane to cores %s: %s; running unpinned", cfg.cpus, e)
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -169,6 +172,7 @@ class DataPlaneServer:
     def _handle(self, peer: bytes, msg: P.Message) -> None:
         if isinstance(msg, P.Heartbeat):
             stats = {"pipeline": self.pipeline.stats_snapshot(), **self.counters}
+            stats["cpus"] = sorted(os.sched_getaffinity(0))  # effective affinity (benchmarks check it)
             pong = P.Pong(msg.seq, msg.sent_ns, os.getpid(), len(self.jobs), json.dumps(stats).encode())
             self.router.send_multipart([peer, P.encode(pong)], zmq.NOBLOCK)
         elif isinstance(msg, P.SubmitFetch):

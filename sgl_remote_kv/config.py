@@ -16,6 +16,7 @@ from sgl_remote_kv import env
 
 MODES = ("off", "dpu", "nvdec", "auto")
 MAX_CHUNK_SIZE = 8192
+MAX_CPUS = 4096
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,12 @@ class RemoteKVConfig:
     nvdec_instances: int = 2  # decoder instances of the NVDEC pool (--remote-kv nvdec|auto)
     layerwise: bool = False  # admit fully fetched requests before every layer is in the pool
     policy_margin: float = 1.0  # fetch when est. fetch time <= margin x est. recompute time
+    dpu_cpus: tuple[int, ...] = ()  # cores the DPU data plane pins itself to; () = automatic
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dpu_cpus", tuple(self.dpu_cpus))  # JSON round trip gives a list
+        if any(not isinstance(c, int) or not 0 <= c < MAX_CPUS for c in self.dpu_cpus):
+            raise ValueError(f"--remote-kv-dpu-cpus must be core ids in [0, {MAX_CPUS}), got {self.dpu_cpus}")
         if self.mode not in MODES:
             raise ValueError(f"--remote-kv must be one of {MODES}, got {self.mode!r}")
         if not 16 <= self.chunk_size <= MAX_CHUNK_SIZE or self.chunk_size % 16:
@@ -138,6 +143,15 @@ class RemoteKVConfig:
             action="store_true",
             help="Layer-wise fetch/compute pipelining (docs/INTEGRATION.md); off by default.",
         )
+        g.add_argument(
+            "--remote-kv-dpu-cpus",
+            dest="remote_kv_dpu_cpus",
+            type=_cpu_list,
+            default=(),
+            metavar="LIST",
+            help="Cores the DPU data plane process pins itself to (e.g. 1 or 2-3,6), emulating a DPU's "
+            "own cores; default: the last quarter of the cores on >= 4-core hosts, else unpinned.",
+        )
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> RemoteKVConfig:
@@ -159,6 +173,7 @@ class RemoteKVConfig:
             nvdec_instances=getattr(ns, "remote_kv_nvdec_instances", 2),
             layerwise=getattr(ns, "remote_kv_layerwise", False),
             policy_margin=getattr(ns, "remote_kv_policy_margin", 1.0),
+            dpu_cpus=getattr(ns, "remote_kv_dpu_cpus", ()),
         )
 
 
@@ -182,6 +197,28 @@ def _bounded(cast, lo, hi, multiple_of: int | None = None):
 _chunk_size = _bounded(int, 16, MAX_CHUNK_SIZE, multiple_of=16)
 _nvdec_instances = _bounded(int, 1, 64)
 _policy_margin = _bounded(float, 0.0, 1e12)
+
+
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """``"0,2-3"`` -> (0, 2, 3): sorted, unique, each in [0, MAX_CPUS). Raises ``ValueError``."""
+    out: set[int] = set()
+    for part in filter(None, text.replace(" ", "").split(",")):
+        lo, _, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"bad cpu list {text!r}") from None
+        if not 0 <= first <= last < MAX_CPUS:
+            raise ValueError(f"bad cpu list {text!r} (core ids in [0, {MAX_CPUS}))")
+        out.update(range(first, last + 1))
+    return tuple(sorted(out))
+
+
+def _cpu_list(text: str) -> tuple[int, ...]:
+    try:
+        return parse_cpu_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _store_url(text: str) -> str:

@@ -368,3 +368,30 @@ def test_concurrent_requests_are_isolated(tmp_path, make_client):
             pk, pv = pool_tokens(t, LAYOUT, j * CHUNK, (j + 1) * CHUNK)
             assert np.array_equal(k, pk) and np.array_equal(v, pv)
     assert c.stats()["inflight_rounds"] == 0 and c.stats()["pending_rounds"] == 0
+
+
+def test_dpu_cpus_flag_pins_the_data_plane(tmp_path, make_client):
+    """``--remote-kv-dpu-cpus`` parses to a core list, survives the JSON hop, and the data plane pins
+    itself there (its Pong stats report the effective affinity)."""
+    import argparse
+    import json
+
+    from sgl_remote_kv.config import RemoteKVConfig
+
+    parser = argparse.ArgumentParser()
+    RemoteKVConfig.add_cli_args(parser)
+    ns = parser.parse_args(["--remote-kv", "dpu", "--remote-kv-dpu-cpus", "1,0-0"])
+    ns.remote_kv_probe_store = False
+    cfg = RemoteKVConfig.from_namespace(ns)
+    assert cfg.dpu_cpus == (0, 1) and RemoteKVConfig.from_json(cfg.to_json()) == cfg
+    assert RemoteKVConfig._from_namespace(parser.parse_args([])).dpu_cpus == ()  # default: automatic
+    for bad in ("x", "3-1", "-1"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--remote-kv-dpu-cpus", bad])
+    want = max(os.sched_getaffinity(0))  # one core we may use (core 1 on the 2-core box)
+    c = make_client(f"file://{tmp_path}/store", codecs()["lossless"], process=_spec(cpus=(want,)))
+    assert sorted(os.sched_getaffinity(c.pid)) == [want]
+    deadline = time.monotonic() + 10
+    while c.last_pong is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert json.loads(c.stats()["dataplane"])["cpus"] == [want]

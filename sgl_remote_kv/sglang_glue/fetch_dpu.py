@@ -93,8 +93,11 @@ def start_dpu_backend(config, fingerprint, codec, kvcache, on_done=None) -> DpuF
     """Spawn the data plane; ``None`` (with a warning) if it cannot start — the caller falls back."""
     try:
         from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+        from sgl_remote_kv.control.dpu_process import ProcessSpec
 
-        client = DpuClient(DpuClientConfig(store_url=config.resolved_store_url()), fingerprint, codec)
+        spec = ProcessSpec(cpus=tuple(config.dpu_cpus) or None)  # --remote-kv-dpu-cpus; None = auto
+        cfg = DpuClientConfig(store_url=config.resolved_store_url(), process=spec)
+        client = DpuClient(cfg, fingerprint, codec)
         client.start()
     except Exception as e:  # boundary: a missing/broken data plane means the in-process path
         logger.warning("DPU data plane unavailable (%r); using the in-process fetch path", e)
