@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sgl_remote_kv.store.client import ClientConfig, StoreClient, frame, unframe
+from sgl_remote_kv.store.client import ClientConfig, PrefixLookup, StoreClient, frame, unframe
 from sgl_remote_kv.store.faulty import FaultConfig, FaultyStore
 from sgl_remote_kv.store.local import LocalStore
 
@@ -211,3 +211,90 @@ def test_soak_random_faults_from_threads_never_raise_nor_serve_wrong_bytes(inner
     st = client.stats()
     assert errors == [] and wrong == []
     assert st.hits > 0 and st.errors.get("corrupt", 0) > 0 and st.errors.get("unavailable", 0) > 0
+
+
+# ---- separate breakers for reads and writes; errors told apart from misses ---------------------------
+
+
+def _break_writes(store: LocalStore) -> None:
+    """Make the real embedded store refuse every write with an OS error, as a read-only or full disk
+    does: its temp directory (where each value is written before being renamed in) becomes a file."""
+    import shutil
+
+    shutil.rmtree(store.root / "tmp")
+    (store.root / "tmp").write_bytes(b"")
+
+
+class _ReadsDown:
+    """Reads go through the fault wrapper with a full outage, writes reach the real store."""
+
+    def __init__(self, inner: LocalStore) -> None:
+        self.inner, self.faulty = inner, FaultyStore(inner, FaultConfig(down=True))
+        self.count_prefix, self.get_many = self.faulty.count_prefix, self.faulty.get_many
+        self.put_many, self.delete_many = inner.put_many, inner.delete_many
+        self.stats, self.close = inner.stats, inner.close
+
+
+def test_failing_write_backs_do_not_make_lookups_fail_fast(inner) -> None:
+    events: list[tuple[str, str, int]] = []
+    client = StoreClient(inner, FAST, on_error=lambda *e: events.append(e))
+    ks = keys(4)
+    assert client.put_many([(k, b"v") for k in ks[:2]]) == 2
+    _break_writes(inner)
+    for k in ks[2:] * 3:  # a burst of failed write-backs: the write breaker opens
+        assert client.put_many([(k, b"w")]) == 0
+    assert client.circuits() == {"read": "closed", "write": "open"}
+    t0 = time.perf_counter()
+    assert client.put_many([(ks[3], b"w")]) == 0  # fails fast now
+    assert time.perf_counter() - t0 < 0.05
+    for _ in range(5):  # reads are untouched: real answers, no error
+        assert client.lookup_prefix(ks).found == 2 and client.lookup_prefix(ks).error is None
+        assert client.get_many(ks) == [b"v", b"v", None, None]
+    assert client.circuits()["read"] == "closed"
+    put_kinds = {kind for op, kind, _ in events if op == "put"}
+    assert put_kinds == {"io:ENOTDIR", "breaker_open"}, events
+    assert all(op == "put" for op, _, _ in events), events
+
+
+def test_failing_reads_do_not_drop_write_backs(inner) -> None:
+    events: list[tuple[str, str, int]] = []
+    client = StoreClient(_ReadsDown(inner), FAST, on_error=lambda *e: events.append(e))
+    ks = keys(3)
+    for _ in range(3):
+        assert client.lookup_prefix(ks).error == "unavailable"
+    assert client.circuits() == {"read": "open", "write": "closed"}
+    assert client.lookup_prefix(ks) == client.lookup_prefix(ks[:1])  # fails fast, still an error
+    assert client.lookup_prefix(ks).error == "breaker_open"
+    assert client.get_many(ks) == [None] * 3
+    assert client.put_many([(k, b"v") for k in ks]) == 3  # writes still land
+    assert inner.count_prefix(ks) == 3 and unframe(ks[0], inner.get_many(ks[:1])[0]) == b"v"
+    assert client.circuits()["write"] == "closed"
+    assert {(op, kind) for op, kind, _ in events} == {
+        ("lookup", "unavailable"),
+        ("lookup", "breaker_open"),
+        ("get", "breaker_open"),
+    }
+
+
+def test_lookup_errors_are_not_misses_and_reach_the_listener(inner) -> None:
+    events: list[tuple[str, str, int]] = []
+    faulty = FaultyStore(inner)
+    client = StoreClient(faulty, FAST, on_error=lambda *e: events.append(e))
+    ks = keys(3)
+    want = [os.urandom(1000) for _ in ks[:2]]
+    client.put_many(list(zip(ks[:2], want, strict=True)))
+    assert client.lookup_prefix(ks).found == 2 and client.lookup_prefix(ks).error is None
+    assert client.lookup_prefix(keys(2)).error is None  # a cold key is a miss, not an error
+    assert events == []
+    faulty.set_faults(FaultConfig(error_rate=1.0, error_kind="timeout"))
+    assert client.lookup_prefix(ks).error == "timeout" and client.count_prefix(ks) == 0
+    assert events[-1] == ("lookup", "timeout", 1)
+    faulty.set_faults(FaultConfig(corrupt_rate=1.0))
+    time.sleep(0.35)  # let the read breaker's probe through
+    got = client.get_many(ks[:2])  # a flip in the header's pad bytes leaves the payload intact
+    assert all(v is None or v == w for v, w in zip(got, want, strict=True))
+    assert ("get", "corrupt", got.count(None)) == events[-1] and got.count(None) >= 1, events
+    client.on_error = lambda *e: 1 / 0  # a broken listener never breaks a store call
+    faulty.set_faults(FaultConfig(down=True))
+    assert client.lookup_prefix(ks) == PrefixLookup(0, "unavailable")
+    assert client.stats().errors["ZeroDivisionError"] == 1

@@ -10,13 +10,21 @@ ever reaches the caller (who then recomputes the KV). On top of the backend it a
 - bounded retries (``retries``, exponential backoff) for transient kinds (timeout, unavailable);
 - a short negative cache: keys found absent in the last ``negative_ttl_s`` are answered as misses
   without asking the store (our own ``put_many`` clears them);
-- a circuit breaker: after ``breaker_failures`` consecutive failed calls it opens and every call fails
-  fast (a miss) for ``breaker_reset_s``; then one probe call is let through (half-open) and its
-  success closes the breaker again;
+- two circuit breakers (``breaker.py``), one for reads (``count_prefix``, ``get_many``) and one for
+  writes (``put_many``, ``delete_many``): after ``breaker_failures`` consecutive failed calls of its
+  kind a breaker opens and those calls fail fast (a miss / a dropped write) for ``breaker_reset_s``;
+  then one probe call is let through (half-open) and its success closes it again. Separate, so a
+  store that only refuses writes (read-only, disk full) keeps serving lookups, and vice versa;
 - integrity framing: values are stored as ``header || payload`` with the payload length and a CRC32
   over key and payload. A truncated, corrupt or misplaced blob is a miss (kind ``corrupt``) and is
   deleted best-effort, so a corrupt value is never served.
-- counters (hits, misses, bytes, latency per op, errors by kind, circuit state) via ``stats()``.
+- counters (hits, misses, bytes, latency per op, errors by kind, circuit state) via ``stats()``;
+- an optional error listener ``on_error(op, kind, n)`` called for every failed call (after its
+  retries), every call refused by an open breaker (kind ``breaker_open``) and every corrupt value
+  (kind ``corrupt``), with ``op`` one of :data:`OPS` values (``lookup``, ``get``, ``put``, ...). The
+  serving glue feeds it into ``sglang:remote_kv_store_errors_total`` (the listener must be cheap: it
+  runs on the calling thread). ``lookup_prefix`` also tells the caller *why* a prefix query answered
+  less than asked (``PrefixLookup.error``), so a failed lookup is not mistaken for a cold cache.
 
 Threading: any thread may call any method concurrently (the scheduler thread calls ``count_prefix``,
 data-plane workers call ``get_many``/``put_many``). Buffers: ``put_many`` copies values into framed
@@ -27,6 +35,7 @@ owned by the caller.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import errno
 import logging
 import struct
 import threading
@@ -38,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .base import Counters, KVStore, StoreError, StoreStats, open_store
+from .breaker import CircuitBreaker, worst
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,6 +56,27 @@ _MAGIC = b"SRKV"
 _HEADER = struct.Struct("<4sBxxxQI")  # magic, version, pad, payload length, crc32(key || payload)
 _VERSION = 1
 _RETRYABLE = frozenset({"timeout", "unavailable"})
+# backend method -> the op label of its errors; _WRITES use the write breaker, the rest the read one
+OPS = {
+    "count_prefix": "lookup",
+    "get_many": "get",
+    "put_many": "put",
+    "delete_many": "delete",
+    "stats": "stats",
+}
+_WRITES = frozenset({"put_many", "delete_many"})
+ErrorListener = Callable[[str, str, int], None]
+
+
+@dataclass(frozen=True)
+class PrefixLookup:
+    """Answer of ``StoreClient.lookup_prefix``: ``found`` leading keys exist; ``error`` is the failure
+    kind (``unavailable``, ``timeout``, ``breaker_open``, ...) when the store did not answer, so
+    ``found == 0`` means "unknown", not "absent". ``None`` when the store (or the negative cache)
+    answered."""
+
+    found: int
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -79,47 +110,6 @@ def unframe(key: bytes, blob: bytes) -> bytes | None:
     return payload if zlib.crc32(payload, zlib.crc32(key)) == crc else None
 
 
-class CircuitBreaker:
-    """closed -> (N consecutive failures) -> open -> (reset_s) -> half_open -> probe ok -> closed."""
-
-    def __init__(self, failures: int, reset_s: float) -> None:
-        self._threshold = max(1, failures)
-        self._reset_s = reset_s
-        self._lock = threading.Lock()
-        self.state = "closed"
-        self._failures = 0
-        self._opened_at = 0.0
-
-    def allow(self) -> bool:
-        with self._lock:
-            if self.state == "closed":
-                return True
-            if self.state == "open" and time.monotonic() - self._opened_at >= self._reset_s:
-                self.state = "half_open"  # this caller is the probe
-                return True
-            return False
-
-    def success(self) -> None:
-        with self._lock:
-            if self.state != "closed":
-                log.info("store circuit breaker closed (store recovered)")
-            self.state, self._failures = "closed", 0
-
-    def neutral(self) -> None:
-        """The call said nothing about store health; a half-open probe slot is handed back."""
-        with self._lock:
-            if self.state == "half_open":
-                self.state = "open"  # opened_at is old, so the next call probes again
-
-    def failure(self) -> None:
-        with self._lock:
-            self._failures += 1
-            if self.state == "half_open" or (self.state == "closed" and self._failures >= self._threshold):
-                if self.state == "closed":
-                    log.warning("store circuit breaker open after %d failures", self._failures)
-                self.state, self._opened_at = "open", time.monotonic()
-
-
 class StoreClient:
     """Fault-tolerant front of a ``KVStore``; same interface, never raises (see module docstring)."""
 
@@ -128,6 +118,7 @@ class StoreClient:
         store: KVStore | Callable[[], KVStore],
         config: ClientConfig | None = None,
         name: str = "store",
+        on_error: ErrorListener | None = None,
     ) -> None:
         self.config = cfg = config or ClientConfig()
         self._store: KVStore | None = None
@@ -137,7 +128,8 @@ class StoreClient:
         else:
             self._store = store  # type: ignore[assignment]
         self._counters = Counters(f"client:{name}")
-        self._breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s)
+        self._read_breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s, "store read")
+        self._write_breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s, "store write")
         self._pool = cf.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="srkv-store")
         self._neg: OrderedDict[bytes, float] = OrderedDict()
         self._neg_lock = threading.Lock()
@@ -145,6 +137,7 @@ class StoreClient:
         self._log_lock = threading.Lock()
         self._open_lock = threading.Lock()
         self._avg_blob = 0.0
+        self.on_error = on_error
 
     # -- plumbing --------------------------------------------------------------------------------
     def _backend(self) -> KVStore:
@@ -164,6 +157,16 @@ class StoreClient:
         # Log each (op, kind) once at WARNING; repeats only at DEBUG (never one line per call).
         log.log(logging.WARNING if first else logging.DEBUG, "store %s failed (%s): %s", op, kind, exc)
 
+    def _notify(self, method: str, kind: str, n: int = 1) -> None:
+        """Tell the error listener (metrics) about ``n`` failures of ``method``. Never raises."""
+        listener = self.on_error
+        if listener is None or n <= 0:
+            return
+        try:
+            listener(OPS.get(method, method), kind, n)
+        except Exception as e:  # the listener is the caller's code: count it, never fail a store call
+            self._note_error("on_error", type(e).__name__, e)
+
     def _deadline(self, nbytes: float) -> float:
         return self.config.timeout_s + nbytes / (self.config.min_mb_s * 1024 * 1024)
 
@@ -171,27 +174,35 @@ class StoreClient:
         for n in sizes:  # exponential moving average of blob size, used for get deadlines
             self._avg_blob += 0.2 * (n - self._avg_blob)
 
-    def _call(self, op: str, fn: Callable[[KVStore], T], nbytes: float = 0.0) -> tuple[bool, T | None]:
-        """Run ``fn(backend)`` with timeout, retries and the breaker. Returns (ok, result)."""
-        if not self._breaker.allow():
+    def _call(self, op: str, fn: Callable[[KVStore], T], nbytes: float = 0.0) -> tuple[str | None, T | None]:
+        """Run ``fn(backend)`` with timeout, retries and ``op``'s breaker.
+
+        Returns ``(None, result)`` on success, ``(kind, None)`` on failure (already counted, logged
+        once and reported to the error listener)."""
+        breaker = self._write_breaker if op in _WRITES else self._read_breaker
+        if not breaker.allow():
             self._counters.error("circuit_open")
-            return False, None
+            self._notify(op, "breaker_open")
+            return "breaker_open", None
         cfg = self.config
+        kind: str | None = None
         for attempt in range(cfg.retries + 1):
-            kind, exc = self._attempt(fn, self._deadline(nbytes))
+            kind, value = self._attempt(fn, self._deadline(nbytes))
             if kind is None:
-                self._breaker.success()
-                return True, exc  # type: ignore[return-value]  # exc holds the result on success
-            self._note_error(op, kind, exc)
+                breaker.success()
+                return None, value
+            self._note_error(op, kind, value)
             if kind == "invalid":  # caller misuse, not a store failure: leave the breaker alone
-                self._breaker.neutral()
-                return False, None
+                breaker.neutral()
+                self._notify(op, kind)
+                return kind, None
             if kind not in _RETRYABLE or attempt == cfg.retries:
                 break
             self._counters.add(retries=1)
             time.sleep(cfg.retry_backoff_s * (2**attempt))
-        self._breaker.failure()
-        return False, None
+        breaker.failure()
+        self._notify(op, kind or "error")
+        return kind or "error", None
 
     def _attempt(self, fn: Callable[[KVStore], Any], timeout: float) -> tuple[str | None, Any]:
         try:
@@ -212,6 +223,8 @@ class StoreClient:
                 return "unavailable", e
             if isinstance(e, ValueError):
                 return "invalid", e
+            if isinstance(e, OSError):  # e.g. a read-only or full embedded store: "io:EROFS"
+                return f"io:{errno.errorcode.get(e.errno or 0, 'error')}", e
             return type(e).__name__, e
 
     # -- negative cache --------------------------------------------------------------------------
@@ -243,6 +256,10 @@ class StoreClient:
     # -- KVStore interface -----------------------------------------------------------------------
     def count_prefix(self, keys: Sequence[bytes]) -> int:
         """Leading keys present; 0 on any failure. Stops early at a recently seen miss."""
+        return self.lookup_prefix(keys).found
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixLookup:
+        """``count_prefix`` plus why it may be short: ``error`` is set when the store did not answer."""
         keys = list(keys)
         now = time.monotonic()
         with self._neg_lock:
@@ -250,13 +267,13 @@ class StoreClient:
         if limit < len(keys):
             self._counters.add(negative_cache_hits=1)
         t0 = time.perf_counter()
-        ok, n = self._call("count_prefix", lambda s: s.count_prefix(keys[:limit])) if limit else (True, 0)
+        err, n = self._call("count_prefix", lambda s: s.count_prefix(keys[:limit])) if limit else (None, 0)
         self._counters.latency("count_prefix", time.perf_counter() - t0)
-        n = int(n or 0) if ok else 0
-        if ok and n < limit:
+        n = int(n or 0) if err is None else 0
+        if err is None and n < limit:
             self._neg_add([keys[n]])
         self._counters.add(hits=n, misses=int(n < len(keys)))
-        return n
+        return PrefixLookup(n, err)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Payloads in order; ``None`` for absent, failed or corrupt keys."""
@@ -272,8 +289,8 @@ class StoreClient:
         for b in range(0, len(todo), step):
             idx = todo[b : b + step]
             sub = [keys[i] for i in idx]
-            ok, blobs = self._call("get_many", lambda s, sub=sub: s.get_many(sub), len(sub) * self._avg_blob)
-            if ok and blobs is not None:
+            err, blobs = self._call("get_many", lambda s, sub=sub: s.get_many(sub), len(sub) * self._avg_blob)
+            if err is None and blobs is not None:
                 self._fill(sub, idx, blobs, out)
         self._counters.latency("get_many", time.perf_counter() - t0)
         hits = sum(v is not None for v in out)
@@ -296,6 +313,7 @@ class StoreClient:
         if corrupt:
             self._note_error("get_many", "corrupt", StoreError(f"{len(corrupt)} corrupt blob(s)"))
             self._counters.error("corrupt", len(corrupt) - 1)
+            self._notify("get_many", "corrupt", len(corrupt))
             self._call("delete_many", lambda s: s.delete_many(corrupt))
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
@@ -309,9 +327,9 @@ class StoreClient:
             sub = items[b : b + step]
             framed = [(k, frame(k, v)) for k, v in sub]
             size = sum(len(v) for _, v in framed)
-            ok, _ = self._call("put_many", lambda s, framed=framed: s.put_many(framed), size)
+            err, _ = self._call("put_many", lambda s, framed=framed: s.put_many(framed), size)
             self._note_sizes([len(v) for _, v in framed])
-            if ok:
+            if err is None:
                 stored += len(sub)
                 nbytes += sum(len(v) for _, v in sub)
         self._counters.latency("put_many", time.perf_counter() - t0)
@@ -320,17 +338,22 @@ class StoreClient:
 
     def delete_many(self, keys: Sequence[bytes]) -> None:
         keys = list(keys)
-        ok, _ = self._call("delete_many", lambda s: s.delete_many(keys))
-        if ok:
+        err, _ = self._call("delete_many", lambda s: s.delete_many(keys))
+        if err is None:
             self._counters.add(keys_deleted=len(keys))
 
     def stats(self) -> StoreStats:
-        return self._counters.snapshot(circuit=self._breaker.state)
+        """Counters; ``circuit`` is the less healthy of the two breakers (see ``circuits()``)."""
+        return self._counters.snapshot(circuit=worst(self._read_breaker.state, self._write_breaker.state))
+
+    def circuits(self) -> dict[str, str]:
+        """State of each breaker: ``{"read": ..., "write": ...}``."""
+        return {"read": self._read_breaker.state, "write": self._write_breaker.state}
 
     def backend_stats(self) -> StoreStats | None:
         """The wrapped backend's own counters (``None`` if it is not open or fails)."""
-        ok, st = self._call("stats", lambda s: s.stats()) if self._store is not None else (False, None)
-        return st if ok else None
+        err, st = self._call("stats", lambda s: s.stats()) if self._store is not None else ("closed", None)
+        return st if err is None else None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -341,11 +364,13 @@ class StoreClient:
                 self._note_error("close", type(e).__name__, e)
 
 
-def open_client(url: str | None = None, config: ClientConfig | None = None) -> StoreClient:
+def open_client(
+    url: str | None = None, config: ClientConfig | None = None, on_error: ErrorListener | None = None
+) -> StoreClient:
     """A ``StoreClient`` for ``url``. Bad URLs raise ``ValueError``; an unreachable store does not
     (the client keeps trying to open it lazily, behind the breaker)."""
     try:
-        return StoreClient(open_store(url), config, name=url or "default")
+        return StoreClient(open_store(url), config, name=url or "default", on_error=on_error)
     except StoreError as e:
         log.warning("store %s not reachable yet (%s); will retry lazily", url, e)
-        return StoreClient(lambda: open_store(url), config, name=url or "default")
+        return StoreClient(lambda: open_store(url), config, name=url or "default", on_error=on_error)
