@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, fields
 
 from sgl_remote_kv import env
 
-MODES = ("off", "dpu", "nvdec", "auto")
+MODES = ("off", "dpu", "nvdec", "inproc", "auto")
 MAX_CHUNK_SIZE = 8192
 MAX_CPUS = 4096
 
@@ -86,7 +86,8 @@ class RemoteKVConfig:
             dest="remote_kv",
             default="off",
             choices=MODES,
-            help="Remote KV tier: off, dpu (DPU data plane), nvdec (video decoder pool), auto.",
+            help="Remote KV tier: off, dpu (DPU data plane), nvdec (video decoder pool), "
+            "inproc (decode inside the serving process: the baseline), auto.",
         )
         g.add_argument(
             "--remote-kv-store",

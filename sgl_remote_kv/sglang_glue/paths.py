@@ -1,4 +1,4 @@
-"""Which fetch paths a deployment runs, and which codec it writes (``--remote-kv dpu|nvdec|auto``).
+"""Which fetch paths a deployment runs, and which codec it writes (``--remote-kv dpu|nvdec|inproc|auto``).
 
 One codec is *written* per deployment (write-back uses the primary path's codec); reads may use
 several paths, each under its own codec's namespace (codec id + params are in every key, so chunks of
@@ -9,6 +9,10 @@ different codecs never collide):
 - ``nvdec``: write ``hevc`` (``--remote-kv-codec default`` resolves to hevc: NVDEC decodes video only);
   read through ``NvdecFetchBackend`` over a ``DecoderPool`` of ``--remote-kv-nvdec-instances``. An
   explicit non-hevc codec cannot be decoded by NVDEC: a warning, then the in-process path.
+- ``inproc``: write the configured codec like ``dpu``; read and decode on worker threads *inside the
+  serving process* (``InProcessFetchBackend``). The CacheGen-Async-like baseline the interference
+  measurement compares the DPU against (decode competes with the forward pass for the same cores
+  and the GIL); also the fallback of the other modes.
 - ``auto``: write the configured codec like ``dpu`` and read it through the DPU data plane; *also*
   read hevc chunks (written by ``nvdec`` servers sharing the store) through the NVDEC pool. The policy
   picks per request among the paths that have the prefix, and recompute. (The DPU pipeline cannot
@@ -60,7 +64,9 @@ def _dpu_or_inproc(rt: RemoteKVRuntime, kvcache) -> FetchPath:
 def install_paths(rt: RemoteKVRuntime, kvcache) -> None:
     """Replace the runtime's default in-process path with the mode's paths."""
     mode = rt.config.mode
-    if mode == "dpu":
+    if mode == "inproc":
+        rt.set_paths([rt.paths.get("inproc") or rt.inproc_path()])
+    elif mode == "dpu":
         rt.set_paths([_dpu_or_inproc(rt, kvcache)])
     elif mode == "nvdec":
         if rt.codec.name == HEVC:

@@ -36,7 +36,10 @@ class GlueSettings:
     """Tunables of the glue that are not user flags (yet)."""
 
     lookup_timeout_s: float = 2.0  # a lookup slower than this is a miss (the request is released)
-    fetch_timeout_s: float = 30.0  # a fetch slower than this is cancelled and becomes a miss
+    # Upper cap of a fetch's life (and of a dedup follower's wait). Fetches are normally cancelled much
+    # earlier by the policy: when they lose against recompute, or past a byte-scaled hang guard
+    # (``policy.estimator``: abandon/timeout rules).
+    fetch_timeout_s: float = 120.0
     writeback_queue: int = 64  # pending write-back jobs; more are dropped (never blocks serving)
     idle_wait_s: float = 0.005  # how long an otherwise idle scheduler waits for a fetch to finish
     use_dpu: bool = True  # --remote-kv dpu|auto: spawn the DPU data plane (in-process path if it fails)
@@ -109,7 +112,9 @@ class RemoteKVRuntime:
                 _close_path(p)
         self.fetch_path = paths[0].name
         self.fetcher = paths[0].backend
-        pcfg = PolicyConfig(mode=self.config.mode, margin=self.config.policy_margin)
+        pcfg = PolicyConfig(
+            mode=self.config.mode, margin=self.config.policy_margin, timeout_cap_s=self.settings.fetch_timeout_s
+        )
         self.policy = Policy(pcfg, available=tuple(self.paths))
 
     @property

@@ -11,6 +11,9 @@ Life of a request (all on the scheduler thread; store I/O and decoding on worker
    - lookup answered 0 / failed / slower than ``lookup_timeout_s``: release (a miss);
    - lookup answered n > 0: ask the policy; fetch the n chunks (only those beyond the local hit) or
      release to recompute;
+   - fetch running longer than the policy allows (slower than recompute would be, or hung:
+     ``Policy.check``): cancel it and release to recompute (metrics failure ``abandoned`` /
+     ``fetch_timeout``); running fetches also feed the policy's link estimate;
    - fetch finished: install the leading chunks that arrived intact into the radix tree as device
      nodes (allocate slots, scatter KV, ``insert``), lock them until the request is admitted, then
      release the request. A partial or failed fetch installs fewer chunks or none: the rest is
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sgl_remote_kv.policy.estimator import Decision
 from sgl_remote_kv.sglang_glue.fetch import FetchHandle
 from sgl_remote_kv.sglang_glue.install import TreeInstaller
 from sgl_remote_kv.sglang_glue.runtime import RemoteKVRuntime, tenant_salt
@@ -58,6 +62,8 @@ class _Parked:
     prefix_node: object = None  # tree node ending at the fetched span's start, locked while fetching
     prefix_lock: object = None
     slots: torch.Tensor | None = None  # direct backends: reserved destination slots not yet in the tree
+    decision: Decision | None = None  # the policy's choice (estimates) and the wire bytes it assumed
+    wire_bytes: int = 0
 
 
 class WaitingForKV:
@@ -177,6 +183,8 @@ class WaitingForKV:
             return
         if not self._submit(p):
             self._release(p)
+            return
+        self.rt.policy.fetch_started(p.req.rid, p.decision, p.wire_bytes, now)
 
     def _inflight_leader(self, p: _Parked) -> _Parked | None:
         """A parked request already fetching this request's first chunk on the same path. Chunk keys
@@ -212,10 +220,13 @@ class WaitingForKV:
             depth[name] = self.rt.paths[name].backend.queue_depth()
         decision = self.rt.policy.decide_among(options, depth)
         self.rt.metrics.decision(decision.path)
+        if decision.probe:  # also counted under its path
+            self.rt.metrics.decision("probe")
         logger.debug("remote KV decision for %s: %s (counts %s)", p.req.rid, decision, counts)
         if decision.path == "recompute":
             return False
         p.path, p.remote_chunks = decision.path, counts[decision.path]
+        p.decision, p.wire_bytes = decision, options[decision.path][1]
         return True
 
     def _submit(self, p: _Parked) -> bool:
@@ -246,11 +257,15 @@ class WaitingForKV:
             if self.layerwise is not None and p.slots is None and h.verified.is_set():
                 self._admit_early(p, h, now)
                 return
-            if now - p.fetch_started > self.rt.settings.fetch_timeout_s:
-                self.rt.metrics.failure("fetch_timeout")
+            # losing (slower than recompute) or hung: cancel and recompute (policy.estimator docstring)
+            verdict = self.rt.policy.check(p.req.rid, h.fetched_bytes, h.fetch_s, now)
+            if verdict is not None:
+                self.rt.metrics.failure(verdict)
+                self.rt.policy.fetch_ended(p.req.rid, censored=True, now=now)
                 self._drop(p)
                 self._release(p)
             return
+        self.rt.policy.fetch_ended(p.req.rid)
         if h.failure is not None:
             self.rt.metrics.failure(h.failure)
             self._drop_undecodable(p, h)
@@ -283,6 +298,7 @@ class WaitingForKV:
         if on_demand:
             h.cancel()
         self.layerwise.add(h, slots, self.rt.paths[p.path].codec, on_demand=on_demand)
+        self.rt.policy.fetch_ended(p.req.rid)
         self.rt.policy.observe_fetch(p.path, h.fetched_bytes, h.fetch_s, 0, 0.0)
         self.rt.metrics.fetched(h.fetched_bytes, h.n_chunks * h.chunk_size * self._bpt(), h.fetch_s, 0.0,
                                 now - p.parked_at)  # fmt: skip
@@ -341,6 +357,7 @@ class WaitingForKV:
             p.lookup.cancel()
         if p.handle is None:
             return
+        self.rt.policy.fetch_ended(p.req.rid)
         p.handle.cancel()
         if p.slots is not None or p.prefix_lock is not None:
             self.zombies.append(p)
