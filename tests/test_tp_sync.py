@@ -1,0 +1,149 @@
+"""TP rank agreement (sgl_remote_kv/sglang_glue/tp_sync.py) over a real gloo process group.
+
+Each test spawns 2 or 3 real processes that join a torch.distributed gloo group (file:// rendezvous)
+and run the same scenario, each rank with its own local observations; the agreed verdicts of every
+rank come back to the test, which checks that they are identical and follow the MIN semantics.
+No SGLang involved; the server end to end is tests/test_tp_server.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+
+import pytest
+import torch
+
+from sgl_remote_kv.sglang_glue import tp_sync
+from sgl_remote_kv.sglang_glue.tp_sync import MISS, NEUTRAL, PENDING, Agreement, ready, row
+
+
+def _scenario_pending(rank: int, ag: Agreement) -> list:
+    """Three passes: rank 1 is still pending in pass 0, then ready; ready counts differ per rank."""
+    out = []
+    for step in range(3):
+        code = PENDING if rank == 1 and step == 0 else ready(5 - rank)  # 5, 4, (3)
+        v = ag.agree([("rid-a:fetch", row(code))])[0]
+        out.append((v.pending, v.miss, v.chunks))
+    return out
+
+
+def _scenario_miss(rank: int, ag: Agreement) -> list:
+    """A timeout/failure on the last rank only, while the others are pending or ready."""
+    last = rank == ag.size - 1
+    entries = [
+        ("a:fetch", row(MISS if last else PENDING)),  # others still waiting
+        ("b:fetch", row(MISS if last else ready(7))),  # others finished
+        ("c:lookup", row(ready(1), choice=0 if rank == 0 else NEUTRAL, counts={"dpu": 3})),
+    ]
+    return [(v.pending, v.miss, v.chunks, v.path) for v in ag.agree(entries)]
+
+
+def _scenario_choice(rank: int, ag: Agreement) -> list:
+    """Rank 0's policy choice wins; per-path counts are the MIN over ranks; early needs every rank."""
+    choice = tp_sync.PATH_NAMES.index("inproc") + 1 if rank == 0 else NEUTRAL
+    counts = {"inproc": 6 - rank, "dpu": 9}
+    entries = [
+        ("x:lookup", row(ready(1), choice=choice, counts=counts)),
+        ("y:fetch", row(PENDING, early=1)),  # verified (not finished) on every rank
+        ("z:fetch", row(PENDING, early=int(rank != 1))),  # rank 1 not verified yet
+    ]
+    x, y, z = ag.agree(entries)
+    return [x.path, x.count("inproc"), x.count("dpu"), x.count("nvdec"), y.early, z.early, z.pending]
+
+
+def _scenario_collectives(rank: int, ag: Agreement) -> list:
+    """One collective per pass whatever the number of entries; none for an empty pass."""
+    seen = [ag.collectives]
+    ag.agree([(f"r{i}:lookup", row(PENDING)) for i in range(50)])
+    seen.append(ag.collectives)
+    ag.agree([])
+    seen.append(ag.collectives)
+    ag.agree([("one:fetch", row(ready(2)))])
+    seen.append(ag.collectives)
+    return seen
+
+
+def _scenario_divergence(rank: int, ag: Agreement) -> list:
+    """Ranks that disagree on the parked set are detected (digest), not silently mixed."""
+    ag.agree([("same:lookup", row(PENDING))])
+    ag.agree([(f"rank{rank}:lookup", row(PENDING))])
+    return [ag.divergences]
+
+
+SCENARIOS = {f.__name__: f for f in (_scenario_pending, _scenario_miss, _scenario_choice,
+                                      _scenario_collectives, _scenario_divergence)}  # fmt: skip
+
+
+def _worker(rank: int, size: int, init_file: str, name: str, results) -> None:
+    try:
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=size
+        )
+        group = torch.distributed.new_group(backend="gloo")  # like SGLang's TP CPU group
+        ag = Agreement(group, torch.distributed.get_rank(group=group), size)
+        results.put((rank, SCENARIOS[name](rank, ag)))
+        torch.distributed.destroy_process_group()
+    except BaseException:  # process boundary: report, the test fails on it
+        results.put((rank, "ERROR " + traceback.format_exc()))
+
+
+def _run(name: str, size: int, tmp_path) -> list:
+    ctx = mp.get_context("fork")  # fresh interpreters (spawn) work too, ~4x slower here
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(r, size, str(tmp_path / "rdzv"), name, results))
+        for r in range(size)
+    ]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    errors = [v for v in got.values() if isinstance(v, str)]
+    assert not errors, errors
+    return [got[r] for r in range(size)]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_pending_on_one_rank_keeps_all_waiting_then_min_ready(size, tmp_path):
+    per_rank = _run("_scenario_pending", size, tmp_path)
+    assert all(r == per_rank[0] for r in per_rank)  # identical decisions on every rank
+    low = 5 - (size - 1)
+    assert per_rank[0] == [(True, False, 0), (False, False, low), (False, False, low)]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_miss_on_one_rank_is_a_miss_on_all(size, tmp_path):
+    per_rank = _run("_scenario_miss", size, tmp_path)
+    assert all(r == per_rank[0] for r in per_rank)
+    a, b, c = per_rank[0]
+    assert a[:2] == (False, True)  # not held back by the ranks still pending
+    assert b[:3] == (False, True, 0)  # the ranks that finished do not install
+    assert c == (False, False, 1, None)  # lookup answered everywhere, but rank 0 chose recompute
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_rank0_choice_min_counts_and_early_admission(size, tmp_path):
+    per_rank = _run("_scenario_choice", size, tmp_path)
+    assert all(r == per_rank[0] for r in per_rank)
+    assert per_rank[0] == ["inproc", 6 - (size - 1), 9, 0, True, False, True]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_one_collective_per_pass_and_none_when_idle(size, tmp_path):
+    for seen in _run("_scenario_collectives", size, tmp_path):
+        assert seen == [0, 1, 1, 2]
+
+
+def test_parked_set_divergence_is_detected(tmp_path):
+    assert _run("_scenario_divergence", 2, tmp_path) == [[1], [1]]
+
+
+def test_tp1_is_the_identity_without_any_collective():
+    assert not torch.distributed.is_initialized()  # a collective here would raise
+    ag = Agreement()
+    v = ag.agree([("a:fetch", row(ready(4))), ("b:lookup", row(MISS))])
+    assert (v[0].chunks, v[1].miss, ag.collectives, ag.active) == (4, True, 0, False)
+    assert not tp_sync.SINGLE.active
