@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ablation-no-prealloc", action="store_true", help="benchmark ablation: staging buffers per chunk"
     )
+    p.add_argument(
+        "--dma-delay-s", type=float, default=0.0, help="fault injection: sleep this long per DMA'd slab"
+    )
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process (the host) goes away")
     p.add_argument("--store-timeout", type=float, default=5.0, help="seconds per store call")
     p.add_argument("--log-level", default="INFO")
@@ -77,11 +80,19 @@ def config_from_args(ns: argparse.Namespace) -> DataPlaneConfig:
     counts = [getattr(ns, f"{s}_workers") for s in STAGES]
     if any(c < 1 for c in counts) or ns.layer_group < 1 or ns.queue_depth < 1 or ns.slots < 1:
         raise SystemExit("worker counts, --layer-group, --queue-depth and --slots must be >= 1")
+    if not 0 <= ns.dma_delay_s <= 60:
+        raise SystemExit("--dma-delay-s must be in [0, 60]")
     stage_cpus: tuple[tuple[int, ...], ...] = ()
     if ns.pin_stages and ns.cpus:
         stage_cpus = tuple((ns.cpus[i % len(ns.cpus)],) for i in range(len(STAGES)))
     pipe = PipelineConfig(
-        *counts, layer_group=ns.layer_group, queue_depth=ns.queue_depth, stage_cpus=stage_cpus
+        *counts,
+        layer_group=ns.layer_group,
+        queue_depth=ns.queue_depth,
+        stage_cpus=stage_cpus,
+        serial=ns.ablation_serial,
+        prealloc=not ns.ablation_no_prealloc,
+        dma_delay_s=ns.dma_delay_s,
     )
     return DataPlaneConfig(
         endpoint=ns.endpoint,

@@ -6,6 +6,14 @@ A chunk enters the fetch stage whole; after its header is parsed it is split int
 inflate, dequantization and the copy of different chunks and layers overlap. The DMA stage emits a
 ``LayerDone`` per slab as soon as its layers sit in the destination region.
 
+Layer-major rounds: a round's slabs are queued only once every chunk of the round was fetched and
+parsed, group 0 of every chunk first, then group 1, ... so (with one worker per stage) layers complete
+in order and the host can start attention on layer 0 while later layers decode. When every chunk of a
+*job* was fetched, the pipeline emits ``ChunksVerified`` (leading intact chunks; with ``blob_cap`` the
+blobs were copied into the host-visible blob area first, so the host can decode them itself if this
+process dies afterwards). Cost: within one round, decode starts after the round's last fetch (fetch
+still overlaps decode across rounds and jobs).
+
 Threads: ``submit_round`` is called by the server thread; everything else runs in worker threads.
 The ``emit`` callback must be thread-safe (the server gives one that pushes to an inproc socket).
 Buffers: a chunk's staging regions belong to the worker holding one of its slabs; the destination
@@ -34,7 +42,7 @@ from sgl_remote_kv.codec.format import layer_section
 from sgl_remote_kv.types import numpy_storage_dtype
 
 from .buffers import ChunkRegion, StagingBuffers, layer_bytes
-from .protocol import ChunkDest, ChunkDone, ChunkFailed, JobDone, LayerDone, Message
+from .protocol import BlobRef, ChunkDest, ChunkDone, ChunkFailed, ChunksVerified, JobDone, LayerDone, Message
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +62,23 @@ class PipelineConfig:
     # allocate a chunk's staging buffers per chunk instead of using the pre-allocated slot regions.
     serial: bool = False
     prealloc: bool = True
+    # Fault injection / emulation (tests, benchmarks): the DMA stage sleeps this long per slab.
+    dma_delay_s: float = 0.0
 
 
 class JobState:
     """A submitted job as the pipeline sees it. Created by the server thread; counters under ``lock``."""
 
-    def __init__(self, job: int, peer: bytes, codec, fingerprint, layout, dests: list[ChunkDest]) -> None:
+    def __init__(
+        self,
+        job: int,
+        peer: bytes,
+        codec,
+        fingerprint,
+        layout,
+        dests: list[ChunkDest],
+        blob_area: tuple[int, int] = (0, 0),
+    ) -> None:
         self.job, self.peer, self.codec, self.fingerprint = job, peer, codec, fingerprint
         self.layout = layout
         self.dtype = numpy_storage_dtype(layout.dtype)
@@ -67,6 +86,22 @@ class JobState:
         self.cancel_from = len(dests)  # chunks with index >= cancel_from are cancelled
         self.lock = threading.Lock()
         self.terminal = self.done = self.failed = 0
+        # fetch-stage outcome per chunk (ChunksVerified), and the host-visible blob area (offset, cap)
+        self.fetched = 0
+        self.parsed = [False] * len(dests)
+        self.blob_off, self.blob_cap = blob_area
+        self.blob_used = 0
+        self.blob_refs: list[BlobRef | None] = [None] * len(dests)
+
+    def verified_message(self) -> ChunksVerified:
+        """``ChunksVerified`` for the current state (call once ``fetched == len(dests)``)."""
+        with self.lock:
+            ok = 0
+            while ok < min(self.cancel_from, len(self.dests)) and self.parsed[ok]:
+                ok += 1
+            refs = self.blob_refs[:ok]
+        blobs = list(refs) if self.blob_cap and all(r is not None for r in refs) else []
+        return ChunksVerified(self.job, ok, blobs)
 
     def cancel(self, from_chunk: int) -> None:
         with self.lock:
@@ -88,6 +123,7 @@ class ChunkTask:
     failed: bool = False
     own: tuple | None = None  # (src, inflate) arrays allocated per chunk (no-prealloc ablation only)
     wire_bytes: int = 0
+    fetch_reported: bool = False  # ``_fetched`` ran for this chunk
 
 
 @dataclass
@@ -118,7 +154,8 @@ class Pipeline:
         self.queues = {s: queue.Queue(0 if s == "fetch" else cfg.queue_depth) for s in STAGES}
         self.stats = {s: StageStats() for s in STAGES}
         self._stats_lock = threading.Lock()
-        self._rounds: dict[int, list] = {}  # round id -> [remaining chunks, slot]
+        # round id -> [chunks not terminal, slot, chunks not through fetch, parsed chunk tasks]
+        self._rounds: dict[int, list] = {}
         self._rounds_lock = threading.Lock()
         self._next_round = 0
         self._threads: list[threading.Thread] = []
@@ -139,7 +176,7 @@ class Pipeline:
         rid = self._next_round
         self._next_round += 1
         with self._rounds_lock:
-            self._rounds[rid] = [len(regions), slot]
+            self._rounds[rid] = [len(regions), slot, len(regions), []]
         for r in regions:
             self.queues["fetch"].put(ChunkTask(job, r, slot, rid))
 
@@ -176,23 +213,65 @@ class Pipeline:
             nbytes = 0
             try:
                 nbytes = fn(item)
-            except ChunkError as e:
-                self._fail(task, "foreign" if isinstance(e, ForeignChunk) else "corrupt", str(e))
-                self._slab_finished(task, whole_chunk=stage == "fetch")
             except Exception as e:  # thread boundary: count, log, report, keep the worker alive
-                logger.exception(
-                    "%s worker failed on job %d chunk %d", stage, task.job.job, task.region.index
-                )
-                with self._stats_lock:
-                    self.stats[stage].errors += 1
-                self._fail(task, "internal", f"{type(e).__name__}: {e}")
-                self._slab_finished(task, whole_chunk=stage == "fetch")
+                self._failed_item(task, stage, e)
             with self._stats_lock:
                 st = self.stats[stage]
                 st.items += 1
                 st.bytes += nbytes or 0
                 st.busy_s += time.perf_counter() - t0
                 st.cpu_s += time.thread_time() - c0
+
+    def _failed_item(self, task: ChunkTask, stage: str, e: Exception) -> None:
+        """An item of ``stage`` raised: fail its chunk (``ChunkError``: corrupt/foreign; anything else is
+        an internal error, counted and logged) and finish the item."""
+        if isinstance(e, ChunkError):
+            self._fail(task, "foreign" if isinstance(e, ForeignChunk) else "corrupt", str(e))
+        else:
+            logger.error("%s failed on job %d chunk %d", stage, task.job.job, task.region.index, exc_info=e)
+            with self._stats_lock:
+                self.stats[stage].errors += 1
+            self._fail(task, "internal", f"{type(e).__name__}: {e}")
+        if stage != "fetch":
+            self._slab_finished(task)
+        elif not task.fetch_reported:  # else its queued slabs own the chunk (and now skip it)
+            self._fetched(task, False)
+            self._slab_finished(task, whole_chunk=True)
+
+    def _fetched(self, task: ChunkTask, ok: bool) -> None:
+        """A chunk left the fetch stage (``ok``: parsed, slabs pending). Emits ``ChunksVerified`` when it
+        was the job's last chunk to do so; queues the round's slabs layer-major when it was the round's.
+        Must run before the chunk's ``_slab_finished`` (which may end the job and free the round)."""
+        job = task.job
+        with job.lock:
+            task.fetch_reported = True
+            job.parsed[task.region.index] = ok
+            job.fetched += 1
+            job_fetched = job.fetched == len(job.dests)
+        if job_fetched:
+            self.emit(job.peer, job.verified_message())
+        with self._rounds_lock:
+            entry = self._rounds[task.round_id]
+            entry[2] -= 1
+            if ok:
+                entry[3].append(task)
+            ready = sorted(entry[3], key=lambda t: t.region.index) if entry[2] == 0 else []
+        if ready:
+            n, g = job.layout.num_layers, max(1, self.cfg.layer_group)
+            for lo in range(0, n, g):
+                for t in ready:
+                    self._forward("inflate", (t, lo, min(n, lo + g)))
+
+    def _copy_blob(self, job: JobState, blob: bytes) -> BlobRef | None:
+        """Copy a verified blob into the job's host-visible blob area; ``None`` if none or full."""
+        with job.lock:
+            off = job.blob_used
+            if not job.blob_cap or off + len(blob) > job.blob_cap:
+                return None
+            job.blob_used += len(blob)
+        at = job.blob_off + off
+        self.dest[at : at + len(blob)] = np.frombuffer(blob, np.uint8)
+        return BlobRef(at, len(blob))
 
     def _skip(self, task: ChunkTask) -> bool:
         """True if this chunk is failed or cancelled (reporting the cancellation once)."""
@@ -258,19 +337,19 @@ class Pipeline:
         return task.own[1][layer * n : (layer + 1) * n]
 
     def _forward(self, stage: str, item) -> None:
-        """Hand a slab to the next stage (inline in the serial ablation)."""
-        if self.cfg.serial:
-            {"inflate": self._inflate, "dequant": self._dequant, "dma": self._dma}[stage](item)
-        else:
+        """Hand a slab to the next stage (inline in the serial ablation, failing only that slab)."""
+        if not self.cfg.serial:
             self.queues[stage].put(item)
-
-    def _slabs(self, task: ChunkTask) -> list[tuple[ChunkTask, int, int]]:
-        n, g = task.job.layout.num_layers, max(1, self.cfg.layer_group)
-        return [(task, lo, min(n, lo + g)) for lo in range(0, n, g)]
+            return
+        try:
+            {"inflate": self._inflate, "dequant": self._dequant, "dma": self._dma}[stage](item)
+        except Exception as e:  # the inline stage's boundary (a worker's, in the pipelined mode)
+            self._failed_item(item[0], stage, e)
 
     # ---- the four stages (each returns the bytes it produced) -----------------------------------
     def _fetch(self, task: ChunkTask) -> int:
         if self._skip(task):
+            self._fetched(task, False)
             self._slab_finished(task, whole_chunk=True)
             return 0
         job = task.job
@@ -278,6 +357,7 @@ class Pipeline:
         blob = self.store.get_many([dest.key])[0]
         if blob is None:
             self._fail(task, "miss", "")
+            self._fetched(task, False)
             self._slab_finished(task, whole_chunk=True)
             return 0
         hdr = job.codec.parse(blob, job.fingerprint)
@@ -286,7 +366,8 @@ class Pipeline:
         for layer in range(job.layout.num_layers):
             if job.codec.scratch_bytes(hdr, layer) > task.region.infl_layer:
                 raise CorruptChunk("lossless output larger than the inflate occupancy")
-        slabs = self._slabs(task)
+        n_slabs = -(-job.layout.num_layers // max(1, self.cfg.layer_group))
+        ref = self._copy_blob(job, blob)
         if not self.cfg.prealloc:
             lay, r = job.layout, task.region
             task.own = (
@@ -296,9 +377,9 @@ class Pipeline:
         with job.lock:
             task.blob, task.header, task.wire_bytes = blob, hdr, len(blob)
             task.decoded = [0] * job.layout.num_layers
-            task.pending = len(slabs)
-        for s in slabs:
-            self._forward("inflate", s)
+            task.pending = n_slabs
+            job.blob_refs[task.region.index] = ref
+        self._fetched(task, True)
         return len(blob)
 
     def _inflate(self, item: tuple[ChunkTask, int, int]) -> int:
@@ -336,6 +417,8 @@ class Pipeline:
         d = job.dests[task.region.index]
         k, v = self._src(task)
         lb = layer_bytes(job.layout, task.region.tokens)
+        if self.cfg.dma_delay_s:
+            time.sleep(self.cfg.dma_delay_s)
         for layer in range(lo, hi):
             ko, vo = d.k_off + layer * d.layer_stride, d.v_off + layer * d.layer_stride
             self.dest[ko : ko + lb] = k[layer].reshape(-1).view(np.uint8)

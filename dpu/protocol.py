@@ -10,18 +10,25 @@ lets msgspec validate the body against the kind's Struct, whose fields carry bou
 cross-field rules are checked in ``__post_init__``. Every failure is a ``ProtocolError`` subclass,
 never anything else: a hostile peer can only get its message dropped.
 
-Who calls: any thread may call ``encode``/``decode`` (pure functions, no shared state besides the
-immutable per-kind decoders).
+Event order of one job (layer-wise admission relies on it, docs/DPU.md): ``ChunksVerified`` once every
+chunk was fetched and parsed (header + checksum; with the job's compressed blobs copied into the
+host-visible blob area when ``SubmitFetch.blob_cap`` > 0), then ``LayerDone`` per chunk and layer group
+(layer-major: group 0 of every chunk of a round before group 1), ``ChunkDone`` per chunk, ``JobDone``
+last; ``ChunkFailed`` whenever a chunk fails.
+
+Who calls: any thread may call ``encode``/``decode``/``drain`` (pure functions, no shared state besides
+the immutable per-kind decoders; ``drain`` uses the caller's socket on the caller's thread).
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from typing import Annotated
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: SubmitFetch.blob_off/blob_cap, ChunksVerified
 MAGIC = b"SKDP"
 ENVELOPE = struct.Struct("<4sHH")
 MAX_FRAME_BYTES = 4 << 20
@@ -96,9 +103,13 @@ class SubmitFetch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     fingerprint: Fingerprint
     dest_name: Name
     chunks: Annotated[list[ChunkDest], msgspec.Meta(min_length=1, max_length=MAX_CHUNKS)]
+    # Host-visible blob area ``[blob_off, blob_off + blob_cap)`` of the destination region: the data
+    # plane copies the job's verified compressed blobs there before ``ChunksVerified`` (0: no copy).
+    blob_off: U64 = 0
+    blob_cap: U64 = 0
 
     def __post_init__(self) -> None:
-        ends = []
+        ends = [self.blob_off + self.blob_cap]
         for c in self.chunks:
             ends.append(c.k_off)
             ends.append(c.v_off)
@@ -126,6 +137,27 @@ class Pong(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pid: U32
     jobs_active: U32
     stats_json: Annotated[bytes, msgspec.Meta(max_length=65536)] = b"{}"
+
+
+class BlobRef(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """Where one verified compressed blob sits in the destination region (absolute byte offset)."""
+
+    off: U64
+    length: Annotated[int, msgspec.Meta(ge=1, le=MAX_FRAME_BYTES * 64)]
+
+
+class ChunksVerified(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Every chunk of ``job`` was fetched and parsed; chunks ``0 .. ok-1`` are intact (header, checksum,
+    size). ``blobs``: one ``BlobRef`` per intact chunk, in chunk order, when the job had a blob area and
+    they all fit; empty otherwise (the host then cannot decode them itself)."""
+
+    job: JobId
+    ok: U32
+    blobs: Annotated[list[BlobRef], msgspec.Meta(max_length=MAX_CHUNKS)] = []
+
+    def __post_init__(self) -> None:
+        if self.blobs and len(self.blobs) != self.ok:
+            raise ValueError("blobs must be empty or one per intact chunk")
 
 
 class ChunkDone(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -178,12 +210,15 @@ KINDS: dict[int, type[msgspec.Struct]] = {
     6: LayerDone,
     7: ChunkFailed,
     8: JobDone,
+    9: ChunksVerified,
 }
 _KIND_OF = {cls: k for k, cls in KINDS.items()}
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {k: msgspec.msgpack.Decoder(cls) for k, cls in KINDS.items()}
 
-Message = SubmitFetch | Cancel | Heartbeat | Pong | ChunkDone | LayerDone | ChunkFailed | JobDone
+Message = (
+    SubmitFetch | Cancel | Heartbeat | Pong | ChunkDone | LayerDone | ChunkFailed | JobDone | ChunksVerified
+)
 
 
 def encode(msg: Message) -> bytes:
@@ -214,3 +249,31 @@ def decode(frame: bytes | memoryview) -> Message:
         return dec.decode(memoryview(frame)[ENVELOPE.size :])
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:  # ValueError: bad UTF-8
         raise BadFrame(f"{KINDS[kind].__name__}: {e}") from None
+
+
+def drain(
+    sock,
+    on_message: Callable[[list[bytes], Message], None],
+    on_bad: Callable[[str], None],
+    parts: int = 1,
+) -> None:
+    """Receive every queued message of ``sock`` without blocking: frames of ``parts`` ZeroMQ parts
+    whose last part is a message (earlier parts, e.g. a ROUTER's peer id, are passed through as
+    ``head``). A wrong part count or an undecodable frame goes to ``on_bad(reason)`` and is dropped.
+    The one receive loop of both ends (data-plane server, host client)."""
+    import zmq
+
+    while True:
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        if len(frames) != parts:
+            on_bad(f"{len(frames)} frame parts, expected {parts}")
+            continue
+        try:
+            msg = decode(frames[-1])
+        except ProtocolError as e:
+            on_bad(str(e))
+            continue
+        on_message(frames[:-1], msg)

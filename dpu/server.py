@@ -144,30 +144,23 @@ class DataPlaneServer:
             self.router.send_multipart(frames, zmq.NOBLOCK)
 
     def _drain_router(self) -> None:
-        while True:
-            try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) != 2:
-                self.counters["bad_frames"] += 1
-                continue
-            peer, frame = frames
-            try:
-                msg = P.decode(frame)
-            except P.ProtocolError as e:
-                self.counters["bad_frames"] += 1
-                logger.warning("dropping bad frame from peer: %s", e)
-                continue
-            self.peers.add(peer)
-            try:
-                self._handle(peer, msg)
-            except Exception:  # process boundary: a message must never take the server thread down
-                self.counters["handler_errors"] += 1
-                logger.exception("handling %s failed", type(msg).__name__)
-                if isinstance(msg, P.SubmitFetch):
-                    self.jobs.pop(msg.job, None)
-                    self._reject(peer, msg, "internal error")
+        P.drain(self.router, self._on_message, self._bad_frame, parts=2)
+
+    def _bad_frame(self, reason: str) -> None:
+        self.counters["bad_frames"] += 1
+        logger.warning("dropping bad frame from peer: %s", reason)
+
+    def _on_message(self, head: list[bytes], msg: P.Message) -> None:
+        peer = head[0]
+        self.peers.add(peer)
+        try:
+            self._handle(peer, msg)
+        except Exception:  # process boundary: a message must never take the server thread down
+            self.counters["handler_errors"] += 1
+            logger.exception("handling %s failed", type(msg).__name__)
+            if isinstance(msg, P.SubmitFetch):
+                self.jobs.pop(msg.job, None)
+                self._reject(peer, msg, "internal error")
 
     def _handle(self, peer: bytes, msg: P.Message) -> None:
         if isinstance(msg, P.Heartbeat):
@@ -210,6 +203,8 @@ class DataPlaneServer:
             raise ValueError("too many active chunks")
         if msg.dest_name != self.dest.name.lstrip("/"):
             raise ValueError(f"unknown destination {msg.dest_name!r}")
+        if msg.blob_off + msg.blob_cap > self.dest.size:
+            raise ValueError("blob area outside the destination region")
         w = msg.fingerprint
         layout = KVLayout(w.layout.num_layers, w.layout.num_kv_heads, w.layout.head_dim, w.layout.dtype)
         fp = ModelFingerprint(w.architecture, layout, w.weights_id, w.tp_rank, w.tp_size)
@@ -220,7 +215,7 @@ class DataPlaneServer:
             if max(c.k_off, c.v_off) + end > self.dest.size or c.layer_stride < layer_bytes(layout, c.tokens):
                 raise ValueError("chunk destination outside the destination region")
         codec = self._codec(msg.codec, msg.codec_params)
-        job = JobState(msg.job, peer, codec, fp, layout, list(msg.chunks))
+        job = JobState(msg.job, peer, codec, fp, layout, list(msg.chunks), (msg.blob_off, msg.blob_cap))
         ratio = self.cfg.inflate_ratio
         rounds = plan_rounds([c.tokens for c in msg.chunks], layout, self.cfg.slot_bytes, ratio)
         return job, rounds

@@ -30,6 +30,7 @@ class RemoteKVConfig:
     layerwise: bool = False  # admit fully fetched requests before every layer is in the pool
     policy_margin: float = 1.0  # fetch when est. fetch time <= margin x est. recompute time
     dpu_cpus: tuple[int, ...] = ()  # cores the DPU data plane pins itself to; () = automatic
+    dpu_args: str = ""  # extra data-plane command-line flags (tests, benchmarks; shlex-split)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dpu_cpus", tuple(self.dpu_cpus))  # JSON round trip gives a list
@@ -153,6 +154,15 @@ class RemoteKVConfig:
             help="Cores the DPU data plane process pins itself to (e.g. 1 or 2-3,6), emulating a DPU's "
             "own cores; default: the last quarter of the cores on >= 4-core hosts, else unpinned.",
         )
+        g.add_argument(
+            "--remote-kv-dpu-args",
+            dest="remote_kv_dpu_args",
+            type=_dpu_args,
+            default="",
+            metavar="FLAGS",
+            help="Extra flags for the DPU data plane process (see python -m sgl_remote_kv.dpu --help), "
+            "e.g. '--layer-group 2' or the fault injection '--dma-delay-s 0.05' (tests, benchmarks).",
+        )
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> RemoteKVConfig:
@@ -175,6 +185,7 @@ class RemoteKVConfig:
             layerwise=getattr(ns, "remote_kv_layerwise", False),
             policy_margin=getattr(ns, "remote_kv_policy_margin", 1.0),
             dpu_cpus=getattr(ns, "remote_kv_dpu_cpus", ()),
+            dpu_args=getattr(ns, "remote_kv_dpu_args", ""),
         )
 
 
@@ -220,6 +231,21 @@ def _cpu_list(text: str) -> tuple[int, ...]:
         return parse_cpu_list(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _dpu_args(text: str) -> str:
+    import shlex
+
+    try:
+        args = shlex.split(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if any(a.split("=")[0] in _DPU_OWNED_FLAGS for a in args):
+        raise argparse.ArgumentTypeError(f"the host sets {sorted(_DPU_OWNED_FLAGS)} itself")
+    return text
+
+
+_DPU_OWNED_FLAGS = frozenset({"--endpoint", "--store", "--dest-shm", "--parent-pid"})
 
 
 def _store_url(text: str) -> str:

@@ -67,3 +67,26 @@ def codecs():
         "lossless": get_codec("lossless", method="deflate", level=1),
         "quant": get_codec("quant_deflate", k_bins="256", v_bins="256", granularity="head"),
     }
+
+
+def protocol_samples() -> list:
+    """One valid message of every kind (the protocol round-trip test and the fuzzers start from these)."""
+    from sgl_remote_kv.dpu import protocol as P
+
+    fp = P.Fingerprint("Arch", P.Layout(30, 3, 64, "float32"), "w", 0, 1, b"d" * 32)
+    dest = P.ChunkDest(b"k" * 32, 256, 0, 4096, 128)
+    samples = [
+        P.SubmitFetch(7, "req", "lossless", b'{"a":1}', fp, "psm_x", [dest, dest]),
+        P.SubmitFetch(8, "req", "lossless", b"", fp, "psm_x", [dest], 1 << 20, 1 << 16),  # blob area
+        P.Cancel(7, 3),
+        P.Heartbeat(1, 123),
+        P.Pong(1, 123, 42, 0, b"{}"),
+        P.ChunkDone(7, 1),
+        P.LayerDone(7, 1, 5, 6),
+        P.ChunkFailed(7, 2, "corrupt", "bad crc"),
+        P.JobDone(7, 2, 1),
+        P.ChunksVerified(7, 2, [P.BlobRef(1 << 20, 900), P.BlobRef((1 << 20) + 900, 1000)]),
+        P.ChunksVerified(8, 0),
+    ]
+    assert {type(m) for m in samples} == set(P.KINDS.values()), "a message kind has no sample"
+    return samples

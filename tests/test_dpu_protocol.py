@@ -7,23 +7,12 @@ import struct
 
 import msgspec
 import pytest
+from dpu_helpers import protocol_samples
 from sgl_remote_kv.dpu import protocol as P
-
-FP = P.Fingerprint("Arch", P.Layout(30, 3, 64, "bfloat16"), "w", 0, 1, b"d" * 32)
 
 
 def samples() -> list:
-    dest = P.ChunkDest(b"k" * 32, 256, 0, 4096, 128)
-    return [
-        P.SubmitFetch(7, "req", "lossless", b'{"a":1}', FP, "psm_x", [dest, dest]),
-        P.Cancel(7, 3),
-        P.Heartbeat(1, 123),
-        P.Pong(1, 123, 42, 0, b"{}"),
-        P.ChunkDone(7, 1),
-        P.LayerDone(7, 1, 5, 6),
-        P.ChunkFailed(7, 2, "corrupt", "bad crc"),
-        P.JobDone(7, 2, 1),
-    ]
+    return protocol_samples()
 
 
 @pytest.mark.parametrize("msg", samples(), ids=lambda m: type(m).__name__)
@@ -94,7 +83,7 @@ def test_fuzz_hostile_frames_only_raise_protocol_errors():
         if i % 3 == 0:
             frame = bytes(rng.randrange(256) for _ in range(rng.randint(0, 300)))
             if i % 2:
-                frame = P.ENVELOPE.pack(P.MAGIC, P.PROTOCOL_VERSION, rng.randint(1, 8)) + frame
+                frame = P.ENVELOPE.pack(P.MAGIC, P.PROTOCOL_VERSION, rng.randint(1, len(P.KINDS))) + frame
         else:
             frame = _mutate(rng, rng.choice(good))
         try:

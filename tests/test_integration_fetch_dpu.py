@@ -3,6 +3,8 @@ prefix, failure kind, decoded bytes and the compressed wire bytes the data plane
 
 from __future__ import annotations
 
+import threading
+
 from sgl_remote_kv.control.jobs import FetchResult
 from sgl_remote_kv.sglang_glue.fetch_dpu import DpuFetchHandle
 
@@ -13,6 +15,7 @@ class Inner:
     def __init__(self, result: FetchResult | None) -> None:
         self.request_id, self.num_chunks, self.num_layers = "r", 4, 30
         self._result = result
+        self.verified, self.verified_bytes, self.verified_s = threading.Event(), 0, 0.0
 
     def result(self) -> FetchResult | None:
         return self._result

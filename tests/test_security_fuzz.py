@@ -26,6 +26,7 @@ import tracemalloc
 import msgspec
 import numpy as np
 import pytest
+from dpu_helpers import protocol_samples
 from sgl_remote_kv.dpu import protocol as P
 
 from sgl_remote_kv.codec import synthetic
@@ -37,18 +38,8 @@ from sgl_remote_kv.sglang_glue.fetch import InProcessFetchBackend
 from sgl_remote_kv.store.client import ClientConfig, StoreClient
 from sgl_remote_kv.store.local import LocalStore
 
-FP = P.Fingerprint("Arch", P.Layout(30, 3, 64, "float32"), "w", 0, 1, b"d" * 32)
-DEST = P.ChunkDest(b"k" * 32, 256, 0, 4096, 128)
-SAMPLES = [
-    P.SubmitFetch(7, "req", "lossless", b'{"a":1}', FP, "psm_x", [DEST, DEST]),
-    P.Cancel(7, 3),
-    P.Heartbeat(1, 123),
-    P.Pong(1, 123, 42, 0, b"{}"),
-    P.ChunkDone(7, 1),
-    P.LayerDone(7, 1, 5, 6),
-    P.ChunkFailed(7, 2, "corrupt", "bad crc"),
-    P.JobDone(7, 2, 1),
-]
+SAMPLES = protocol_samples()  # one of every message kind (tests/dpu_helpers.py)
+DEST = next(m for m in SAMPLES if isinstance(m, P.SubmitFetch)).chunks[0]
 KIND_OF = {cls: k for k, cls in P.KINDS.items()}
 
 
@@ -111,6 +102,10 @@ def _check_bounds(msg) -> None:
         assert 1 <= len(msg.chunks) <= P.MAX_CHUNKS
         assert all(len(c.key) == 32 for c in msg.chunks)
         assert msg.fingerprint.layout.num_layers <= P.MAX_LAYERS
+        assert msg.blob_off + msg.blob_cap < P.MAX_DEST_BYTES
+    if isinstance(msg, P.ChunksVerified):
+        assert len(msg.blobs) in (0, msg.ok) and len(msg.blobs) <= P.MAX_CHUNKS
+        assert all(b.length >= 1 and b.off <= P.MAX_DEST_BYTES for b in msg.blobs)
 
 
 def _quiesce_background_threads(timeout_s: float = 20.0) -> None:

@@ -12,6 +12,12 @@ Threads: ``start``/``submit``/``cancel``/``stats``/``close`` may be called from 
 owned by this client (created here, unlinked in ``close``); the data plane writes into it, the receiver
 thread reads it while scattering. A destination slot is reused only after the data plane said
 ``JobDone`` for the job using it (it then writes nothing more there).
+
+Layer-wise admission (``blob_slot_bytes`` > 0): each slot also has a blob area; the data plane copies a
+round's verified compressed blobs there before ``ChunksVerified``. The receiver thread copies them out
+(before it can see that round's ``JobDone``), re-parses them here (header + checksum) and, once every
+chunk of a fetch has them, sets ``FetchHandle.verified`` and calls ``on_event``. The copies are what
+the host decodes from if the data plane dies, stalls or is cancelled after that point.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.dpu import protocol as P
 from sgl_remote_kv.dpu.buffers import DestRegion, plan_rounds
 from sgl_remote_kv.types import ModelFingerprint
@@ -44,6 +51,7 @@ class DpuClientConfig:
     store_url: str
     dest_slots: int = 2
     dest_slot_bytes: int = 64 << 20
+    blob_slot_bytes: int = 0  # > 0: host-visible copies of verified blobs (layer-wise admission)
     process: ProcessSpec = ProcessSpec()
     heartbeat_s: float = 0.5
     heartbeat_timeout_s: float = 5.0
@@ -59,9 +67,10 @@ class DpuClient:
     h.wait_layer(0); ...; res = h.wait()
     """
 
-    def __init__(self, cfg: DpuClientConfig, fingerprint: ModelFingerprint, codec) -> None:
+    def __init__(self, cfg: DpuClientConfig, fingerprint: ModelFingerprint, codec, on_event=None) -> None:
         self.cfg, self.fingerprint, self.layout = cfg, fingerprint, fingerprint.layout
-        self.codec_name, self.codec_params = codec.name, codec.params_bytes()
+        self.codec, self.codec_name, self.codec_params = codec, codec.name, codec.params_bytes()
+        self._on_event_cb = on_event  # called (receiver thread) when a fetch is verified or finished
         lay = fingerprint.layout
         self._wire_fp = P.Fingerprint(
             fingerprint.architecture,
@@ -86,15 +95,16 @@ class DpuClient:
         self._ctx = zmq.Context()
         self._wake_tx = self._wake_rx = None
         self.counters = {"submitted": 0, "restarts": 0, "chunks_done": 0, "chunks_failed": 0, "bad_frames": 0}
-        self.counters.update({"receiver_errors": 0, "scatter_s": 0, "rounds": 0})
+        self.counters.update({"receiver_errors": 0, "scatter_s": 0, "rounds": 0, "verified": 0})
+        self.counters.update({"verify_rejected": 0})
         self.last_pong: P.Pong | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
         """Create the destination region, spawn the data plane, wait until it answers a heartbeat."""
         cfg = self.cfg
-        self.dest = DestRegion.create(cfg.dest_slots * cfg.dest_slot_bytes)
-        self.io = RoundIO(self.dest, self.layout, cfg.dest_slot_bytes)
+        self.dest = DestRegion.create(cfg.dest_slots * (cfg.dest_slot_bytes + cfg.blob_slot_bytes))
+        self.io = RoundIO(self.dest, self.layout, cfg.dest_slot_bytes, cfg.dest_slots, cfg.blob_slot_bytes)
         self._free_slots = list(range(cfg.dest_slots))
         self._wake_rx = self._ctx.socket(zmq.PAIR)
         self._wake_rx.bind(f"inproc://srkv-wake-{id(self)}")
@@ -230,6 +240,7 @@ class DpuClient:
             r.last_event = time.monotonic()
             self._inflight[r.job] = r
             dests = self.io.chunk_dests(r, h.keys, h.chunk_tokens)
+            blob_off, blob_cap = self.io.blob_area(r.slot)
             msg = P.SubmitFetch(
                 r.job,
                 h.request_id,
@@ -238,6 +249,8 @@ class DpuClient:
                 self._wire_fp,
                 self.dest.name.lstrip("/"),
                 dests,
+                blob_off,
+                blob_cap,
             )
             self._outbox.append(P.encode(msg))
 
@@ -251,7 +264,8 @@ class DpuClient:
         if r.slot >= 0:
             self._free_slots.append(r.slot)
             r.slot = -1
-        h.check_finished()
+        if h.check_finished() and self._on_event_cb is not None:
+            self._on_event_cb()
         self.cv.notify_all()
 
     # ---- receiver thread ---------------------------------------------------------------------------
@@ -290,23 +304,51 @@ class DpuClient:
             sock.send(frame, zmq.NOBLOCK)
 
     def _drain(self, sock) -> None:
-        while True:
-            try:
-                frame = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = P.decode(frame)
-            except P.ProtocolError as e:
-                self.counters["bad_frames"] += 1
-                logger.warning("bad frame from data plane: %s", e)
-                continue
-            if isinstance(msg, P.Pong):
-                self._proc.pong(msg)
-                self.last_pong = msg
-                continue
+        P.drain(sock, self._on_message, self._bad_frame)
+
+    def _bad_frame(self, reason: str) -> None:
+        self.counters["bad_frames"] += 1
+        logger.warning("bad frame from data plane: %s", reason)
+
+    def _on_message(self, _head: list[bytes], msg: P.Message) -> None:
+        if isinstance(msg, P.Pong):
+            self._proc.pong(msg)
+            self.last_pong = msg
+        elif isinstance(msg, P.ChunksVerified):
+            self._on_verified(msg)
+        else:
             with self.cv:
                 self._on_event(msg)
+
+    def _on_verified(self, msg: P.ChunksVerified) -> None:
+        """Copy out and re-parse a round's verified blobs (outside ``cv``: the slot cannot be reused
+        before this thread handles the round's ``JobDone``), then record them on the handle."""
+        with self.cv:
+            r = self._inflight.get(msg.job)
+            if r is None:
+                return
+            r.last_event = time.monotonic()
+            n = r.chunk_hi - r.chunk_lo
+            if msg.ok < n or not msg.blobs or r.handle.cancelled or r.handle.first_fail < r.chunk_hi:
+                return
+            slot, h = r.slot, r.handle
+        blobs = self.io.read_blobs(slot, msg.blobs)
+        try:
+            if blobs is None:
+                raise ChunkError("blob reference outside the round's blob area")
+            headers = [self.codec.parse(b, self.fingerprint) for b in blobs]
+            if [hd.num_tokens for hd in headers] != h.chunk_tokens[r.chunk_lo : r.chunk_hi]:
+                raise ChunkError("verified chunk holds the wrong number of tokens")
+        except ChunkError as e:  # never admitted early then; the normal completion path still works
+            self.counters["verify_rejected"] += 1
+            logger.warning("verified blobs of job %d rejected on the host: %s", msg.job, e)
+            return
+        with self.cv:
+            if h.set_verified(r.chunk_lo, blobs, headers):
+                self.counters["verified"] += 1
+                if self._on_event_cb is not None:
+                    self._on_event_cb()
+            self.cv.notify_all()
 
     def _on_event(self, msg) -> None:
         r = self._inflight.get(msg.job)

@@ -74,6 +74,13 @@ class FetchHandle:
         self.finished = False
         self.t0 = time.monotonic()
         self.t_done = 0.0
+        # Layer-wise admission: host copies of the verified compressed blobs (and their parsed headers),
+        # filled per round on ``ChunksVerified``; ``verified`` is set once every chunk has one.
+        self.blobs: list[bytes | None] = [None] * len(keys)
+        self.headers: list[object] = [None] * len(keys)
+        self.verified = threading.Event()
+        self.verified_bytes = 0
+        self.verified_s = 0.0
 
     # ---- caller API (any thread) -------------------------------------------------------------------
     @property
@@ -124,6 +131,19 @@ class FetchHandle:
             (self.t_done or time.monotonic()) - self.t0,
             sum(self.wire_bytes[:hit]),
         )
+
+    def set_verified(self, lo: int, blobs: list[bytes], headers: list) -> bool:
+        """Record host copies of chunks ``lo ..``; True when this made every chunk verified."""
+        if self.cancelled or self.first_fail < len(self.keys) or self.verified.is_set():
+            return False
+        self.blobs[lo : lo + len(blobs)] = blobs
+        self.headers[lo : lo + len(headers)] = headers
+        if any(b is None for b in self.blobs):
+            return False
+        self.verified_bytes = sum(len(b) for b in self.blobs)
+        self.verified_s = time.monotonic() - self.t0
+        self.verified.set()
+        return True
 
     def mark_failed(self, index: int, kind: str) -> None:
         if self.state[index] == PENDING:

@@ -20,9 +20,30 @@ from .scatter import KVPoolTarget, as_torch, scatter_layers
 
 
 class RoundIO:
-    def __init__(self, dest: DestRegion, layout: KVLayout, slot_bytes: int) -> None:
+    """Slot ``s`` of the region: decoded KV at ``s * slot_bytes``; its blob area (layer-wise only) at
+    ``slots * slot_bytes + s * blob_bytes``, where the data plane copies the round's verified blobs."""
+
+    def __init__(
+        self, dest: DestRegion, layout: KVLayout, slot_bytes: int, slots: int = 0, blob_bytes: int = 0
+    ) -> None:
         self.dest, self.layout, self.slot_bytes = dest, layout, slot_bytes
+        self.slots, self.blob_bytes = slots, blob_bytes
         self.dtype = numpy_storage_dtype(layout.dtype)
+
+    def blob_area(self, slot: int) -> tuple[int, int]:
+        """(offset, capacity) of ``slot``'s blob area; (0, 0) when there is none."""
+        if not self.blob_bytes:
+            return 0, 0
+        return self.slots * self.slot_bytes + slot * self.blob_bytes, self.blob_bytes
+
+    def read_blobs(self, slot: int, refs: list[P.BlobRef]) -> list[bytes] | None:
+        """Copies of the blobs ``refs`` points at, or ``None`` if any lies outside ``slot``'s blob area.
+        Called by the receiver thread before it handles the round's ``JobDone`` (the slot is not reused
+        until then), so the copies are never torn by a later round."""
+        lo, cap = self.blob_area(slot)
+        if not cap or any(r.off < lo or r.off + r.length > lo + cap for r in refs):
+            return None
+        return [self.dest.array[r.off : r.off + r.length].tobytes() for r in refs]
 
     def chunk_dests(self, r: HostRound, keys: list[bytes], tokens: list[int]) -> list[P.ChunkDest]:
         lay = self.layout

@@ -6,7 +6,14 @@ client's receiver thread scatters each finished layer straight into them. The ha
 reports how many leading chunks made it (``ok_chunks``); chunks past the first failure are misses and
 their slots are freed by the caller.
 
-Threads: ``submit``/``cancel``/handle reads on the scheduler thread; the DPU client's receiver thread
+Layer-wise (``--remote-kv-layerwise``): the data plane copies each round's verified blobs into the
+shared region and the client keeps host copies, so the handle becomes ``verified`` (every chunk fetched
+and parsed, on both sides) while layers are still decoding; ``layer_ready(l)`` is then true once layer
+``l`` of every chunk has been scattered into the slots. ``layerwise.py`` admits the request at
+``verified`` and decodes from ``blobs`` itself if the data plane fails afterwards (``broken()``).
+
+Threads: ``submit``/``cancel``/handle reads on the scheduler thread (and the forward thread, for
+``layer_ready``/``broken``/``blobs`` of an admitted layer-wise install); the DPU client's receiver thread
 updates the underlying handle under its own lock. Buffers: the reserved slots belong to the caller
 until it inserts them into the radix tree or frees them; the data plane writes them only until the
 handle is finished or cancelled.
@@ -14,7 +21,9 @@ handle is finished or cancelled.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import shlex
 
 import torch
 
@@ -26,10 +35,41 @@ logger = logging.getLogger(__name__)
 class DpuFetchHandle(FetchHandle):
     """Adapter: our ``FetchHandle`` view of a ``control.jobs.FetchHandle``."""
 
+    direct = True  # the KV lands in the caller's slots (scattered by the client's receiver thread)
+
     def __init__(self, client, inner, start_token: int, chunk_size: int, bytes_per_token: int) -> None:
-        super().__init__(inner.request_id, inner.num_chunks, start_token, chunk_size)
         self._client, self._inner = client, inner
+        self._fb, self._fs = 0, 0.0  # fetched bytes / seconds, once done
+        super().__init__(inner.request_id, inner.num_chunks, start_token, chunk_size)
         self._bytes_per_token = bytes_per_token
+        self.verified = inner.verified  # set by the client's receiver thread
+
+    # The inner handle owns the blob copies; until ``done()`` the fetch size/time are those at
+    # verification (what a layer-wise admission reports).
+    blobs = property(lambda self: self._inner.blobs if self.verified.is_set() else None, lambda s, v: None)
+    headers = property(
+        lambda self: self._inner.headers if self.verified.is_set() else None, lambda s, v: None
+    )
+
+    @property
+    def fetched_bytes(self) -> int:
+        return self._fb if self._done.is_set() else self._inner.verified_bytes
+
+    @fetched_bytes.setter
+    def fetched_bytes(self, value: int) -> None:
+        self._fb = value
+
+    @property
+    def fetch_s(self) -> float:
+        return self._fs if self._done.is_set() else self._inner.verified_s
+
+    @fetch_s.setter
+    def fetch_s(self, value: float) -> None:
+        self._fs = value
+
+    def broken(self) -> bool:
+        """A chunk failed, or the fetch was cancelled / lost: some layer may never arrive."""
+        return self.cancelled or self._inner.cancelled or self._inner.hit_chunks_now() < self.n_chunks
 
     def done(self) -> bool:
         if self._done.is_set():
@@ -59,7 +99,8 @@ class DpuFetchHandle(FetchHandle):
         self._client.cancel(self._inner)
 
     def layer_ready(self, layer: int) -> bool:
-        return self._inner.layer_ready[layer] >= self._inner.first_fail
+        """``layer`` of every chunk is in the slots."""
+        return self._inner.layer_ready[layer] >= self.n_chunks
 
 
 class DpuFetchBackend:
@@ -95,9 +136,12 @@ def start_dpu_backend(config, fingerprint, codec, kvcache, on_done=None) -> DpuF
         from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
         from sgl_remote_kv.control.dpu_process import ProcessSpec
 
-        spec = ProcessSpec(cpus=tuple(config.dpu_cpus) or None)  # --remote-kv-dpu-cpus; None = auto
+        extra = tuple(shlex.split(config.dpu_args))  # --remote-kv-dpu-args (validated by config)
+        spec = ProcessSpec(cpus=tuple(config.dpu_cpus) or None, extra_args=extra)  # cpus None = auto
         cfg = DpuClientConfig(store_url=config.resolved_store_url(), process=spec)
-        client = DpuClient(cfg, fingerprint, codec)
+        if config.layerwise:  # host copies of verified blobs: compressed size <= decoded size here
+            cfg = dataclasses.replace(cfg, blob_slot_bytes=cfg.dest_slot_bytes)
+        client = DpuClient(cfg, fingerprint, codec, on_event=on_done)
         client.start()
     except Exception as e:  # boundary: a missing/broken data plane means the in-process path
         logger.warning("DPU data plane unavailable (%r); using the in-process fetch path", e)

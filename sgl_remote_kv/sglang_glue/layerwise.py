@@ -16,8 +16,11 @@ from the already-fetched, verified blobs in-process (``codec.decode_layer_into``
 error there is impossible short of a codec bug; it raises (the scheduler stops) rather than letting
 attention read wrong KV.
 
-Only non-direct paths (in-process, NVDEC: staging + scatter on this thread) are pipelined; the DPU path
-writes slots from its own process and is admitted when complete (see docs/INTEGRATION.md). The
+Non-direct paths (in-process, NVDEC) stage each layer and this class scatters it. The DPU path is
+*direct*: the DPU client's receiver thread scatters each layer into the slots as the data plane reports
+it (``layer_ready``), so waiting is all this class does for it; its fallback blobs are host copies the
+data plane made before signalling verified (``fetch_dpu.py``), and falling back cancels the client's
+handle first (under the client's lock), after which the receiver never writes the slots again. The
 in-process path is decoded *on demand* (``on_demand``): its worker is cancelled at admission and each
 layer is decoded from the verified blobs in the forward thread when first needed — a Python decode
 thread running next to the forward pass suffered a GIL convoy (36 s instead of 0.4 s, measured).
@@ -109,10 +112,11 @@ class LayerwiseInstalls:
             if p.on_demand:
                 self._decode_layer(p, layer)
             elif not p.fell_back and self._wait_layer(p.handle, layer):
-                n = p.handle.n_chunks * p.handle.chunk_size
-                kv_io.write_kv_layer(
-                    self.kvcache, layer, p.slots, p.handle.k[layer, :n], p.handle.v[layer, :n]
-                )
+                if not getattr(p.handle, "direct", False):  # direct: already in the slots
+                    n = p.handle.n_chunks * p.handle.chunk_size
+                    kv_io.write_kv_layer(
+                        self.kvcache, layer, p.slots, p.handle.k[layer, :n], p.handle.v[layer, :n]
+                    )
             else:
                 if not p.fell_back:
                     p.fell_back = True
@@ -129,10 +133,8 @@ class LayerwiseInstalls:
         while True:
             # layer first: workers cut ok_chunks *before* they advance layers_ready
             if h.layer_ready(layer):
-                return h.ok_chunks == h.n_chunks and h.failure is None
-            if h.ok_chunks < h.n_chunks or h.failure is not None:
-                return False
-            if h.done() or time.monotonic() > deadline:
+                return not _broken(h)
+            if _broken(h) or h.done() or time.monotonic() > deadline:
                 return False
             h.wait(0.002)
 
@@ -153,6 +155,14 @@ class LayerwiseInstalls:
                 self.metrics.failure("layerwise_decode_error")
                 raise RuntimeError(f"verified chunk {i} of {h.request_id} failed to decode: {e!r}") from e
         kv_io.write_kv_layer(self.kvcache, layer, p.slots, k, v)
+
+
+def _broken(h: FetchHandle) -> bool:
+    """Some chunk failed or the fetch was cancelled (the DPU handle knows before it is done)."""
+    broken = getattr(h, "broken", None)
+    if broken is not None:
+        return broken()
+    return h.ok_chunks < h.n_chunks or h.failure is not None
 
 
 def attach(kvcache, fingerprint, metrics) -> LayerwiseInstalls | None:

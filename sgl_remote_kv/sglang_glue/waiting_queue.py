@@ -254,7 +254,7 @@ class WaitingForKV:
         h = p.handle
         assert h is not None
         if not h.done():
-            if self.layerwise is not None and p.slots is None and h.verified.is_set():
+            if self.layerwise is not None and h.verified.is_set():
                 self._admit_early(p, h, now)
                 return
             # losing (slower than recompute) or hung: cancel and recompute (policy.estimator docstring)
@@ -283,8 +283,11 @@ class WaitingForKV:
 
     def _admit_early(self, p: _Parked, h: FetchHandle, now: float) -> None:
         """Layer-wise: every chunk is fetched and verified; insert the slots now and let the forward
-        pass wait per layer (``layerwise.py``). Falls back to the normal path if no slots are free."""
-        slots = self.inst.alloc(h.n_chunks * h.chunk_size)
+        pass wait per layer (``layerwise.py``). Falls back to the normal path if no slots are free.
+        Direct backends (DPU) insert the slots they were given at submit; they keep scattering into them
+        until ``layerwise`` saw every layer (or cancelled the handle to decode the rest itself)."""
+        direct = p.slots is not None
+        slots = p.slots if direct else self.inst.alloc(h.n_chunks * h.chunk_size)
         if slots is None:
             return  # retried next pass; the normal completion path still works
         try:
@@ -292,8 +295,10 @@ class WaitingForKV:
         except Exception as e:  # boundary: keep waiting on the normal completion path instead
             self.rt.metrics.failure(f"install:{type(e).__name__}")
             logger.warning("layer-wise install for %s failed: %r", p.req.rid, e)
-            self.inst.free(slots)
+            if not direct:
+                self.inst.free(slots)
             return
+        p.slots = None  # tree-owned now
         on_demand = p.path == "inproc"  # decode in the forward thread: no GIL convoy with a worker
         if on_demand:
             h.cancel()

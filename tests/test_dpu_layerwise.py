@@ -1,0 +1,143 @@
+"""The data plane's layer-wise contract, through a real data-plane process and a real embedded store:
+
+- ``ChunksVerified`` comes before any ``LayerDone`` of a round, and the round's layers complete
+  layer-major (group 0 of every chunk, then group 1, ...);
+- with a blob area, the verified compressed blobs sit in the shared region before ``ChunksVerified``,
+  byte-identical to what the store holds; the host client keeps copies and sets ``verified`` while
+  layers are still being written (a DMA delay injected with ``--dma-delay-s`` makes that observable);
+- no blob area / a full blob area / a missing chunk: never ``verified``, the fetch still completes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import zmq
+from dpu_helpers import CHUNK, FP, LAYOUT, codecs, make_pool, pool_tokens, put_chunks, random_chunks
+from sgl_remote_kv.dpu import protocol as P
+from sgl_remote_kv.dpu.buffers import chunk_bytes
+
+from sgl_remote_kv.codec.base import decode
+from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+from sgl_remote_kv.control.dpu_process import ProcessSpec
+from sgl_remote_kv.control.jobs import HostRound
+
+CB = chunk_bytes(LAYOUT, CHUNK)
+N = 3
+
+
+def _spec(*extra: str, layer_group: int = 1) -> ProcessSpec:
+    return ProcessSpec(
+        workers=(1, 1, 1, 1),
+        layer_group=layer_group,
+        slots=2,
+        slot_bytes=N * CB,
+        store_timeout_s=2.0,
+        extra_args=extra,
+    )
+
+
+@pytest.fixture
+def client(tmp_path, request):
+    """A client with a blob area per slot (``request.param``: (blob bytes, extra data-plane flags))."""
+    blob_bytes, extra = getattr(request, "param", (2 * N * CB, ()))
+    codec = codecs()["lossless"]
+    url = f"file://{tmp_path}/store"
+    cfg = DpuClientConfig(
+        url, dest_slots=2, dest_slot_bytes=N * CB, blob_slot_bytes=blob_bytes, process=_spec(*extra)
+    )
+    c = DpuClient(cfg, FP, codec)
+    c.start()
+    yield c, codec, url
+    c.close()
+
+
+def _events(sock: zmq.Socket, job: int, timeout: float = 30.0) -> list:
+    out, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sock.poll(200):
+            msg = P.decode(sock.recv())
+            if getattr(msg, "job", None) == job:
+                out.append(msg)
+                if isinstance(msg, P.JobDone):
+                    return out
+    raise AssertionError(f"job {job} did not finish: {out}")
+
+
+def test_verified_precedes_layers_which_complete_layer_major(client):
+    c, codec, url = client
+    keys, blobs = put_chunks(url, codec, random_chunks(N, seed=3))
+    r = HostRound(None, 0, N, 0, N * CHUNK, slot=0)
+    dests = c.io.chunk_dests(r, keys, [CHUNK] * N)
+    blob_off, blob_cap = c.io.blob_area(0)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"ipc://{c._proc.tmp}/dp-{c._proc.generation}.sock")
+    try:
+        name = c.dest.name.lstrip("/")
+        sub = P.SubmitFetch(
+            99, "raw", codec.name, codec.params_bytes(), c._wire_fp, name, dests, blob_off, blob_cap
+        )
+        sock.send(P.encode(sub))
+        events = _events(sock, 99)
+    finally:
+        sock.close()
+        ctx.term()
+    kinds = [type(m).__name__ for m in events]
+    assert kinds[0] == "ChunksVerified" and kinds[-1] == "JobDone", kinds
+    verified = events[0]
+    assert verified.ok == N and len(verified.blobs) == N
+    for ref, blob in zip(verified.blobs, blobs, strict=True):  # in the region, byte-identical
+        assert blob_off <= ref.off and ref.off + ref.length <= blob_off + blob_cap
+        assert c.dest.array[ref.off : ref.off + ref.length].tobytes() == blob
+    layers = [(m.layer, m.chunk) for m in events if isinstance(m, P.LayerDone)]
+    assert len(layers) == N * LAYOUT.num_layers
+    assert layers == sorted(layers), "layers did not complete layer-major"
+
+
+def test_host_is_verified_while_layers_are_still_arriving(tmp_path):
+    codec, url = codecs()["lossless"], f"file://{tmp_path}/store"
+    keys, blobs = put_chunks(url, codec, random_chunks(N, seed=5))
+    target = make_pool(LAYOUT, 512, N * CHUNK, seed=2)
+    slow = _spec("--dma-delay-s", "0.25")  # fault injection: a slow DMA engine
+    c2 = DpuClient(DpuClientConfig(url, 2, N * CB, 2 * N * CB, slow), FP, codec)
+    c2.start()
+    try:
+        h = c2.submit("r", keys, CHUNK, target)
+        assert h.verified.wait(30)
+        with c2.cv:
+            last_layer_chunks = h.layer_ready[-1]
+        assert last_layer_chunks < N  # >= N * L slabs x 0.25 s of DMA still ahead
+        assert h.blobs == blobs and [hd.num_tokens for hd in h.headers] == [CHUNK] * N
+        assert h.verified_bytes == sum(map(len, blobs))
+        res = h.wait(60)
+        assert res.hit_chunks == N
+        for i in range(N):
+            k, v = decode(blobs[i], FP)
+            pk, pv = pool_tokens(target, LAYOUT, i * CHUNK, (i + 1) * CHUNK)
+            assert np.array_equal(k, pk) and np.array_equal(v, pv)
+    finally:
+        c2.close()
+
+
+@pytest.mark.parametrize("client", [(0, ()), (64, ())], indirect=True, ids=["no_area", "area_full"])
+def test_without_room_for_the_blobs_nothing_is_verified(client):
+    c, codec, url = client
+    keys, _ = put_chunks(url, codec, random_chunks(N, seed=7))
+    h = c.submit("r", keys, CHUNK, make_pool(LAYOUT, 512, N * CHUNK))
+    assert h.wait(30).hit_chunks == N
+    assert not h.verified.is_set() and all(b is None for b in h.blobs)
+
+
+def test_a_missing_chunk_is_never_verified(client):
+    c, codec, url = client
+    keys, _ = put_chunks(url, codec, random_chunks(N, seed=9))
+    keys[1] = b"absent".ljust(32, b"\0")
+    h = c.submit("r", keys, CHUNK, make_pool(LAYOUT, 512, N * CHUNK))
+    res = h.wait(30)
+    assert res.hit_chunks == 1 and res.failures[1] == "miss"
+    assert not h.verified.is_set()
+    assert c.stats()["verified"] == 0
