@@ -1,8 +1,14 @@
 """End-to-end benchmark with SGLang's own harness against real CPU servers (issue 8).
 
-For each configuration (``e2e_server.CONFIGS``: recompute, device, raw, dpu, nvdec, auto, inproc) one real
+For each configuration (``e2e_server.CONFIGS``: recompute, device, raw, dpu, nvdec, inproc, auto) one real
 SGLang server is started (``SGLangServer``). Remote configurations use Redis inside a network
 namespace behind a ``tc tbf``-shaped veth (``benchmarks/netshape.py``) and go through:
+
+Pinning (``--pin 0:1``, the default on >= 2 cores): the scheduler process runs on core 0 and the DPU
+data plane on core 1, emulating a DPU's own cores; the in-process baseline (``inproc``) decodes on the
+scheduler's core 0. The HTTP/tokenizer processes, Redis, the harness and whatever else runs on the
+machine are not pinned, so core 1 is the data plane's own only in the sense that serving never runs
+there.
 
 1. **warm-up** on the unshaped link: the harness's workload and our probe prompts are served once,
    so write-back fills the store; we wait until the written-bytes counter stops moving;
@@ -31,6 +37,7 @@ import logging
 import os
 import platform
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -46,6 +53,7 @@ from benchmarks.e2e_server import (
     delta,
     flush_device_cache,
     metric,
+    pin_server,
     run_harness,
     scrape,
     shaped_store,
@@ -128,6 +136,8 @@ class Bench:
         extra = (*cfg.args, "--enable-metrics", "--enable-cache-report")
         if cfg.remote:
             extra += ("--remote-kv-store", self.store.url)
+            if self.a.pin:  # the data plane (dpu/raw/auto) gets its own core, like a DPU's
+                extra += ("--remote-kv-dpu-cpus", ",".join(map(str, self.a.pin[1])))
         return ServerSpec(
             self.model,
             extra_args=extra,
@@ -146,6 +156,8 @@ class Bench:
         t0 = time.monotonic()
         with running(self.server_spec(cfg)) as srv:
             out["startup_s"] = time.monotonic() - t0
+            if self.a.pin:
+                out["affinity"] = pin_server(srv.proc.pid, self.a.pin[0])
             tier = [x for x in srv.log_text().splitlines() if "remote KV tier ready" in x]
             out["tier"] = tier[-1].split("] ", 1)[-1] if tier else None  # store, path and codec used
             if cfg.remote:
@@ -227,7 +239,12 @@ def running(spec: ServerSpec):
 
 
 def environment() -> dict:
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+    )
     return {
+        "commit": head.stdout.strip() or os.environ.get("SRKV_BENCH_COMMIT"),  # snapshot dirs have no .git
+        "code_dir": str(Path(__file__).resolve().parent.parent),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "loadavg_at_start": os.getloadavg(),
@@ -321,6 +338,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--threads", type=int, default=1, help="OMP_NUM_THREADS for the server (0: torch default)"
     )
+    ap.add_argument(
+        "--pin",
+        default="0:1" if (os.cpu_count() or 1) >= 2 else "none",
+        help="SERVE:DPU core lists (e.g. 0:1): pin the scheduler process to SERVE and the DPU data plane "
+        "to DPU (emulates a DPU's own cores); 'none' leaves everything unpinned",
+    )
     ap.add_argument("--max-total-tokens", type=int, default=24576)
     ap.add_argument("--workdir", default="/tmp/srkv-bench-e2e")
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -333,6 +356,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.turns = a.turns or 2
     a.probes = a.probes or (2 if q else 4)
     a.decode_tokens = a.decode_tokens or (48 if q else 128)
+    a.pin = None if a.pin == "none" else tuple({int(c) for c in part.split(",")} for part in a.pin.split(":"))
     return a
 
 

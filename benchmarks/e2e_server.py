@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -53,17 +54,34 @@ CONFIGS = {
     "dpu": Config("dpu", ("--remote-kv", "dpu"), True, "dpu", "default quantized codec, DPU path"),
     "nvdec": Config("nvdec", ("--remote-kv", "nvdec"), True, "nvdec", "NVDEC (HEVC) path"),
     "auto": Config("auto", ("--remote-kv", "auto"), True, None, "policy picks per request"),
-    # The in-process decode baseline (CacheGen-Async-like). The integration has no switch for it yet:
-    # ``--remote-kv nvdec`` has no NVDEC fetch backend wired and falls back to in-process decode, so
-    # it selects exactly that path today; the status check verifies the path from the metrics.
+    # The in-process decode baseline (CacheGen-Async-like): fetch + decode on a worker thread of the
+    # serving process, competing with the forward pass for its core (and the GIL).
     "inproc": Config(
-        "inproc",
-        ("--remote-kv", "nvdec"),
-        True,
-        "inproc",
-        "decode inside the serving process (selected via --remote-kv nvdec's in-process fallback)",
+        "inproc", ("--remote-kv", "inproc"), True, "inproc", "decode inside the serving process (baseline)"
     ),
 }
+
+
+# -- CPU pinning (emulating a DPU's own cores on this 2-core box) ---------------------------------
+def pin_server(root_pid: int, serve_cpus: set[int]) -> dict:
+    """Pin every thread of the server's scheduler process(es) to ``serve_cpus`` (threads it starts
+    later inherit it). The DPU data plane pins itself (``--remote-kv-dpu-cpus``); the HTTP/tokenizer
+    processes, Redis and the bench client stay unpinned. Returns each server process's affinity."""
+    import psutil
+
+    out = {}
+    for proc in psutil.Process(root_pid).children(recursive=True):
+        try:
+            name, cmd = proc.name(), " ".join(proc.cmdline())
+            if "scheduler" in name or "scheduler" in cmd:
+                for tid in os.listdir(f"/proc/{proc.pid}/task"):
+                    with contextlib.suppress(OSError):
+                        os.sched_setaffinity(int(tid), serve_cpus)
+            role = "data_plane" if "sgl_remote_kv.dpu" in cmd else name
+            out[f"{role}:{proc.pid}"] = sorted(os.sched_getaffinity(proc.pid))
+        except (psutil.Error, OSError) as e:
+            logger.warning("pinning %s: %r", proc.pid, e)
+    return out
 
 
 # -- Prometheus ------------------------------------------------------------------------------------
