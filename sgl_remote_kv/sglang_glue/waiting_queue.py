@@ -25,9 +25,9 @@ Requests without a remote hit never wait on a fetching one: fetches run on worke
 scheduler keeps scheduling everything else. ``abort(...)`` cancels a parked request's fetch and hands
 it back to SGLang's waiting queue so SGLang's own abort path finishes it.
 
-TP ranks: with TP > 1 every rank runs this queue on its own shard of the KV; the decisions (lookup
-result, fetched chunk count) must be agreed by an all-reduce MIN over the TP CPU group before
-installing; this build runs TP=1 and does not implement that reduction yet (see docs/INTEGRATION.md).
+TP ranks: with TP > 1 every rank runs this queue on its own shard of the KV and ``poll`` hands over to
+``tp_sync.TPQueue``: every decision (lookup result, policy choice, timeouts, fetched chunk count,
+zombie reaping) is agreed by one all-reduce MIN over the TP CPU group per pass (docs/INTEGRATION.md).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sgl_remote_kv.policy.estimator import Decision
+from sgl_remote_kv.sglang_glue import tp_sync
 from sgl_remote_kv.sglang_glue.fetch import FetchHandle
 from sgl_remote_kv.sglang_glue.install import TreeInstaller
 from sgl_remote_kv.sglang_glue.runtime import RemoteKVRuntime, tenant_salt
@@ -69,6 +70,8 @@ class _Parked:
 class WaitingForKV:
     """See module docstring. ``release`` is SGLang's original enqueue function for one request."""
 
+    sync = tp_sync.SINGLE  # TP rank agreement; inactive (no collective) at tp_size == 1
+
     def __init__(self, scheduler, rt: RemoteKVRuntime, release) -> None:
         self.s = scheduler
         self.rt = rt
@@ -80,6 +83,7 @@ class WaitingForKV:
         self.held: list[tuple[object, object]] = []  # (req, tree lock) until the req is admitted
         self._lookups = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="srkv-lookup")
         self.enabled = self._check_supported()
+        self.sync = tp_sync.for_scheduler(scheduler)
         self.layerwise = None  # --remote-kv-layerwise: early admission of verified fetches
         if self.enabled and rt.config.layerwise:
             from sgl_remote_kv.sglang_glue import layerwise
@@ -146,6 +150,9 @@ class WaitingForKV:
         if self.layerwise is not None:
             self.layerwise.finish_all()  # before any lock release / slot reuse below
         self._release_admitted_locks()
+        if self.sync.active:  # TP > 1: every decision agreed by all ranks (tp_sync.py)
+            self.sync.poll(self, time.monotonic())
+            return
         if self.zombies:
             self._reap_zombies()
         if not self.parked:
