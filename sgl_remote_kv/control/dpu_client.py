@@ -332,13 +332,9 @@ class DpuClient:
             if msg.ok < n or not msg.blobs or r.handle.cancelled or r.handle.first_fail < r.chunk_hi:
                 return
             slot, h = r.slot, r.handle
-        blobs = self.io.read_blobs(slot, msg.blobs)
+        tokens = h.chunk_tokens[r.chunk_lo : r.chunk_hi]
         try:
-            if blobs is None:
-                raise ChunkError("blob reference outside the round's blob area")
-            headers = [self.codec.parse(b, self.fingerprint) for b in blobs]
-            if [hd.num_tokens for hd in headers] != h.chunk_tokens[r.chunk_lo : r.chunk_hi]:
-                raise ChunkError("verified chunk holds the wrong number of tokens")
+            blobs, headers = self.io.verified_copies(slot, msg.blobs, self.codec, self.fingerprint, tokens)
         except ChunkError as e:  # never admitted early then; the normal completion path still works
             self.counters["verify_rejected"] += 1
             logger.warning("verified blobs of job %d rejected on the host: %s", msg.job, e)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.dpu import protocol as P
 from sgl_remote_kv.dpu.buffers import DestRegion, layer_bytes
 from sgl_remote_kv.types import KVLayout, numpy_storage_dtype
@@ -36,14 +37,19 @@ class RoundIO:
             return 0, 0
         return self.slots * self.slot_bytes + slot * self.blob_bytes, self.blob_bytes
 
-    def read_blobs(self, slot: int, refs: list[P.BlobRef]) -> list[bytes] | None:
-        """Copies of the blobs ``refs`` points at, or ``None`` if any lies outside ``slot``'s blob area.
-        Called by the receiver thread before it handles the round's ``JobDone`` (the slot is not reused
-        until then), so the copies are never torn by a later round."""
+    def verified_copies(self, slot: int, refs: list[P.BlobRef], codec, fingerprint, tokens: list[int]):
+        """(blobs, headers): copies of the blobs ``refs`` points at in ``slot``'s blob area, re-parsed
+        here (header, CRCs) and holding ``tokens`` tokens each. Raises ``ChunkError`` otherwise. Called
+        by the receiver thread before it handles the round's ``JobDone`` (the slot is not reused until
+        then), so the copies are never torn by a later round."""
         lo, cap = self.blob_area(slot)
         if not cap or any(r.off < lo or r.off + r.length > lo + cap for r in refs):
-            return None
-        return [self.dest.array[r.off : r.off + r.length].tobytes() for r in refs]
+            raise ChunkError("blob reference outside the round's blob area")
+        blobs = [self.dest.array[r.off : r.off + r.length].tobytes() for r in refs]
+        headers = [codec.parse(b, fingerprint) for b in blobs]
+        if [h.num_tokens for h in headers] != tokens:
+            raise ChunkError("verified chunk holds the wrong number of tokens")
+        return blobs, headers
 
     def chunk_dests(self, r: HostRound, keys: list[bytes], tokens: list[int]) -> list[P.ChunkDest]:
         lay = self.layout
