@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from sgl_remote_kv.nvdec import layout as lo
-from sgl_remote_kv.nvdec.video import VideoDecoder, encode_planes
+from sgl_remote_kv.nvdec.video import MAX_SIDE, VideoDecoder, encode_planes
 
 from sgl_remote_kv.codec import quant
 from sgl_remote_kv.codec.base import Codec, check_chunk_arrays
@@ -211,7 +211,11 @@ class HevcCodec(Codec):
         for j in range(1, nl):
             if header.layers[first + j].length:
                 raise CorruptChunk(f"layer {first + j} section of an hevc group must be empty")
-        fl = self.frame_layout(header.num_tokens, lay.num_kv_heads, lay.head_dim)
+        try:
+            fl = self.frame_layout(header.num_tokens, lay.num_kv_heads, lay.head_dim)
+        except ValueError as e:  # e.g. a tiling for another head count
+            raise CorruptChunk(f"hevc layout: {e}") from None
+        check_geometry(fl)
         gs = self.parse_group(layer_section(blob, header, first), fl)
         if gs.n_layers != nl:
             raise CorruptChunk("hevc group layer count mismatch")
@@ -306,6 +310,20 @@ class HevcCodec(Codec):
         k, v = self.decode(blob, fingerprint, limits, mac_key=mac_key, bind=bind)
         for i in range(k.shape[0]):
             yield i, k[i], v[i]
+
+
+def check_geometry(fl: lo.FrameLayout) -> None:
+    """Refuse frames the decoder cannot take or that are far larger than the chunk's codes need.
+
+    The frame size derives from the header's token count and codec params (``min_side``,
+    ``grid_cols``, ``tokens_per_frame``), which a hostile blob chooses: without this bound it could
+    make every decoded frame up to ``MAX_SIDE`` squared. An honest layout's frame holds at most
+    about twice its codes (grid rounding) or is one ``NVENC_MIN_SIDE`` square; 4x is the bound.
+    """
+    h, w = fl.size
+    need = fl.slots * fl.heads * fl.dim
+    if max(h, w) > MAX_SIDE or h * w > max(lo.NVENC_MIN_SIDE**2, 4 * need):
+        raise CorruptChunk(f"hevc frame {w}x{h} for {fl.slots} token slots of {fl.heads}x{fl.dim} codes")
 
 
 def _read_packets(section: memoryview, o: int, frames: int) -> tuple[list[memoryview], int]:

@@ -169,3 +169,189 @@ def test_randomized_malformed_inputs(name, params):
         outcomes["error" if err else "decoded"] += 1
     assert outcomes["error"] >= 300, outcomes
     assert time.perf_counter() - t0 < 20
+
+
+# ---- hevc: the bitstream's own picture size is checked before FFmpeg sees a byte ----------------------
+
+
+@pytest.fixture
+def decoder_opens(monkeypatch):
+    """Records every decoder context the hevc path creates (a spy: behaviour unchanged)."""
+    from sgl_remote_kv.nvdec import video
+
+    opened: list[int] = []
+    real = video.VideoDecoder._context
+
+    def spy(self):
+        opened.append(1)
+        return real(self)
+
+    monkeypatch.setattr(video.VideoDecoder, "_context", spy)
+    return opened
+
+
+def _hevc(tokens: int = 32, **params):
+    fp = synthetic.fingerprint(num_layers=3, dtype="bfloat16")
+    k, v = synthetic.kv(fp.layout, tokens, seed=3)
+    codec = get_codec("hevc", min_side=16, **params)
+    return codec, fp, codec.encode(k, v, fp)
+
+
+def _section_parts(codec, fp, blob) -> tuple[bytes, list[bytes], bytes]:
+    """(section bytes before the K video, the K video's packets, the V video table + packets)."""
+    from sgl_remote_kv.nvdec.hevc_codec import SEC, SIDE
+
+    from sgl_remote_kv.codec.format import layer_section
+
+    hdr = parse_header(blob, fp)
+    sec = bytes(layer_section(blob, hdr, 0))
+    o = SEC.size + SIDE.size + SIDE.unpack_from(sec, SEC.size)[0]
+    (n,) = struct.unpack_from("<I", sec, o)
+    lens = struct.unpack_from(f"<{n}I", sec, o + 4)
+    start = o + 4 * (n + 1)
+    packets = [sec[a : a + ln] for a, ln in zip(np.cumsum([start, *lens[:-1]]), lens, strict=True)]
+    return sec[:o], packets, sec[start + sum(lens) :]
+
+
+def _repack(codec, fp, head: bytes, k_packets: list[bytes], tail: bytes, tokens: int = 32) -> bytes:
+    from sgl_remote_kv.codec.format import pack
+
+    table = struct.pack(f"<{len(k_packets) + 1}I", len(k_packets), *map(len, k_packets))
+    section = head + table + b"".join(k_packets) + tail
+    return pack(codec.codec_id, codec.params_bytes(), fp, tokens, [section, b"", b""])
+
+
+def _ue(v: int) -> str:
+    b = bin(v + 1)[2:]
+    return "0" * (len(b) - 1) + b
+
+
+def _read_ue(bits: str, pos: int) -> tuple[int, int]:
+    zeros = bits.index("1", pos) - pos
+    end = pos + 2 * zeros + 1
+    return int(bits[pos + zeros : end], 2) - 1, end
+
+
+def _sps_claiming(nal: bytes, width: int, height: int) -> bytes:
+    """An x265 SPS NAL unit rewritten to declare a ``width x height`` picture (all else kept)."""
+    rbsp = nal[2:].replace(b"\x00\x00\x03", b"\x00\x00")
+    bits = "".join(f"{x:08b}" for x in rbsp)
+    assert bits[4:7] == "000"  # no sub-layers: the profile_tier_level is 96 bits after 8
+    _, pos = _read_ue(bits, 104)  # sps_seq_parameter_set_id
+    chroma, pos = _read_ue(bits, pos)
+    pos += chroma == 3  # separate_colour_plane_flag
+    _, p = _read_ue(bits, pos)
+    _, p = _read_ue(bits, p)
+    new = (bits[:pos] + _ue(width) + _ue(height) + bits[p:]).rstrip("0")  # keep the stop bit
+    new += "0" * (-len(new) % 8)
+    out, zeros = bytearray(nal[:2]), 0
+    for byte in int(new, 2).to_bytes(len(new) // 8, "big"):
+        if zeros >= 2 and byte <= 3:  # emulation prevention
+            out.append(3)
+            zeros = 0
+        out.append(byte)
+        zeros = zeros + 1 if byte == 0 else 0
+    return bytes(out)
+
+
+def _with_sps(packets: list[bytes], rewrite) -> list[bytes]:
+    """``packets`` with the first packet's SPS NAL unit replaced by ``rewrite(sps)``."""
+    sps = _first_sps(packets)
+    return [packets[0].replace(sps, rewrite(sps), 1), *packets[1:]]
+
+
+def test_hevc_honest_blob_passes_the_bitstream_check(decoder_opens):
+    codec, fp, blob = _hevc()
+    k, v = codec.decode(blob, fp)
+    assert k.shape == (3, 32, 3, 64) and decoder_opens  # the check lets honest videos through
+    head, packets, tail = _section_parts(codec, fp, blob)
+    same = _with_sps(packets, lambda sps: _sps_claiming(sps, *_sps_size(sps)))
+    assert same == packets  # the test's SPS writer reproduces x265's SPS bit for bit
+    assert _repack(codec, fp, head, same, tail) == blob
+
+
+def _sps_size(sps: bytes) -> tuple[int, int]:
+    from sgl_remote_kv.nvdec.video import _sps_picture
+
+    cw, ch, *_ = _sps_picture(sps)
+    return cw, ch
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["sps_claims_4096x4096", "sps_claims_8192x8192", "sps_claims_one_ctb_more", "no_sps", "huge_sps"],
+)
+def test_hevc_bitstream_claiming_another_picture_is_refused_before_ffmpeg(case, decoder_opens):
+    """The K video's SPS (re-written, CRCs resealed by ``pack``) declares another picture than the
+    chunk header's geometry: refused before any decoder exists (old code: FFmpeg allocated frames
+    for the claimed size, then our frame-size check fired)."""
+    codec, fp, blob = _hevc()
+    head, packets, tail = _section_parts(codec, fp, blob)
+    w, h = _sps_size(_first_sps(packets))
+    rewrite = {
+        "sps_claims_4096x4096": lambda s: _sps_claiming(s, 4096, 4096),
+        "sps_claims_8192x8192": lambda s: _sps_claiming(s, 8192, 8192),
+        "sps_claims_one_ctb_more": lambda s: _sps_claiming(s, w + 64, h),
+        "no_sps": lambda s: b"\x4e\x01\x05",  # the SPS replaced by an SEI stub
+        "huge_sps": lambda s: s + b"\xff" * 5000,
+    }[case]
+    bad = _repack(codec, fp, head, _with_sps(packets, rewrite), tail)
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(CorruptChunk, match="SPS|sequence parameter set"):
+            codec.decode(bad, fp)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert decoder_opens == [], "FFmpeg was handed the hostile bitstream"
+    assert time.perf_counter() - t0 < 1.0 and peak < 8 * len(bad) + (1 << 20)
+
+
+def _first_sps(packets: list[bytes]) -> bytes:
+    from sgl_remote_kv.nvdec.video import NAL_SPS, _nal_units
+
+    return next(n.rstrip(b"\0") for n in _nal_units(packets[0]) if (n[0] >> 1) & 0x3F == NAL_SPS)
+
+
+def test_hevc_params_asking_for_huge_frames_are_refused_before_ffmpeg(decoder_opens):
+    """Header-chosen codec params (``min_side``) that make the frame 8192x8192 for 32 tokens, with the
+    section header agreeing: refused by the geometry bound, before any decoder exists."""
+    from sgl_remote_kv.nvdec.hevc_codec import SEC
+
+    from sgl_remote_kv.codec.base import decode as decode_any
+
+    codec, fp, blob = _hevc()
+    head, packets, tail = _section_parts(codec, fp, blob)
+    hostile = get_codec("hevc", min_side=8192)
+    fields = list(SEC.unpack_from(head))
+    fields[5:7] = hostile.frame_layout(32, 3, 64).size
+    bad = _repack(hostile, fp, SEC.pack(*fields) + head[SEC.size :], packets, tail)
+    with pytest.raises(CorruptChunk, match="hevc frame 8192x8192"):
+        decode_any(bad, fp)
+    assert decoder_opens == []
+
+
+def test_hevc_randomized_sps_mutations_never_escape(decoder_opens):
+    """400 random edits of the K video's SPS bytes: every outcome is a typed error or the honest KV."""
+    codec, fp, blob = _hevc()
+    k_ref, v_ref = codec.decode(blob, fp)
+    head, packets, tail = _section_parts(codec, fp, blob)
+    sps = _first_sps(packets)
+    rng = np.random.default_rng(9)
+    outcomes = {"error": 0, "same": 0}
+    t0 = time.perf_counter()
+    for _ in range(400):
+        bad_sps = bytearray(sps)
+        for i in rng.integers(2, len(sps), int(rng.integers(1, 4))):
+            bad_sps[i] = int(rng.integers(256))
+        bad = _repack(codec, fp, head, _with_sps(packets, lambda s, b=bytes(bad_sps): b), tail)
+        try:
+            k, v = codec.decode(bad, fp)
+        except ChunkError:
+            outcomes["error"] += 1
+            continue
+        assert np.array_equal(k, k_ref) and np.array_equal(v, v_ref)
+        outcomes["same"] += 1
+    assert outcomes["error"] >= 200, outcomes
+    assert time.perf_counter() - t0 < 60
