@@ -8,6 +8,13 @@ until it answers.
 
 Errors are ``ValueError`` with one line naming the URL and the problem; ``config.py`` turns them
 into ``argparse.ArgumentTypeError`` so argparse prints ``argument --remote-kv-store: ...`` and exits.
+
+``check_chunk_fits`` runs later, in the scheduler process (``radix_cache.build``), the first place
+that knows the KV pool's size and the model's KV layout: a ``--remote-kv-chunk-size`` larger than the
+pool or than the DPU data plane's staging slot could never be used, so it raises ``StartupError``
+(one line naming the flag, the limit and the largest chunk size that fits). The scheduler process
+then fails its start-up, and SGLang takes the whole server down (exit != 0) instead of serving with a
+tier that can never hit.
 """
 
 from __future__ import annotations
@@ -68,6 +75,42 @@ def check_store_url(url: str) -> str:
     if scheme == "redis" and db and not db.isdigit():
         raise ValueError(f"store URL {url!r}: database must be a number, got {db!r}")
     return url
+
+
+class StartupError(ValueError):
+    """An impossible remote-KV configuration, found once the model and the KV pool are known."""
+
+
+def check_chunk_fits(chunk_size: int, pool_tokens: int, layout, data_plane: bool) -> None:
+    """Raise ``StartupError`` unless one chunk fits the KV pool (``pool_tokens``) and, with
+    ``data_plane``, one staging slot of the DPU data plane (``layout``: the model's ``KVLayout``)."""
+    flag = f"--remote-kv-chunk-size {chunk_size}"
+    if chunk_size > pool_tokens:
+        raise StartupError(
+            f"{flag} is larger than the KV pool ({pool_tokens} tokens; --max-total-tokens / "
+            f"--mem-fraction-static): no remote chunk could ever be installed. Use at most "
+            f"{_fit16(pool_tokens)} tokens."
+        )
+    if not data_plane:
+        return
+    from sgl_remote_kv.control.dpu_client import DpuClientConfig
+    from sgl_remote_kv.dpu.buffers import chunk_bytes, plan_rounds
+
+    cfg = DpuClientConfig(store_url="")
+    slot = min(cfg.dest_slot_bytes, cfg.process.slot_bytes)
+    try:
+        plan_rounds([chunk_size], layout, slot, cfg.process.inflate_ratio)
+    except ValueError:
+        fit = max((t for t in range(16, chunk_size, 16) if chunk_bytes(layout, t) <= slot), default=0)
+        raise StartupError(
+            f"{flag}: one chunk is {chunk_bytes(layout, chunk_size) / 2**20:.0f} MiB of KV "
+            f"({layout.num_layers} layers x {layout.num_kv_heads} heads x {layout.head_dim} {layout.dtype}), "
+            f"larger than the DPU data plane's {slot >> 20} MiB staging slot. Use at most {fit} tokens."
+        ) from None
+
+
+def _fit16(tokens: int) -> int:
+    return max(16, tokens // 16 * 16)
 
 
 def probe_store_async(url: str, timeout_s: float = 3.0) -> threading.Thread:

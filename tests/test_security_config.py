@@ -119,14 +119,31 @@ def test_real_cli_bad_flag_fails_fast_with_one_line(model_dir, args, flag, msg):
     assert time.perf_counter() - t0 < 120
 
 
+def test_impossible_chunk_sizes_are_one_clear_error():
+    """The check ``radix_cache.build`` runs once the pool and the model layout are known."""
+    from sgl_remote_kv.control.dpu_client import DpuClientConfig
+    from sgl_remote_kv.preflight import StartupError, check_chunk_fits
+    from sgl_remote_kv.types import KVLayout
+
+    smol = KVLayout(30, 3, 64, "float32")  # 46 080 B of K+V per token
+    slot = DpuClientConfig(store_url="").dest_slot_bytes
+    fits = slot // (2 * 30 * 3 * 64 * 4) // 16 * 16
+    check_chunk_fits(256, 4096, smol, data_plane=True)
+    check_chunk_fits(fits, 10**6, smol, data_plane=True)
+    check_chunk_fits(fits + 16, 10**6, smol, data_plane=False)  # no data plane: no slot limit
+    with pytest.raises(StartupError) as e:
+        check_chunk_fits(8192, 4096, smol, data_plane=True)
+    msg = str(e.value)
+    assert msg.startswith("--remote-kv-chunk-size 8192") and "KV pool (4096 tokens" in msg and "\n" not in msg
+    with pytest.raises(StartupError) as e:
+        check_chunk_fits(fits + 16, 10**6, smol, data_plane=True)
+    assert f"{slot >> 20} MiB staging slot" in str(e.value) and f"at most {fits} tokens" in str(e.value)
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="gap: a --remote-kv-chunk-size larger than the KV pool (--max-total-tokens) is not rejected "
-    "at start; the server starts and every remote chunk is silently unusable",
-)
 def test_chunk_larger_than_kv_pool_is_one_clear_error_at_start(model_dir):
+    t0 = time.perf_counter()
     try:
         proc = _launch(
             model_dir,
@@ -142,4 +159,8 @@ def test_chunk_larger_than_kv_pool_is_one_clear_error_at_start(model_dir):
         pytest.fail("server kept running with an impossible chunk size instead of failing at start")
     assert proc.returncode != 0
     errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
-    assert any("--remote-kv-chunk-size" in ln for ln in errors), proc.stderr[-2000:]
+    ours = [ln for ln in errors if "remote KV start-up error: --remote-kv-chunk-size 8192" in ln]
+    assert len(ours) == 1 and "KV pool (4096 tokens" in ours[0], proc.stderr[-3000:]
+    assert proc.stderr.count("Traceback") <= 1, proc.stderr[-3000:]  # SGLang's one "Scheduler hit" dump
+    assert "data plane" not in proc.stderr.lower()  # refused before any tier resource was started
+    print(f"refused after {time.perf_counter() - t0:.0f} s; stderr {len(proc.stderr.splitlines())} lines")

@@ -48,7 +48,14 @@ class RemoteKVMetrics:
 
     # -- events ------------------------------------------------------------------------------------
     def lookup(self, result: str) -> None:
+        """``hit`` / ``miss`` (the store answered) / ``error`` (it failed: unreachable, breaker open,
+        its own deadline) / ``timeout`` (no answer within the glue's lookup timeout)."""
         self._inc("lookups", result=result)
+
+    def store_error(self, op: str, kind: str, n: int = 1) -> None:
+        """A failed store call (``StoreClient``'s error listener; any thread): ``op`` lookup / get /
+        put / delete, ``kind`` unavailable / timeout / breaker_open / corrupt / io:<errno> / ..."""
+        self._inc("store_errors", n, op=op, kind=kind)
 
     def hit(self, tokens: int, chunks: int) -> None:
         self._inc("hit_tokens", tokens)
@@ -96,6 +103,9 @@ def _build_prometheus() -> dict:
     p = "sglang:remote_kv_"
     return {
         "lookups": Counter(p + "lookups", "Remote prefix lookups by result", ["result"]),
+        "store_errors": Counter(
+            p + "store_errors", "Failed store calls (each became a miss or a dropped write)", ["op", "kind"]
+        ),
         "hit_tokens": Counter(p + "hit_tokens", "Prompt tokens served from the remote KV tier"),
         "hit_chunks": Counter(p + "hit_chunks", "Chunks served from the remote KV tier"),
         "fetched_bytes": Counter(p + "fetched_bytes", "Compressed bytes fetched from the store"),

@@ -22,6 +22,7 @@ import logging
 
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+from sgl_remote_kv import preflight
 from sgl_remote_kv.config import RemoteKVConfig
 from sgl_remote_kv.sglang_glue import kv_io, paths, runtime
 from sgl_remote_kv.sglang_glue.writeback import WriteBack
@@ -58,6 +59,9 @@ def build(ctx):
         _install_runtime(ctx, cfg)
     except kv_io.UnsupportedPool as e:
         logger.warning("remote KV tier disabled: %s", e)
+    except preflight.StartupError as e:  # impossible sizes: the server must not start (docs/RELIABILITY.md)
+        logger.error("remote KV start-up error: %s", e)
+        raise
     return cache
 
 
@@ -67,7 +71,10 @@ def _install_runtime(ctx, cfg: RemoteKVConfig) -> None:
     archs = getattr(ctx.model_config.hf_config, "architectures", None) or ["unknown"]
     fp = kv_io.fingerprint_for(kvcache, archs[0], ctx.server_args.model_path, ctx.tp_rank, ctx.tp_size)
     codec = paths.write_codec(cfg)
+    data_plane = cfg.mode in ("dpu", "auto") and codec.name != paths.HEVC
+    preflight.check_chunk_fits(cfg.chunk_size, int(kvcache.size), fp.layout, data_plane)
     rt = runtime.RemoteKVRuntime(cfg, fp, codec, runtime.open_store_client(cfg))
+    rt.client.on_error = rt.metrics.store_error  # store_errors_total{op,kind}
     paths.install_paths(rt, kvcache)
     rt.writer = WriteBack(rt, kvcache, params.req_to_token_pool, rt.settings.writeback_queue)
     runtime.install(rt)

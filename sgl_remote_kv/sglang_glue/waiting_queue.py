@@ -44,6 +44,7 @@ from sgl_remote_kv.sglang_glue import tp_sync
 from sgl_remote_kv.sglang_glue.fetch import FetchHandle
 from sgl_remote_kv.sglang_glue.install import TreeInstaller
 from sgl_remote_kv.sglang_glue.runtime import RemoteKVRuntime, tenant_salt
+from sgl_remote_kv.store.base import StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -132,14 +133,18 @@ class WaitingForKV:
         return True
 
     def _count(self, keys: dict[str, list[bytes]]) -> dict[str, int]:
-        """Remote chunk count per path (one store round trip per distinct codec)."""
+        """Remote chunk count per path (one store round trip per distinct codec). Raises
+        ``StoreError`` if a store call failed and no path found anything: an error, not a miss."""
         try:
-            seen: dict[int, int] = {}
+            seen: dict = {}  # id(keys) -> PrefixLookup
             out = {}
             for name, ks in keys.items():
                 if id(ks) not in seen:
-                    seen[id(ks)] = self.rt.client.count_prefix(ks)
-                out[name] = seen[id(ks)]
+                    seen[id(ks)] = self.rt.client.lookup_prefix(ks)
+                out[name] = seen[id(ks)].found
+            errors = [r.error for r in seen.values() if r.error]
+            if errors and not any(out.values()):
+                raise StoreError(f"remote KV lookup failed ({errors[0]})")
             return out
         finally:
             self.rt.wakeup.set()
@@ -176,9 +181,10 @@ class WaitingForKV:
                 self.rt.metrics.lookup("timeout")
                 self._release(p)
             return
-        counts = p.lookup.result() if p.lookup.exception() is None else {}
+        failed = p.lookup.exception()  # a store error (or a bug): counted apart from a cold miss
+        counts = p.lookup.result() if failed is None else {}
         n = max(counts.values(), default=0)
-        self.rt.metrics.lookup("hit" if n else "miss")
+        self.rt.metrics.lookup("hit" if n else "miss" if failed is None else "error")
         if n == 0 or not self._decide_fetch(p, counts):
             self._release(p)
             return
