@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
@@ -160,6 +161,17 @@ class DestRegion:
             logger.debug("resource_tracker.unregister failed: %s", e)
         return cls(shm, owner=False)
 
+    def exists(self) -> bool:
+        """The segment's name is still linked (Linux: under /dev/shm)."""
+        return os.path.exists("/dev/shm/" + self.name.lstrip("/"))
+
+    def unlink(self) -> None:
+        """Remove the segment's name (existing mappings stay valid); a no-op if already gone."""
+        try:
+            self._shm.unlink()
+        except FileNotFoundError:
+            pass
+
     def close(self) -> None:
         self.array = None  # drop the exported buffer before closing the mapping
         try:
@@ -167,7 +179,4 @@ class DestRegion:
         except BufferError:
             logger.warning("dest region %s still has views; leaving it mapped", self.name)
         if self.owner:
-            try:
-                self._shm.unlink()
-            except FileNotFoundError:
-                pass
+            self.unlink()

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -274,4 +275,20 @@ class DataPlaneServer:
         self.events.close(0)
         self.router.close(0)
         self.ctx.term()
+        self._unlink_orphaned_region()
         self.dest.close()
+
+    def _unlink_orphaned_region(self) -> None:
+        """A host that dies without ``DpuClient.close`` (SGLang's shutdown never calls it; SIGTERM to the
+        server's process group) leaks the destination region's shm (128 MiB+) for good: unlink it when
+        our host is gone. ``DpuClient.close`` unlinks the name before SIGTERMing us (no wait then); an
+        external SIGTERM with the host alive leaves it alone (the host restarts us into it)."""
+        pid = self.cfg.parent_pid
+        if not pid:
+            return
+        deadline = time.monotonic() + 1.0
+        while os.getppid() == pid and self.dest.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if os.getppid() != pid:
+            logger.warning("host %d is gone; unlinking its destination region %s", pid, self.dest.name)
+            self.dest.unlink()

@@ -324,18 +324,21 @@ from sgl_remote_kv.control.dpu_process import ProcessSpec
 spec = ProcessSpec(slot_bytes=1 << 20)
 c = DpuClient(DpuClientConfig("file://{tmp_path}/store", dest_slot_bytes=1 << 20, process=spec), FP, codecs()["lossless"])
 c.start()
-print(c.pid, flush=True)
+print(c.pid, c.dest.name.lstrip("/"), flush=True)
 time.sleep(120)
 """
     host = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        dp_pid = int(host.stdout.readline())
+        pid_text, region = host.stdout.readline().split()
+        dp_pid = int(pid_text)
+        assert Path("/dev/shm", region).exists()
         host.kill()  # the serving process dies without cleaning up
         host.wait()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not _gone(dp_pid):
             time.sleep(0.1)
         assert _gone(dp_pid)
+        assert not Path("/dev/shm", region).exists()  # the orphaned region does not leak
     finally:
         if host.poll() is None:
             host.kill()
@@ -395,3 +398,27 @@ def test_dpu_cpus_flag_pins_the_data_plane(tmp_path, make_client):
     while c.last_pong is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert json.loads(c.stats()["dataplane"])["cpus"] == [want]
+
+
+def test_dpu_args_flag_and_data_plane_flags_reach_their_config():
+    """``--remote-kv-dpu-args`` refuses the flags the host owns and unbalanced quotes; the data plane's
+    ablation and fault-injection flags land in its pipeline config (they were once parsed and dropped)."""
+    import argparse
+
+    from sgl_remote_kv.dpu.__main__ import build_parser, config_from_args
+
+    from sgl_remote_kv.config import RemoteKVConfig
+
+    parser = argparse.ArgumentParser()
+    RemoteKVConfig.add_cli_args(parser)
+    ns = parser.parse_args(["--remote-kv-dpu-args", "--dma-delay-s 0.05 --layer-group 2"])
+    assert RemoteKVConfig._from_namespace(ns).dpu_args == "--dma-delay-s 0.05 --layer-group 2"
+    for bad in ("--endpoint ipc:///x", "--store=file:///y", "'unbalanced"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--remote-kv-dpu-args", bad])
+    base = ["--endpoint", "ipc:///x", "--store", "file:///y", "--dest-shm", "z"]
+    pipe = config_from_args(build_parser().parse_args(base)).pipeline
+    assert (pipe.serial, pipe.prealloc, pipe.dma_delay_s) == (False, True, 0.0)
+    extra = ["--ablation-serial", "--ablation-no-prealloc", "--dma-delay-s", "0.5"]
+    pipe = config_from_args(build_parser().parse_args(base + extra)).pipeline
+    assert (pipe.serial, pipe.prealloc, pipe.dma_delay_s) == (True, False, 0.5)

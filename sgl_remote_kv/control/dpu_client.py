@@ -132,6 +132,8 @@ class DpuClient:
                 self._lose_round(r, "cancelled")
             self._inflight.clear()
             self._pending.clear()
+        if self.dest is not None:
+            self.dest.unlink()  # first: tells the data plane it need not clean up after us
         if self._proc is not None:
             self._proc.stop()
         for s in (self._wake_tx, self._wake_rx):
