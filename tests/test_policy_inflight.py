@@ -210,3 +210,11 @@ def test_waiting_queue_abandons_a_losing_fetch_and_recomputes(tmp_path):
         assert not rt.policy.inflight.items and rt.policy.link_spb.samples == 1  # the loss was learned
     finally:
         rt.close()
+
+
+def test_wire_bytes_follow_the_learned_compression_ratio():
+    pol = _policy()
+    assert pol.wire_bytes("dpu", 20 * MB, 0.5) == 10 * MB  # the caller's guess before any fetch
+    pol.observe_fetch("dpu", 8 * MB, 0.1, 20 * MB, 0.0, now=T0)  # 2.5x compression measured
+    assert pol.wire_bytes("dpu", 20 * MB, 0.5) == 8 * MB
+    assert pol.wire_bytes("inproc", 20 * MB, 1.0) == 20 * MB  # per path

@@ -178,6 +178,7 @@ class Policy:
         # and one slow sample must be able to pull a fast estimate down.
         self.link_spb = Ewma(0.3, 1.0 / cfg.bw_initial_bps)
         self.decode_spb = {p: Ewma(0.3, 1.0 / cfg.decode_initial_bps) for p in PATHS}
+        self.wire_ratio = {p: Ewma(0.3, 0.0) for p in PATHS}  # wire bytes per decoded byte, learned
         self.prefill = PrefillModel()
         self.inflight = InflightFetches(cfg)
         self.last_link_event = time.monotonic()  # last link sample or probe start
@@ -198,6 +199,14 @@ class Policy:
                 self._link_sample(fetch_s / nbytes, _now(now))
             if decoded_bytes > 0 and decode_s > 0:
                 self.decode_spb[path].update(decode_s / decoded_bytes)
+            if decoded_bytes > 0 and nbytes > 0:
+                self.wire_ratio[path].update(nbytes / decoded_bytes)
+
+    def wire_bytes(self, path: str, decoded_bytes: int, guess_ratio: float) -> int:
+        """Expected wire bytes of ``decoded_bytes`` of KV on ``path``: the learned compression ratio of
+        the path's fetches, ``guess_ratio`` before the first one."""
+        r = self.wire_ratio[path]
+        return int(decoded_bytes * (r.value if r.samples else guess_ratio))
 
     def _link_sample(self, spb: float, now: float) -> None:
         stale = now - self.last_link_event > self.config.probe_interval_s

@@ -227,8 +227,8 @@ class WaitingForKV:
             if n <= 0:
                 continue
             raw = n * c * bpt
-            # wire-size guess before any fetch was observed; the link EWMA absorbs the error
-            wire = raw if self.rt.paths[name].codec.name == "lossless" else raw // 2
+            # learned wire/decoded ratio of the path; a guess before its first fetch
+            wire = self.rt.policy.wire_bytes(name, raw, 1.0 if self.rt.paths[name].codec.name == "lossless" else 0.5)
             options[name] = (n * c, wire, raw)
             depth[name] = self.rt.paths[name].backend.queue_depth()
         decision = self.rt.policy.decide_among(options, depth)
