@@ -218,3 +218,16 @@ def test_wire_bytes_follow_the_learned_compression_ratio():
     pol.observe_fetch("dpu", 8 * MB, 0.1, 20 * MB, 0.0, now=T0)  # 2.5x compression measured
     assert pol.wire_bytes("dpu", 20 * MB, 0.5) == 8 * MB
     assert pol.wire_bytes("inproc", 20 * MB, 1.0) == 20 * MB  # per path
+
+
+def test_pipelined_path_is_not_charged_its_decode_twice():
+    # The DPU reports one job time (fetch + decode + scatter pipelined) and no separate decode time:
+    # at 1 s per 10 MB job vs 1.2 s recompute it must fetch (the 200 MB/s decode prior would have
+    # added 0.1 s x (1 + queue depth) on top and made it recompute at depth 2).
+    pol = _policy()
+    pol.observe_prefill(300, 1.2)  # 250 tok/s
+    pol.observe_fetch("dpu", 10 * MB, 1.0, 20 * MB, 0.0, now=T0)
+    assert pol.decode_spb["dpu"].value == 0.0
+    assert pol.decide_among({"dpu": (300, 10 * MB, 20 * MB)}, {"dpu": 2}, now=T0).path == "dpu"
+    pol.observe_fetch("dpu", 10 * MB, 0.0, 0, 0.0, now=T0)  # nothing fetched, nothing learned
+    assert pol.decode_spb["dpu"].samples == 1

@@ -197,7 +197,9 @@ class Policy:
         with self._lock:
             if nbytes > 0 and fetch_s > 0:
                 self._link_sample(fetch_s / nbytes, _now(now))
-            if decoded_bytes > 0 and decode_s > 0:
+            # decode_s == 0 with a timed fetch: the path pipelines decode behind the transfer (the DPU
+            # reports one job time), which ``fetch_s`` already holds; its separate decode cost is 0
+            if decoded_bytes > 0 and (decode_s > 0 or fetch_s > 0):
                 self.decode_spb[path].update(decode_s / decoded_bytes)
             if decoded_bytes > 0 and nbytes > 0:
                 self.wire_ratio[path].update(nbytes / decoded_bytes)
