@@ -8,6 +8,8 @@
 - ``fetch_vs_floor``: every probe request's fetch/floor ratio per config and rate.
 - ``auto_vs_fixed``: per rate, auto's mean TTFT and paths next to the best fixed configuration.
 - ``interference``: loaded/unloaded TPOT per configuration.
+- ``probe_vs_recompute``: per config and rate, each probe request's latency over the side-by-side
+  recompute of a same-length fresh prompt (measured right after it, same server, same moment).
 """
 
 from __future__ import annotations
@@ -106,8 +108,28 @@ def interference(result: dict) -> dict:
     return out
 
 
+def probe_vs_recompute(result: dict) -> dict:
+    out = {}
+    for name, c in _cfgs(result).items():
+        for r in c["runs"]:
+            rows = [p for p in r["probe"] if p.get("recompute_ref_s")]
+            if rows:
+                ratios = [p["latency_s"] / p["recompute_ref_s"] for p in rows]
+                fetched = [p for p in rows if p.get("remote_hit_tokens")]
+                out.setdefault(name, {})[str(r["rate_mbit"])] = {
+                    "n": len(rows),
+                    "fetched": len(fetched),
+                    "median_latency_s": statistics.median(p["latency_s"] for p in rows),
+                    "median_recompute_ref_s": statistics.median(p["recompute_ref_s"] for p in rows),
+                    "median_ratio": statistics.median(ratios),
+                    "paths": [p["paths"] for p in rows],
+                }
+    return out
+
+
 def derive(result: dict, kv_bytes_per_token: int) -> dict:
     return {
+        "probe_vs_recompute": probe_vs_recompute(result),
         "scaling": scaling(result, kv_bytes_per_token),
         "fetch_vs_floor": fetch_vs_floor(result),
         "auto_vs_fixed": auto_vs_fixed(result),

@@ -5,7 +5,10 @@
   token to compute), with pairwise-distinct first chunks.
 - ``fetch_probe``: sends them one at a time and reads the server's remote-tier metrics before and
   after each, which yields that request's store fetch time (``sglang:remote_kv_fetch_seconds``),
-  its compressed bytes, hit tokens and the policy's path; the wire floor is bytes / link rate.
+  its compressed bytes, hit tokens and the policy's path; the wire floor is bytes / link rate. Right
+  after each, the same prompt with a fresh random first token (a prefix nobody has: local and remote
+  miss) is timed as the side-by-side recompute reference (``recompute_ref_s``), so the fetch's
+  latency can be compared with a recompute measured at the same moment on a loaded machine.
 - ``interference``: one long streaming decode; its inter-token gaps alone (unloaded TPOT) and while
   probe requests fetch (loaded TPOT).
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import statistics
 import threading
 import time
@@ -76,6 +80,7 @@ def fetch_probe(
     lived it (lookup + fetch + decode + install).
     """
     rows = []
+    rng = random.Random()
     for ids in prompts:
         before, w0 = scrape(base_url), wire_bytes() if wire_bytes else 0
         t0 = time.perf_counter()
@@ -84,6 +89,9 @@ def fetch_probe(
         time.sleep(0.3)  # metrics are updated by the scheduler after the request was released
         d = delta(scrape(base_url), before)
         wire = wire_bytes() - w0 if wire_bytes else None
+        t1 = time.perf_counter()
+        generate(base_url, [rng.randrange(1000, 40000), *ids[1:]])  # fresh prefix: a full recompute
+        ref_s = time.perf_counter() - t1
         hit = metric(d, "remote_kv_hit_tokens_total")
         payload = metric(d, "remote_kv_fetched_bytes_total") or None
         nbytes = payload or (wire if hit else None)
@@ -95,6 +103,7 @@ def fetch_probe(
             {
                 "prompt_tokens": len(ids),
                 "latency_s": latency,
+                "recompute_ref_s": ref_s,
                 "cached_tokens": meta.get("cached_tokens"),
                 "cached_tokens_details": meta.get("cached_tokens_details"),
                 "remote_hit_tokens": hit,
