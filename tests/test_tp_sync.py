@@ -147,3 +147,94 @@ def test_tp1_is_the_identity_without_any_collective():
     v = ag.agree([("a:fetch", row(ready(4))), ("b:lookup", row(MISS))])
     assert (v[0].chunks, v[1].miss, ag.collectives, ag.active) == (4, True, 0, False)
     assert not tp_sync.SINGLE.active
+
+
+# -- the queue driver (TPQueue) on real WaitingForKV state, one queue per rank ----------------------
+
+
+class _IdleBackend:
+    """A fetch path that is never fetched from here (rank 0's policy chooses recompute)."""
+
+    def queue_depth(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+def _queue(rank: int, ag: Agreement, tmp: str):
+    import types
+
+    from sgl_remote_kv.config import RemoteKVConfig
+    from sgl_remote_kv.sglang_glue import paths
+    from sgl_remote_kv.sglang_glue.install import TreeInstaller
+    from sgl_remote_kv.sglang_glue.runtime import FetchPath, RemoteKVRuntime
+    from sgl_remote_kv.sglang_glue.waiting_queue import WaitingForKV
+    from sgl_remote_kv.store.client import open_client
+    from sgl_remote_kv.types import KVLayout, ModelFingerprint
+
+    fp = ModelFingerprint("LlamaForCausalLM", KVLayout(2, 1, 8, "float32"), "w", rank, ag.size)
+    cfg = RemoteKVConfig(mode="dpu", store_url=f"file://{tmp}/s{rank}", chunk_size=16, policy_margin=0.0)
+    rt = RemoteKVRuntime(cfg, fp, paths.write_codec(cfg), open_client(cfg.resolved_store_url()))
+    rt.set_paths([FetchPath("inproc", _IdleBackend(), rt.codec)])
+    q = WaitingForKV.__new__(WaitingForKV)
+    q.rt, q.parked, q.zombies, q.layerwise = rt, {}, [], None
+    q.inst = TreeInstaller.__new__(TreeInstaller)  # zombies here hold no slots / locks
+    q.released = []
+    q._release_fn = q.released.append
+    q.sync = tp_sync.TPQueue(ag)
+    return q, types.SimpleNamespace  # requests: only ``rid`` is read on this path
+
+
+def _scenario_queue(rank: int, ag: Agreement) -> list:
+    """Lookups that finish at different passes, a timeout and a store error on one rank each, and a
+    zombie fetch whose backend stops at a different pass on every rank; the pass at which each request
+    leaves the queue and the zombie is reaped must be the same on every rank."""
+    import concurrent.futures as cf
+    import tempfile
+    import time
+
+    from sgl_remote_kv.sglang_glue.fetch import FetchHandle
+    from sgl_remote_kv.sglang_glue.waiting_queue import _Parked
+
+    q, ns = _queue(rank, ag, tempfile.mkdtemp())
+    futures = {rid: cf.Future() for rid in ("late", "timeout", "fault")}
+    for rid, f in futures.items():
+        q.parked[rid] = _Parked(req=ns(rid=rid), keys={"inproc": [b"k"] * 3}, local_chunks=0, lookup=f)
+    zombie = _Parked(req=ns(rid="z"), keys={}, local_chunks=0, handle=FetchHandle("z", 1, 0, 16))
+    q.zombies.append(zombie)
+    futures["late"].set_result({"inproc": 3}) if rank != 1 else None  # rank 1 answers at pass 2
+    futures["timeout"].set_result({"inproc": 3}) if rank != ag.size - 1 else None  # never answers
+    if rank == 0:
+        futures["fault"].set_exception(OSError("store unreachable"))
+    else:
+        futures["fault"].set_result({"inproc": 3})
+    out, released_at = [], {}
+    for step in range(5):
+        if step == 2 and rank == 1:
+            futures["late"].set_result({"inproc": 3})
+        if step == 1 and rank == ag.size - 1:  # this rank's clock passes the lookup deadline
+            q.parked["timeout"].parked_at = time.monotonic() - 10 * q.rt.settings.lookup_timeout_s
+        if step == rank:
+            zombie.handle._finish()  # this rank's backend stops writing the dropped fetch's slots
+        q.sync.poll(q, time.monotonic())
+        for r in q.released:
+            released_at.setdefault(r.rid, step)
+        out.append((sorted(q.parked), len(q.zombies), ag.collectives))
+    return [released_at, out, q.rt.metrics.snapshot().get("lookups|result=timeout", 0)]
+
+
+SCENARIOS["_scenario_queue"] = _scenario_queue
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_queue_passes_agree_on_every_rank(size, tmp_path):
+    per_rank = _run("_scenario_queue", size, tmp_path)
+    released, passes, _ = per_rank[0]
+    assert all(r[:2] == [released, passes] for r in per_rank)  # same pass for every decision
+    # the error on rank 0 releases "fault" at once; the timeout on the last rank releases "timeout"
+    # at pass 1 although the others have an answer; "late" waits for rank 1's lookup (pass 2)
+    assert released == {"fault": 0, "timeout": 1, "late": 2}
+    assert [z for _, z, _ in passes] == [1] * (size - 1) + [0] * (6 - size)  # reaped when all stopped
+    assert [c for _, _, c in passes] == [1, 2, 3, 3, 3]  # one per pass while anything is queued; none after
+    assert [r[2] for r in per_rank][-1] == 1  # the rank whose clock expired counted a timeout

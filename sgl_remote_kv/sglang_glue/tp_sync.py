@@ -172,10 +172,13 @@ class TPQueue:
         verdicts = self.ag.agree(entries)
         self._reap(q, zombies, verdicts[len(rids) :])
         q.rt.wakeup.clear()
-        for rid, v in zip(rids, verdicts, strict=True):
+        for rid, v in zip(rids, verdicts[: len(rids)], strict=True):
             p = q.parked.get(rid)
             if p is not None and (not v.pending or v.early):
                 self._act(q, p, v, now)
+        for notes in (self._choice, self._why):  # requests aborted while parked
+            for rid in [r for r in notes if r not in q.parked]:
+                del notes[rid]
 
     def _reap(self, q, zombies: list, verdicts: list[Verdict]) -> None:
         """Free a dropped fetch's slots only once every rank's backend stopped writing them."""
@@ -264,6 +267,8 @@ class TPQueue:
     def _act_lookup(self, q, p, v: Verdict, now: float, why: str) -> None:
         if v.miss:
             p.lookup.cancel()
+            if why == "tp_peer_miss":  # this rank had the chunks, another one did not
+                q.rt.metrics.failure(why)
             q.rt.metrics.lookup(why if why in ("timeout", "error", "miss") else "miss")
             q._release(p)
             return
