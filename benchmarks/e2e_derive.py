@@ -21,7 +21,7 @@ from benchmarks import projection
 
 logger = logging.getLogger(__name__)
 
-FIXED = ("recompute", "device", "raw", "dpu", "nvdec")
+FIXED = ("recompute", "device", "raw", "dpu", "nvdec", "inproc", "dpu_fetch", "inproc_fetch")
 
 
 def _cfgs(result: dict) -> dict:

@@ -5,7 +5,9 @@
 - ``e2e_load_latency.png``: mean TTFT and TPOT against achieved request throughput (ShadowServe
   Fig. 9 style) at the curve's link rate;
 - ``e2e_fetch_floor.png``: each probe request's store fetch time against its wire-time floor;
-- ``e2e_interference.png``: a running decode's TPOT alone vs while other requests fetch.
+- ``e2e_interference.png``: a running decode's TPOT alone vs while other requests fetch;
+- ``e2e_probe_ratio.png``: each probe request's latency over its side-by-side recompute reference
+  (< 1: the remote tier was faster at that moment), filled markers where the request was fetched.
 
 ``python -m benchmarks.e2e_plots [e2e.json]`` re-draws from a saved result.
 """
@@ -156,15 +158,54 @@ def plot_interference(result: dict, out: Path) -> None:
         ax.text(x + 0.2, r[2], f"{r[2] / r[1]:.2f}x", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(xs), [r[0] for r in rows], fontsize=8)
     ax.set_ylabel("mean TPOT of the running decode (ms)")
-    ax.set_title("interference on a running decode")
+    ax.set_title("interference on a running decode (labels: loaded / alone; target <= 1.05x for dpu)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "e2e_interference.png", dpi=110)
     plt.close(fig)
 
 
+def plot_probe_ratio(result: dict, out: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    drawn = False
+    for k, (name, c) in enumerate(_ok(result["configs"]).items()):
+        rows = [
+            (r["rate_mbit"], p)
+            for r in c["runs"]
+            if r["rate_mbit"]
+            for p in r["probe"]
+            if p.get("recompute_ref_s")
+        ]
+        if not rows:
+            continue
+        color = f"C{k % 10}"
+        x = [r for r, _ in rows]
+        y = [p["latency_s"] / p["recompute_ref_s"] for _, p in rows]
+        hit = [bool(p.get("remote_hit_tokens")) for _, p in rows]
+        ax.scatter([a for a, h in zip(x, hit, strict=True) if h], [b for b, h in zip(y, hit, strict=True) if h],
+                   color=color, label=f"{_label(name, c)} (fetched)", s=22)  # fmt: skip
+        ax.scatter([a for a, h in zip(x, hit, strict=True) if not h], [b for b, h in zip(y, hit, strict=True) if not h],
+                   facecolors="none", edgecolors=color, label=f"{name} (policy recomputed)", s=22)  # fmt: skip
+        drawn = True
+    if not drawn:
+        plt.close(fig)
+        return
+    ax.axhline(1.0, color="k", lw=0.8, ls="--", label="= recompute measured side by side")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link rate to the store (Mbit/s)")
+    ax.set_ylabel("probe latency / side-by-side recompute latency")
+    ax.set_title("1025-token prompt: remote tier vs recompute, same moment")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out / "e2e_probe_ratio.png", dpi=110)
+    plt.close(fig)
+
+
 def plot_all(result: dict, out: Path) -> None:
-    for fn in (plot_ttft, plot_load_latency, plot_fetch_floor, plot_interference):
+    for fn in (plot_ttft, plot_load_latency, plot_fetch_floor, plot_interference, plot_probe_ratio):
         try:
             fn(result, out)
         except Exception:  # one broken plot must not lose the others

@@ -54,6 +54,22 @@ CONFIGS = {
     "dpu": Config("dpu", ("--remote-kv", "dpu"), True, "dpu", "default quantized codec, DPU path"),
     "nvdec": Config("nvdec", ("--remote-kv", "nvdec"), True, "nvdec", "NVDEC (HEVC) path"),
     "auto": Config("auto", ("--remote-kv", "auto"), True, None, "policy picks per request"),
+    # The data paths without the policy (it would recompute where fetching loses): every remote hit
+    # is fetched, so fetch time vs wire floor and interference are measured at every rate.
+    "dpu_fetch": Config(
+        "dpu_fetch",
+        ("--remote-kv", "dpu", "--remote-kv-policy-margin", "1e9"),
+        True,
+        "dpu",
+        "DPU path, always fetch",
+    ),
+    "inproc_fetch": Config(
+        "inproc_fetch",
+        ("--remote-kv", "inproc", "--remote-kv-policy-margin", "1e9"),
+        True,
+        "inproc",
+        "in-process decode, always fetch",
+    ),
     # The in-process decode baseline (CacheGen-Async-like): fetch + decode on a worker thread of the
     # serving process, competing with the forward pass for its core (and the GIL).
     "inproc": Config(
