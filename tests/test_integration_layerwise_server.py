@@ -1,6 +1,6 @@
 """End to end, layer-wise pipelining (``--remote-kv-layerwise``): real CPU SGLang servers, real SmolLM2
-(float32), real embedded store, lossless codec, in-process fetch path (``--remote-kv nvdec`` with a
-non-hevc codec falls back to it; the DPU path is not pipelined, see docs/INTEGRATION.md).
+(float32), real embedded store, lossless codec; the in-process fetch path (``--remote-kv nvdec`` with a
+non-hevc codec falls back to it) and the DPU path (``--remote-kv dpu``).
 
 One long prompt: a cold run (the baseline) writes it back; ``/flush_cache`` empties the local cache and
 the same prompt is a remote hit *without* pipelining; a second server with ``--remote-kv-layerwise``
@@ -11,6 +11,10 @@ TTFTs and the time spent in waiting_for_KV are printed (the measurement for docs
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import threading
 import time
 
 import pytest
@@ -23,6 +27,11 @@ from tests.fixtures.remote_kv_server import (
     remote_kv_server,
     storage_tokens,
 )
+
+LW_ADMITTED = "sglang:remote_kv_layerwise_admissions_total"
+LW_FALLBACK = 'sglang:remote_kv_failures_total{kind="layerwise_fallback"}'
+ALWAYS_FETCH = ("--remote-kv-policy-margin", "1e9")
+RUNS = 4  # remote hits per server; the first warms the long-prefix path
 
 pytestmark = pytest.mark.e2e
 
@@ -94,3 +103,71 @@ def test_layerwise_remote_hit_exact_and_ttft(model_dir, tmp_path):
         f"with layer-wise {ons[0][1]:.2f} / {ons[1][1]:.2f} s (waiting_for_KV total {w_on:.2f} s, "
         f"forward waited on layers {stalled:.2f} s)"
     )
+
+
+def _remote_hits(srv, ids: list[int], n: int = 2) -> list[tuple[dict, float]]:
+    out = []
+    for _ in range(n):
+        flush_cache(srv)
+        out.append(_first_token(srv, ids))
+    return out
+
+
+def _kill_data_plane_after_admission(srv, ids: list[int]) -> dict:
+    """Send ``ids``; SIGKILL the data plane as soon as the request was admitted at "verified" (its
+    DMA is slowed down, so layers are still missing); return the response."""
+    pids = [int(p) for p in re.findall(r"data plane generation \d+ pid (\d+)", srv.log_text())]
+    assert pids, "server did not start a DPU data plane"
+    flush_cache(srv)
+    before = metrics(srv).get(LW_ADMITTED, 0)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(out=_first_token(srv, ids)[0]))
+    t.start()
+    deadline = time.monotonic() + 120
+    while metrics(srv).get(LW_ADMITTED, 0) <= before and time.monotonic() < deadline:
+        time.sleep(0.03)
+    os.kill(pids[-1], signal.SIGKILL)
+    t.join(timeout=300)
+    return result["out"]
+
+
+def test_dpu_layerwise_exact_survives_data_plane_kill_and_ttft(model_dir, tmp_path):
+    """``--remote-kv dpu --remote-kv-layerwise``: remote hits admitted at "verified" give the cold run's
+    token and logprob; SIGKILL of the data plane after admission: still exact (host decodes the rest from
+    its blob copies), server up. Prints TTFT with layer-wise off / on on the DPU path."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir)(DOC + "\nWhat does the fox do?", add_special_tokens=False)[
+        "input_ids"
+    ]
+    usable = (len(ids) - 1) // CHUNK * CHUNK
+    store = f"file://{tmp_path / 'store'}"
+    with remote_kv_server(model_dir, store, *ARGS, *ALWAYS_FETCH, mode="dpu") as s1:
+        base, t_cold = _first_token(s1, ids)
+        _wait_written(s1, usable // CHUNK)
+        offs = _remote_hits(s1, ids, RUNS)
+    with remote_kv_server(model_dir, store, *ARGS, *ALWAYS_FETCH, "--remote-kv-layerwise", mode="dpu") as s2:
+        ons = _remote_hits(s2, ids, RUNS)
+        m = metrics(s2)
+    for out, _ in offs + ons:
+        assert storage_tokens(out) == usable and out["output_ids"] == base["output_ids"]
+        assert abs(_logprob(out) - _logprob(base)) < 1e-3
+    assert m.get(LW_ADMITTED, 0) == RUNS and m.get(LW_FALLBACK, 0) == 0, m
+    slow_dma = ("--remote-kv-layerwise", "--remote-kv-dpu-args", "--dma-delay-s 0.05")
+    with remote_kv_server(model_dir, store, *ARGS, *ALWAYS_FETCH, *slow_dma, mode="dpu") as s3:
+        killed = _kill_data_plane_after_admission(s3, ids)
+        m3 = metrics(s3)
+        again, _ = _first_token(s3, ids)  # the server is still up (and has a new data plane)
+    assert killed["output_ids"] == base["output_ids"] and abs(_logprob(killed) - _logprob(base)) < 1e-3
+    assert storage_tokens(killed) == usable
+    assert m3.get(LW_ADMITTED, 0) == 1 and m3.get(LW_FALLBACK, 0) == 1, m3
+    assert again["output_ids"] == base["output_ids"]
+    waited = m.get("sglang:remote_kv_layerwise_wait_seconds_total", 0)
+    print(
+        f"\nDPU path, {len(ids)}-token prompt, remote hit {usable} tokens, first token only; cold {t_cold:.2f} s"
+    )
+    print("| run | TTFT layer-wise off | TTFT layer-wise on | ratio on/off |")
+    print("|---|---|---|---|")
+    for i, ((_, off), (_, on)) in enumerate(zip(offs, ons, strict=True)):
+        print(f"| {i + 1}{' (warm-up)' if i == 0 else ''} | {off:.2f} s | {on:.2f} s | {on / off:.2f} |")
+    print(f"(with layer-wise the forward pass waited {waited:.2f} s in total on layers)")
