@@ -78,7 +78,10 @@ def proxy(redis_srv):
 
 @pytest.fixture(scope="module")
 def srv(model_dir, proxy):
-    with remote_kv_server(model_dir, f"redis://{proxy.address}/0?timeout=5") as s:
+    # Policy pinned to "always fetch": these tests are about faults, and the slow-store tests would
+    # otherwise teach the policy to recompute for the tests after them (policy: tests/test_policy*).
+    url = f"redis://{proxy.address}/0?timeout=5"
+    with remote_kv_server(model_dir, url, "--remote-kv-policy-margin", "1e9") as s:
         yield s
 
 
