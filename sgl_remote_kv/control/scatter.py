@@ -57,8 +57,26 @@ def scatter_layers(
     kern = _kernel_scatter()
     for src, pool in ((k_src, target.k_pool), (v_src, target.v_pool)):
         layers = list(pool[layer_lo : layer_lo + n_layers])
+        if _scatter_numpy(src, layers, slots):
+            continue
         if kern is not None:
             kern(src, layers, slots)
         else:
             for i in range(n_layers):
                 layers[i].index_copy_(0, slots, src[i])
+
+
+def _numpy_view(t: torch.Tensor) -> np.ndarray:
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def _scatter_numpy(src: torch.Tensor, layers: list[torch.Tensor], slots: torch.Tensor) -> bool:
+    """CPU pools: copy with numpy (single-threaded) instead of torch ops. This runs on the DPU client's
+    receiver thread, possibly while the forward pass runs (layer-wise): a torch op here would open a
+    second OpenMP team next to the forward pass's on the same cores. False if not applicable."""
+    if src.is_cuda or any(d.is_cuda or d.dtype != src.dtype for d in layers) or src.dtype == torch.float64:
+        return False
+    idx = slots.cpu().numpy()
+    for i, dst in enumerate(layers):
+        _numpy_view(dst)[idx] = _numpy_view(src[i])
+    return True
