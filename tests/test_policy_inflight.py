@@ -26,7 +26,7 @@ FP = ModelFingerprint(
 
 def _policy(mode: str = "dpu", available=("dpu",), **cfg) -> Policy:
     pol = Policy(PolicyConfig(mode=mode, **cfg), available=available)
-    pol.last_link_event = T0
+    pol.last_link_sample = pol.last_probe = T0
     for n in (250, 500, 1000):
         pol.observe_prefill(n, n / 250.0)  # 250 tok/s: 1000 tokens recompute in 4 s
     return pol
@@ -121,10 +121,12 @@ def test_recompute_verdict_is_reprobed_once_per_interval_and_recovery_is_learned
     assert pol.decide_among(OPT, {}, now=T0 + 10).path == "recompute"
     d = pol.decide_among(OPT, {}, now=T0 + 31)
     assert d.path == "dpu" and d.probe and pol.probes == 1
-    assert pol.decide_among(OPT, {}, now=T0 + 32).path == "recompute"  # one probe per interval
-    # the probe finds a recovered link: its sample replaces the stale estimate at once
-    pol.observe_fetch("dpu", 10 * MB, 0.1, 20 * MB, 0.02, now=T0 + 61.5)
-    again = pol.decide_among(OPT, {}, now=T0 + 62)
+    assert pol.decide_among(OPT, {}, now=T0 + 31.2).path == "recompute"  # one probe per interval
+    # the probe finds a recovered link: its sample (0.5 s after the probe started) replaces the stale
+    # estimate at once instead of being averaged with it
+    pol.observe_fetch("dpu", 10 * MB, 0.1, 20 * MB, 0.02, now=T0 + 31.5)
+    assert pol.link_spb.value == pytest.approx(0.1 / (10 * MB))
+    again = pol.decide_among(OPT, {}, now=T0 + 32)
     assert again.path == "dpu" and not again.probe
 
 

@@ -181,7 +181,7 @@ class Policy:
         self.wire_ratio = {p: Ewma(0.3, 0.0) for p in PATHS}  # wire bytes per decoded byte, learned
         self.prefill = PrefillModel()
         self.inflight = InflightFetches(cfg)
-        self.last_link_event = time.monotonic()  # last link sample or probe start
+        self.last_link_sample = self.last_probe = time.monotonic()  # (construction counts as both)
         self.probes = 0
 
     # -- observations ------------------------------------------------------------------------------
@@ -211,9 +211,10 @@ class Policy:
         return int(decoded_bytes * (r.value if r.samples else guess_ratio))
 
     def _link_sample(self, spb: float, now: float) -> None:
-        stale = now - self.last_link_event > self.config.probe_interval_s
+        # stale: no *sample* for an interval (a probe's start is not one: its own sample must replace)
+        stale = now - self.last_link_sample > self.config.probe_interval_s
         self.link_spb.update(spb, replace=stale)
-        self.last_link_event = now
+        self.last_link_sample = now
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         with self._lock:
@@ -301,12 +302,13 @@ class Policy:
                 best = Decision(loser.path if probe else "recompute", loser.est_fetch_s, loser.est_recompute_s,
                                 loser.est_decode_s, probe)  # fmt: skip
                 if probe:
-                    self.last_link_event, self.probes = now, self.probes + 1
+                    self.last_probe, self.probes = now, self.probes + 1
         logger.debug("policy: options %s depth %s link %.3g s/B -> %s", options, queue_depth, spb, best)
         return best
 
     def _probe_due(self, now: float) -> bool:
-        return not self.inflight.items and now - self.last_link_event >= self.config.probe_interval_s
+        last = max(self.last_link_sample, self.last_probe)
+        return not self.inflight.items and now - last >= self.config.probe_interval_s
 
 
 def _now(now: float | None) -> float:
