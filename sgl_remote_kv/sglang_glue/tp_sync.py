@@ -280,38 +280,12 @@ class TPQueue:
             return
         if p.path != path:  # this rank's own estimate was for another choice
             p.decision = None
-        p.path, p.remote_chunks, p.fetch_started = path, n, now
-        leader = q._inflight_leader(p)
-        if leader is not None:
-            p.follow = leader.req.rid
-            q.rt.metrics.dedup()
-            return
-        if not q._submit(p):
-            q._release(p)
-            return
-        if p.decision is not None:
-            q.rt.policy.fetch_started(p.req.rid, p.decision, p.wire_bytes, now)
+        p.path, p.remote_chunks = path, n
+        q._start_fetch(p, now)
 
     def _finish(self, q, p, n: int, now: float) -> None:
-        """Every rank's fetch finished with >= ``n`` intact chunks: install exactly ``n`` chunks
-        (mirrors ``WaitingForKV._poll_fetch``'s completion; slots of chunks beyond ``n`` are freed)."""
-        h = p.handle
-        q.rt.policy.fetch_ended(p.req.rid)
-        if h.failure is not None:
-            q.rt.metrics.failure(h.failure)
-            q._drop_undecodable(p, h)  # this rank's own first bad chunk
-        h.ok_chunks = min(h.ok_chunks, n)  # the agreed prefix (the worker is done with the handle)
-        q.rt.policy.observe_fetch(p.path, h.fetched_bytes, h.fetch_s, h.decoded_bytes, h.decode_s)
-        q.rt.metrics.fetched(h.fetched_bytes, h.decoded_bytes, h.fetch_s, h.decode_s, now - p.parked_at)
-        try:
-            q._install(p, h)
-        except Exception as e:  # boundary: counted; a one-rank install failure is a bug (see docs)
-            q.rt.metrics.failure(f"install:{type(e).__name__}")
-            logger.error("installing fetched KV for %s failed on TP rank %d: %r", p.req.rid, self.ag.rank, e)
-        finally:
-            q.inst.free(p.slots)
-            q.inst.unlock(p.prefix_lock)
-        q._release(p)
+        """Every rank's fetch finished with >= ``n`` intact chunks: install exactly ``n`` chunks."""
+        q._complete_fetch(p, p.handle, now, agreed=n)
 
 
 def _phase(p) -> str:

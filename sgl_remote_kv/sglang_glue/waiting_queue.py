@@ -188,6 +188,11 @@ class WaitingForKV:
         if n == 0 or not self._decide_fetch(p, counts):
             self._release(p)
             return
+        self._start_fetch(p, now)
+
+    def _start_fetch(self, p: _Parked, now: float) -> None:
+        """``p.path``/``p.remote_chunks`` are chosen: follow an in-flight fetch of the same chunks,
+        or submit one (released to recompute if it cannot be submitted). Also used by ``tp_sync``."""
         p.fetch_started = now
         leader = self._inflight_leader(p)
         if leader is not None:  # in-flight dedup: wait for it, then re-match locally
@@ -197,7 +202,8 @@ class WaitingForKV:
         if not self._submit(p):
             self._release(p)
             return
-        self.rt.policy.fetch_started(p.req.rid, p.decision, p.wire_bytes, now)
+        if p.decision is not None:
+            self.rt.policy.fetch_started(p.req.rid, p.decision, p.wire_bytes, now)
 
     def _inflight_leader(self, p: _Parked) -> _Parked | None:
         """A parked request already fetching this request's first chunk on the same path. Chunk keys
@@ -228,7 +234,9 @@ class WaitingForKV:
                 continue
             raw = n * c * bpt
             # learned wire/decoded ratio of the path; a guess before its first fetch
-            wire = self.rt.policy.wire_bytes(name, raw, 1.0 if self.rt.paths[name].codec.name == "lossless" else 0.5)
+            wire = self.rt.policy.wire_bytes(
+                name, raw, 1.0 if self.rt.paths[name].codec.name == "lossless" else 0.5
+            )
             options[name] = (n * c, wire, raw)
             depth[name] = self.rt.paths[name].backend.queue_depth()
         decision = self.rt.policy.decide_among(options, depth)
@@ -278,17 +286,26 @@ class WaitingForKV:
                 self._drop(p)
                 self._release(p)
             return
+        self._complete_fetch(p, h, now)
+
+    def _complete_fetch(self, p: _Parked, h: FetchHandle, now: float, agreed: int | None = None) -> None:
+        """The fetch is done: count it, install its leading intact chunks (at most ``agreed``, the
+        TP ranks' common count, see ``tp_sync``), free the rest and release the request."""
         self.rt.policy.fetch_ended(p.req.rid)
         if h.failure is not None:
             self.rt.metrics.failure(h.failure)
-            self._drop_undecodable(p, h)
+            self._drop_undecodable(p, h)  # this rank's own first bad chunk
+        if agreed is not None:
+            h.ok_chunks = min(h.ok_chunks, agreed)  # the worker is done with the handle
         self.rt.policy.observe_fetch(p.path, h.fetched_bytes, h.fetch_s, h.decoded_bytes, h.decode_s)
         self.rt.metrics.fetched(h.fetched_bytes, h.decoded_bytes, h.fetch_s, h.decode_s, now - p.parked_at)
         try:
             self._install(p, h)
         except Exception as e:  # boundary: a failed install is a miss, never a crash
             self.rt.metrics.failure(f"install:{type(e).__name__}")
-            logger.warning("installing fetched KV for %s failed: %r", p.req.rid, e)
+            # with TP > 1 a one-rank install failure is a bug the agreement cannot repair (docs)
+            log = logger.error if agreed is not None else logger.warning
+            log("installing fetched KV for %s failed: %r", p.req.rid, e)
         finally:
             self.inst.free(p.slots)  # whatever the tree did not take
             self.inst.unlock(p.prefix_lock)
