@@ -11,8 +11,8 @@ import sys
 
 from sgl_remote_kv.config import parse_cpu_list
 
-from .pipeline import STAGES, PipelineConfig
 from .server import DataPlaneConfig, DataPlaneServer
+from .tasks import STAGES, PipelineConfig
 
 
 def _cpus(text: str) -> tuple[int, ...]:

@@ -22,7 +22,11 @@ client) are owned by the chunk task and dropped when the chunk is terminal.
 
 Failures: a ``ChunkError`` fails the chunk (kind ``corrupt``/``foreign``) and cancels every later chunk
 of the job (a prefix cache cannot use KV after a hole); an unexpected exception is caught at the
-worker boundary, counted, logged and reported as kind ``internal``.
+worker boundary, counted, logged and reported as kind ``internal``. A chunk the store client returned
+no value for is ``miss`` (absent), ``corrupt`` (the value failed the store framing) or ``store_error``
+(the store call failed), with the store client's error kind in ``ChunkFailed.store_error``.
+
+The job/chunk records and the round table live in ``tasks.py``.
 """
 
 from __future__ import annotations
@@ -33,106 +37,17 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from sgl_remote_kv.codec.errors import ChunkError, CorruptChunk, ForeignChunk
 from sgl_remote_kv.codec.format import layer_section
-from sgl_remote_kv.types import numpy_storage_dtype
 
 from .buffers import ChunkRegion, StagingBuffers, layer_bytes
-from .protocol import BlobRef, ChunkDest, ChunkDone, ChunkFailed, ChunksVerified, JobDone, LayerDone, Message
+from .protocol import BlobRef, ChunkDone, ChunkFailed, JobDone, LayerDone, Message
+from .tasks import STAGES, ChunkTask, JobState, PipelineConfig, RoundTable, StageStats, layer_major
 
 logger = logging.getLogger(__name__)
-
-STAGES = ("fetch", "inflate", "dequant", "dma")
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    fetch_workers: int = 1
-    inflate_workers: int = 1
-    dequant_workers: int = 1
-    dma_workers: int = 1
-    layer_group: int = 6  # layers per slab
-    queue_depth: int = 64  # items per stage queue
-    stage_cpus: tuple[tuple[int, ...], ...] = ()  # per stage (STAGES order): cores to pin to, or ()
-    # Ablations (benchmarks only): run a chunk's four stages back to back on the fetch worker, and/or
-    # allocate a chunk's staging buffers per chunk instead of using the pre-allocated slot regions.
-    serial: bool = False
-    prealloc: bool = True
-    # Fault injection / emulation (tests, benchmarks): the DMA stage sleeps this long per slab.
-    dma_delay_s: float = 0.0
-
-
-class JobState:
-    """A submitted job as the pipeline sees it. Created by the server thread; counters under ``lock``."""
-
-    def __init__(
-        self,
-        job: int,
-        peer: bytes,
-        codec,
-        fingerprint,
-        layout,
-        dests: list[ChunkDest],
-        blob_area: tuple[int, int] = (0, 0),
-    ) -> None:
-        self.job, self.peer, self.codec, self.fingerprint = job, peer, codec, fingerprint
-        self.layout = layout
-        self.dtype = numpy_storage_dtype(layout.dtype)
-        self.dests = dests
-        self.cancel_from = len(dests)  # chunks with index >= cancel_from are cancelled
-        self.lock = threading.Lock()
-        self.terminal = self.done = self.failed = 0
-        # fetch-stage outcome per chunk (ChunksVerified), and the host-visible blob area (offset, cap)
-        self.fetched = 0
-        self.parsed = [False] * len(dests)
-        self.blob_off, self.blob_cap = blob_area
-        self.blob_used = 0
-        self.blob_refs: list[BlobRef | None] = [None] * len(dests)
-
-    def verified_message(self) -> ChunksVerified:
-        """``ChunksVerified`` for the current state (call once ``fetched == len(dests)``)."""
-        with self.lock:
-            ok = 0
-            while ok < min(self.cancel_from, len(self.dests)) and self.parsed[ok]:
-                ok += 1
-            refs = self.blob_refs[:ok]
-        blobs = list(refs) if self.blob_cap and all(r is not None for r in refs) else []
-        return ChunksVerified(self.job, ok, blobs)
-
-    def cancel(self, from_chunk: int) -> None:
-        with self.lock:
-            self.cancel_from = min(self.cancel_from, from_chunk)
-
-
-@dataclass
-class ChunkTask:
-    """One admitted chunk: its job, slot, regions and progress. Mutated under ``JobState.lock``."""
-
-    job: JobState
-    region: ChunkRegion
-    slot: int
-    round_id: int
-    blob: bytes | None = None
-    header: object = None
-    decoded: list[int] = field(default_factory=list)  # per layer: bytes the lossless stage wrote
-    pending: int = 0  # slabs not yet finished
-    failed: bool = False
-    own: tuple | None = None  # (src, inflate) arrays allocated per chunk (no-prealloc ablation only)
-    wire_bytes: int = 0
-    fetch_reported: bool = False  # ``_fetched`` ran for this chunk
-
-
-@dataclass
-class StageStats:
-    items: int = 0
-    bytes: int = 0  # decoded-KV bytes the stage produced (fetch: compressed bytes received)
-    busy_s: float = 0.0  # wall time inside the stage's work (includes waiting for a core or the GIL)
-    cpu_s: float = 0.0  # thread CPU time inside the stage's work
-    errors: int = 0
 
 
 class Pipeline:
@@ -154,10 +69,12 @@ class Pipeline:
         self.queues = {s: queue.Queue(0 if s == "fetch" else cfg.queue_depth) for s in STAGES}
         self.stats = {s: StageStats() for s in STAGES}
         self._stats_lock = threading.Lock()
-        # round id -> [chunks not terminal, slot, chunks not through fetch, parsed chunk tasks]
-        self._rounds: dict[int, list] = {}
-        self._rounds_lock = threading.Lock()
-        self._next_round = 0
+        self._rounds = RoundTable()
+        # The store client's error kind of this thread's last failed get (its listener runs on the
+        # calling thread): tells a store failure or a value failing the store framing from a miss.
+        self._store_err = threading.local()
+        if hasattr(store, "on_error"):
+            store.on_error = self._on_store_error
         self._threads: list[threading.Thread] = []
         counts = (cfg.fetch_workers, cfg.inflate_workers, cfg.dequant_workers, cfg.dma_workers)
         work = (self._fetch, self._inflate, self._dequant, self._dma)
@@ -173,10 +90,7 @@ class Pipeline:
     # ---- server-thread API ----------------------------------------------------------------------
     def submit_round(self, job: JobState, regions: list[ChunkRegion], slot: int) -> None:
         """Admit one round (all fits ``slot``). Blocks only if the fetch queue is full."""
-        rid = self._next_round
-        self._next_round += 1
-        with self._rounds_lock:
-            self._rounds[rid] = [len(regions), slot, len(regions), []]
+        rid = self._rounds.add(len(regions), slot)
         for r in regions:
             self.queues["fetch"].put(ChunkTask(job, r, slot, rid))
 
@@ -195,6 +109,11 @@ class Pipeline:
     def stats_snapshot(self) -> dict:
         with self._stats_lock:
             return {s: vars(st).copy() for s, st in self.stats.items()}
+
+    def _on_store_error(self, op: str, kind: str, n: int = 1) -> None:
+        """The store client's error listener (runs on the calling worker thread; never raises)."""
+        if op == "get":
+            self._store_err.kind = kind
 
     # ---- worker plumbing ------------------------------------------------------------------------
     def _worker(self, stage: str, fn: Callable, cpus: tuple[int, ...]) -> None:
@@ -250,17 +169,9 @@ class Pipeline:
             job_fetched = job.fetched == len(job.dests)
         if job_fetched:
             self.emit(job.peer, job.verified_message())
-        with self._rounds_lock:
-            entry = self._rounds[task.round_id]
-            entry[2] -= 1
-            if ok:
-                entry[3].append(task)
-            ready = sorted(entry[3], key=lambda t: t.region.index) if entry[2] == 0 else []
-        if ready:
-            n, g = job.layout.num_layers, max(1, self.cfg.layer_group)
-            for lo in range(0, n, g):
-                for t in ready:
-                    self._forward("inflate", (t, lo, min(n, lo + g)))
+        ready = self._rounds.fetched(task, ok)
+        for slab in layer_major(ready, job.layout.num_layers, self.cfg.layer_group):
+            self._forward("inflate", slab)
 
     def _copy_blob(self, job: JobState, blob: bytes) -> BlobRef | None:
         """Copy a verified blob into the job's host-visible blob area; ``None`` if none or full."""
@@ -284,7 +195,7 @@ class Pipeline:
             self._fail(task, "cancelled", "")
         return cancelled
 
-    def _fail(self, task: ChunkTask, kind: str, detail: str) -> None:
+    def _fail(self, task: ChunkTask, kind: str, detail: str, store_error: str = "") -> None:
         job = task.job
         with job.lock:
             if task.failed:
@@ -292,7 +203,7 @@ class Pipeline:
             task.failed = True
             if kind != "cancelled":
                 job.cancel_from = min(job.cancel_from, task.region.index + 1)
-        self.emit(job.peer, ChunkFailed(job.job, task.region.index, kind, detail[:500]))
+        self.emit(job.peer, ChunkFailed(job.job, task.region.index, kind, detail[:500], store_error))
 
     def _slab_finished(self, task: ChunkTask, whole_chunk: bool = False) -> None:
         job = task.job
@@ -314,13 +225,9 @@ class Pipeline:
         self._round_chunk_terminal(task.round_id)
 
     def _round_chunk_terminal(self, rid: int) -> None:
-        with self._rounds_lock:
-            entry = self._rounds[rid]
-            entry[0] -= 1
-            if entry[0] > 0:
-                return
-            del self._rounds[rid]
-        self.on_round_free(entry[1])
+        slot = self._rounds.chunk_terminal(rid)
+        if slot is not None:
+            self.on_round_free(slot)
 
     def _src(self, task: ChunkTask):
         if task.own is None:
@@ -354,9 +261,10 @@ class Pipeline:
             return 0
         job = task.job
         dest = job.dests[task.region.index]
+        self._store_err.kind = ""
         blob = self.store.get_many([dest.key])[0]
         if blob is None:
-            self._fail(task, "miss", "")
+            self._fail(task, *_miss_kind(self._store_err.kind))
             self._fetched(task, False)
             self._slab_finished(task, whole_chunk=True)
             return 0
@@ -426,3 +334,13 @@ class Pipeline:
         self.emit(job.peer, LayerDone(job.job, task.region.index, lo, hi - lo))
         self._slab_finished(task)
         return 2 * (hi - lo) * lb
+
+
+def _miss_kind(store_kind: str) -> tuple[str, str, str]:
+    """``ChunkFailed`` (kind, detail, store_error) of a chunk the store client returned no value for:
+    absent (``miss``), a value failing the store framing (``corrupt``; the client deleted it), or a
+    failed store call (``store_error``). The store kind is cut to the protocol's 64 safe characters."""
+    safe = "".join(c if c.isascii() and (c.isalnum() or c in "_:.-") else "_" for c in store_kind)[:64]
+    if not safe:
+        return "miss", "", ""
+    return ("corrupt" if safe == "corrupt" else "store_error"), f"store client: {safe}", safe

@@ -28,7 +28,7 @@ from typing import Annotated
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: SubmitFetch.blob_off/blob_cap, ChunksVerified
+PROTOCOL_VERSION = 3  # 2: SubmitFetch.blob_off/blob_cap, ChunksVerified; 3: ChunkFailed.store_error
 MAGIC = b"SKDP"
 ENVELOPE = struct.Struct("<4sHH")
 MAX_FRAME_BYTES = 4 << 20
@@ -176,8 +176,9 @@ class LayerDone(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 FAIL_KINDS = (
-    "miss",  # store answered absent (or the client turned a store failure into a miss)
-    "corrupt",  # CorruptChunk / LimitExceeded / UnsupportedVersion
+    "miss",  # the store answered absent
+    "store_error",  # the data plane's store client failed (``ChunkFailed.store_error`` says how)
+    "corrupt",  # CorruptChunk / LimitExceeded / UnsupportedVersion, or a value failing the store framing
     "foreign",  # ForeignChunk: another model, codec or params
     "cancelled",
     "bad_request",  # destination out of bounds, unknown codec, inconsistent fingerprint
@@ -186,11 +187,25 @@ FAIL_KINDS = (
 )
 
 
+# The data plane's store client error kind (``store.client``: timeout, unavailable, breaker_open, corrupt,
+# io:<errno>, an exception type name, ...): the host counts it as ``store_errors_total{op="get",kind}``.
+StoreErrorKind = Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[A-Za-z0-9_:.-]*\Z")]
+
+
 class ChunkFailed(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Chunk ``chunk`` of ``job`` failed. ``store_error``: the store client's error kind when the store
+    call behind the failure failed (required with kind ``store_error``; ``corrupt`` for a value that
+    failed the store framing, which the store client deleted); empty otherwise."""
+
     job: JobId
     chunk: U32
     kind: Annotated[str, msgspec.Meta(pattern="^(" + "|".join(FAIL_KINDS) + ")$")]
     detail: Annotated[str, msgspec.Meta(max_length=512)] = ""
+    store_error: StoreErrorKind = ""
+
+    def __post_init__(self) -> None:
+        if self.kind == "store_error" and not self.store_error:
+            raise ValueError("kind store_error needs the store client's error kind")
 
 
 class JobDone(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

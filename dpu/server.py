@@ -28,7 +28,8 @@ from sgl_remote_kv.types import KVLayout, ModelFingerprint
 
 from . import protocol as P
 from .buffers import DestRegion, StagingBuffers, layer_bytes, plan_rounds
-from .pipeline import JobState, Pipeline, PipelineConfig
+from .pipeline import Pipeline
+from .tasks import JobState, PipelineConfig
 
 logger = logging.getLogger(__name__)
 

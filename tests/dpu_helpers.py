@@ -84,6 +84,8 @@ def protocol_samples() -> list:
         P.ChunkDone(7, 1),
         P.LayerDone(7, 1, 5, 6),
         P.ChunkFailed(7, 2, "corrupt", "bad crc"),
+        P.ChunkFailed(7, 3, "store_error", "", "timeout"),  # the data plane's store client failed
+        P.ChunkFailed(7, 4, "corrupt", "", "corrupt"),  # a value failing the store framing
         P.JobDone(7, 2, 1),
         P.ChunksVerified(7, 2, [P.BlobRef(1 << 20, 900), P.BlobRef((1 << 20) + 900, 1000)]),
         P.ChunksVerified(8, 0),

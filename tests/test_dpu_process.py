@@ -166,10 +166,42 @@ def test_store_down_is_all_misses(tmp_path, make_client):
     codec = codecs()["lossless"]
     keys, _ = put_chunks(f"file://{tmp_path}/store", codec, random_chunks(3, seed=2))
     c = make_client(f"redis://127.0.0.1:{_closed_port()}/0", codec, process=_spec(store_timeout_s=0.5))
+    errors: list[tuple[str, str, int]] = []
+    c.on_store_error = lambda op, kind, n: errors.append((op, kind, n))
     t0 = time.monotonic()
     res = c.fetch("down", keys, CHUNK, make_pool(LAYOUT, 512, 3 * CHUNK), timeout=30)
-    assert res.hit_chunks == 0 and res.failures[0] == "miss"
+    # the data plane's store client failure reaches the host by kind (store_errors_total on /metrics)
+    assert res.hit_chunks == 0 and res.failures[0] == "store_unavailable"
+    assert errors and errors[0] == ("get", "unavailable", 1)
     assert time.monotonic() - t0 < 10 and c.stats()["restarts"] == 0
+
+
+def test_store_timeout_and_framing_corruption_keep_their_kind(tmp_path, make_client):
+    """A value failing the store framing is ``corrupt`` (not a miss: the waiting queue's repair keys
+    off it), a timed-out store call ``store_timeout``; both reach the store error listener."""
+    from sgl_remote_kv.store.client import frame, open_client
+
+    codec = codecs()["lossless"]
+    url = f"file://{tmp_path}/store"
+    keys, blobs = put_chunks(url, codec, random_chunks(3, seed=8))
+    s = open_client(url)
+    raw = bytearray(frame(keys[1], blobs[1]))
+    raw[len(raw) // 2] ^= 0x01  # a raw bit flip: the framing CRC fails in the data plane's client
+    s._backend().put_many([(keys[1], bytes(raw))])  # noqa: SLF001 (write past the framing on purpose)
+    s.close()
+    c = make_client(url, codec)
+    errors: list[tuple[str, str, int]] = []
+    c.on_store_error = lambda op, kind, n: errors.append((op, kind, n))
+    res = c.fetch("bitflip", keys, CHUNK, make_pool(LAYOUT, 512, 3 * CHUNK), timeout=30)
+    assert res.hit_chunks == 1 and res.failures[1] == "corrupt"
+    assert errors == [("get", "corrupt", 1)]
+    res = c.fetch("again", keys, CHUNK, None, timeout=30)  # the data plane's client deleted the value
+    assert res.hit_chunks == 1 and res.failures[1] == "miss"
+    slow = make_client(_slow_url(tmp_path, 2.0), codec, process=_spec(store_timeout_s=0.3))
+    slow.on_store_error = lambda op, kind, n: errors.append((op, kind, n))
+    res = slow.fetch("slow", keys[:1], CHUNK, None, timeout=30)
+    assert res.hit_chunks == 0 and res.failures[0] == "store_timeout"
+    assert errors[-1] == ("get", "timeout", 1)
 
 
 def _slow_url(tmp_path, latency: float) -> str:

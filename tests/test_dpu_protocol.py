@@ -39,6 +39,11 @@ def test_field_limits_are_enforced():
     env = P.ENVELOPE.pack(P.MAGIC, P.PROTOCOL_VERSION, 7)
     with pytest.raises(P.BadFrame):  # unknown failure kind
         P.decode(env + enc({"job": 1, "chunk": 0, "kind": "rm -rf", "detail": ""}))
+    failed = {"job": 1, "chunk": 0, "kind": "store_error", "detail": ""}
+    assert P.decode(env + enc({**failed, "store_error": "io:EROFS"})).store_error == "io:EROFS"
+    for bad in ("", "x" * 65, "time out", "kind\n", "é"):  # required, bounded, one token
+        with pytest.raises(P.BadFrame):
+            P.decode(env + enc({**failed, "store_error": bad}))
     env = P.ENVELOPE.pack(P.MAGIC, P.PROTOCOL_VERSION, 2)
     with pytest.raises(P.BadFrame):  # job id 0 is invalid
         P.decode(env + enc({"job": 0}))

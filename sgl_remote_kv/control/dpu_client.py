@@ -7,9 +7,15 @@ completions into per-request state (``FetchHandle``), scatters each finished lay
 caller's paged KV pool, and restarts the data plane when it dies or hangs. In-flight chunks of a lost
 data plane become misses (kind ``dataplane_lost``); later submissions go to the new process.
 
+This module is the process side (lifecycle, heartbeats, supervision, the receiver loop); the round
+bookkeeping (slots, in-flight rounds, completion events -> handles, scatters) is ``rounds.RoundBook``.
+A chunk the data plane's store client failed on arrives as ``ChunkFailed`` with ``store_error``: it is
+passed to ``on_store_error(op, kind, n)`` (the serving glue: ``store_errors_total{op="get",kind}``).
+
 Threads: ``start``/``submit``/``cancel``/``stats``/``close`` may be called from any thread (they take
 ``cv``); socket I/O and scatters run only on the receiver thread. Buffers: the destination region is
-owned by this client (created here, unlinked in ``close``); the data plane writes into it, the receiver
+owned by this client (created here under a name carrying our pid, unlinked in ``close``; ``start``
+first sweeps regions of dead creators, ``shm_names.py``); the data plane writes into it, the receiver
 thread reads it while scattering. A destination slot is reused only after the data plane said
 ``JobDone`` for the job using it (it then writes nothing more there).
 
@@ -22,25 +28,26 @@ the host decodes from if the data plane dies, stalls or is cancelled after that 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import shutil
 import tempfile
 import threading
 import time
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
 
 from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.dpu import protocol as P
-from sgl_remote_kv.dpu.buffers import DestRegion, plan_rounds
+from sgl_remote_kv.dpu.buffers import DestRegion
 from sgl_remote_kv.types import ModelFingerprint
 
+from . import shm_names
 from .dpu_process import DataPlaneProcess, ProcessSpec
-from .jobs import DONE, FAILED, FetchHandle, FetchResult, HostRound
+from .jobs import FetchHandle, FetchResult, HostRound
 from .round_io import RoundIO
+from .rounds import RoundBook
 from .scatter import KVPoolTarget
 
 logger = logging.getLogger(__name__)
@@ -67,7 +74,14 @@ class DpuClient:
     h.wait_layer(0); ...; res = h.wait()
     """
 
-    def __init__(self, cfg: DpuClientConfig, fingerprint: ModelFingerprint, codec, on_event=None) -> None:
+    def __init__(
+        self,
+        cfg: DpuClientConfig,
+        fingerprint: ModelFingerprint,
+        codec,
+        on_event: Callable[[], None] | None = None,
+        on_store_error: Callable[[str, str, int], None] | None = None,
+    ) -> None:
         self.cfg, self.fingerprint, self.layout = cfg, fingerprint, fingerprint.layout
         self.codec, self.codec_name, self.codec_params = codec, codec.name, codec.params_bytes()
         self._on_event_cb = on_event  # called (receiver thread) when a fetch is verified or finished
@@ -85,11 +99,8 @@ class DpuClient:
         self.io: RoundIO | None = None
         self._proc: DataPlaneProcess | None = None
         self._tmp = tempfile.mkdtemp(prefix="srkv-dpu-")
-        self._pending: deque[HostRound] = deque()
-        self._inflight: dict[int, HostRound] = {}  # data-plane job id -> round
-        self._free_slots: list[int] = []
-        self._outbox: deque[bytes] = deque()
-        self._job_ids = itertools.count(1)
+        self.on_store_error = on_store_error  # (op, kind, n): the data plane's store client failures
+        self.book: RoundBook | None = None  # created in ``start`` (needs the region)
         self._thread: threading.Thread | None = None
         self._running = False
         self._ctx = zmq.Context()
@@ -103,9 +114,19 @@ class DpuClient:
     def start(self) -> None:
         """Create the destination region, spawn the data plane, wait until it answers a heartbeat."""
         cfg = self.cfg
-        self.dest = DestRegion.create(cfg.dest_slots * (cfg.dest_slot_bytes + cfg.blob_slot_bytes))
+        shm_names.sweep_stale()  # regions of hosts that died together with their data plane
+        nbytes = cfg.dest_slots * (cfg.dest_slot_bytes + cfg.blob_slot_bytes)
+        self.dest = DestRegion.create(nbytes, shm_names.region_name())
         self.io = RoundIO(self.dest, self.layout, cfg.dest_slot_bytes, cfg.dest_slots, cfg.blob_slot_bytes)
-        self._free_slots = list(range(cfg.dest_slots))
+        self.book = RoundBook(
+            self.layout,
+            self.io,
+            cfg.dest_slots,
+            cfg.dest_slot_bytes,
+            self._submit_msg,
+            self.counters,
+            self._on_event_cb,
+        )
         self._wake_rx = self._ctx.socket(zmq.PAIR)
         self._wake_rx.bind(f"inproc://srkv-wake-{id(self)}")
         self._wake_tx = self._ctx.socket(zmq.PAIR)
@@ -128,10 +149,9 @@ class DpuClient:
         if self._thread is not None:
             self._thread.join(timeout=10)
         with self.cv:
-            for r in list(self._inflight.values()) + list(self._pending):
-                self._lose_round(r, "cancelled")
-            self._inflight.clear()
-            self._pending.clear()
+            if self.book is not None:
+                self.book.lose_all("cancelled")
+            self.cv.notify_all()
         if self.dest is not None:
             self.dest.unlink()  # first: tells the data plane it need not clean up after us
         if self._proc is not None:
@@ -165,33 +185,17 @@ class DpuClient:
         if target is not None and len(target.slots) < sum(tokens):
             raise ValueError("target.slots shorter than the fetched tokens")
         h = FetchHandle(self.cv, request_id, list(keys), tokens, self.layout.num_layers, target)
-        plan = plan_rounds(tokens, self.layout, self.cfg.dest_slot_bytes, 1.0)
         with self.cv:
-            t = 0
-            for regions in plan:
-                n = sum(r.tokens for r in regions)
-                r = HostRound(h, regions[0].index, regions[-1].index + 1, t, n)
-                r.layer_done = [0] * self.layout.num_layers
-                r.layer_scattered = [False] * self.layout.num_layers
-                h.rounds.append(r)
-                self._pending.append(r)
-                t += n
+            self.book.add(h)  # raises ValueError (nothing queued) if a chunk does not fit a slot
             self.counters["submitted"] += 1
-            self._pump()
+            self.cv.notify_all()
         self._wake()
         return h
 
     def cancel(self, handle: FetchHandle) -> None:
         """Cancel a fetch: nothing more is scattered for it; its unfinished chunks become misses."""
         with self.cv:
-            handle.cancelled = True
-            lead = next((i for i, s in enumerate(handle.state) if s != DONE), len(handle.state))
-            handle.first_fail = min(handle.first_fail, lead)
-            for r in handle.rounds:
-                if r.job and not r.terminal:
-                    self._outbox.append(P.encode(P.Cancel(r.job, 0)))
-            self._drop_pending(handle)
-            self._pump()
+            self.book.cancel(handle)
             self.cv.notify_all()
         self._wake()
 
@@ -205,7 +209,8 @@ class DpuClient:
     def stats(self) -> dict:
         with self.cv:
             out = dict(self.counters)
-            out.update(pending_rounds=len(self._pending), inflight_rounds=len(self._inflight), pid=self.pid)
+            pending, inflight = (len(self.book.pending), len(self.book.inflight)) if self.book else (0, 0)
+            out.update(pending_rounds=pending, inflight_rounds=inflight, pid=self.pid)
         if self.last_pong is not None:
             out["dataplane"] = self.last_pong.stats_json.decode()
         return out
@@ -219,56 +224,16 @@ class DpuClient:
                 except zmq.Again:  # plenty of wake-ups already queued
                     pass
 
-    def _drop_pending(self, h: FetchHandle) -> None:
-        """Forget ``h``'s queued rounds that can no longer produce hits (cancelled or past a miss)."""
-        keep: deque[HostRound] = deque()
-        for r in self._pending:
-            if r.handle is h and (h.cancelled or r.chunk_lo >= h.first_fail):
-                self._lose_round(r, None)
-            else:
-                keep.append(r)
-        self._pending = keep
-
-    def _pump(self) -> None:
-        """Hand pending rounds free destination slots (skipping rounds already beyond a miss)."""
-        while self._pending and self._free_slots:
-            r = self._pending.popleft()
-            h = r.handle
-            if h.cancelled or r.chunk_lo >= h.first_fail:
-                self._lose_round(r, None)
-                continue
-            r.slot = self._free_slots.pop()
-            r.job = next(self._job_ids)
-            r.last_event = time.monotonic()
-            self._inflight[r.job] = r
-            dests = self.io.chunk_dests(r, h.keys, h.chunk_tokens)
-            blob_off, blob_cap = self.io.blob_area(r.slot)
-            msg = P.SubmitFetch(
-                r.job,
-                h.request_id,
-                self.codec_name,
-                self.codec_params,
-                self._wire_fp,
-                self.dest.name.lstrip("/"),
-                dests,
-                blob_off,
-                blob_cap,
-            )
-            self._outbox.append(P.encode(msg))
-
-    def _lose_round(self, r: HostRound, kind: str | None) -> None:
-        """Round ends without (more) data: its unfinished chunks fail with ``kind`` (None: not fetched)."""
+    def _submit_msg(self, r: HostRound) -> P.SubmitFetch:
+        """The ``SubmitFetch`` of round ``r`` (slot and job id already assigned; under ``cv``)."""
         h = r.handle
-        for i in range(r.chunk_lo, r.chunk_hi):
-            if kind is not None and h.state[i] != DONE:
-                h.mark_failed(i, kind)
-        r.terminal = True
-        if r.slot >= 0:
-            self._free_slots.append(r.slot)
-            r.slot = -1
-        if h.check_finished() and self._on_event_cb is not None:
-            self._on_event_cb()
-        self.cv.notify_all()
+        blob_off, blob_cap = self.io.blob_area(r.slot)
+        dests = self.io.chunk_dests(r, h.keys, h.chunk_tokens)
+        name = self.dest.name.lstrip("/")
+        fp = self._wire_fp
+        return P.SubmitFetch(
+            r.job, h.request_id, self.codec_name, self.codec_params, fp, name, dests, blob_off, blob_cap
+        )
 
     # ---- receiver thread ---------------------------------------------------------------------------
     def _receiver(self) -> None:
@@ -300,9 +265,9 @@ class DpuClient:
     def _flush_outbox(self, sock) -> None:
         while True:
             with self.cv:
-                if not self._outbox:
+                if not self.book.outbox:
                     return
-                frame = self._outbox.popleft()
+                frame = self.book.outbox.popleft()
             sock.send(frame, zmq.NOBLOCK)
 
     def _drain(self, sock) -> None:
@@ -319,14 +284,17 @@ class DpuClient:
         elif isinstance(msg, P.ChunksVerified):
             self._on_verified(msg)
         else:
+            if isinstance(msg, P.ChunkFailed) and msg.store_error and self.on_store_error is not None:
+                self.on_store_error("get", msg.store_error, 1)  # a failed call of the data plane's client
             with self.cv:
-                self._on_event(msg)
+                self.book.on_event(msg)
+                self.cv.notify_all()
 
     def _on_verified(self, msg: P.ChunksVerified) -> None:
         """Copy out and re-parse a round's verified blobs (outside ``cv``: the slot cannot be reused
         before this thread handles the round's ``JobDone``), then record them on the handle."""
         with self.cv:
-            r = self._inflight.get(msg.job)
+            r = self.book.inflight.get(msg.job)
             if r is None:
                 return
             r.last_event = time.monotonic()
@@ -348,64 +316,6 @@ class DpuClient:
                     self._on_event_cb()
             self.cv.notify_all()
 
-    def _on_event(self, msg) -> None:
-        r = self._inflight.get(msg.job)
-        if r is None:
-            return  # a job of a previous data-plane generation, or already cancelled
-        r.last_event = time.monotonic()
-        h = r.handle
-        if isinstance(msg, P.LayerDone):
-            i = r.chunk_lo + msg.chunk
-            if i < r.chunk_hi and msg.layer + msg.count <= h.num_layers:
-                h.layers_seen[i] += msg.count
-                for layer in range(msg.layer, msg.layer + msg.count):
-                    r.layer_done[layer] += 1
-                self._try_scatter(r)
-        elif isinstance(msg, P.ChunkDone):
-            i = r.chunk_lo + msg.chunk
-            if i < r.chunk_hi and h.layers_seen[i] >= h.num_layers and h.state[i] != FAILED:
-                h.state[i] = DONE
-                h.wire_bytes[i] = msg.wire_bytes
-                self.counters["chunks_done"] += 1
-        elif isinstance(msg, P.ChunkFailed):
-            self._on_failed(r, r.chunk_lo + msg.chunk, msg.kind)
-        elif isinstance(msg, P.JobDone):
-            self._try_scatter(r)
-            del self._inflight[msg.job]
-            self.counters["rounds"] += 1
-            self._lose_round(r, "internal")  # chunks without ChunkDone by now are not trustworthy
-            self._pump()
-        self.cv.notify_all()
-
-    def _on_failed(self, r: HostRound, i: int, kind: str) -> None:
-        h = r.handle
-        if not r.chunk_lo <= i < r.chunk_hi:
-            return
-        self.counters["chunks_failed"] += 1
-        h.mark_failed(i, kind)
-        for other in h.rounds:  # later rounds of this request are beyond the miss now
-            if other.job and not other.terminal and other.chunk_lo > i:
-                self._outbox.append(P.encode(P.Cancel(other.job, 0)))
-        self._drop_pending(h)
-        self._try_scatter(r)
-
-    def _try_scatter(self, r: HostRound) -> None:
-        """Scatter every layer whose chunks (those before the first miss) are all in the region."""
-        h = r.handle
-        valid = max(0, min(r.chunk_hi, h.first_fail) - r.chunk_lo)
-        if h.cancelled:
-            return
-        for layer in range(h.num_layers):
-            if r.layer_scattered[layer] or r.layer_done[layer] < valid:
-                continue
-            r.layer_scattered[layer] = True
-            if valid and h.target is not None:
-                t0 = time.perf_counter()
-                n_tok = sum(h.chunk_tokens[r.chunk_lo : r.chunk_lo + valid])
-                self.io.scatter_layer(r, layer, n_tok, h.target)
-                self.counters["scatter_s"] += time.perf_counter() - t0
-            h.layer_ready[layer] += valid
-
     def _unhealthy(self, now: float) -> bool:
         if not self._proc.alive():
             logger.error("data plane exited (rc=%s)", self._proc.returncode())
@@ -414,26 +324,21 @@ class DpuClient:
             logger.error("data plane missed heartbeats for %.1f s", now - self._proc.last_pong_at)
             return True
         with self.cv:
-            stale = [r for r in self._inflight.values() if now - r.last_event > self.cfg.job_timeout_s]
+            stale = self.book.stale(now, self.cfg.job_timeout_s)
         if stale:
-            logger.error(
-                "data plane made no progress on %d rounds for %.1f s", len(stale), self.cfg.job_timeout_s
-            )
+            logger.error("data plane made no progress on %d rounds for %.1f s", stale, self.cfg.job_timeout_s)
         return bool(stale)
 
     def _restart(self) -> None:
         """Kill and replace the data plane; its in-flight rounds become misses."""
         with self.cv:
-            lost = list(self._inflight.values())
-            self._inflight.clear()
-            for r in lost:
-                self._lose_round(r, "dataplane_lost")
-            self._outbox.clear()
+            lost = self.book.lose_inflight("dataplane_lost")
             self.counters["restarts"] += 1
-        logger.warning("restarting data plane (%d rounds lost)", len(lost))
+            self.cv.notify_all()
+        logger.warning("restarting data plane (%d rounds lost)", lost)
         self._proc.stop(kill=True)
         self._proc.spawn()
         if not self._proc.wait_ready(self.cfg.start_timeout_s):
             logger.error("restarted data plane not ready yet; will retry")
         with self.cv:
-            self._pump()
+            self.book.pump()

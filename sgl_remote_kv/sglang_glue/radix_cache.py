@@ -76,6 +76,8 @@ def _install_runtime(ctx, cfg: RemoteKVConfig) -> None:
     rt = runtime.RemoteKVRuntime(cfg, fp, codec, runtime.open_store_client(cfg))
     rt.client.on_error = rt.metrics.store_error  # store_errors_total{op,kind}
     paths.install_paths(rt, kvcache)
+    if "dpu" in rt.paths:  # the data plane's own store client: its failures arrive per chunk
+        rt.paths["dpu"].backend.client.on_store_error = rt.metrics.store_error
     rt.writer = WriteBack(rt, kvcache, params.req_to_token_pool, rt.settings.writeback_queue)
     runtime.install(rt)
     logger.info(

@@ -1,0 +1,153 @@
+"""The data plane's records: pipeline settings, per-job and per-chunk state, stage statistics, and the
+table of admitted rounds (which chunks of a round are through fetch, which slot it holds).
+
+Threads: ``JobState`` is created by the server thread and mutated by pipeline workers under its
+``lock``; a ``ChunkTask`` under its job's ``lock``; ``RoundTable`` is thread-safe (its own lock). Nothing
+here owns a buffer: a chunk's staging regions belong to the worker holding one of its slabs
+(``pipeline.py``), its blob (``bytes`` from the store client) to the task until the chunk is terminal.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from sgl_remote_kv.types import numpy_storage_dtype
+
+from .buffers import ChunkRegion
+from .protocol import BlobRef, ChunkDest, ChunksVerified
+
+STAGES = ("fetch", "inflate", "dequant", "dma")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    fetch_workers: int = 1
+    inflate_workers: int = 1
+    dequant_workers: int = 1
+    dma_workers: int = 1
+    layer_group: int = 6  # layers per slab
+    queue_depth: int = 64  # items per stage queue
+    stage_cpus: tuple[tuple[int, ...], ...] = ()  # per stage (STAGES order): cores to pin to, or ()
+    # Ablations (benchmarks only): run a chunk's four stages back to back on the fetch worker, and/or
+    # allocate a chunk's staging buffers per chunk instead of using the pre-allocated slot regions.
+    serial: bool = False
+    prealloc: bool = True
+    # Fault injection / emulation (tests, benchmarks): the DMA stage sleeps this long per slab.
+    dma_delay_s: float = 0.0
+
+
+class JobState:
+    """A submitted job as the pipeline sees it. Created by the server thread; counters under ``lock``."""
+
+    def __init__(
+        self,
+        job: int,
+        peer: bytes,
+        codec,
+        fingerprint,
+        layout,
+        dests: list[ChunkDest],
+        blob_area: tuple[int, int] = (0, 0),
+    ) -> None:
+        self.job, self.peer, self.codec, self.fingerprint = job, peer, codec, fingerprint
+        self.layout = layout
+        self.dtype = numpy_storage_dtype(layout.dtype)
+        self.dests = dests
+        self.cancel_from = len(dests)  # chunks with index >= cancel_from are cancelled
+        self.lock = threading.Lock()
+        self.terminal = self.done = self.failed = 0
+        # fetch-stage outcome per chunk (ChunksVerified), and the host-visible blob area (offset, cap)
+        self.fetched = 0
+        self.parsed = [False] * len(dests)
+        self.blob_off, self.blob_cap = blob_area
+        self.blob_used = 0
+        self.blob_refs: list[BlobRef | None] = [None] * len(dests)
+
+    def verified_message(self) -> ChunksVerified:
+        """``ChunksVerified`` for the current state (call once ``fetched == len(dests)``)."""
+        with self.lock:
+            ok = 0
+            while ok < min(self.cancel_from, len(self.dests)) and self.parsed[ok]:
+                ok += 1
+            refs = self.blob_refs[:ok]
+        blobs = list(refs) if self.blob_cap and all(r is not None for r in refs) else []
+        return ChunksVerified(self.job, ok, blobs)
+
+    def cancel(self, from_chunk: int) -> None:
+        with self.lock:
+            self.cancel_from = min(self.cancel_from, from_chunk)
+
+
+@dataclass
+class ChunkTask:
+    """One admitted chunk: its job, slot, regions and progress. Mutated under ``JobState.lock``."""
+
+    job: JobState
+    region: ChunkRegion
+    slot: int
+    round_id: int
+    blob: bytes | None = None
+    header: object = None
+    decoded: list[int] = field(default_factory=list)  # per layer: bytes the lossless stage wrote
+    pending: int = 0  # slabs not yet finished
+    failed: bool = False
+    own: tuple | None = None  # (src, inflate) arrays allocated per chunk (no-prealloc ablation only)
+    wire_bytes: int = 0
+    fetch_reported: bool = False  # ``_fetched`` ran for this chunk
+
+
+@dataclass
+class StageStats:
+    items: int = 0
+    bytes: int = 0  # decoded-KV bytes the stage produced (fetch: compressed bytes received)
+    busy_s: float = 0.0  # wall time inside the stage's work (includes waiting for a core or the GIL)
+    cpu_s: float = 0.0  # thread CPU time inside the stage's work
+    errors: int = 0
+
+
+class RoundTable:
+    """Admitted rounds: per round id, the chunks not yet terminal, its slot, the chunks not yet through
+    the fetch stage and the parsed ones. ``add`` runs on the server thread, the rest on workers."""
+
+    def __init__(self) -> None:
+        self._rounds: dict[int, list] = {}
+        self._lock = threading.Lock()
+        self._next = 0
+
+    def add(self, chunks: int, slot: int) -> int:
+        """Register a round of ``chunks`` chunks in ``slot``; its id."""
+        with self._lock:
+            rid = self._next
+            self._next += 1
+            self._rounds[rid] = [chunks, slot, chunks, []]
+        return rid
+
+    def fetched(self, task: ChunkTask, ok: bool) -> list[ChunkTask]:
+        """``task`` left the fetch stage (``ok``: parsed). When it was the round's last chunk to do so,
+        the round's parsed chunks in chunk order (their slabs may start); else ``[]``."""
+        with self._lock:
+            entry = self._rounds[task.round_id]
+            entry[2] -= 1
+            if ok:
+                entry[3].append(task)
+            return sorted(entry[3], key=lambda t: t.region.index) if entry[2] == 0 else []
+
+    def chunk_terminal(self, rid: int) -> int | None:
+        """A chunk of round ``rid`` is terminal; the round's slot when it was the last one (round over)."""
+        with self._lock:
+            entry = self._rounds[rid]
+            entry[0] -= 1
+            if entry[0] > 0:
+                return None
+            del self._rounds[rid]
+        return entry[1]
+
+
+def layer_major(ready: list[ChunkTask], num_layers: int, group: int):
+    """The slabs ``(task, lo, hi)`` of a round's parsed chunks, layer-major: layer group 0 of every
+    chunk first, then group 1, ... (with one worker per stage, layers then complete in order)."""
+    g = max(1, group)
+    for lo in range(0, num_layers, g):
+        for t in ready:
+            yield t, lo, min(num_layers, lo + g)

@@ -1,0 +1,199 @@
+"""Host-side round bookkeeping of the DPU client: pending and in-flight host rounds, destination slots,
+the outbox of frames for the data plane, and the data plane's completion events -> ``FetchHandle`` state.
+
+A request's chunks are cut into host rounds (``plan_rounds``) that each fit one slot of the destination
+region; each is one data-plane job. A slot is reused only after the data plane said ``JobDone`` for the
+job using it (it then writes nothing more there). A failed chunk ends the usable prefix: later rounds of
+the request are cancelled (queued ones dropped, in-flight ones sent ``Cancel``).
+
+Threads: every method runs under the client's condition variable ``cv`` (``DpuClient`` takes it):
+``add``/``cancel`` on the caller's thread, the rest on the client's receiver thread, which is the only
+one scattering (``try_scatter`` copies finished layers from the destination region into the caller's
+KV pool). Process lifecycle, heartbeats and restarts stay in ``dpu_client.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+
+from sgl_remote_kv.dpu import protocol as P
+from sgl_remote_kv.dpu.buffers import plan_rounds
+from sgl_remote_kv.types import KVLayout
+
+from .jobs import DONE, FAILED, FetchHandle, HostRound
+from .round_io import RoundIO
+
+
+def failure_kind(msg: P.ChunkFailed) -> str:
+    """The host's failure kind of a ``ChunkFailed``: the wire kind, except a failed store call, which
+    becomes ``store_<store client kind>`` (e.g. ``store_timeout``, ``store_unavailable``)."""
+    return f"store_{msg.store_error}" if msg.kind == "store_error" else msg.kind
+
+
+class RoundBook:
+    """See module docstring. ``submit_msg(round)`` builds the ``SubmitFetch`` of a round given a slot and
+    a job id; ``counters`` is the client's counter dict; ``on_finished`` (may be None) is called when a
+    fetch finished."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        io: RoundIO,
+        slots: int,
+        slot_bytes: int,
+        submit_msg: Callable[[HostRound], P.SubmitFetch],
+        counters: dict,
+        on_finished: Callable[[], None] | None,
+    ) -> None:
+        self.layout, self.io, self.slot_bytes = layout, io, slot_bytes
+        self._submit_msg, self.counters, self._on_finished = submit_msg, counters, on_finished
+        self.pending: deque[HostRound] = deque()
+        self.inflight: dict[int, HostRound] = {}  # data-plane job id -> round
+        self.free_slots = list(range(slots))
+        self.outbox: deque[bytes] = deque()
+        self._job_ids = itertools.count(1)
+
+    # ---- caller side -------------------------------------------------------------------------------
+    def add(self, h: FetchHandle) -> None:
+        """Plan ``h``'s host rounds, queue them and hand out free slots."""
+        t = 0
+        for regions in plan_rounds(h.chunk_tokens, self.layout, self.slot_bytes, 1.0):
+            n = sum(r.tokens for r in regions)
+            r = HostRound(h, regions[0].index, regions[-1].index + 1, t, n)
+            r.layer_done = [0] * self.layout.num_layers
+            r.layer_scattered = [False] * self.layout.num_layers
+            h.rounds.append(r)
+            self.pending.append(r)
+            t += n
+        self.pump()
+
+    def cancel(self, h: FetchHandle) -> None:
+        h.cancelled = True
+        lead = next((i for i, s in enumerate(h.state) if s != DONE), len(h.state))
+        h.first_fail = min(h.first_fail, lead)
+        for r in h.rounds:
+            if r.job and not r.terminal:
+                self.outbox.append(P.encode(P.Cancel(r.job, 0)))
+        self.drop_pending(h)
+        self.pump()
+
+    # ---- slots and rounds --------------------------------------------------------------------------
+    def drop_pending(self, h: FetchHandle) -> None:
+        """Forget ``h``'s queued rounds that can no longer produce hits (cancelled or past a miss)."""
+        keep: deque[HostRound] = deque()
+        for r in self.pending:
+            if r.handle is h and (h.cancelled or r.chunk_lo >= h.first_fail):
+                self.lose_round(r, None)
+            else:
+                keep.append(r)
+        self.pending = keep
+
+    def pump(self) -> None:
+        """Hand pending rounds free destination slots (skipping rounds already beyond a miss)."""
+        while self.pending and self.free_slots:
+            r = self.pending.popleft()
+            h = r.handle
+            if h.cancelled or r.chunk_lo >= h.first_fail:
+                self.lose_round(r, None)
+                continue
+            r.slot = self.free_slots.pop()
+            r.job = next(self._job_ids)
+            r.last_event = time.monotonic()
+            self.inflight[r.job] = r
+            self.outbox.append(P.encode(self._submit_msg(r)))
+
+    def lose_round(self, r: HostRound, kind: str | None) -> None:
+        """Round ends without (more) data: its unfinished chunks fail with ``kind`` (None: not fetched)."""
+        h = r.handle
+        for i in range(r.chunk_lo, r.chunk_hi):
+            if kind is not None and h.state[i] != DONE:
+                h.mark_failed(i, kind)
+        r.terminal = True
+        if r.slot >= 0:
+            self.free_slots.append(r.slot)
+            r.slot = -1
+        if h.check_finished() and self._on_finished is not None:
+            self._on_finished()
+
+    def lose_all(self, kind: str) -> int:
+        """Every in-flight and queued round ends with ``kind`` (close); the number of rounds lost."""
+        lost = list(self.inflight.values()) + list(self.pending)
+        for r in lost:
+            self.lose_round(r, kind)
+        self.inflight.clear()
+        self.pending.clear()
+        return len(lost)
+
+    def lose_inflight(self, kind: str) -> int:
+        """The in-flight rounds end with ``kind`` (the data plane died); queued frames are dropped."""
+        lost = list(self.inflight.values())
+        self.inflight.clear()
+        for r in lost:
+            self.lose_round(r, kind)
+        self.outbox.clear()
+        return len(lost)
+
+    def stale(self, now: float, timeout_s: float) -> int:
+        """In-flight rounds without any event for ``timeout_s``."""
+        return sum(now - r.last_event > timeout_s for r in self.inflight.values())
+
+    # ---- data-plane events (receiver thread) -------------------------------------------------------
+    def on_event(self, msg: P.Message) -> None:
+        r = self.inflight.get(msg.job)
+        if r is None:
+            return  # a job of a previous data-plane generation, or already cancelled
+        r.last_event = time.monotonic()
+        h = r.handle
+        if isinstance(msg, P.LayerDone):
+            i = r.chunk_lo + msg.chunk
+            if i < r.chunk_hi and msg.layer + msg.count <= h.num_layers:
+                h.layers_seen[i] += msg.count
+                for layer in range(msg.layer, msg.layer + msg.count):
+                    r.layer_done[layer] += 1
+                self.try_scatter(r)
+        elif isinstance(msg, P.ChunkDone):
+            i = r.chunk_lo + msg.chunk
+            if i < r.chunk_hi and h.layers_seen[i] >= h.num_layers and h.state[i] != FAILED:
+                h.state[i] = DONE
+                h.wire_bytes[i] = msg.wire_bytes
+                self.counters["chunks_done"] += 1
+        elif isinstance(msg, P.ChunkFailed):
+            self._on_failed(r, r.chunk_lo + msg.chunk, failure_kind(msg))
+        elif isinstance(msg, P.JobDone):
+            self.try_scatter(r)
+            del self.inflight[msg.job]
+            self.counters["rounds"] += 1
+            self.lose_round(r, "internal")  # chunks without ChunkDone by now are not trustworthy
+            self.pump()
+
+    def _on_failed(self, r: HostRound, i: int, kind: str) -> None:
+        h = r.handle
+        if not r.chunk_lo <= i < r.chunk_hi:
+            return
+        self.counters["chunks_failed"] += 1
+        h.mark_failed(i, kind)
+        for other in h.rounds:  # later rounds of this request are beyond the miss now
+            if other.job and not other.terminal and other.chunk_lo > i:
+                self.outbox.append(P.encode(P.Cancel(other.job, 0)))
+        self.drop_pending(h)
+        self.try_scatter(r)
+
+    def try_scatter(self, r: HostRound) -> None:
+        """Scatter every layer whose chunks (those before the first miss) are all in the region."""
+        h = r.handle
+        valid = max(0, min(r.chunk_hi, h.first_fail) - r.chunk_lo)
+        if h.cancelled:
+            return
+        for layer in range(h.num_layers):
+            if r.layer_scattered[layer] or r.layer_done[layer] < valid:
+                continue
+            r.layer_scattered[layer] = True
+            if valid and h.target is not None:
+                t0 = time.perf_counter()
+                n_tok = sum(h.chunk_tokens[r.chunk_lo : r.chunk_lo + valid])
+                self.io.scatter_layer(r, layer, n_tok, h.target)
+                self.counters["scatter_s"] += time.perf_counter() - t0
+            h.layer_ready[layer] += valid

@@ -1,0 +1,74 @@
+"""Destination regions of hosts killed together with their data plane are swept by the next client.
+
+A real process group (creator + its resource tracker) is SIGKILLed, as when a server's process group
+dies; the next ``DpuClient.start`` (with a real data plane) must remove that region, and only that.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from dpu_helpers import CHUNK, FP, codecs
+from sgl_remote_kv.dpu.buffers import chunk_bytes
+
+from sgl_remote_kv.control import shm_names
+from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+from sgl_remote_kv.control.dpu_process import ProcessSpec
+
+SHM = Path("/dev/shm")
+_CREATOR = textwrap.dedent(
+    """
+    import sys, time
+    from sgl_remote_kv.control import shm_names
+    from sgl_remote_kv.dpu.buffers import DestRegion
+    r = DestRegion.create(1 << 20, shm_names.region_name())
+    print(r.name.lstrip("/"), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _creator() -> tuple[subprocess.Popen, str]:
+    """A process (own process group) holding a region; (process, region name)."""
+    p = subprocess.Popen(
+        [sys.executable, "-c", _CREATOR], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    name = p.stdout.readline().strip()
+    assert name.startswith(shm_names.PREFIX) and (SHM / name).exists(), name
+    return p, name
+
+
+def test_stale_regions_of_killed_process_groups_are_swept(tmp_path):
+    dead, dead_name = _creator()
+    live, live_name = _creator()
+    reused = f"{shm_names.PREFIX}{os.getpid()}-1-0badc0de"  # our pid, another start time: pid reuse
+    foreign = [f"srkv-other-{os.getpid()}", f"{shm_names.PREFIX}not-ours", "psm_h6_test_foreign"]
+    client = None
+    try:
+        for n in [reused, *foreign]:
+            (SHM / n).write_bytes(b"x")
+        os.killpg(dead.pid, signal.SIGKILL)  # creator and its resource tracker die together
+        dead.wait(timeout=10)
+        assert (SHM / dead_name).exists(), "nobody unlinks it when the whole group is killed"
+        spec = ProcessSpec(workers=(1, 1, 1, 1), slots=1, slot_bytes=chunk_bytes(FP.layout, CHUNK))
+        cfg = DpuClientConfig(f"file://{tmp_path}/store", 1, chunk_bytes(FP.layout, CHUNK), process=spec)
+        client = DpuClient(cfg, FP, codecs()["lossless"])
+        client.start()
+        assert not (SHM / dead_name).exists(), "the stale region was not swept"
+        assert not (SHM / reused).exists(), "a region of a recycled pid was not swept"
+        assert (SHM / live_name).exists(), "a live creator's region was removed"
+        assert all((SHM / n).exists() for n in foreign), "a foreign name was touched"
+        own = client.dest.name.lstrip("/")
+        assert own.startswith(f"{shm_names.PREFIX}{os.getpid()}-") and shm_names.creator_alive(own)
+    finally:
+        if client is not None:
+            client.close()
+        os.killpg(live.pid, signal.SIGKILL)
+        live.wait(timeout=10)
+        for n in [dead_name, live_name, reused, *foreign]:
+            (SHM / n).unlink(missing_ok=True)
