@@ -1,6 +1,7 @@
 """Derived views of an e2e result (all computed from measured fields of ``e2e.json``, nothing typed in).
 
-- ``scaling``: this machine's measured prefill rate (the recompute probe: prompt tokens / latency)
+- ``scaling``: this machine's measured prefill rate (prompt tokens / latency of the side-by-side
+  recompute references; runs without them: the recompute config's probes)
   and, per link rate, the bandwidth that plays the same role for Llama-8B on an L40S. What decides
   fetch-vs-recompute is how many tokens of KV the link delivers per second of prefill:
   ``link / (kv_bytes_per_token * prefill_tok_s)``; keeping that ratio, a rate ``r`` here corresponds
@@ -29,17 +30,22 @@ def _cfgs(result: dict) -> dict:
 
 
 def scaling(result: dict, kv_bytes_per_token: int) -> dict:
+    # every side-by-side recompute reference (fresh prompt of the probe's length), else the recompute
+    # config's probes
+    refs = [p["prompt_tokens"] / p["recompute_ref_s"]
+            for c in _cfgs(result).values() for r in c["runs"] for p in r["probe"] if p.get("recompute_ref_s")]  # fmt: skip
     rec = _cfgs(result).get("recompute")
-    rows = [p for r in (rec or {}).get("runs", []) for p in r["probe"]]
-    if not rows:
+    rows = [p["prompt_tokens"] / p["latency_s"] for r in (rec or {}).get("runs", []) for p in r["probe"]]
+    if not (refs or rows):
         return {"status": "no recompute probe"}
-    tok_s = statistics.median(p["prompt_tokens"] / p["latency_s"] for p in rows)
+    tok_s = statistics.median(refs or rows)
     m, hw = projection.Model(), projection.HW
     l40s_tok_s = 14000 / projection.prefill_s(14000, m, hw)
     factor = (m.kv_bytes_per_token * l40s_tok_s) / (kv_bytes_per_token * tok_s)
     rates = sorted({r["rate_mbit"] for c in _cfgs(result).values() for r in c["runs"] if r["rate_mbit"]})
     return {
         "cpu_prefill_tok_s": tok_s,
+        "cpu_prefill_samples": len(refs or rows),
         "kv_bytes_per_token": kv_bytes_per_token,
         "l40s_llama8b_prefill_tok_s_model": l40s_tok_s,
         "rate_scale_factor": factor,

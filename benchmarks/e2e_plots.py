@@ -22,6 +22,13 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 LOCAL = ("recompute", "device")
+BASES = ("dpu_fetch", "inproc_fetch", "recompute", "device", "raw", "dpu", "nvdec", "auto", "inproc")
+
+
+def _tag(name: str) -> str:
+    """The run tag of a result key (``--tag``): what follows the configuration's own name."""
+    base = max((b for b in BASES if name.startswith(b)), key=len, default=name.partition("_")[0])
+    return name[len(base) :].lstrip("_")
 
 
 def _plt():
@@ -82,7 +89,7 @@ def plot_load_latency(result: dict, out: Path) -> None:
     for name, c in _ok(result["configs"]).items():
         pts = [p for p in ((c.get("load_latency") or {}).get("points") or []) if p.get("request_throughput")]
         if pts:
-            groups.setdefault(name.partition("_")[2], {})[name] = (c, pts)
+            groups.setdefault(_tag(name), {})[name] = (c, pts)
     if not groups:
         return
     fig, axes = plt.subplots(2, len(groups), figsize=(5.5 * len(groups), 7), squeeze=False)
@@ -150,13 +157,13 @@ def plot_interference(result: dict, out: Path) -> None:
             rows.append((label, i["unloaded_tpot"]["mean_s"] * 1e3, i["loaded_tpot"]["mean_s"] * 1e3))
     if not rows:
         return
-    fig, ax = plt.subplots(figsize=(9, 4.4))
+    fig, ax = plt.subplots(figsize=(10, 4.6))
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], [r[1] for r in rows], 0.4, label="decode alone")
     ax.bar([x + 0.2 for x in xs], [r[2] for r in rows], 0.4, label="while other requests fetch / prefill")
     for x, r in zip(xs, rows, strict=True):
         ax.text(x + 0.2, r[2], f"{r[2] / r[1]:.2f}x", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(xs), [r[0] for r in rows], fontsize=8)
+    ax.set_xticks(list(xs), [r[0] for r in rows], fontsize=7, rotation=20)
     ax.set_ylabel("mean TPOT of the running decode (ms)")
     ax.set_title("interference on a running decode (labels: loaded / alone; target <= 1.05x for dpu)")
     ax.legend(fontsize=7)
@@ -167,9 +174,10 @@ def plot_interference(result: dict, out: Path) -> None:
 
 def plot_probe_ratio(result: dict, out: Path) -> None:
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.8))
+    cfgs = [(n, c) for n, c in _ok(result["configs"]).items()]
     drawn = False
-    for k, (name, c) in enumerate(_ok(result["configs"]).items()):
+    for k, (name, c) in enumerate(cfgs):
         rows = [
             (r["rate_mbit"], p)
             for r in c["runs"]
@@ -179,15 +187,15 @@ def plot_probe_ratio(result: dict, out: Path) -> None:
         ]
         if not rows:
             continue
-        color = f"C{k % 10}"
-        x = [r for r, _ in rows]
-        y = [p["latency_s"] / p["recompute_ref_s"] for _, p in rows]
-        hit = [bool(p.get("remote_hit_tokens")) for _, p in rows]
-        ax.scatter([a for a, h in zip(x, hit, strict=True) if h], [b for b, h in zip(y, hit, strict=True) if h],
-                   color=color, label=f"{_label(name, c)} (fetched)", s=22)  # fmt: skip
-        ax.scatter([a for a, h in zip(x, hit, strict=True) if not h], [b for b, h in zip(y, hit, strict=True) if not h],
-                   facecolors="none", edgecolors=color, label=f"{name} (policy recomputed)", s=22)  # fmt: skip
-        drawn = True
+        color = plt.get_cmap("tab20")(k % 20)
+        jitter = 1 + 0.04 * (k - len(cfgs) / 2)  # configs side by side around each rate
+        for hit, style in ((True, {"color": color}), (False, {"facecolors": "none", "edgecolors": color})):
+            pts = [(x * jitter, p["latency_s"] / p["recompute_ref_s"]) for x, p in rows
+                   if bool(p.get("remote_hit_tokens")) == hit]  # fmt: skip
+            if pts:
+                label = f"{_label(name, c)}" + ("" if hit else " (not fetched)")
+                ax.scatter(*zip(*pts, strict=True), s=20, label=label, **style)
+                drawn = True
     if not drawn:
         plt.close(fig)
         return
@@ -196,9 +204,11 @@ def plot_probe_ratio(result: dict, out: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("link rate to the store (Mbit/s)")
     ax.set_ylabel("probe latency / side-by-side recompute latency")
-    ax.set_title("1025-token prompt: remote tier vs recompute, same moment")
+    ax.set_title(
+        "1025-token prompt: remote tier vs recompute, same moment\n(filled: remote hit; hollow: recomputed)"
+    )
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(out / "e2e_probe_ratio.png", dpi=110)
     plt.close(fig)
