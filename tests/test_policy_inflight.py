@@ -89,8 +89,8 @@ def test_abandon_floor_protects_fetches_of_tiny_prefixes():
     d = pol.decide_among({"dpu": (40, MB // 100, MB // 50)}, {}, now=T0)  # recompute ~0.16 s
     assert d.path == "dpu"
     pol.fetch_started("r1", d, MB // 100, now=T0)
-    assert pol.check("r1", now=T0 + 5.9) is None  # jitter / a data-plane hang the DPU client detects
-    assert pol.check("r1", now=T0 + 6.1) == "abandoned"
+    assert pol.check("r1", now=T0 + 7.9) is None  # jitter / a data-plane hang the DPU client detects
+    assert pol.check("r1", now=T0 + 8.1) == "abandoned"
 
 
 def test_slow_link_fetch_that_still_wins_is_not_killed_but_a_hang_is():
@@ -138,10 +138,10 @@ def test_no_probe_while_a_fetch_is_in_flight_and_a_failed_probe_keeps_recomputin
     assert probe.probe
     pol.fetch_started("p", probe, 10 * MB, now=T0 + 31)
     assert pol.decide_among(OPT, {}, now=T0 + 70).path == "recompute"  # probe still running
-    assert pol.check("p", now=T0 + 31 + 6.5) == "abandoned"  # link still slow
-    pol.fetch_ended("p", censored=True, now=T0 + 37.5)
+    assert pol.check("p", now=T0 + 31 + 10.5) == "abandoned"  # link still slow
+    pol.fetch_ended("p", censored=True, now=T0 + 41.5)
     assert pol.decide_among(OPT, {}, now=T0 + 50).path == "recompute"
-    assert pol.decide_among(OPT, {}, now=T0 + 68).probe  # next interval: probe again
+    assert pol.decide_among(OPT, {}, now=T0 + 72).probe  # next interval: probe again
 
 
 @pytest.mark.parametrize("mode", ["dpu", "nvdec", "inproc"])
@@ -199,13 +199,13 @@ def test_waiting_queue_abandons_a_losing_fetch_and_recomputes(tmp_path):
         wq._release_fn = released.append
         req = type("R", (), {"rid": "r1"})()
         p = _Parked(req=req, keys={"dpu": [b"k"] * 4}, local_chunks=0, path="dpu", handle=_Handle())
-        p.decision = Decision("dpu", 0.5, 4.0, 0.1)
+        p.decision = Decision("dpu", 0.5, 8.0, 0.1)
         wq.parked["r1"] = p
         rt.policy.fetch_started("r1", p.decision, 10 * MB, now=T0)
         before = rt.metrics.snapshot()
-        wq._poll_fetch(p, T0 + 5.0)
-        assert "r1" in wq.parked and not released  # 5 s < 1.5 x 4 s
-        wq._poll_fetch(p, T0 + 6.5)
+        wq._poll_fetch(p, T0 + 11.0)
+        assert "r1" in wq.parked and not released  # 11 s < 1.5 x 8 s
+        wq._poll_fetch(p, T0 + 12.5)
         assert released == [req] and "r1" not in wq.parked and p.handle.cancelled_
         after = rt.metrics.snapshot()
         assert after.get("failures|kind=abandoned", 0) - before.get("failures|kind=abandoned", 0) == 1

@@ -115,8 +115,9 @@ class PolicyConfig:
     margin: float = 1.0  # fetch must be estimated at most margin x the recompute time
     abandon_factor: float = 1.5  # abandon a fetch running > factor x margin x est. recompute ...
     # ... but never one younger than this: RTT jitter and tiny prefixes, and a hung data plane is
-    # detected by the DPU client's 5 s heartbeat and counted as ``dataplane_lost``, not as a loss
-    abandon_floor_s: float = 6.0
+    # detected by the DPU client's 5 s heartbeat (+ its check period, on a loaded host) and counted
+    # as ``dataplane_lost``, not as a loss
+    abandon_floor_s: float = 8.0
     timeout_floor_s: float = 10.0  # hang guard: floor + wire bytes / timeout_bw_Bps ...
     timeout_bw_Bps: float = 250e3  # ... (2 Mbit/s: a conservative link bound) ...
     timeout_cap_s: float = 120.0  # ... capped at this
