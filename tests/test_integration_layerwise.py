@@ -143,3 +143,44 @@ def test_on_demand_decodes_each_layer_when_first_needed(stored):
     counter.finish_all()
     _assert_pool_holds(pool, slots, k, v)
     assert "failures|kind=layerwise_fallback" not in metrics.snapshot()
+
+
+def test_on_demand_decode_frees_no_buffer_inside_the_forward_pass(stored):
+    """The in-forward decode reuses its K/V staging and scratch: a buffer freed between attention layers
+    hands its codec bytes to the forward's next ``torch.empty`` (SGLang's torch_native padded query), and
+    bytes that read as denormal floats made attention ~60x slower (docs/INTEGRATION.md, layer-wise)."""
+    import tracemalloc
+
+    client, codec, keys, k, v = stored
+    pool, metrics = Pool(), RemoteKVMetrics()
+    counter = layerwise.attach(pool, FP, metrics)
+    counter.add(_dead_handle(client, codec, keys, failure=None), _slots(), codec, on_demand=True)
+    counter.finish_all()  # the first install sizes the buffers
+    slots = torch.arange(N * C)
+    counter.add(_dead_handle(client, codec, keys, failure=None), slots, codec, on_demand=True)
+    layer_kv_bytes = 2 * k[0].nbytes
+    tracemalloc.start()
+    try:
+        for layer in range(LAYOUT.num_layers):  # what the forward pass does, layer by layer
+            tracemalloc.reset_peak()
+            before, _ = tracemalloc.get_traced_memory()
+            pool.get_key_buffer(layer)
+            _, peak = tracemalloc.get_traced_memory()
+            assert peak - before < layer_kv_bytes, (layer, peak - before)
+    finally:
+        tracemalloc.stop()
+    assert not counter.busy()
+    _assert_pool_holds(pool, slots, k, v)
+
+
+def test_outgrown_decode_buffers_are_zeroed_before_release():
+    bufs = layerwise._DecodeBuffers(LAYOUT)
+    k, v = bufs.kv(C)
+    scratch = bufs.scratch(64)
+    for a in (k, v, scratch):
+        a.view(np.uint8)[:] = 0x01  # stand-in for codec bytes left in the buffer
+    k2, _ = bufs.kv(2 * C)
+    scratch2 = bufs.scratch(128)
+    assert k2.shape[0] == 2 * C and scratch2.size >= 128
+    assert not np.any(k) and not np.any(v) and not np.any(scratch)
+    assert np.shares_memory(bufs.kv(C)[0], k2)  # a smaller request reuses the buffer, no realloc

@@ -23,7 +23,9 @@ data plane made before signalling verified (``fetch_dpu.py``), and falling back 
 handle first (under the client's lock), after which the receiver never writes the slots again. The
 in-process path is decoded *on demand* (``on_demand``): its worker is cancelled at admission and each
 layer is decoded from the verified blobs in the forward thread when first needed — a Python decode
-thread running next to the forward pass suffered a GIL convoy (36 s instead of 0.4 s, measured).
+thread running next to the forward pass suffered a GIL convoy (36 s instead of 0.4 s, measured). That
+decode frees no buffer inside the forward pass (``_DecodeBuffers``): freed codec bytes were handed to
+attention's ``torch.empty`` padding and read as denormal floats (~60x slower attention, measured).
 
 Threads: ``add``/``finish_all`` on the scheduler thread, ``wait_until`` on the forward thread (the same
 thread without overlap scheduling); one lock serialises them. Slots: tree-owned from admission; only
@@ -56,6 +58,8 @@ class _Pending:
     fell_back: bool = False
     on_demand: bool = False  # decode each layer from the verified blobs when first needed
     admitted: float = field(default_factory=time.monotonic)
+    decode_s: float = 0.0  # forward-thread time spent decoding / scattering this install's layers
+    scatter_s: float = 0.0
 
 
 class LayerwiseInstalls:
@@ -68,6 +72,7 @@ class LayerwiseInstalls:
         self.num_layers = fingerprint.layout.num_layers
         self.stall_s = stall_s
         self._pending: list[_Pending] = []
+        self._bufs = _DecodeBuffers(fingerprint.layout)  # lock held; see _DecodeBuffers
         self._lock = threading.Lock()
 
     # -- LayerDoneCounter surface --------------------------------------------------------------------
@@ -83,8 +88,9 @@ class LayerwiseInstalls:
         self.metrics.layerwise_wait(time.perf_counter() - t0)
         for p in done:
             logger.debug(
-                "layer-wise install of %s complete %.3f s after admission (fallback %s)",
-                p.handle.request_id, time.monotonic() - p.admitted, p.fell_back,
+                "layer-wise install of %s complete %.3f s after admission (fallback %s; decode %.3f s, "
+                "scatter %.3f s)",
+                p.handle.request_id, time.monotonic() - p.admitted, p.fell_back, p.decode_s, p.scatter_s,
             )  # fmt: skip
 
     def set_consumer(self, index: int) -> None:  # HiCache API; unused
@@ -139,14 +145,11 @@ class LayerwiseInstalls:
             h.wait(0.002)
 
     def _decode_layer(self, p: _Pending, layer: int) -> None:
-        h, lay, c = p.handle, self.fingerprint.layout, p.handle.chunk_size
-        shape = (h.n_chunks * c, lay.num_kv_heads, lay.head_dim)
-        k, v = (
-            np.empty(shape, numpy_storage_dtype(lay.dtype)),
-            np.empty(shape, numpy_storage_dtype(lay.dtype)),
-        )
+        t0 = time.perf_counter()
+        h, c = p.handle, p.handle.chunk_size
+        k, v = self._bufs.kv(h.n_chunks * c)
         for i, (blob, hdr) in enumerate(zip(h.blobs, h.headers, strict=True)):
-            scratch = np.empty(max(1, p.codec.scratch_bytes(hdr, layer)), np.uint8)
+            scratch = self._bufs.scratch(p.codec.scratch_bytes(hdr, layer))
             try:
                 p.codec.decode_layer_into(
                     blob, hdr, layer, scratch, k[i * c : (i + 1) * c], v[i * c : (i + 1) * c]
@@ -154,7 +157,41 @@ class LayerwiseInstalls:
             except ChunkError as e:
                 self.metrics.failure("layerwise_decode_error")
                 raise RuntimeError(f"verified chunk {i} of {h.request_id} failed to decode: {e!r}") from e
+        t1 = time.perf_counter()
         kv_io.write_kv_layer(self.kvcache, layer, p.slots, k, v)
+        p.decode_s += t1 - t0
+        p.scatter_s += time.perf_counter() - t1
+
+
+class _DecodeBuffers:
+    """Grow-only K/V staging for one layer and the codec's scratch, reused by every in-forward decode.
+
+    Why: the decode runs inside the forward pass, between attention layers. Buffers allocated and freed
+    there go back to the forward thread's malloc arena *with their bytes* (compressed / decoded codec
+    bytes), and SGLang's ``torch_native`` extend attention allocates its padded query with
+    ``torch.empty`` and runs SDPA over those rows: garbage that reads as denormal float32 made every
+    attention layer ~60x slower (40 s TTFT instead of 3 s, measured). So nothing is freed during a
+    forward pass; a buffer outgrown (rare: a longer hit) is zeroed before it is dropped.
+    Called under ``LayerwiseInstalls._lock`` only; the arrays are owned here and only lent out."""
+
+    def __init__(self, layout) -> None:
+        self._row = (layout.num_kv_heads, layout.head_dim)
+        self._dtype = numpy_storage_dtype(layout.dtype)
+        self._k = self._v = np.zeros((0, *self._row), self._dtype)
+        self._scratch = np.zeros(1, np.uint8)
+
+    def kv(self, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._k.shape[0] < tokens:
+            for old in (self._k, self._v):
+                old.fill(0)
+            self._k, self._v = (np.zeros((tokens, *self._row), self._dtype) for _ in range(2))
+        return self._k[:tokens], self._v[:tokens]
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        if self._scratch.size < nbytes:
+            self._scratch.fill(0)
+            self._scratch = np.zeros(nbytes, np.uint8)
+        return self._scratch
 
 
 def _broken(h: FetchHandle) -> bool:
