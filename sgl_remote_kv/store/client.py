@@ -82,7 +82,9 @@ class PrefixLookup:
 @dataclass(frozen=True)
 class ClientConfig:
     timeout_s: float = 5.0  # fixed part of every call's deadline
-    min_mb_s: float = 10.0  # slowest transfer rate tolerated; adds bytes / min_mb_s to the deadline
+    # Slowest transfer rate tolerated (adds bytes / min_mb_s to the deadline): a hang guard only, as
+    # slow as the queue's (2 Mbit/s); whether a slow fetch still pays is the policy's call.
+    min_mb_s: float = 0.25
     retries: int = 1
     retry_backoff_s: float = 0.02
     negative_ttl_s: float = 1.0
