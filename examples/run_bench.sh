@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Run SGLang's own bench harness (python -m sglang.benchmark.serving) the way our results were made.
 #
-#   examples/run_bench.sh quick            # the whole e2e benchmark, small (~15 min idle machine)
+#   examples/run_bench.sh quick            # the e2e benchmark, small (~30 min idle machine)
 #   examples/run_bench.sh full             # the whole e2e benchmark (all configs, rates, curve)
 #   examples/run_bench.sh harness URL      # just the harness runs, against a server you started
 #
-# quick/full: starts real CPU servers itself (recompute, device, raw, dpu, nvdec, auto), puts
+# quick/full: starts real CPU servers itself (quick: dpu_fetch, inproc_fetch, recompute, dpu, auto;
+# full: also device, raw, nvdec, inproc; see benchmarks/e2e_server.py CONFIGS), puts
 # redis-server in a network namespace behind a tc-tbf-shaped veth (needs root / CAP_NET_ADMIN; every
 # namespace and veth it creates is deleted on exit), and writes docs/results/e2e.json + PNGs.
 # Extra arguments are passed to benchmarks/bench_e2e.py (e.g. --configs dpu auto --rates 25 100).
