@@ -147,9 +147,9 @@ class Agreement:
 class TPQueue:
     """The TP > 1 poll of a ``WaitingForKV``: observe, agree (one collective), act. Scheduler thread.
 
-    It reuses the queue's building blocks (``_decide_fetch``, ``_inflight_leader``, ``_submit``,
-    ``_admit_early``, ``_install``, ``_drop``, ``_release``) and mirrors its per-request handlers, with
-    every local fact replaced by the agreed one. With ``tp_size == 1`` it is never used.
+    It reuses the queue's building blocks (``_decide_fetch``, ``_start_fetch``, ``_drop``,
+    ``_release``; ``_admit_early`` and ``_complete_fetch`` from ``completion.py``) and mirrors its
+    per-request handlers, with every local fact replaced by the agreed one. With ``tp_size == 1`` it is never used.
     """
 
     def __init__(self, agreement: Agreement) -> None:
