@@ -9,18 +9,10 @@ import argparse
 import logging
 import sys
 
-from sgl_remote_kv.config import parse_cpu_list
+from sgl_remote_kv.config import cpu_list_arg
 
 from .server import DataPlaneConfig, DataPlaneServer
 from .tasks import STAGES, PipelineConfig
-
-
-def _cpus(text: str) -> tuple[int, ...]:
-    """``"0,2-3"`` -> (0, 2, 3) (the same parser as ``--remote-kv-dpu-cpus``)."""
-    try:
-        return parse_cpu_list(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _size(text: str) -> int:
@@ -57,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=2, help="round slots in the staging buffers")
     p.add_argument("--slot-bytes", type=_size, default=64 << 20, help="DMA-source bytes per slot (e.g. 64M)")
     p.add_argument("--inflate-ratio", type=float, default=1.0, help="inflate region size / DMA-source size")
-    p.add_argument("--cpus", type=_cpus, default=(), help="pin the process to these cores (e.g. 2-3)")
+    p.add_argument("--cpus", type=cpu_list_arg, default=(), help="pin the process to these cores (e.g. 2-3)")
     p.add_argument(
         "--pin-stages",
         action="store_true",

@@ -148,7 +148,7 @@ class RemoteKVConfig:
         g.add_argument(
             "--remote-kv-dpu-cpus",
             dest="remote_kv_dpu_cpus",
-            type=_cpu_list,
+            type=cpu_list_arg,
             default=(),
             metavar="LIST",
             help="Cores the DPU data plane process pins itself to (e.g. 1 or 2-3,6), emulating a DPU's "
@@ -226,7 +226,8 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def _cpu_list(text: str) -> tuple[int, ...]:
+def cpu_list_arg(text: str) -> tuple[int, ...]:
+    """argparse type for core lists (``--remote-kv-dpu-cpus``, the data plane's ``--cpus``)."""
     try:
         return parse_cpu_list(text)
     except ValueError as e:

@@ -9,11 +9,13 @@ decoding the verified blobs in-process (same bytes); the hot path is a no-op wit
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
 import pytest
 import torch
+from pool_fake import FakeKVPool
 
 from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.sglang_glue import layerwise
@@ -28,22 +30,7 @@ LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, dtype="float32")
 FP = ModelFingerprint("TestArch", LAYOUT, "w" * 64)
 
 
-class Pool:
-    """The slice of ``MHATokenToKVPool`` the layer-transfer counter touches."""
-
-    def __init__(self, slots: int = 128) -> None:
-        shape = (slots, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-        self.k_buffer = [torch.zeros(shape) for _ in range(LAYOUT.num_layers)]
-        self.v_buffer = [torch.zeros(shape) for _ in range(LAYOUT.num_layers)]
-        self.layer_transfer_counter = None
-
-    def register_layer_transfer_counter(self, counter) -> None:
-        self.layer_transfer_counter = counter
-
-    def get_key_buffer(self, layer_id: int):
-        if self.layer_transfer_counter is not None:
-            self.layer_transfer_counter.wait_until(layer_id)
-        return self.k_buffer[layer_id]
+Pool = functools.partial(FakeKVPool, LAYOUT, 128)  # float32, 128 slots
 
 
 @pytest.fixture()

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from dpu_helpers import CHUNK, FP, LAYOUT, codecs, put_chunks, random_chunks
+from pool_fake import FakeKVPool
 from sgl_remote_kv.dpu.buffers import chunk_bytes
 
 from sgl_remote_kv.codec.base import decode
@@ -32,22 +33,11 @@ N = 3
 CB = chunk_bytes(LAYOUT, CHUNK)
 
 
-class Pool:
-    """The slice of ``MHATokenToKVPool`` the DPU backend and the layer-transfer counter touch."""
+class Pool(FakeKVPool):
+    """bf16 pool; ``layer_bits`` reads slots back as raw bits for exact comparisons."""
 
     def __init__(self, slots: int = 256) -> None:
-        shape = (slots, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYOUT.num_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYOUT.num_layers)]
-        self.layer_transfer_counter = None
-
-    def register_layer_transfer_counter(self, counter) -> None:
-        self.layer_transfer_counter = counter
-
-    def get_key_buffer(self, layer_id: int):
-        if self.layer_transfer_counter is not None:
-            self.layer_transfer_counter.wait_until(layer_id)
-        return self.k_buffer[layer_id]
+        super().__init__(LAYOUT, slots, torch.bfloat16)
 
     def layer_bits(self, layer: int, slots) -> tuple[np.ndarray, np.ndarray]:
         return (

@@ -1,0 +1,26 @@
+"""A stand-in for the slice of SGLang's ``MHATokenToKVPool`` that the fetch backends and the
+layer-transfer counter touch (per-layer K/V buffers, ``register_layer_transfer_counter``,
+``get_key_buffer`` waiting for its layer). Not a mock of behaviour under test: the code under test
+writes real tensors and the tests read them back."""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_remote_kv.types import KVLayout
+
+
+class FakeKVPool:
+    def __init__(self, layout: KVLayout, slots: int, dtype: torch.dtype = torch.float32) -> None:
+        shape = (slots, layout.num_kv_heads, layout.head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype) for _ in range(layout.num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype) for _ in range(layout.num_layers)]
+        self.layer_transfer_counter = None
+
+    def register_layer_transfer_counter(self, counter) -> None:
+        self.layer_transfer_counter = counter
+
+    def get_key_buffer(self, layer_id: int):
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(layer_id)
+        return self.k_buffer[layer_id]
