@@ -11,10 +11,6 @@ TTFTs and the time spent in waiting_for_KV are printed (the measurement for docs
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import threading
 import time
 
 import pytest
@@ -22,6 +18,7 @@ import pytest
 from tests.fixtures.remote_kv_server import (
     CHUNK,
     flush_cache,
+    kill_data_plane_during,
     metrics,
     post,
     remote_kv_server,
@@ -116,19 +113,9 @@ def _remote_hits(srv, ids: list[int], n: int = 2) -> list[tuple[dict, float]]:
 def _kill_data_plane_after_admission(srv, ids: list[int]) -> dict:
     """Send ``ids``; SIGKILL the data plane as soon as the request was admitted at "verified" (its
     DMA is slowed down, so layers are still missing); return the response."""
-    pids = [int(p) for p in re.findall(r"data plane generation \d+ pid (\d+)", srv.log_text())]
-    assert pids, "server did not start a DPU data plane"
-    flush_cache(srv)
-    before = metrics(srv).get(LW_ADMITTED, 0)
-    result: dict = {}
-    t = threading.Thread(target=lambda: result.update(out=_first_token(srv, ids)[0]))
-    t.start()
-    deadline = time.monotonic() + 120
-    while metrics(srv).get(LW_ADMITTED, 0) <= before and time.monotonic() < deadline:
-        time.sleep(0.03)
-    os.kill(pids[-1], signal.SIGKILL)
-    t.join(timeout=300)
-    return result["out"]
+    return kill_data_plane_during(
+        srv, lambda: _first_token(srv, ids)[0], LW_ADMITTED, wait_s=120, poll_s=0.03
+    )
 
 
 def _prompt_ids(model_dir) -> list[int]:

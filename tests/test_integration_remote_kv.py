@@ -18,9 +18,6 @@ One scenario per test (each starts servers one at a time, always stopped by the 
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
 import threading
 import time
 import urllib.error
@@ -31,8 +28,10 @@ import pytest
 from tests.fixtures.remote_kv_server import (
     CHUNK,
     chat,
+    data_plane_pids,
     flush_cache,
     generate,
+    kill_data_plane_during,
     metrics,
     remote_kv_server,
     storage_tokens,
@@ -184,23 +183,11 @@ def test_slow_store_no_hit_not_delayed_and_abort(model_dir, tmp_path, tok):
 def _kill_data_plane_during_fetch(srv, prompt: list[int], reference: dict) -> None:
     """SIGKILL the DPU data plane while it fetches: the request must still answer exactly as when
     it was computed (``reference``), and the client must have restarted the data plane."""
-    pids = [int(p) for p in re.findall(r"data plane generation \d+ pid (\d+)", srv.log_text())]
-    assert pids, "server did not start a DPU data plane"
-    flush_cache(srv)
     key = 'sglang:remote_kv_lookups_total{result="hit"}'
-    hits_before = metrics(srv).get(key, 0)
-    result: dict = {}
-    t = threading.Thread(target=lambda: result.update(out=generate(srv, prompt)[0]))
-    t.start()
+    # the fetch needs >= 1 s more after the kill (store latency)
+    out = kill_data_plane_during(srv, lambda: generate(srv, prompt)[0], key, wait_s=60, poll_s=0.05)
+    assert out["output_ids"] == reference["output_ids"]
     deadline = time.monotonic() + 60
-    while metrics(srv).get(key, 0) <= hits_before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.kill(pids[-1], signal.SIGKILL)  # the fetch now needs >= 1 s more (store latency)
-    t.join(timeout=300)
-    assert result["out"]["output_ids"] == reference["output_ids"]
-    deadline = time.monotonic() + 60
-    while (
-        len(re.findall(r"data plane generation \d+ pid", srv.log_text())) < 2 and time.monotonic() < deadline
-    ):
+    while len(data_plane_pids(srv)) < 2 and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert len(re.findall(r"data plane generation \d+ pid", srv.log_text())) >= 2
+    assert len(data_plane_pids(srv)) >= 2
