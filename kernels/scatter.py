@@ -1,9 +1,11 @@
 """Scatter a contiguous decoded chunk into a paged KV pool (SGLang's per-layer buffers).
 
-``src`` is ``[layers, tokens, heads, dim]``; the pool is a list of per-layer tensors
-``[pool_size, heads, dim]`` (SGLang ``MHATokenToKVPool.k_buffer`` / ``v_buffer``); ``slots`` [tokens]
-are the pool rows to write. ``scatter_triton`` does all layers in ONE launch: the per-layer base
-addresses travel as an int64 tensor and are cast to pointers in the kernel.
+``src`` is ``[planes, tokens, heads, dim]``; the pool is a list of per-plane tensors
+``[pool_size, heads, dim]`` (SGLang ``MHATokenToKVPool.k_buffer`` / ``v_buffer``, K and V planes of a
+round together); ``slots`` [tokens] are the pool rows to write. ``scatter_triton`` does all planes in ONE
+launch on the current stream: the per-plane base addresses travel as an int64 tensor and are cast to
+pointers in the kernel. The product calls it only through ``sgl_remote_kv.kvpool.cuda_ops`` (the KV
+writer); ``scatter_reference`` is the torch definition the GPU suite compares it with.
 """
 
 from __future__ import annotations
@@ -45,9 +47,14 @@ if triton is not None:
 
 
 def scatter_triton(
-    src: torch.Tensor, pool: list[torch.Tensor], slots: torch.Tensor, block: int = 256
+    src: torch.Tensor,
+    pool: list[torch.Tensor],
+    slots: torch.Tensor,
+    block: int = 256,
+    bases: torch.Tensor | None = None,
 ) -> None:
-    """One Triton launch over (layer, token, row block)."""
+    """One Triton launch over (plane, token, row block). ``bases``: the planes' ``data_ptr()`` as an
+    int64 tensor on ``src``'s device (built here when None: a small blocking H2D copy)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     layers, t = src.shape[:2]
@@ -58,16 +65,10 @@ def scatter_triton(
     for p in pool:
         if p.dtype != dtype or not p.is_contiguous() or p[0].numel() != row:
             raise ValueError("pool tensors must share dtype, be contiguous and match [heads, dim]")
-    bases = torch.tensor([p.data_ptr() for p in pool], dtype=torch.int64, device=src.device)
+    if bases is None:
+        bases = torch.tensor([p.data_ptr() for p in pool], dtype=torch.int64, device=src.device)
     grid = (layers, t, triton.cdiv(row, block))
     _scatter_kernel[grid](
         src.contiguous(), bases, slots.to(torch.int64), t, row, ELEM=_TL_TYPES[dtype], BLOCK=block
     )
 
-
-def scatter(src: torch.Tensor, pool: list[torch.Tensor], slots: torch.Tensor) -> None:
-    """Triton on CUDA, torch reference otherwise."""
-    if src.is_cuda and triton is not None:
-        scatter_triton(src, pool, slots)
-    else:
-        scatter_reference(src, pool, slots)

@@ -1,0 +1,76 @@
+"""``DeviceOps`` on CUDA (torch.cuda + the Triton scatter of ``sgl_remote_kv.kernels.scatter``).
+
+One side stream per writer; every copy and scatter is enqueued on it, so the forward pass's stream is
+never blocked by a fetch. Host regions are pinned in place with ``cudaHostRegister`` (through torch's
+cudart bindings), so H2D copies out of the DPU destination region are real async DMA; anything else is
+staged through pinned memory by the writer.
+
+Never ran on a GPU in development (no GPU there): ``tests/test_gpu_kv_writer.py`` (``pytest -m gpu``,
+``scripts/gpu_check.sh``) exercises it against a real SGLang ``MHATokenToKVPool`` on CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from sgl_remote_kv.kernels.scatter import scatter_triton
+
+logger = logging.getLogger(__name__)
+
+
+class CudaOps:
+    """See module docstring. Threads: callers serialise (the writer's lock)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._bases: dict[tuple[int, ...], torch.Tensor] = {}  # plane pointers, cached on the device
+
+    def pin(self, array: np.ndarray) -> bool:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(array.__array_interface__["data"][0], array.nbytes, 0)
+        if int(err) != 0:
+            logger.warning("cudaHostRegister of %d bytes failed (error %s)", array.nbytes, int(err))
+            return False
+        return True
+
+    def unpin(self, array: np.ndarray) -> None:
+        torch.cuda.cudart().cudaHostUnregister(array.__array_interface__["data"][0])
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def device_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+
+    def scatter(self, src: torch.Tensor, planes: list[torch.Tensor], slots: torch.Tensor) -> None:
+        key = tuple(p.data_ptr() for p in planes)
+        with torch.cuda.stream(self.stream):
+            bases = self._bases.get(key)
+            if bases is None:
+                bases = torch.tensor(key, dtype=torch.int64).to(self.device, non_blocking=False)
+                self._bases[key] = bases
+            scatter_triton(src, planes, slots, bases=bases)
+
+    def record(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def query(self, event: torch.cuda.Event) -> bool:
+        return event.query()
+
+    def stream_wait(self, event: torch.cuda.Event) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def gather(self, planes: list[torch.Tensor], slots: torch.Tensor) -> np.ndarray:
+        idx = slots.to(self.device, non_blocking=False)
+        x = torch.stack([p[idx] for p in planes])
+        return (x.view(torch.int16) if x.dtype == torch.bfloat16 else x).cpu().numpy()

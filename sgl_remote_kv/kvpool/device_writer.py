@@ -1,0 +1,174 @@
+"""KV writer for device (GPU) pools, written against a narrow ``DeviceOps`` interface.
+
+``cuda_ops.CudaOps`` implements ``DeviceOps`` with torch.cuda + the Triton scatter; the test suite's
+strict CPU double implements the same interface and *enforces* what CUDA enforces (no host tensor written
+into device memory without an explicit copy, no read of a layer before its completion event), so this
+file's logic runs in CI exactly as it runs on a GPU.
+
+One ``write`` of ``n`` layers:
+1. host source: zero-copy when ``k`` and ``v`` lie in a registered (pinned) region (the DPU destination
+   region, ``register_host``); otherwise copied into a grow-only pinned staging buffer;
+2. H2D copies of K, V and the slots into a grow-only device staging buffer, on the side stream;
+3. ONE scatter launch for all ``2n`` layer planes (K then V) into the paged pool, on the side stream;
+4. one event recorded after it, which becomes the completion event of each of the ``n`` layers;
+5. the calling thread waits (polling, bounded by ``timeout_s``) until the event completed: only then is
+   the source reusable and may the caller mark the layers written. Errors and timeouts raise.
+Readers on other streams still wait on the event (``wait_layer``/``fence``): the ordering does not rely on
+the host having observed completion, and after a timed-out write a fence keeps later users of the slots
+ordered behind the late scatter.
+
+Buffers: the staging buffers are owned by the writer and reused under its lock; registered host regions
+stay owned by their creator, which must ``unregister_host`` before unmapping.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from sgl_remote_kv.types import KVLayout
+
+from .writer import TORCH_DTYPES, KVWriteError, KVWriter, PoolTensors
+
+logger = logging.getLogger(__name__)
+
+
+class DeviceOps(Protocol):
+    """What ``DeviceKVWriter`` needs from a device. Every method but ``stream_wait`` and ``gather`` acts
+    on the ops' own side stream; events are opaque."""
+
+    def pin(self, array: np.ndarray) -> bool: ...  # register host memory; False if it cannot be pinned
+    def unpin(self, array: np.ndarray) -> None: ...
+    def pinned_empty(self, nbytes: int) -> torch.Tensor: ...  # uint8 host tensor in pinned memory
+    def device_empty(self, nbytes: int) -> torch.Tensor: ...  # uint8 device tensor
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...  # async H2D, same dtype/shape
+    def scatter(self, src: torch.Tensor, planes: list[torch.Tensor], slots: torch.Tensor) -> None: ...
+    def record(self) -> object: ...  # an event after everything enqueued so far
+    def query(self, event: object) -> bool: ...  # completed?
+    def stream_wait(self, event: object) -> None: ...  # the calling thread's current stream waits
+    def gather(self, planes: list[torch.Tensor], slots: torch.Tensor) -> np.ndarray: ...  # D2H; host slots
+
+
+class DeviceKVWriter(KVWriter):
+    """See module docstring."""
+
+    def __init__(self, pool: PoolTensors, layout: KVLayout, ops: DeviceOps, timeout_s: float = 10.0) -> None:
+        super().__init__(pool, layout, timeout_s)
+        self.ops = ops
+        self.torch_dtype = TORCH_DTYPES[layout.dtype]
+        self._regions: list[tuple[int, int, np.ndarray]] = []  # (start, end, array) pinned in place
+        self._host = ops.pinned_empty(0)
+        self._dev = ops.device_empty(0)
+        self._layer_events: dict[int, object] = {}  # layer -> event of its last write
+        self._late: list[object] = []  # events of timed-out writes (fenced until they complete)
+        self.stats = {"writes": 0, "zero_copy": 0, "staged": 0, "timeouts": 0}
+
+    # ---- host regions ------------------------------------------------------------------------------
+    def register_host(self, array: np.ndarray) -> None:
+        if self.ops.pin(array):
+            start = array.__array_interface__["data"][0]
+            self._regions.append((start, start + array.nbytes, array))
+        else:
+            logger.warning("could not pin a %d-byte host region; KV writes will be staged", array.nbytes)
+
+    def unregister_host(self, array: np.ndarray) -> None:
+        with self._lock:
+            self.fence_host()
+            for reg in list(self._regions):
+                if reg[2] is array:
+                    self.ops.unpin(array)
+                    self._regions.remove(reg)
+
+    def _pinned(self, a: np.ndarray) -> bool:
+        lo = a.__array_interface__["data"][0]
+        return a.flags.c_contiguous and any(s <= lo and lo + a.nbytes <= e for s, e, _ in self._regions)
+
+    # ---- write ---------------------------------------------------------------------------------------
+    def _write(self, k: np.ndarray, v: np.ndarray, slots: torch.Tensor, layer_lo: int) -> None:
+        n, t = k.shape[:2]
+        plane = k[0].nbytes if n else 0
+        idx = slots.to("cpu", torch.int64).contiguous()
+        kv_bytes, slot_bytes = 2 * n * plane, idx.numel() * 8
+        dev = self._device_buffer(kv_bytes + slot_bytes)
+        if self._pinned(k) and self._pinned(v):
+            self.stats["zero_copy"] += 1
+            self.ops.upload(dev[: kv_bytes // 2], _bytes(torch.from_numpy(k)))
+            self.ops.upload(dev[kv_bytes // 2 : kv_bytes], _bytes(torch.from_numpy(v)))
+            host_slots = self._host_buffer(slot_bytes)[:slot_bytes]
+            host_slots.view(torch.int64).copy_(idx)
+            self.ops.upload(dev[kv_bytes : kv_bytes + slot_bytes], host_slots)
+        else:
+            self.stats["staged"] += 1
+            host = self._host_buffer(kv_bytes + slot_bytes)[: kv_bytes + slot_bytes]
+            hn = host.numpy()
+            hn[: kv_bytes // 2].view(self.storage).reshape(k.shape)[...] = k
+            hn[kv_bytes // 2 : kv_bytes].view(self.storage).reshape(v.shape)[...] = v
+            hn[kv_bytes:].view(np.int64)[...] = idx.numpy()
+            self.ops.upload(dev[: kv_bytes + slot_bytes], host)
+        src = dev[:kv_bytes].view(self.torch_dtype).view(2 * n, t, self.layout.num_kv_heads, -1)
+        planes = [*self.pool.k[layer_lo : layer_lo + n], *self.pool.v[layer_lo : layer_lo + n]]
+        self.ops.scatter(src, planes, dev[kv_bytes : kv_bytes + slot_bytes].view(torch.int64))
+        event = self.ops.record()
+        for layer in range(layer_lo, layer_lo + n):
+            self._layer_events[layer] = event
+        self.stats["writes"] += 1
+        if not self._wait_host(event):
+            self.stats["timeouts"] += 1
+            self._late.append(event)
+            raise KVWriteError(f"KV write of layers {layer_lo}..{layer_lo + n} not done in {self.timeout_s} s")
+
+    def _wait_host(self, event: object) -> bool:
+        deadline, pause = time.monotonic() + self.timeout_s, 2e-5
+        while not self.ops.query(event):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        return True
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        if self._host.numel() < nbytes:
+            self._host = self.ops.pinned_empty(_grow(nbytes))
+        return self._host
+
+    def _device_buffer(self, nbytes: int) -> torch.Tensor:
+        if self._dev.numel() < nbytes:
+            self._dev = self.ops.device_empty(_grow(nbytes))
+        return self._dev
+
+    # ---- readers ---------------------------------------------------------------------------------------
+    def wait_layer(self, layer: int) -> None:
+        ev = self._layer_events.get(layer)
+        if ev is not None:
+            self.ops.stream_wait(ev)
+
+    def fence(self) -> None:
+        events = [*list(self._layer_events.values()), *self._late]  # snapshot: writers run concurrently
+        for ev in {id(e): e for e in events}.values():
+            self.ops.stream_wait(ev)
+        self._late = [e for e in self._late if not self.ops.query(e)]
+
+    def fence_host(self) -> None:
+        """The host waits until every write issued so far completed (before unpinning its source)."""
+        for ev in [*list(self._layer_events.values()), *self._late]:
+            while not self.ops.query(ev):
+                time.sleep(1e-4)
+
+    def read(self, slots: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        self.fence()
+        idx = slots.to("cpu", torch.int64)
+        k = self.ops.gather(list(self.pool.k), idx).view(self.storage)
+        v = self.ops.gather(list(self.pool.v), idx).view(self.storage)
+        return k, v
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _grow(nbytes: int) -> int:
+    return max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())

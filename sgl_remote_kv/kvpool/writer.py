@@ -1,0 +1,156 @@
+"""The one KV writer: how fetched KV gets into SGLang's paged KV pool, on every path.
+
+Every path that puts fetched KV into the pool (the DPU client's receiver thread, the in-process and
+NVDEC installs, layer-wise installs) calls ``KVWriter.write``; the write-back reads through
+``KVWriter.read``. Nothing else touches the pool's per-layer tensors (a test greps for it).
+
+Contract of ``write(k, v, slots, layer_lo)``:
+- ``k``/``v`` are host numpy arrays ``[n_layers, T, H, D]`` in the layout's storage dtype (bf16 as
+  ``uint16`` bits), owned by the caller; ``slots`` (int64, ``T``) are the pool rows of the ``T`` tokens.
+  Layers ``layer_lo .. layer_lo + n_layers`` are written.
+- It returns only when the write is *complete*: the caller may reuse the source, and a layer may be
+  marked written. Any failure (bad shapes, a device error, a write not finished within ``timeout_s``)
+  raises ``KVWriteError`` and the caller must treat the chunks carried as failed (kind ``write``): their
+  slots hold garbage.
+- Consumers that read the pool from another stream call ``wait_layer(layer)`` (the forward, per layer)
+  or ``fence()`` (the scheduler, before admitting or reusing slots): on a device pool these make the
+  reading stream wait on the write's completion event; on host pools they are no-ops.
+
+Implementations: ``HostKVWriter`` (CPU pools: single-threaded numpy copies) here, ``DeviceKVWriter``
+(device pools: pinned host source, H2D copy on a side stream, one scatter launch per write, an event per
+layer) in ``device_writer.py``. ``writer_for`` picks one from the pool's device.
+
+Threads: ``write`` may be called from any thread (one lock per writer serialises writes); ``read`` from
+the scheduler thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sgl_remote_kv.types import KVLayout, numpy_storage_dtype
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_RAW = {torch.bfloat16: torch.int16}  # numpy has no bf16: move raw bits
+
+
+class KVWriteError(Exception):
+    """A write into the KV pool failed or did not complete in time; its chunks are failed."""
+
+
+@dataclass(frozen=True)
+class PoolTensors:
+    """The pool's per-layer tensors ``[pool_slots, H, D]`` (SGLang's ``k_buffer``/``v_buffer``)."""
+
+    k: Sequence[torch.Tensor]
+    v: Sequence[torch.Tensor]
+
+
+class KVWriter(ABC):
+    """See module docstring."""
+
+    def __init__(self, pool: PoolTensors, layout: KVLayout, timeout_s: float = 10.0) -> None:
+        if len(pool.k) != layout.num_layers or len(pool.v) != layout.num_layers:
+            raise ValueError(f"pool has {len(pool.k)}/{len(pool.v)} layers, layout {layout.num_layers}")
+        self.pool, self.layout, self.timeout_s = pool, layout, timeout_s
+        self.storage = numpy_storage_dtype(layout.dtype)
+        self._lock = threading.Lock()
+
+    def write(self, k: np.ndarray, v: np.ndarray, slots: torch.Tensor, layer_lo: int = 0) -> None:
+        """See module docstring. Raises ``KVWriteError``."""
+        self._check(k, v, slots, layer_lo)
+        try:
+            with self._lock:
+                self._write(k, v, slots, layer_lo)
+        except KVWriteError:
+            raise
+        except Exception as e:  # any failure of the copy is a failed write, never a hit
+            raise KVWriteError(f"KV write of layers {layer_lo}..{layer_lo + k.shape[0]} failed: {e!r}") from e
+
+    def wait_layer(self, layer: int) -> None:
+        """The reading stream waits for the last write of ``layer`` (no-op on host pools)."""
+        return None
+
+    def fence(self) -> None:
+        """The reading stream waits for every write issued so far (no-op on host pools)."""
+        return None
+
+    def register_host(self, array: np.ndarray) -> None:
+        """A long-lived host source (the DPU destination region): pin it once (no-op on host pools)."""
+        return None
+
+    def unregister_host(self, array: np.ndarray) -> None:
+        """Undo ``register_host`` (before the memory is unmapped)."""
+        return None
+
+    @abstractmethod
+    def read(self, slots: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Copies ``([L, T, H, D], [L, T, H, D])`` of the KV at ``slots``, owned by the caller."""
+
+    @abstractmethod
+    def _write(self, k: np.ndarray, v: np.ndarray, slots: torch.Tensor, layer_lo: int) -> None: ...
+
+    def _check(self, k: np.ndarray, v: np.ndarray, slots: torch.Tensor, layer_lo: int) -> None:
+        lay = self.layout
+        row = (lay.num_kv_heads, lay.head_dim)
+        if k.ndim != 4 or k.shape != v.shape or k.shape[2:] != row:
+            raise KVWriteError(f"KV source shapes {k.shape}/{v.shape}, expected [n, T, {row[0]}, {row[1]}]")
+        if k.dtype != self.storage or v.dtype != self.storage:
+            raise KVWriteError(f"KV source dtype {k.dtype}/{v.dtype}, expected {self.storage}")
+        if layer_lo < 0 or layer_lo + k.shape[0] > lay.num_layers:
+            raise KVWriteError(f"layers {layer_lo}..{layer_lo + k.shape[0]} outside the pool")
+        if slots.ndim != 1 or len(slots) != k.shape[1]:
+            raise KVWriteError(f"{len(slots)} slots for {k.shape[1]} tokens")
+
+
+def _numpy_view(t: torch.Tensor) -> np.ndarray:
+    raw = _RAW.get(t.dtype)
+    return (t.view(raw) if raw is not None else t).numpy()
+
+
+class HostKVWriter(KVWriter):
+    """CPU pools: numpy fancy-index copies, single-threaded. A torch op here would open a second OpenMP
+    team next to the forward pass's on the same cores when called from the DPU receiver thread
+    (docs/INTEGRATION.md: layer-wise TTFT 9.7-40 s); numpy copies stay on the calling thread."""
+
+    def _write(self, k: np.ndarray, v: np.ndarray, slots: torch.Tensor, layer_lo: int) -> None:
+        idx = slots.numpy() if slots.dtype == torch.int64 else slots.to(torch.int64).numpy()
+        for i in range(k.shape[0]):
+            for src, layers in ((k, self.pool.k), (v, self.pool.v)):
+                dst = layers[layer_lo + i]
+                _numpy_view(dst)[idx] = src[i].view(_numpy_view(dst).dtype)
+
+    def read(self, slots: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        idx = slots.to(torch.int64).numpy()
+        k = np.stack([_numpy_view(t)[idx] for t in self.pool.k]).view(self.storage)
+        v = np.stack([_numpy_view(t)[idx] for t in self.pool.v]).view(self.storage)
+        return k, v
+
+
+def writer_for(pool: PoolTensors, layout: KVLayout, timeout_s: float = 10.0, ops=None) -> KVWriter:
+    """The writer for the pool's device: ``HostKVWriter`` on CPU, ``DeviceKVWriter`` over ``ops`` on a
+    device (``cuda_ops.CudaOps`` unless given: the test suite passes its strict CPU double)."""
+    dev = pool.k[0].device
+    for t in (*pool.k, *pool.v):
+        if t.device != dev or t.dtype != TORCH_DTYPES[layout.dtype] or not t.is_contiguous():
+            raise ValueError("pool tensors must share one device and the layout's dtype, and be contiguous")
+    if dev.type == "cpu":
+        return HostKVWriter(pool, layout, timeout_s)
+    if dev.type == "cuda":
+        from .device_writer import DeviceKVWriter
+
+        if ops is None:
+            from .cuda_ops import CudaOps
+
+            ops = CudaOps(dev)
+        return DeviceKVWriter(pool, layout, ops, timeout_s)
+    raise ValueError(f"no KV writer for pools on {dev}")

@@ -1,0 +1,318 @@
+"""A strict CPU double of a CUDA device, for running the device KV writer's code in CI without a GPU.
+
+It enforces the rules CUDA enforces and that a CPU pool silently forgives:
+
+- **Device memory is not host memory.** Pool planes and device buffers are ``DeviceTensor`` s
+  (``is_cuda`` is True, ``device`` is ``cuda:0``). Writing a non-scalar host tensor into one (``t[i] = h``,
+  ``index_put_``, ``index_copy_``, ...) raises like CUDA's "Expected all tensors to be on the same
+  device"; so does any other op mixing the two, except the explicit transfers ``copy_``/``to``/``cpu``.
+  ``numpy()`` on a device tensor raises as on CUDA.
+- **Only the side stream writes the pool.** A pool plane written by anything but ``StrictDevice``'s
+  stream (e.g. a direct write from a receiver thread) raises ``UnorderedWrite``.
+- **No read before the completion event.** Work enqueued on the stream runs later, on the stream's own
+  thread (after ``delay_s``), in order. A write to a plane is *pending* until the reader has either
+  waited on an event recorded after it (``stream_wait``, per reading thread) or the host saw such an
+  event complete (``query``). Reading a plane (any torch op on it, ``get_key_buffer``) while a write to
+  it is pending raises ``UnfencedRead``.
+- **Async copies read their source late.** An H2D copy reads the host source when the stream runs it,
+  so a writer that reuses its source before the copy completed writes wrong KV (tests catch it).
+
+``hang()`` stops the stream (events never complete) to model a wedged device; ``resume()`` restarts it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+
+import numpy as np
+import torch
+
+FAKE_CUDA = torch.device("cuda", 0)
+
+
+class UnfencedRead(RuntimeError):
+    """A pool plane was read while a write to it had not been fenced for the reader."""
+
+
+class UnorderedWrite(RuntimeError):
+    """A pool plane was written outside the device stream (no completion event covers it)."""
+
+
+_WRITES = {"__setitem__", "index_put_", "index_put", "index_copy_", "index_copy", "scatter_",
+           "masked_scatter_", "copy_", "fill_", "zero_", "index_fill_", "put_", "add_", "mul_"}  # fmt: skip
+_TRANSFERS = {"copy_", "to", "cpu"}
+_META = {"__get__", "size", "dim", "numel", "stride", "is_contiguous", "data_ptr", "element_size",
+         "untyped_storage", "__len__", "storage_offset", "view", "reshape", "as_subclass",
+         "__repr__", "__format__", "__hash__"}  # fmt: skip  (metadata: not reads of the data)
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+class DeviceTensor(torch.Tensor):
+    """A tensor that lives "on the device" of a ``StrictDevice`` (data in CPU memory, rules enforced)."""
+
+    _dev: StrictDevice | None = None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if func == torch.Tensor.is_cuda.__get__:
+            return True
+        if func == torch.Tensor.device.__get__:
+            return FAKE_CUDA
+        if name == "numpy":
+            raise TypeError("can't convert cuda:0 device type tensor to numpy (strict device)")
+        dev = next((t._dev for t in _tensors(args) if isinstance(t, DeviceTensor) and t._dev), None)
+        if dev is not None and not dev.on_stream():
+            dev.check(name, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if name in ("cpu", "numpy", "tolist", "item") or (name == "to" and _to_host(args, kwargs)):
+            return out.as_subclass(torch.Tensor) if isinstance(out, torch.Tensor) else out
+        return _wrap(out, dev)
+
+
+def _to_host(args, kwargs) -> bool:
+    for a in (*args[1:], *kwargs.values()):
+        if isinstance(a, (str, torch.device)) and torch.device(a).type == "cpu":
+            return True
+    return False
+
+
+def _wrap(out, dev):
+    if isinstance(out, torch.Tensor) and not isinstance(out, DeviceTensor):
+        out = out.as_subclass(DeviceTensor)
+    if isinstance(out, DeviceTensor):
+        out._dev = dev
+    elif isinstance(out, (list, tuple)):
+        return type(out)(_wrap(o, dev) for o in out)
+    return out
+
+
+class _Event:
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+        self.done = threading.Event()
+
+
+class StrictDevice:
+    """``DeviceOps`` (see ``sgl_remote_kv.kvpool.device_writer``) on CPU, with CUDA's rules enforced."""
+
+    def __init__(self, delay_s: float = 0.002) -> None:
+        self.delay_s = delay_s
+        self._seq = itertools.count(1)
+        self._q: queue.Queue = queue.Queue()
+        self._running = threading.Event()
+        self._running.set()
+        self._planes: dict[int, int] = {}  # storage ptr -> seq of the last write enqueued
+        self._host_fence = 0  # writes up to this seq are complete and seen by the host
+        self._thread_fence: dict[int, int] = {}  # reader thread -> seq it waited for
+        self._lock = threading.Lock()
+        self._worker = threading.Thread(target=self._run, name="strict-device-stream", daemon=True)
+        self._stream_thread = self._worker
+        self._worker.start()
+        self.pinned: list[np.ndarray] = []
+        self.error: BaseException | None = None
+
+    # ---- allocation ------------------------------------------------------------------------------------
+    def tensor(self, t: torch.Tensor) -> DeviceTensor:
+        """A device copy of host tensor ``t``."""
+        d = t.clone().as_subclass(DeviceTensor)
+        d._dev = self
+        return d
+
+    def plane(self, shape, dtype) -> DeviceTensor:
+        """A pool plane: writes to it must come from the stream and be fenced before reads."""
+        p = self.tensor(torch.zeros(shape, dtype=dtype))
+        self._planes[_storage(p)] = 0
+        return p
+
+    # ---- DeviceOps ---------------------------------------------------------------------------------------
+    def pin(self, array: np.ndarray) -> bool:
+        self.pinned.append(array)
+        return True
+
+    def unpin(self, array: np.ndarray) -> None:
+        self.pinned = [a for a in self.pinned if a is not array]
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def device_empty(self, nbytes: int) -> DeviceTensor:
+        return self.tensor(torch.empty(nbytes, dtype=torch.uint8))
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if not isinstance(dst, DeviceTensor) or isinstance(src, DeviceTensor):
+            raise RuntimeError("upload is host -> device")
+
+        def run():
+            with torch._C.DisableTorchFunctionSubclass():
+                dst.copy_(src)  # reads the host source now, as an async DMA would
+
+        self._enqueue(run, [])
+
+    def scatter(self, src: torch.Tensor, planes: list[torch.Tensor], slots: torch.Tensor) -> None:
+        for t in (src, slots, *planes):
+            if not isinstance(t, DeviceTensor):
+                raise RuntimeError("scatter operands must all be on the device (strict device)")
+
+        def run():
+            with torch._C.DisableTorchFunctionSubclass():
+                for i, p in enumerate(planes):
+                    p[slots] = src[i].to(p.dtype)
+
+        self._enqueue(run, planes)
+
+    def record(self) -> _Event:
+        ev = _Event(next(self._seq))
+        self._q.put(("event", ev))
+        return ev
+
+    def query(self, ev: _Event) -> bool:
+        if self.error is not None:  # like CUDA's sticky errors: every later query reports it
+            raise RuntimeError(f"device error: {self.error!r}")
+        if ev.done.is_set():
+            with self._lock:
+                self._host_fence = max(self._host_fence, ev.seq)
+            return True
+        return False
+
+    def stream_wait(self, ev: _Event) -> None:
+        ev.done.wait()  # a CPU "stream" is the calling thread: it proceeds once the event completed
+        with self._lock:
+            tid = threading.get_ident()
+            self._thread_fence[tid] = max(self._thread_fence.get(tid, 0), ev.seq)
+
+    def gather(self, planes: list[torch.Tensor], slots: torch.Tensor) -> np.ndarray:
+        x = torch.stack([p[slots] for p in planes]).cpu()
+        return (x.view(torch.int16) if x.dtype == torch.bfloat16 else x).numpy()
+
+    # ---- faults ----------------------------------------------------------------------------------------
+    def hang(self) -> None:
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    def synchronize(self) -> None:
+        ev = self.record()
+        while not self.query(ev):
+            time.sleep(1e-3)
+
+    def close(self) -> None:
+        self.resume()
+        self._q.put(None)
+        self._worker.join(5)
+
+    # ---- rules --------------------------------------------------------------------------------------------
+    def on_stream(self) -> bool:
+        return threading.current_thread() is self._stream_thread
+
+    def check(self, name: str, args, kwargs) -> None:
+        ts = list(_tensors((args, kwargs)))
+        if name in _WRITES:
+            target = args[0] if args else None
+            vals = list(_tensors((args[1:], kwargs)))
+            value = vals[-1] if vals else None
+            if name not in _TRANSFERS and value is not None and value.dim() > 0 and not (
+                isinstance(value, DeviceTensor)
+            ):
+                raise RuntimeError(
+                    f"{name}: Expected all tensors to be on the same device, but found at least two "
+                    "devices, cuda:0 and cpu! (strict device: a host tensor written into device memory)"
+                )
+            if isinstance(target, DeviceTensor) and _storage(target) in self._planes:
+                raise UnorderedWrite(f"{name} into a KV pool plane outside the device stream")
+            return
+        if name in _META:
+            return
+        host = [t for t in ts if not isinstance(t, DeviceTensor) and t.dim() > 0]
+        if host and name not in _TRANSFERS and name != "__getitem__":  # CPU index tensors are allowed
+            raise RuntimeError(f"{name}: tensors on cuda:0 and cpu (strict device)")
+        for t in ts:
+            if isinstance(t, DeviceTensor):
+                self._check_read(t, name)
+
+    def check_read(self, plane: torch.Tensor) -> None:
+        """What a reader of ``plane`` (e.g. ``get_key_buffer``) must satisfy."""
+        self._check_read(plane, "read")
+
+    def _check_read(self, t: torch.Tensor, name: str) -> None:
+        last = self._planes.get(_storage(t))
+        if not last:
+            return
+        with self._lock:
+            fence = max(self._host_fence, self._thread_fence.get(threading.get_ident(), 0))
+        if last > fence:
+            raise UnfencedRead(f"{name} of a KV pool plane before its write's completion event")
+
+    # ---- the stream -------------------------------------------------------------------------------------
+    def _enqueue(self, fn, planes) -> None:
+        seq = next(self._seq)
+        with self._lock:
+            for p in planes:
+                self._planes[_storage(p)] = seq
+        self._q.put(("op", fn))
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            self._running.wait()
+            kind, x = item
+            if kind == "op":
+                time.sleep(self.delay_s)
+                try:
+                    x()
+                except Exception as e:  # a faulting kernel: the device reports it from now on
+                    self.error = e
+            else:
+                x.done.set()
+
+
+def _storage(t: torch.Tensor) -> int:
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.untyped_storage().data_ptr()
+
+
+class StrictKVPool:
+    """SGLang's ``MHATokenToKVPool`` surface (``k_buffer``/``v_buffer``, ``get_key_buffer``/
+    ``get_value_buffer`` through the layer-transfer counter) over ``StrictDevice`` planes; reads check the
+    completion-event rule."""
+
+    def __init__(self, device: StrictDevice, layout, slots: int, dtype: torch.dtype) -> None:
+        shape = (slots, layout.num_kv_heads, layout.head_dim)
+        self.device = device
+        self.dtype = self.store_dtype = dtype
+        self.k_buffer = [device.plane(shape, dtype) for _ in range(layout.num_layers)]
+        self.v_buffer = [device.plane(shape, dtype) for _ in range(layout.num_layers)]
+        self.layer_transfer_counter = None
+
+    def register_layer_transfer_counter(self, counter) -> None:
+        self.layer_transfer_counter = counter
+
+    def _get(self, bufs, layer_id: int):
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(layer_id)
+        self.device.check_read(bufs[layer_id])
+        return bufs[layer_id]
+
+    def get_key_buffer(self, layer_id: int):
+        return self._get(self.k_buffer, layer_id)
+
+    def get_value_buffer(self, layer_id: int):
+        return self._get(self.v_buffer, layer_id)

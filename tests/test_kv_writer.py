@@ -1,0 +1,170 @@
+"""The one KV writer (``sgl_remote_kv.kvpool``): host pools, and the device writer's code against the strict
+CPU double of a CUDA device (``tests/strict_device.py``), which enforces CUDA's rules."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sgl_remote_kv.kvpool import KVWriteError, PoolTensors, writer_for
+from sgl_remote_kv.kvpool.device_writer import DeviceKVWriter
+from sgl_remote_kv.kvpool.writer import HostKVWriter
+from sgl_remote_kv.types import KVLayout, numpy_storage_dtype
+from tests.strict_device import StrictDevice, StrictKVPool, UnfencedRead, UnorderedWrite
+
+LAY = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+TD = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _kv(layout: KVLayout, n_layers: int, t: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    shape = (n_layers, t, layout.num_kv_heads, layout.head_dim)
+    f = rng.standard_normal((2, *shape)).astype(np.float32)
+    if layout.dtype == "bfloat16":
+        f = (f.view(np.uint32) >> 16).astype(np.uint16)
+    else:
+        f = f.astype(numpy_storage_dtype(layout.dtype))
+    return f[0], f[1]
+
+
+def _slots(n: int, pool: int, seed: int = 1) -> torch.Tensor:
+    return torch.randperm(pool, generator=torch.Generator().manual_seed(seed))[:n].to(torch.int64)
+
+
+@pytest.fixture
+def dev():
+    d = StrictDevice()
+    yield d
+    d.close()
+
+
+def _strict(dev, layout=LAY, pool=64, timeout_s=10.0):
+    kv = StrictKVPool(dev, layout, pool, TD[layout.dtype])
+    w = writer_for(PoolTensors(kv.k_buffer, kv.v_buffer), layout, timeout_s, ops=dev)
+    assert isinstance(w, DeviceKVWriter)
+    return kv, w
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_host_writer_round_trip(dtype):
+    lay = KVLayout(3, 2, 8, dtype)
+    k_pool = [torch.zeros(40, 2, 8, dtype=TD[dtype]) for _ in range(3)]
+    v_pool = [torch.zeros(40, 2, 8, dtype=TD[dtype]) for _ in range(3)]
+    w = writer_for(PoolTensors(k_pool, v_pool), lay)
+    assert isinstance(w, HostKVWriter)
+    k, v = _kv(lay, 2, 5)
+    s = _slots(5, 40)
+    w.write(k, v, s, layer_lo=1)
+    rk, rv = w.read(s)
+    np.testing.assert_array_equal(rk[1:], k)
+    np.testing.assert_array_equal(rv[1:], v)
+    assert not rk[0].any() and not rv[0].any()  # layer 0 untouched
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("pinned", [False, True])
+def test_device_writer_round_trip_under_strict_rules(dev, dtype, pinned):
+    lay = KVLayout(3, 2, 8, dtype)
+    kv, w = _strict(dev, lay)
+    region = np.zeros(2 * 3 * 7 * 2 * 8, numpy_storage_dtype(dtype))
+    if pinned:
+        w.register_host(region)
+    k, v = _kv(lay, 3, 7)
+    half = region.size // 2
+    region[:half].reshape(k.shape)[...] = k  # the source lives in the (pinned) region, like the DPU's
+    region[half:].reshape(v.shape)[...] = v
+    s = _slots(7, 64)
+    w.write(region[:half].reshape(k.shape), region[half:].reshape(v.shape), s)
+    assert w.stats["zero_copy" if pinned else "staged"] == 1
+    region[...] = 0  # the source may be reused once write() returned
+    for layer in range(3):
+        w.wait_layer(layer)
+        got = kv.get_key_buffer(layer)[s]  # strict read: fenced by wait_layer
+        assert torch.equal(got.cpu(), torch.from_numpy(k[layer]).view(TD[dtype]))
+    rk, rv = w.read(s)
+    np.testing.assert_array_equal(rk, k)
+    np.testing.assert_array_equal(rv, v)
+    if pinned:
+        w.unregister_host(region)
+        assert dev.pinned == []
+
+
+def test_strict_double_refuses_the_old_dpu_scatter(dev):
+    """The DPU path's old scatter (``kernels.scatter.scatter_reference`` on a host source, the only path
+    a host shared-memory region could reach): ``pool[layer][slots] = host_src[layer]``. CUDA rejects it;
+    a CPU pool accepted it, which is how the bug hid. The strict double rejects it like CUDA."""
+    kv = StrictKVPool(dev, LAY, 64, torch.bfloat16)
+    k, _ = _kv(LAY, 3, 4)
+    src = torch.from_numpy(k).view(torch.bfloat16)
+    s = _slots(4, 64)
+    with pytest.raises(RuntimeError, match="same device"):
+        for layer, dst in enumerate(kv.k_buffer):  # the old code, verbatim
+            dst[s] = src[layer].to(dst.dtype)
+    with pytest.raises(TypeError, match="numpy"):  # the old CPU fast path (numpy views) cannot apply
+        kv.k_buffer[0].numpy()
+
+
+def test_strict_double_refuses_device_writes_off_the_stream(dev):
+    kv = StrictKVPool(dev, LAY, 64, torch.bfloat16)
+    d = dev.tensor(torch.zeros(4, 2, 8, dtype=torch.bfloat16))
+    with pytest.raises(UnorderedWrite):
+        kv.k_buffer[0][_slots(4, 64)] = d
+
+
+def test_read_before_the_completion_event_is_refused(dev):
+    """Enqueue a scatter without waiting: reading the plane is refused until the reader waited on an
+    event recorded after the write (what ``DeviceKVWriter.wait_layer`` does)."""
+    kv = StrictKVPool(dev, LAY, 64, torch.bfloat16)
+    dev.hang()
+    s = dev.tensor(_slots(4, 64))
+    src = dev.tensor(torch.ones(1, 4, 2, 8, dtype=torch.bfloat16))
+    dev.scatter(src, [kv.k_buffer[1]], s)
+    ev = dev.record()
+    with pytest.raises(UnfencedRead):
+        kv.get_key_buffer(1)
+    with pytest.raises(UnfencedRead):
+        kv.k_buffer[1][s]
+    kv.get_key_buffer(0)  # other layers are readable
+    dev.resume()
+    dev.stream_wait(ev)
+    assert kv.get_key_buffer(1)[s].float().eq(1).all()
+
+
+def test_writer_timeout_is_a_failed_write_and_later_readers_stay_ordered(dev):
+    kv, w = _strict(dev, timeout_s=0.2)
+    k, v = _kv(LAY, 3, 4)
+    s = _slots(4, 64)
+    dev.hang()
+    with pytest.raises(KVWriteError, match="not done"):
+        w.write(k, v, s)
+    assert w.stats["timeouts"] == 1
+    with pytest.raises(UnfencedRead):  # the late scatter is still pending: no reader may pass
+        kv.get_key_buffer(0)
+    dev.resume()
+    w.fence()
+    kv.get_key_buffer(0)
+
+
+def test_bad_input_is_a_clear_write_error(dev):
+    _, w = _strict(dev)
+    k, v = _kv(LAY, 3, 4)
+    with pytest.raises(KVWriteError, match="slots"):
+        w.write(k, v, _slots(3, 64))
+    with pytest.raises(KVWriteError, match="outside the pool"):
+        w.write(k, v, _slots(4, 64), layer_lo=1)
+    with pytest.raises(KVWriteError, match="dtype"):
+        w.write(k.astype(np.float32), v.astype(np.float32), _slots(4, 64))
+
+
+def test_staging_source_reused_too_early_would_be_caught(dev):
+    """Negative control for the double: an H2D copy reads its source when the stream runs it, so a
+    source overwritten before completion lands as wrong KV (the writer waits; this bypass does not)."""
+    dev.hang()
+    host = torch.ones(16, dtype=torch.uint8)
+    dst = dev.device_empty(16)
+    dev.upload(dst, host)
+    host.zero_()
+    dev.resume()
+    dev.synchronize()
+    assert dst.cpu().sum().item() == 0
