@@ -1,20 +1,34 @@
-"""Lossless HEVC encode/decode of ``[F, 3, H, W]`` uint8 plane stacks through PyAV (FFmpeg).
+"""Lossless HEVC encode/decode of ``[F, 3, H, W]`` uint8 plane stacks.
 
-The only hardware-specific code of the NVDEC path lives here: :func:`encoder_name` / :func:`decoder_name`
-pick ``hevc_nvenc`` / ``hevc_cuvid`` for ``device="cuda"`` and libx265 / FFmpeg's software ``hevc`` for
-``device="cpu"``. Both sides speak the same Annex-B bitstream, so a blob encoded on one decodes on the
-other. UNTESTED: the ``cuda`` paths never ran (no GPU on the development machine); bit-exactness after
-NVDEC must be verified on first use (``tests/test_nvdec_codec.py`` does it for whatever device is given).
+Two decoder backends behind one interface, :class:`VideoDecoder` (``frames(packets, count, height,
+width)`` yielding ``[3, H, W]`` uint8 frames, ``reset()``), decoding the same Annex-B bitstreams:
+
+* ``device="cpu"``, the CPU twin: FFmpeg's software ``hevc`` decoder through PyAV.
+* ``device="cuda"``: NVDEC through NVIDIA's PyNvVideoCodec (PyPI ``pynvvideocodec``), in
+  :mod:`sgl_remote_kv.nvdec.nvcodec`, imported on first use; without the package, a driver, a GPU or
+  HEVC 4:4:4 support it raises ``NvdecUnavailable`` (a ``RuntimeError``) with the reason.
+  :func:`default_device` picks ``"cuda"`` when NVDEC is usable, else ``"cpu"``. UNTESTED on hardware:
+  no GPU on the development machine; ``tests/test_gpu_nvdec.py`` checks it bit-exact against the twin.
+
+Encoding is always libx265 on the CPU, whatever the device (write-back encodes on the CPU):
+:func:`encoder_name` returns ``libx265`` for both devices. NVENC is not used: PyAV 18.1's wheel lists
+``hevc_nvenc`` but it needs a driver to open (here ``avcodec_open2`` fails) and never ran, and one
+encoder everywhere keeps the stored bitstreams identical whichever machine wrote them.
+
+Frames are counted and size-checked here, identically for both backends: exactly ``count`` frames of
+``[3, height, width]`` uint8, else ``CorruptChunk``; so is every decoder error.
 
 Hostile input: FFmpeg sizes its frame buffers from the bitstream's sequence parameter set (SPS), not
-from our chunk header, so a blob whose in-band SPS claims a huge picture would make FFmpeg allocate
-before any check of ours sees a decoded frame. :func:`check_bitstream` therefore parses every SPS of a
-video (pure Python, bounded work) and refuses, *before a decoder context is even created*, any video
-whose SPS is malformed, is not 8-bit 4:4:4, or declares a picture other than the expected
-``height x width`` (coded size at most one 64-pixel CTB larger), or that carries no SPS at all.
+from our chunk header (and NVDEC sizes its surfaces the same way), so a blob whose in-band SPS claims a
+huge picture would make the decoder allocate before any check of ours sees a decoded frame.
+:func:`check_bitstream` therefore parses every SPS of a video (pure Python, bounded work) and refuses,
+*before either decoder is even created or fed*, any video whose SPS is malformed, is not 8-bit 4:4:4,
+or declares a picture other than the expected ``height x width`` (coded size at most one 64-pixel CTB
+larger), or that carries no SPS at all.
 
-Threading: a :class:`VideoDecoder` belongs to one thread (its PyAV context is not thread-safe); FFmpeg's
-decode runs with the GIL released. Encoding is called by whichever thread encodes a chunk.
+Threading: a :class:`VideoDecoder` belongs to one thread (neither a PyAV context nor a PyNvVideoCodec
+decoder is thread-safe). FFmpeg decodes with the GIL released; PyNvVideoCodec says its C++ layer
+releases it too (not measured). Encoding is called by whichever thread encodes a chunk.
 """
 
 from __future__ import annotations
@@ -39,27 +53,53 @@ NAL_SPS = 33
 MAX_SPS_BYTES = 1024  # a real SPS is tens of bytes; bounds the parse of a hostile one
 
 
-def encoder_name(device: str) -> str:
+ENCODER = "libx265"
+SOFTWARE_DECODER = "hevc"  # FFmpeg's software decoder, through PyAV
+NVDEC_DECODER = "pynvvideocodec"  # NVDEC through NVIDIA's PyNvVideoCodec
+
+
+def _check_device(device: str) -> None:
     if device not in DEVICES:
-        raise ValueError(f"device must be one of {DEVICES}")
-    return "hevc_nvenc" if device == "cuda" else "libx265"
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+
+
+def encoder_name(device: str) -> str:
+    """The encoder for ``device``: libx265 (CPU) for both; write-back encodes on the CPU even on a GPU
+    machine (``hevc_nvenc`` is not used, see the module docstring)."""
+    _check_device(device)
+    return ENCODER
 
 
 def decoder_name(device: str) -> str:
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {DEVICES}")
-    return "hevc_cuvid" if device == "cuda" else "hevc"
+    """The decoder backend for ``device``: ``hevc`` (FFmpeg software, PyAV) or ``pynvvideocodec``."""
+    _check_device(device)
+    return NVDEC_DECODER if device == "cuda" else SOFTWARE_DECODER
 
 
-def _encoder_options(device: str, frames: int, preset: str) -> dict[str, str]:
-    if device == "cuda":  # UNTESTED: NVENC lossless, no B-frames, <= 3 reference frames
-        return {"tune": "lossless", "preset": "p4", "bf": "0", "refs": "3", "g": str(max(frames, 1))}
+def default_device(gpu_id: int = 0) -> str:
+    """``"cuda"`` when PyNvVideoCodec can decode our videos on ``gpu_id``, else ``"cpu"``.
+
+    The first call imports PyNvVideoCodec and queries NVDEC (creating a CUDA context) when available."""
+    return "cuda" if nvdec_unavailable_reason(gpu_id) is None else "cpu"
+
+
+def nvdec_unavailable_reason(gpu_id: int = 0) -> str | None:
+    """``None`` when the NVDEC backend is usable on ``gpu_id``, else the reason (one line)."""
+    from sgl_remote_kv.nvdec import nvcodec
+
+    return nvcodec.unavailable_reason(gpu_id)
+
+
+def _encoder_options(frames: int, preset: str) -> dict[str, str]:
     x265 = f"lossless=1:pools=1:frame-threads=1:bframes=0:ref=3:keyint={max(frames, 1)}:log-level=error"
     return {"x265-params": x265, "preset": preset}
 
 
 def encode_planes(planes: np.ndarray, device: str = "cpu", preset: str = "fast") -> list[bytes]:
-    """``[F, 3, h, w]`` uint8 -> the packets of a lossless HEVC video (headers in-band, first packet)."""
+    """``[F, 3, h, w]`` uint8 -> the packets of a lossless HEVC video (headers in-band, first packet).
+
+    Always libx265 on the CPU (``device`` is validated, then only names where the video will be
+    decoded); one packet per frame, IPPP (``bframes=0``), which both decoder backends decode."""
     f_n, c, h, w = planes.shape
     if c != 3 or planes.dtype != np.uint8 or h % 2 or w % 2:
         raise ValueError(f"planes must be [F, 3, even h, even w] uint8, got {planes.shape} {planes.dtype}")
@@ -67,7 +107,7 @@ def encode_planes(planes: np.ndarray, device: str = "cpu", preset: str = "fast")
     ctx.width, ctx.height, ctx.pix_fmt = w, h, PIX_FMT
     ctx.time_base = Fraction(1, 25)
     ctx.color_range = FULL_RANGE
-    ctx.options = _encoder_options(device, f_n, preset)
+    ctx.options = _encoder_options(f_n, preset)
     packets: list[bytes] = []
     for i in range(f_n):
         frame = av.VideoFrame.from_ndarray(planes[i], format=PIX_FMT)
@@ -159,44 +199,86 @@ def check_bitstream(packets: list[memoryview], height: int, width: int) -> None:
 
 
 class VideoDecoder:
-    """One decoder instance (on a GPU: one NVDEC session). Owned and used by a single thread."""
+    """One decoder instance: on ``device="cpu"`` a PyAV ``hevc`` context, on ``"cuda"`` an NVDEC session
+    (PyNvVideoCodec, GPU ``gpu_id``). Owned and used by a single thread.
 
-    def __init__(self, device: str = "cpu"):
-        self.device = device
+    Frames come out as new ``[3, H, W]`` uint8 arrays the caller owns. The NVDEC backend copies each
+    frame to host numpy by default (the decoder writes it to host memory itself), because the consumers
+    (``layout.from_frame``, ``SlotWriter``) are numpy-only; with ``on_device=True`` it yields CUDA torch
+    tensors instead, so a consumer of such a decoder must accept numpy or torch.
+
+    The constructor never raises (a pool builds its decoders on its worker threads); an unknown device
+    or an unusable NVDEC surfaces on the first :meth:`frames` call.
+    """
+
+    def __init__(self, device: str = "cpu", *, gpu_id: int = 0, on_device: bool = False):
+        self.device, self.gpu_id, self.on_device = device, gpu_id, on_device
         self._ctx = None
 
     def _context(self):
+        """The backend's decoder, built on first use: a PyAV context or an ``NvdecDecoder``."""
         if self._ctx is None:
-            self._ctx = av.CodecContext.create(decoder_name(self.device), "r")
-            self._ctx.thread_count = 1
+            if decoder_name(self.device) == NVDEC_DECODER:
+                from sgl_remote_kv.nvdec.nvcodec import NvdecDecoder
+
+                self._ctx = NvdecDecoder(self.gpu_id, self.on_device)
+            else:
+                self._ctx = av.CodecContext.create(SOFTWARE_DECODER, "r")
+                self._ctx.thread_count = 1
         return self._ctx
 
     def frames(self, packets: list[memoryview], count: int, height: int, width: int) -> Iterator[np.ndarray]:
-        """Decode one video; yield exactly ``count`` frames as new ``[3, height, width]`` uint8 arrays.
+        """Decode one video; yield exactly ``count`` frames as new ``[3, height, width]`` uint8 arrays
+        (CUDA torch tensors for ``on_device=True``).
 
         Raises ``CorruptChunk`` for any decoder error or a frame of another size/format/count; a
-        bitstream declaring another picture is refused before the decoder sees it (``check_bitstream``).
+        bitstream declaring another picture is refused before any decoder sees it (``check_bitstream``).
         """
         check_bitstream(packets, height, width)
         ctx = self._context()
+        if self.device == "cuda":
+            source = ctx.frames(packets, count, height, width)
+        else:
+            source = _software_frames(ctx, packets, count, height, width)
         n, done = 0, False
         try:
-            for p in [*packets, None]:
-                for fr in ctx.decode(av.Packet(p) if p is not None else None):
-                    n += 1
-                    if n > count or fr.width != width or fr.height != height or fr.format.name != PIX_FMT:
-                        raise CorruptChunk(f"decoded frame {n} is {fr.width}x{fr.height} {fr.format.name}")
-                    yield fr.to_ndarray()
+            for planes in source:
+                n += 1
+                if n > count:
+                    raise CorruptChunk(f"video holds more than {count} frames")
+                if tuple(planes.shape) != (3, height, width) or str(planes.dtype) not in _UINT8:
+                    raise CorruptChunk(f"decoded frame {n} is {tuple(planes.shape)} {planes.dtype}")
+                yield planes
             done = True
-        except av.FFmpegError as e:
-            raise CorruptChunk(f"hevc decoder: {e}") from None
         finally:
-            if not done:  # error or abandoned mid-video: never reuse a half-fed context
+            source.close()
+            if not done:  # error or abandoned mid-video: never reuse a half-fed decoder
                 self.reset()
-        self._ctx.flush_buffers()
         if n != count:
             raise CorruptChunk(f"video holds {n} frames, expected {count}")
 
     def reset(self) -> None:
-        """Drop the context (after an error); the next video builds a fresh one."""
-        self._ctx = None
+        """Drop the decoder (after an error); the next video builds a fresh one."""
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None and self.device == "cuda":
+            ctx.close()
+
+
+_UINT8 = ("uint8", "torch.uint8")
+
+
+def _software_frames(
+    ctx, packets: list[memoryview], count: int, height: int, width: int
+) -> Iterator[np.ndarray]:
+    """The CPU twin: FFmpeg's software ``hevc`` through a PyAV context (flushed after a whole video)."""
+    n = 0
+    try:
+        for p in [*packets, None]:
+            for fr in ctx.decode(av.Packet(p) if p is not None else None):
+                n += 1
+                if n > count or fr.width != width or fr.height != height or fr.format.name != PIX_FMT:
+                    raise CorruptChunk(f"decoded frame {n} is {fr.width}x{fr.height} {fr.format.name}")
+                yield fr.to_ndarray()
+    except av.FFmpegError as e:
+        raise CorruptChunk(f"hevc decoder: {e}") from None
+    ctx.flush_buffers()

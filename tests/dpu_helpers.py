@@ -6,7 +6,8 @@ import numpy as np
 import torch
 
 from sgl_remote_kv.codec.base import get_codec
-from sgl_remote_kv.control.scatter import KVPoolTarget
+from sgl_remote_kv.control.jobs import KVTarget
+from sgl_remote_kv.kvpool import PoolTensors, writer_for
 from sgl_remote_kv.store.client import open_client
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 
@@ -41,25 +42,25 @@ def put_chunks(store_url: str, codec, chunks, fp: ModelFingerprint = FP, prefix:
     return keys, blobs
 
 
-def make_pool(layout: KVLayout, pool_size: int, n_tokens: int, seed: int = 1) -> KVPoolTarget:
-    """Zeroed per-layer pools and a random permutation of slots for ``n_tokens`` tokens."""
+def make_pool(layout: KVLayout, pool_size: int, n_tokens: int, seed: int = 1, ops=None) -> KVTarget:
+    """Zeroed per-layer pools (a CPU pool, or planes of ``ops``, the strict device double) behind their
+    ``KVWriter``, and a random permutation of slots for ``n_tokens`` tokens."""
     dt = torch.bfloat16 if layout.dtype == "bfloat16" else getattr(torch, layout.dtype)
     shape = (pool_size, layout.num_kv_heads, layout.head_dim)
-    k = [torch.zeros(shape, dtype=dt) for _ in range(layout.num_layers)]
-    v = [torch.zeros(shape, dtype=dt) for _ in range(layout.num_layers)]
+    if ops is None:
+        k = [torch.zeros(shape, dtype=dt) for _ in range(layout.num_layers)]
+        v = [torch.zeros(shape, dtype=dt) for _ in range(layout.num_layers)]
+    else:
+        k = [ops.plane(shape, dt) for _ in range(layout.num_layers)]
+        v = [ops.plane(shape, dt) for _ in range(layout.num_layers)]
     g = torch.Generator().manual_seed(seed)
     slots = torch.randperm(pool_size, generator=g)[:n_tokens].to(torch.int64)
-    return KVPoolTarget(k, v, slots)
+    return KVTarget(writer_for(PoolTensors(k, v), layout, ops=ops), slots)
 
 
-def pool_tokens(target: KVPoolTarget, layout: KVLayout, lo: int, hi: int):
+def pool_tokens(target: KVTarget, layout: KVLayout, lo: int, hi: int):
     """Read tokens ``lo..hi`` back from the pool as numpy storage arrays ``[L, T, H, D]``."""
-    idx = target.slots[lo:hi]
-    k = torch.stack([p[idx] for p in target.k_pool])
-    v = torch.stack([p[idx] for p in target.v_pool])
-    if layout.dtype == "bfloat16":
-        return k.view(torch.uint16).numpy(), v.view(torch.uint16).numpy()
-    return k.numpy(), v.numpy()
+    return target.writer.read(target.slots[lo:hi])
 
 
 def codecs():

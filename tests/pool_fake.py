@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from sgl_remote_kv.kvpool import PoolTensors, writer_for
 from sgl_remote_kv.types import KVLayout
 
 
@@ -16,6 +17,7 @@ class FakeKVPool:
         self.k_buffer = [torch.zeros(shape, dtype=dtype) for _ in range(layout.num_layers)]
         self.v_buffer = [torch.zeros(shape, dtype=dtype) for _ in range(layout.num_layers)]
         self.layer_transfer_counter = None
+        self.writer = writer_for(PoolTensors(self.k_buffer, self.v_buffer), layout)  # the pool's KVWriter
 
     def register_layer_transfer_counter(self, counter) -> None:
         self.layer_transfer_counter = counter

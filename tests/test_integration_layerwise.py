@@ -63,9 +63,9 @@ def _assert_pool_holds(pool: Pool, slots, k, v) -> None:
 def test_verified_then_per_layer_waits_install_exact_kv(stored):
     client, codec, keys, k, v = stored
     pool = Pool()
-    counter = layerwise.attach(pool, FP, RemoteKVMetrics())
+    counter = layerwise.attach(pool, pool.writer, FP, RemoteKVMetrics())
     assert pool.layer_transfer_counter is counter
-    assert layerwise.attach(pool, FP, RemoteKVMetrics()) is None  # slot taken (e.g. by HiCache)
+    assert layerwise.attach(pool, pool.writer, FP, RemoteKVMetrics()) is None  # slot taken (e.g. by HiCache)
     be = InProcessFetchBackend(client, codec, FP, C)
     h = be.submit("r", keys, 0)
     assert h.verified.wait(30) and len(h.blobs) == N
@@ -96,7 +96,7 @@ def _dead_handle(client, codec, keys, *, failure: str | None) -> FetchHandle:
 def test_backend_death_or_stall_after_admission_decodes_in_process(stored, failure):
     client, codec, keys, k, v = stored
     pool, metrics = Pool(), RemoteKVMetrics()
-    counter = layerwise.LayerwiseInstalls(pool, FP, metrics, stall_s=0.05)
+    counter = layerwise.LayerwiseInstalls(pool.writer, FP, metrics, stall_s=0.05)
     pool.register_layer_transfer_counter(counter)
     slots = _slots()
     counter.add(_dead_handle(client, codec, keys, failure=failure), slots, codec)
@@ -120,7 +120,7 @@ def test_partial_fetch_is_never_verified(stored):
 def test_on_demand_decodes_each_layer_when_first_needed(stored):
     client, codec, keys, k, v = stored
     pool, metrics = Pool(), RemoteKVMetrics()
-    counter = layerwise.attach(pool, FP, metrics)
+    counter = layerwise.attach(pool, pool.writer, FP, metrics)
     h = _dead_handle(client, codec, keys, failure=None)  # no worker at all: only the blobs
     slots = _slots()
     counter.add(h, slots, codec, on_demand=True)
@@ -140,7 +140,7 @@ def test_on_demand_decode_frees_no_buffer_inside_the_forward_pass(stored):
 
     client, codec, keys, k, v = stored
     pool, metrics = Pool(), RemoteKVMetrics()
-    counter = layerwise.attach(pool, FP, metrics)
+    counter = layerwise.attach(pool, pool.writer, FP, metrics)
     counter.add(_dead_handle(client, codec, keys, failure=None), _slots(), codec, on_demand=True)
     counter.finish_all()  # the first install sizes the buffers
     slots = torch.arange(N * C)

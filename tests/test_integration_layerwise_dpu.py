@@ -64,9 +64,9 @@ def setup(tmp_path, request):
     client = DpuClient(cfg, FP, codec)
     client.start()
     pool, metrics = Pool(), RemoteKVMetrics()
-    counter = layerwise.LayerwiseInstalls(pool, FP, metrics, stall_s=1.0)
+    counter = layerwise.LayerwiseInstalls(pool.writer, FP, metrics, stall_s=1.0)
     pool.register_layer_transfer_counter(counter)
-    be = DpuFetchBackend(client, pool, CHUNK)
+    be = DpuFetchBackend(client, pool.writer, CHUNK)
     yield be, pool, counter, metrics, blobs, keys
     be.close()
 

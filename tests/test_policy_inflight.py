@@ -162,7 +162,7 @@ def test_inproc_mode_parses_and_installs_only_the_in_process_path(tmp_path):
     assert cfg.mode == "inproc" and RemoteKVConfig.from_json(cfg.to_json()) == cfg
     rt = RemoteKVRuntime(cfg, FP, paths.write_codec(cfg), open_client(cfg.resolved_store_url()))
     try:
-        paths.install_paths(rt, kvcache=None)  # never starts a data plane or a decoder pool
+        paths.install_paths(rt)  # never starts a data plane or a decoder pool
         assert list(rt.paths) == ["inproc"] and rt.fetch_path == "inproc"
         assert (
             paths.write_codec(cfg).name

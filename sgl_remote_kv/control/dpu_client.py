@@ -3,8 +3,8 @@
 ``DpuClient`` creates the shared destination region, spawns ``python -m sgl_remote_kv.dpu`` as its own
 process (pinned away from the serving cores when the machine has enough), and runs one background
 *receiver thread* that owns the ZeroMQ socket: it sends queued submissions, heartbeats, turns
-completions into per-request state (``FetchHandle``), scatters each finished layer of a round into the
-caller's paged KV pool, and restarts the data plane when it dies or hangs. In-flight chunks of a lost
+completions into per-request state (``FetchHandle``), writes finished layers of a round into the
+caller's paged KV pool through the target's ``KVWriter`` (``kvpool``), and restarts the data plane when it dies or hangs. In-flight chunks of a lost
 data plane become misses (kind ``dataplane_lost``); later submissions go to the new process.
 
 This module is the process side (lifecycle, heartbeats, supervision, the receiver loop); the round
@@ -45,10 +45,9 @@ from sgl_remote_kv.types import ModelFingerprint
 
 from . import shm_names
 from .dpu_process import DataPlaneProcess, ProcessSpec
-from .jobs import FetchHandle, FetchResult, HostRound
+from .jobs import FetchHandle, FetchResult, HostRound, KVTarget
 from .round_io import RoundIO
 from .rounds import RoundBook
-from .scatter import KVPoolTarget
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ class DpuClient:
     """See module docstring. Typical use::
 
     client = DpuClient(cfg, fingerprint, codec); client.start()
-    h = client.submit("req-1", keys, 256, KVPoolTarget(k_pool, v_pool, slots))
+    h = client.submit("req-1", keys, 256, KVTarget(writer, slots))
     h.wait_layer(0); ...; res = h.wait()
     """
 
@@ -107,7 +106,8 @@ class DpuClient:
         self._wake_tx = self._wake_rx = None
         self.counters = {"submitted": 0, "restarts": 0, "chunks_done": 0, "chunks_failed": 0, "bad_frames": 0}
         self.counters.update({"receiver_errors": 0, "scatter_s": 0, "rounds": 0, "verified": 0})
-        self.counters.update({"verify_rejected": 0})
+        self.counters.update({"verify_rejected": 0, "write_failed": 0})
+        self._writers: list = []  # KV writers the destination region is registered with (pinned)
         self.last_pong: P.Pong | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -126,6 +126,7 @@ class DpuClient:
             self._submit_msg,
             self.counters,
             self._on_event_cb,
+            eager=cfg.blob_slot_bytes > 0,
         )
         self._wake_rx = self._ctx.socket(zmq.PAIR)
         self._wake_rx.bind(f"inproc://srkv-wake-{id(self)}")
@@ -152,6 +153,9 @@ class DpuClient:
             if self.book is not None:
                 self.book.lose_all("cancelled")
             self.cv.notify_all()
+        for w in self._writers:
+            w.unregister_host(self.dest.array)
+        self._writers.clear()
         if self.dest is not None:
             self.dest.unlink()  # first: tells the data plane it need not clean up after us
         if self._proc is not None:
@@ -176,9 +180,10 @@ class DpuClient:
         request_id: str,
         keys: list[bytes],
         chunk_tokens: int | list[int],
-        target: KVPoolTarget | None,
+        target: KVTarget | None,
     ) -> FetchHandle:
-        """Fetch chunks ``keys`` (a prefix, in order) into ``target`` (``None``: fetch and discard)."""
+        """Fetch chunks ``keys`` (a prefix, in order) into ``target`` (``None``: fetch and discard). The
+        target's writer is registered with the destination region (pinned once) on first use."""
         tokens = [chunk_tokens] * len(keys) if isinstance(chunk_tokens, int) else list(chunk_tokens)
         if len(tokens) != len(keys) or not keys:
             raise ValueError("need one token count per key and at least one key")
@@ -186,6 +191,9 @@ class DpuClient:
             raise ValueError("target.slots shorter than the fetched tokens")
         h = FetchHandle(self.cv, request_id, list(keys), tokens, self.layout.num_layers, target)
         with self.cv:
+            if target is not None and not any(w is target.writer for w in self._writers):
+                target.writer.register_host(self.dest.array)
+                self._writers.append(target.writer)
             self.book.add(h)  # raises ValueError (nothing queued) if a chunk does not fit a slot
             self.counters["submitted"] += 1
             self.cv.notify_all()
@@ -193,7 +201,7 @@ class DpuClient:
         return h
 
     def cancel(self, handle: FetchHandle) -> None:
-        """Cancel a fetch: nothing more is scattered for it; its unfinished chunks become misses."""
+        """Cancel a fetch: nothing more is written for it; its unfinished chunks become misses."""
         with self.cv:
             self.book.cancel(handle)
             self.cv.notify_all()

@@ -15,9 +15,20 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .scatter import KVPoolTarget
+import torch
+
+from sgl_remote_kv.kvpool import KVWriter
 
 PENDING, DONE, FAILED = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class KVTarget:
+    """Where a request's fetched KV goes: the pool's ``KVWriter`` and the token slots (host ``int64
+    [tokens]``, one per token of the fetched prefix, in order)."""
+
+    writer: KVWriter
+    slots: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -44,7 +55,7 @@ class HostRound:
     job: int = 0
     last_event: float = 0.0
     layer_done: list[int] = field(default_factory=list)  # per layer: chunks of the round with it done
-    layer_scattered: list[bool] = field(default_factory=list)
+    layer_written: list[bool] = field(default_factory=list)  # set only after the write returned
     terminal: bool = False
 
 
@@ -58,7 +69,7 @@ class FetchHandle:
         keys: list[bytes],
         chunk_tokens: list[int],
         num_layers: int,
-        target: KVPoolTarget | None,
+        target: KVTarget | None,
     ) -> None:
         self._cv = cv
         self.request_id, self.keys, self.chunk_tokens = request_id, keys, chunk_tokens
@@ -146,7 +157,8 @@ class FetchHandle:
         return True
 
     def mark_failed(self, index: int, kind: str) -> None:
-        if self.state[index] == PENDING:
+        """Chunk ``index`` failed (also a chunk the data plane finished whose write into the pool failed)."""
+        if self.state[index] != FAILED:
             self.state[index] = FAILED
             self.failures[index] = kind
         self.first_fail = min(self.first_fail, index)

@@ -1,10 +1,10 @@
-"""Destination-region layout of host rounds, and the per-layer scatter out of it.
+"""Destination-region layout of host rounds, and the writes out of it into the KV pool.
 
 A host round occupies one destination slot laid out as K ``[L, T_round, H, D]`` then V
-``[L, T_round, H, D]`` (T_round: the round's tokens), so a finished layer of the whole round is one
-contiguous ``[T, H, D]`` block per K/V and the scatter into the pool is one call per layer (or one per
-round when all layers finish together). Called under the client's lock by the receiver thread
-(scatter) and by ``submit`` (offsets); the region is owned by the client.
+``[L, T_round, H, D]`` (T_round: the round's tokens), so finished layers of the whole round are one
+contiguous block per K/V and go into the pool in one ``KVWriter.write`` (one per round when all layers
+finish together). Called under the client's lock by the receiver thread (writes) and by ``submit``
+(offsets); the region is owned by the client (the writer registers it as pinned memory).
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from sgl_remote_kv.dpu import protocol as P
 from sgl_remote_kv.dpu.buffers import DestRegion, layer_bytes
 from sgl_remote_kv.types import KVLayout, numpy_storage_dtype
 
-from .jobs import HostRound
-from .scatter import KVPoolTarget, as_torch, scatter_layers
+from .jobs import HostRound, KVTarget
 
 
 class RoundIO:
@@ -72,11 +71,11 @@ class RoundIO:
         v = self.dest.array[base + n : base + 2 * n].view(self.dtype).reshape(shape)
         return k, v
 
-    def scatter_layer(self, r: HostRound, layer: int, n_tok: int, target: KVPoolTarget) -> None:
+    def write_layers(self, r: HostRound, lo: int, hi: int, n_tok: int, target: KVTarget) -> None:
+        """Layers ``lo..hi`` of the round's first ``n_tok`` tokens into the pool (raises ``KVWriteError``)."""
         k, v = self.round_view(r)
-        kt = as_torch(k[layer : layer + 1, :n_tok], self.layout.dtype)
-        vt = as_torch(v[layer : layer + 1, :n_tok], self.layout.dtype)
-        scatter_layers(kt, vt, target, layer, r.token_lo)
+        slots = target.slots[r.token_lo : r.token_lo + n_tok]
+        target.writer.write(k[lo:hi, :n_tok], v[lo:hi, :n_tok], slots, lo)
 
     def close(self) -> None:
         self.dest = None

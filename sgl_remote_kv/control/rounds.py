@@ -8,24 +8,31 @@ the request are cancelled (queued ones dropped, in-flight ones sent ``Cancel``).
 
 Threads: every method runs under the client's condition variable ``cv`` (``DpuClient`` takes it):
 ``add``/``cancel`` on the caller's thread, the rest on the client's receiver thread, which is the only
-one scattering (``try_scatter`` copies finished layers from the destination region into the caller's
-KV pool). Process lifecycle, heartbeats and restarts stay in ``dpu_client.py``.
+one writing the pool (``try_write`` hands finished layers of the destination region to the target's
+``KVWriter``). A layer counts as in the pool only after the write returned; a write that raises fails the
+round's chunks (kind ``write``) exactly like a chunk the data plane failed on, so it is never a hit.
+Without layer-wise consumers (``eager`` False) a round is written once all its layers are in the region:
+one write (one scatter launch on a GPU) per round. Process lifecycle, heartbeats and restarts stay in
+``dpu_client.py``.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
 
 from sgl_remote_kv.dpu import protocol as P
 from sgl_remote_kv.dpu.buffers import plan_rounds
+from sgl_remote_kv.kvpool import KVWriteError
 from sgl_remote_kv.types import KVLayout
 
 from .jobs import DONE, FAILED, FetchHandle, HostRound
 from .round_io import RoundIO
 
+logger = logging.getLogger(__name__)
 
 def failure_kind(msg: P.ChunkFailed) -> str:
     """The host's failure kind of a ``ChunkFailed``: the wire kind, except a failed store call, which
@@ -36,7 +43,7 @@ def failure_kind(msg: P.ChunkFailed) -> str:
 class RoundBook:
     """See module docstring. ``submit_msg(round)`` builds the ``SubmitFetch`` of a round given a slot and
     a job id; ``counters`` is the client's counter dict; ``on_finished`` (may be None) is called when a
-    fetch finished."""
+    fetch finished; ``eager``: write each layer as soon as it is in the region (layer-wise consumers)."""
 
     def __init__(
         self,
@@ -47,8 +54,9 @@ class RoundBook:
         submit_msg: Callable[[HostRound], P.SubmitFetch],
         counters: dict,
         on_finished: Callable[[], None] | None,
+        eager: bool = False,
     ) -> None:
-        self.layout, self.io, self.slot_bytes = layout, io, slot_bytes
+        self.layout, self.io, self.slot_bytes, self.eager = layout, io, slot_bytes, eager
         self._submit_msg, self.counters, self._on_finished = submit_msg, counters, on_finished
         self.pending: deque[HostRound] = deque()
         self.inflight: dict[int, HostRound] = {}  # data-plane job id -> round
@@ -64,7 +72,7 @@ class RoundBook:
             n = sum(r.tokens for r in regions)
             r = HostRound(h, regions[0].index, regions[-1].index + 1, t, n)
             r.layer_done = [0] * self.layout.num_layers
-            r.layer_scattered = [False] * self.layout.num_layers
+            r.layer_written = [False] * self.layout.num_layers
             h.rounds.append(r)
             self.pending.append(r)
             t += n
@@ -153,7 +161,7 @@ class RoundBook:
                 h.layers_seen[i] += msg.count
                 for layer in range(msg.layer, msg.layer + msg.count):
                     r.layer_done[layer] += 1
-                self.try_scatter(r)
+                self.try_write(r)
         elif isinstance(msg, P.ChunkDone):
             i = r.chunk_lo + msg.chunk
             if i < r.chunk_hi and h.layers_seen[i] >= h.num_layers and h.state[i] != FAILED:
@@ -163,37 +171,65 @@ class RoundBook:
         elif isinstance(msg, P.ChunkFailed):
             self._on_failed(r, r.chunk_lo + msg.chunk, failure_kind(msg))
         elif isinstance(msg, P.JobDone):
-            self.try_scatter(r)
+            self.try_write(r)
             del self.inflight[msg.job]
             self.counters["rounds"] += 1
             self.lose_round(r, "internal")  # chunks without ChunkDone by now are not trustworthy
             self.pump()
 
     def _on_failed(self, r: HostRound, i: int, kind: str) -> None:
-        h = r.handle
         if not r.chunk_lo <= i < r.chunk_hi:
             return
         self.counters["chunks_failed"] += 1
+        self._fail_from(r, i, kind)
+        self.try_write(r)
+
+    def _fail_from(self, r: HostRound, i: int, kind: str) -> None:
+        """Chunk ``i`` of ``r``'s request failed: it and every later chunk are misses."""
+        h = r.handle
         h.mark_failed(i, kind)
         for other in h.rounds:  # later rounds of this request are beyond the miss now
             if other.job and not other.terminal and other.chunk_lo > i:
                 self.outbox.append(P.encode(P.Cancel(other.job, 0)))
         self.drop_pending(h)
-        self.try_scatter(r)
 
-    def try_scatter(self, r: HostRound) -> None:
-        """Scatter every layer whose chunks (those before the first miss) are all in the region."""
+    def try_write(self, r: HostRound) -> None:
+        """Write the layers whose chunks (those before the first miss) are all in the region, as one
+        write per run of consecutive layers (per round, unless ``eager``). A failed write fails every
+        chunk of the round still counted (kind ``write``); nothing of it is marked in the pool."""
         h = r.handle
         valid = max(0, min(r.chunk_hi, h.first_fail) - r.chunk_lo)
         if h.cancelled:
             return
-        for layer in range(h.num_layers):
-            if r.layer_scattered[layer] or r.layer_done[layer] < valid:
+        ready = [not r.layer_written[i] and r.layer_done[i] >= valid for i in range(h.num_layers)]
+        if not self.eager and not all(w or rd for w, rd in zip(r.layer_written, ready, strict=True)):
+            return  # one write per round, once every layer is in the region
+        layer = 0
+        while layer < h.num_layers:
+            if not ready[layer]:
+                layer += 1
                 continue
-            r.layer_scattered[layer] = True
-            if valid and h.target is not None:
-                t0 = time.perf_counter()
-                n_tok = sum(h.chunk_tokens[r.chunk_lo : r.chunk_lo + valid])
-                self.io.scatter_layer(r, layer, n_tok, h.target)
-                self.counters["scatter_s"] += time.perf_counter() - t0
-            h.layer_ready[layer] += valid
+            hi = layer
+            while hi < h.num_layers and ready[hi]:
+                hi += 1
+            if valid and h.target is not None and not self._write(r, layer, hi, valid):
+                return
+            for i in range(layer, hi):
+                r.layer_written[i] = True
+                h.layer_ready[i] += valid
+            layer = hi
+
+    def _write(self, r: HostRound, lo: int, hi: int, valid: int) -> bool:
+        h = r.handle
+        t0 = time.perf_counter()
+        n_tok = sum(h.chunk_tokens[r.chunk_lo : r.chunk_lo + valid])
+        try:
+            self.io.write_layers(r, lo, hi, n_tok, h.target)
+        except KVWriteError as e:
+            self.counters["write_failed"] += 1
+            logger.warning("KV write for %s failed; its round is a miss: %s", h.request_id, e)
+            self._fail_from(r, r.chunk_lo, "write")
+            return False
+        finally:
+            self.counters["scatter_s"] += time.perf_counter() - t0
+        return True

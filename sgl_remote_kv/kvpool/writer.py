@@ -7,7 +7,8 @@ NVDEC installs, layer-wise installs) calls ``KVWriter.write``; the write-back re
 Contract of ``write(k, v, slots, layer_lo)``:
 - ``k``/``v`` are host numpy arrays ``[n_layers, T, H, D]`` in the layout's storage dtype (bf16 as
   ``uint16`` bits), owned by the caller; ``slots`` (int64, ``T``) are the pool rows of the ``T`` tokens.
-  Layers ``layer_lo .. layer_lo + n_layers`` are written.
+  Layers ``layer_lo .. layer_lo + n_layers`` are written. Device slots are copied to the host on the
+  calling thread.
 - It returns only when the write is *complete*: the caller may reuse the source, and a layer may be
   marked written. Any failure (bad shapes, a device error, a write not finished within ``timeout_s``)
   raises ``KVWriteError`` and the caller must treat the chunks carried as failed (kind ``write``): their
@@ -67,6 +68,7 @@ class KVWriter(ABC):
 
     def write(self, k: np.ndarray, v: np.ndarray, slots: torch.Tensor, layer_lo: int = 0) -> None:
         """See module docstring. Raises ``KVWriteError``."""
+        slots = slots.to("cpu", torch.int64)  # no copy for host int64 slots
         self._check(k, v, slots, layer_lo)
         try:
             with self._lock:
@@ -123,7 +125,7 @@ class HostKVWriter(KVWriter):
     (docs/INTEGRATION.md: layer-wise TTFT 9.7-40 s); numpy copies stay on the calling thread."""
 
     def _write(self, k: np.ndarray, v: np.ndarray, slots: torch.Tensor, layer_lo: int) -> None:
-        idx = slots.numpy() if slots.dtype == torch.int64 else slots.to(torch.int64).numpy()
+        idx = slots.numpy()
         for i in range(k.shape[0]):
             for src, layers in ((k, self.pool.k), (v, self.pool.v)):
                 dst = layers[layer_lo + i]

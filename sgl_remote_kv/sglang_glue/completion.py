@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from sgl_remote_kv.kvpool import KVWriteError
 from sgl_remote_kv.sglang_glue.fetch import FetchHandle
 
 if TYPE_CHECKING:
@@ -94,7 +95,16 @@ class FetchCompletion:
             if slots is None:
                 self.rt.metrics.failure("no_kv_slots")
                 return
-            self.inst.scatter(slots, h.k[:, :ok], h.v[:, :ok])
+            p.slots = slots  # the caller frees them unless the tree takes them
+            try:
+                self.inst.write(slots, h.k[:, :ok], h.v[:, :ok])
+            except KVWriteError as e:  # a failed write is a miss: the request recomputes
+                self.rt.metrics.failure("write")
+                logger.warning("writing fetched KV for %s failed; recomputing: %s", p.req.rid, e)
+                return
+            self._insert_hit(p, h, slots)
+            p.slots = None  # tree-owned (or freed by the insert as duplicates)
+            return
         self._insert_hit(p, h, slots)
 
     def _insert_hit(self, p: _Parked, h: FetchHandle, slots) -> None:

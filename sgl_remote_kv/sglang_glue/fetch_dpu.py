@@ -2,7 +2,8 @@
 
 Unlike the in-process backend, this one is *direct*: the caller (the waiting_for_KV queue, on the
 scheduler thread) reserves the destination KV slots in SGLang's pool before submitting, and the DPU
-client's receiver thread scatters each finished layer straight into them. The handle then only
+client's receiver thread writes finished layers straight into them through the pool's ``KVWriter``
+(a failed write fails the round's chunks: never a hit). The handle then only
 reports how many leading chunks made it (``ok_chunks``); chunks past the first failure are misses and
 their slots are freed by the caller.
 
@@ -106,9 +107,9 @@ class DpuFetchHandle(FetchHandle):
 class DpuFetchBackend:
     direct = True
 
-    def __init__(self, client, kvcache, chunk_size: int, on_done=None) -> None:
+    def __init__(self, client, kv_writer, chunk_size: int, on_done=None) -> None:
         self.client = client
-        self.kvcache = kvcache
+        self.kv_writer = kv_writer
         self.chunk_size = chunk_size
         self._on_done = on_done
 
@@ -119,9 +120,9 @@ class DpuFetchBackend:
     def submit(
         self, request_id: str, keys: list[bytes], start_token: int, slots: torch.Tensor
     ) -> FetchHandle:
-        from sgl_remote_kv.control.scatter import KVPoolTarget
+        from sgl_remote_kv.control.jobs import KVTarget
 
-        target = KVPoolTarget(self.kvcache.k_buffer, self.kvcache.v_buffer, slots.to(torch.int64))
+        target = KVTarget(self.kv_writer, slots.to("cpu", torch.int64))  # host copy, on this thread
         inner = self.client.submit(request_id, list(keys), self.chunk_size, target)
         bpt = self.client.layout.bytes_per_token()
         return DpuFetchHandle(self.client, inner, start_token, self.chunk_size, bpt)
@@ -130,7 +131,7 @@ class DpuFetchBackend:
         self.client.close()
 
 
-def start_dpu_backend(config, fingerprint, codec, kvcache, on_done=None) -> DpuFetchBackend | None:
+def start_dpu_backend(config, fingerprint, codec, kv_writer, on_done=None) -> DpuFetchBackend | None:
     """Spawn the data plane; ``None`` (with a warning) if it cannot start — the caller falls back."""
     try:
         from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
@@ -147,4 +148,4 @@ def start_dpu_backend(config, fingerprint, codec, kvcache, on_done=None) -> DpuF
         logger.warning("DPU data plane unavailable (%r); using the in-process fetch path", e)
         return None
     logger.info("DPU data plane started (pid %s)", client.pid)
-    return DpuFetchBackend(client, kvcache, config.chunk_size, on_done)
+    return DpuFetchBackend(client, kv_writer, config.chunk_size, on_done)

@@ -2,7 +2,9 @@
 
 ``TreeInstaller`` wraps the few tree/pool operations the waiting_for_KV queue needs: match a prompt
 prefix locally, lock/unlock tree nodes, reserve and free KV slots (evicting unlocked cache if needed),
-scatter staged KV into slots, and insert ``prefix slots + fetched slots`` under the prompt's key.
+write staged KV into slots (through the pool's ``KVWriter``; raises ``KVWriteError``), and insert
+``prefix slots + fetched slots`` under the prompt's key, after fencing every write (a reader of the new
+nodes is ordered behind the writes that filled them).
 
 Insert semantics (SGLang's ``UnifiedRadixCache.insert``): tokens ``[0, prev_prefix_len)`` are the
 caller's already-tree-owned prefix; slots of tokens past it that the tree already holds (someone
@@ -17,16 +19,15 @@ from array import array
 
 import torch
 
-from sgl_remote_kv.sglang_glue import kv_io
-
 logger = logging.getLogger(__name__)
 
 
 class TreeInstaller:
-    def __init__(self, tree) -> None:
+    def __init__(self, tree, kv_writer) -> None:
         self.tree = tree
         self.allocator = tree.token_to_kv_pool_allocator
         self.kvcache = self.allocator.get_kvcache()
+        self.kv_writer = kv_writer
 
     def _key(self, req, end: int):
         from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -57,14 +58,16 @@ class TreeInstaller:
         if slots is not None and slots.numel():
             self.allocator.free(slots)
 
-    def scatter(self, slots: torch.Tensor, k, v) -> None:
-        kv_io.write_kv(self.kvcache, slots, k, v)
+    def write(self, slots: torch.Tensor, k, v) -> None:
+        """Staged ``[L, T, H, D]`` KV into ``slots``; raises ``KVWriteError`` (the slots hold garbage)."""
+        self.kv_writer.write(k, v, slots.to("cpu", torch.int64))
 
     def insert(self, req, prefix_node, start: int, slots: torch.Tensor):
         """Insert tokens ``[0, start + len(slots))``: the tree's own ``[0, start)`` (path of the locked
         ``prefix_node``) followed by ``slots``. Returns a lock on the new last node."""
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
+        self.kv_writer.fence()
         prefix = self.tree.path_device_indices(prefix_node)[:start].to(torch.int64)
         if len(prefix) != start:
             raise RuntimeError(f"prefix node holds {len(prefix)} tokens, expected {start}")

@@ -1,12 +1,8 @@
-"""Read and write token KV in SGLang's paged device KV pool, and describe the pool as a fingerprint.
+"""SGLang's paged KV pool as we see it: its layout (the fingerprint) and its one ``KVWriter``.
 
-Only the scheduler thread calls these functions (the pool is the forward pass's memory: writing it from
-another thread would race with attention kernels on a GPU). Arrays follow ``types``: numpy
-``[layers, tokens, heads, dim]`` in the layout's storage dtype (bf16 as ``uint16`` raw bits).
-
-Buffers: ``read_kv`` returns fresh numpy arrays owned by the caller (a copy: the slots may be freed
-and reused as soon as the scheduler moves on). ``write_kv`` copies out of the caller's arrays before
-returning; the caller may reuse or drop them afterwards.
+Relies on ``MHATokenToKVPool``'s ``k_buffer``/``v_buffer`` (per-layer ``[slots, heads, dim]`` tensors),
+``dtype`` and ``store_dtype``. The writer (``sgl_remote_kv.kvpool``) owns every read and write of token KV
+in the pool; see its contract there.
 """
 
 from __future__ import annotations
@@ -15,15 +11,14 @@ import hashlib
 import logging
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from sgl_remote_kv.kvpool import KVWriter, PoolTensors, writer_for
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 
 logger = logging.getLogger(__name__)
 
 _TORCH_TO_KV = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-_RAW_VIEW = {torch.bfloat16: torch.int16}  # numpy has no bf16: move raw bits
 
 
 class UnsupportedPool(Exception):
@@ -66,39 +61,7 @@ def fingerprint_for(
     )
 
 
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    t = t.detach()
-    raw = _RAW_VIEW.get(t.dtype)
-    if raw is not None:
-        return t.view(raw).cpu().numpy().view(np.uint16)
-    return t.cpu().numpy()
-
-
-def _to_torch(a: np.ndarray, dtype: torch.dtype, device) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    raw = _RAW_VIEW.get(dtype)
-    if raw is not None:
-        t = t.view(raw).view(dtype)
-    return t.to(device, non_blocking=False)
-
-
-def read_kv(kvcache, indices: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Copy the KV of ``indices`` (slot ids) out of every layer: ``([L, T, H, D], [L, T, H, D])``."""
-    idx = indices.to(kvcache.k_buffer[0].device, dtype=torch.int64)
-    k = np.stack([_to_numpy(kvcache.k_buffer[i][idx]) for i in range(len(kvcache.k_buffer))])
-    v = np.stack([_to_numpy(kvcache.v_buffer[i][idx]) for i in range(len(kvcache.v_buffer))])
-    return k, v
-
-
-def write_kv_layer(kvcache, layer: int, slots: torch.Tensor, k: np.ndarray, v: np.ndarray) -> None:
-    """Scatter one layer's ``[T, H, D]`` K and V into ``slots`` of the pool (local layer index)."""
-    kb, vb = kvcache.k_buffer[layer], kvcache.v_buffer[layer]
-    idx = slots.to(kb.device, dtype=torch.int64)
-    kb[idx] = _to_torch(k, kb.dtype, kb.device)
-    vb[idx] = _to_torch(v, vb.dtype, vb.device)
-
-
-def write_kv(kvcache, slots: torch.Tensor, k: np.ndarray, v: np.ndarray) -> None:
-    """Scatter ``[L, T, H, D]`` K and V into ``slots`` for every layer."""
-    for layer in range(k.shape[0]):
-        write_kv_layer(kvcache, layer, slots, k[layer], v[layer])
+def pool_writer(kvcache, layout: KVLayout, ops=None) -> KVWriter:
+    """The pool's one ``KVWriter`` (``kvpool``): every write of fetched KV and every read of the
+    write-back goes through it; this is the only module that touches ``k_buffer``/``v_buffer``."""
+    return writer_for(PoolTensors(kvcache.k_buffer, kvcache.v_buffer), layout, ops=ops)

@@ -16,9 +16,10 @@ from the already-fetched, verified blobs in-process (``codec.decode_layer_into``
 error there is impossible short of a codec bug; it raises (the scheduler stops) rather than letting
 attention read wrong KV.
 
-Non-direct paths (in-process, NVDEC) stage each layer and this class scatters it. The DPU path is
-*direct*: the DPU client's receiver thread scatters each layer into the slots as the data plane reports
-it (``layer_ready``), so waiting is all this class does for it; its fallback blobs are host copies the
+Non-direct paths (in-process, NVDEC) stage each layer and this class writes it through the pool's
+``KVWriter``. The DPU path is *direct*: the DPU client's receiver thread writes each layer into the slots
+as the data plane reports it (``layer_ready``, set only after the write returned), so waiting is all
+this class does for it; its fallback blobs are host copies the
 data plane made before signalling verified (``fetch_dpu.py``), and falling back cancels the client's
 handle first (under the client's lock), after which the receiver never writes the slots again. The
 in-process path is decoded *on demand* (``on_demand``): its worker is cancelled at admission and each
@@ -26,6 +27,11 @@ layer is decoded from the verified blobs in the forward thread when first needed
 thread running next to the forward pass suffered a GIL convoy (36 s instead of 0.4 s, measured). That
 decode frees no buffer inside the forward pass (``_DecodeBuffers``): freed codec bytes were handed to
 attention's ``torch.empty`` padding and read as denormal floats (~60x slower attention, measured).
+
+Before a layer is handed to attention, the reading stream waits on that layer's completion event
+(``KVWriter.wait_layer``: a no-op on CPU pools). A write of a staged layer that fails is retried once from
+the verified blobs (host decode); if that write fails too the forward pass cannot be given correct KV for
+an admitted request and this raises (documented limit: the request was admitted before its KV existed).
 
 Threads: ``add``/``finish_all`` on the scheduler thread, ``wait_until`` on the forward thread (the same
 thread without overlap scheduling); one lock serialises them. Slots: tree-owned from admission; only
@@ -42,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sgl_remote_kv.codec.errors import ChunkError
-from sgl_remote_kv.sglang_glue import kv_io
+from sgl_remote_kv.kvpool import KVWriteError
 from sgl_remote_kv.sglang_glue.fetch import FetchHandle
 from sgl_remote_kv.types import numpy_storage_dtype
 
@@ -67,8 +73,8 @@ class LayerwiseInstalls:
 
     consumer_index = -1  # SGLang's hybrid pools peek at this; we never use HiCache's indices
 
-    def __init__(self, kvcache, fingerprint, metrics, stall_s: float = 5.0) -> None:
-        self.kvcache, self.fingerprint, self.metrics = kvcache, fingerprint, metrics
+    def __init__(self, kv_writer, fingerprint, metrics, stall_s: float = 5.0) -> None:
+        self.kv_writer, self.fingerprint, self.metrics = kv_writer, fingerprint, metrics
         self.num_layers = fingerprint.layout.num_layers
         self.stall_s = stall_s
         self._pending: list[_Pending] = []
@@ -120,9 +126,12 @@ class LayerwiseInstalls:
             elif not p.fell_back and self._wait_layer(p.handle, layer):
                 if not getattr(p.handle, "direct", False):  # direct: already in the slots
                     n = p.handle.n_chunks * p.handle.chunk_size
-                    kv_io.write_kv_layer(
-                        self.kvcache, layer, p.slots, p.handle.k[layer, :n], p.handle.v[layer, :n]
-                    )
+                    h = p.handle
+                    try:
+                        self._write(p, layer, h.k[layer : layer + 1, :n], h.v[layer : layer + 1, :n])
+                    except KVWriteError as e:
+                        logger.warning("layer-wise write of %s failed (%s); decoding in-process", h.request_id, e)
+                        self._decode_layer(p, layer)
             else:
                 if not p.fell_back:
                     p.fell_back = True
@@ -131,6 +140,7 @@ class LayerwiseInstalls:
                     logger.warning("layer-wise fetch %s: backend failed/stalled; decoding in-process",
                                    p.handle.request_id)  # fmt: skip
                 self._decode_layer(p, layer)
+            self.kv_writer.wait_layer(layer)
             p.next_layer = layer + 1
 
     def _wait_layer(self, h: FetchHandle, layer: int) -> bool:
@@ -158,9 +168,16 @@ class LayerwiseInstalls:
                 self.metrics.failure("layerwise_decode_error")
                 raise RuntimeError(f"verified chunk {i} of {h.request_id} failed to decode: {e!r}") from e
         t1 = time.perf_counter()
-        kv_io.write_kv_layer(self.kvcache, layer, p.slots, k, v)
+        try:
+            self._write(p, layer, k[None], v[None])
+        except KVWriteError as e:
+            self.metrics.failure("write")
+            raise RuntimeError(f"layer {layer} of admitted {h.request_id} cannot be written: {e}") from e
         p.decode_s += t1 - t0
         p.scatter_s += time.perf_counter() - t1
+
+    def _write(self, p: _Pending, layer: int, k, v) -> None:
+        self.kv_writer.write(k, v, p.slots, layer)
 
 
 class _DecodeBuffers:
@@ -202,7 +219,7 @@ def _broken(h: FetchHandle) -> bool:
     return h.ok_chunks < h.n_chunks or h.failure is not None
 
 
-def attach(kvcache, fingerprint, metrics) -> LayerwiseInstalls | None:
+def attach(kvcache, kv_writer, fingerprint, metrics) -> LayerwiseInstalls | None:
     """Register a ``LayerwiseInstalls`` on the pool; ``None`` if the pool cannot take one."""
     if not hasattr(kvcache, "register_layer_transfer_counter"):
         logger.warning("layer-wise pipelining off: %s has no layer-transfer counter", type(kvcache).__name__)
@@ -210,6 +227,6 @@ def attach(kvcache, fingerprint, metrics) -> LayerwiseInstalls | None:
     if getattr(kvcache, "layer_transfer_counter", None) is not None:
         logger.warning("layer-wise pipelining off: the pool's layer-transfer counter is taken (HiCache)")
         return None
-    counter = LayerwiseInstalls(kvcache, fingerprint, metrics)
+    counter = LayerwiseInstalls(kv_writer, fingerprint, metrics)
     kvcache.register_layer_transfer_counter(counter)
     return counter

@@ -51,23 +51,23 @@ def nvdec_path(rt: RemoteKVRuntime, codec: Codec) -> FetchPath:
     return FetchPath("nvdec", be, codec, closers=(pool,))
 
 
-def _dpu_or_inproc(rt: RemoteKVRuntime, kvcache) -> FetchPath:
+def _dpu_or_inproc(rt: RemoteKVRuntime) -> FetchPath:
     if rt.codec.name != HEVC and rt.settings.use_dpu:
         from sgl_remote_kv.sglang_glue.fetch_dpu import start_dpu_backend
 
-        be = start_dpu_backend(rt.config, rt.fingerprint, rt.codec, kvcache, on_done=rt.wakeup.set)
+        be = start_dpu_backend(rt.config, rt.fingerprint, rt.codec, rt.kv_writer, on_done=rt.wakeup.set)
         if be is not None:
             return FetchPath("dpu", be, rt.codec)
     return rt.paths.get("inproc") or rt.inproc_path()
 
 
-def install_paths(rt: RemoteKVRuntime, kvcache) -> None:
+def install_paths(rt: RemoteKVRuntime) -> None:
     """Replace the runtime's default in-process path with the mode's paths."""
     mode = rt.config.mode
     if mode == "inproc":
         rt.set_paths([rt.paths.get("inproc") or rt.inproc_path()])
     elif mode == "dpu":
-        rt.set_paths([_dpu_or_inproc(rt, kvcache)])
+        rt.set_paths([_dpu_or_inproc(rt)])
     elif mode == "nvdec":
         if rt.codec.name == HEVC:
             rt.set_paths([nvdec_path(rt, rt.codec)])
@@ -77,5 +77,5 @@ def install_paths(rt: RemoteKVRuntime, kvcache) -> None:
         if rt.codec.name == HEVC:
             rt.set_paths([nvdec_path(rt, rt.codec), rt.paths.get("inproc") or rt.inproc_path()])
         else:
-            rt.set_paths([_dpu_or_inproc(rt, kvcache), nvdec_path(rt, get_codec(HEVC))])
+            rt.set_paths([_dpu_or_inproc(rt), nvdec_path(rt, get_codec(HEVC))])
     logger.info("remote KV fetch paths: %s", {n: p.codec.name for n, p in rt.paths.items()})

@@ -73,12 +73,13 @@ def _install_runtime(ctx, cfg: RemoteKVConfig) -> None:
     codec = paths.write_codec(cfg)
     data_plane = cfg.mode in ("dpu", "auto") and codec.name != paths.HEVC
     preflight.check_chunk_fits(cfg.chunk_size, int(kvcache.size), fp.layout, data_plane)
-    rt = runtime.RemoteKVRuntime(cfg, fp, codec, runtime.open_store_client(cfg))
+    kv_writer = kv_io.pool_writer(kvcache, fp.layout)
+    rt = runtime.RemoteKVRuntime(cfg, fp, codec, runtime.open_store_client(cfg), kv_writer=kv_writer)
     rt.client.on_error = rt.metrics.store_error  # store_errors_total{op,kind}
-    paths.install_paths(rt, kvcache)
+    paths.install_paths(rt)
     if "dpu" in rt.paths:  # the data plane's own store client: its failures arrive per chunk
         rt.paths["dpu"].backend.client.on_store_error = rt.metrics.store_error
-    rt.writer = WriteBack(rt, kvcache, params.req_to_token_pool, rt.settings.writeback_queue)
+    rt.writer = WriteBack(rt, kv_writer, params.req_to_token_pool, rt.settings.writeback_queue)
     runtime.install(rt)
     logger.info(
         "remote KV tier ready: store %s, fetch paths %s, codec %r, chunk %d, layout %s",

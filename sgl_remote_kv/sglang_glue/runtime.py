@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from sgl_remote_kv.codec.base import Codec, default_codec, get_codec
 from sgl_remote_kv.config import RemoteKVConfig
+from sgl_remote_kv.kvpool import KVWriter
 from sgl_remote_kv.policy.estimator import Policy, PolicyConfig
 from sgl_remote_kv.sglang_glue import metrics as metrics_mod
 from sgl_remote_kv.sglang_glue.fetch import FetchBackend, InProcessFetchBackend
@@ -82,6 +83,7 @@ class RemoteKVRuntime:
         client: StoreClient,
         settings: GlueSettings | None = None,
         fetch_backend: FetchBackend | None = None,
+        kv_writer: KVWriter | None = None,
     ) -> None:
         self.config = config
         self.settings = settings or GlueSettings()
@@ -91,6 +93,7 @@ class RemoteKVRuntime:
         self.metrics = metrics_mod.get()
         self.wakeup = threading.Event()  # set by workers when something completes
         self._namespaces: dict[tuple[str | None, str, bytes], bytes] = {}
+        self.kv_writer = kv_writer  # the pool's one KVWriter (kvpool); every fetched write goes through it
         self.writer = None  # set by radix_cache.build (needs the pool)
         if fetch_backend is not None:
             self.set_paths([FetchPath("dpu", fetch_backend, codec)])

@@ -79,7 +79,7 @@ class WaitingForKV(FetchCompletion):
         self.rt = rt
         self._release_fn = release
         self.tree = scheduler.tree_cache
-        self.inst = TreeInstaller(self.tree)
+        self.inst = TreeInstaller(self.tree, rt.kv_writer)
         self.parked: dict[str, _Parked] = {}
         self.zombies: list[_Parked] = []  # dropped fetches whose backend may still write their slots
         self.held: list[tuple[object, object]] = []  # (req, tree lock) until the req is admitted
@@ -90,7 +90,7 @@ class WaitingForKV(FetchCompletion):
         if self.enabled and rt.config.layerwise:
             from sgl_remote_kv.sglang_glue import layerwise
 
-            self.layerwise = layerwise.attach(self.inst.kvcache, rt.fingerprint, rt.metrics)
+            self.layerwise = layerwise.attach(self.inst.kvcache, rt.kv_writer, rt.fingerprint, rt.metrics)
 
     def _check_supported(self) -> bool:
         if getattr(self.tree.tree_core, "is_eagle", False):

@@ -23,8 +23,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sgl_remote_kv.sglang_glue import kv_io
-
 logger = logging.getLogger(__name__)
 
 _MAX_TRACKED = 65536
@@ -39,9 +37,9 @@ class _Job:
 
 
 class WriteBack:
-    def __init__(self, runtime, kvcache, req_to_token_pool, max_queue: int) -> None:
+    def __init__(self, runtime, kv_writer, req_to_token_pool, max_queue: int) -> None:
         self.rt = runtime
-        self.kvcache = kvcache
+        self.kv_writer = kv_writer  # reads the KV of finished chunks (scheduler thread)
         self.req_to_token_pool = req_to_token_pool
         self._q: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queue)
         # rid -> chunks already offered or known present; bounded (an aborted request never finishes)
@@ -76,7 +74,7 @@ class WriteBack:
         salt = _salt_of(req)
         keys = self.rt.keys_for(token_ids, last, salt)
         idx = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, first * c : last * c]
-        k, v = kv_io.read_kv(self.kvcache, idx)
+        k, v = self.kv_writer.read(idx)
         self._set_progress(req.rid, last)
         try:
             self._q.put_nowait(_Job(keys, first, k, v))
