@@ -102,6 +102,7 @@ class DpuClient:
         self.book: RoundBook | None = None  # created in ``start`` (needs the region)
         self._thread: threading.Thread | None = None
         self._running = False
+        self._closed = False
         self._ctx = zmq.Context()
         self._wake_tx = self._wake_rx = None
         self.counters = {"submitted": 0, "restarts": 0, "chunks_done": 0, "chunks_failed": 0, "bad_frames": 0}
@@ -144,7 +145,11 @@ class DpuClient:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop the receiver, terminate the data plane (SIGTERM, then SIGKILL), free the region."""
+        """Stop the receiver, terminate the data plane (SIGTERM, then SIGKILL), free the region.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         self._running = False
         self._wake()
         if self._thread is not None:
@@ -154,7 +159,10 @@ class DpuClient:
                 self.book.lose_all("cancelled")
             self.cv.notify_all()
         for w in self._writers:
-            w.unregister_host(self.dest.array)
+            try:
+                w.unregister_host(self.dest.array)
+            except Exception as e:  # boundary (shutdown): a faulted device must not stop the cleanup
+                logger.warning("unpinning the destination region failed: %r", e)
         self._writers.clear()
         if self.dest is not None:
             self.dest.unlink()  # first: tells the data plane it need not clean up after us

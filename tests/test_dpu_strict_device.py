@@ -1,0 +1,94 @@
+"""The DPU path into a *device* KV pool, run on CPU against the strict CUDA double (``strict_device.py``):
+a real data-plane process, a real embedded store, the real ``DpuClient`` + ``RoundBook`` + the device
+``KVWriter`` code. What CUDA would enforce is enforced: the destination region is host memory, so KV must
+reach the pool through an explicit H2D copy and a device-side scatter, and nothing reads a layer before
+its completion event.
+
+- a fetch into the strict pool is a bit-exact hit, one write per host round, the region registered once;
+- a write that fails (the device faults) or never completes (the device hangs) fails the round's chunks
+  with kind ``write``: the fetch reports no hit for them, and no reader is let through unfenced.
+
+The old code (``control/scatter.py``: ``pool[layer][slots] = host_src[layer]`` on the receiver thread,
+the layer marked scattered *before* the write, the exception swallowed by the receiver's boundary)
+reported every chunk as a hit here with zeros in the pool: ``test_strict_double_refuses_the_old_dpu_scatter``
+in ``test_kv_writer.py`` shows the double refusing that write.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from dpu_helpers import CHUNK, FP, LAYOUT, codecs, make_pool, pool_tokens, put_chunks, random_chunks
+from sgl_remote_kv.dpu.buffers import chunk_bytes
+from strict_device import StrictDevice, StrictKVPool
+
+from sgl_remote_kv.codec.base import decode
+from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+from sgl_remote_kv.control.dpu_process import ProcessSpec
+
+CB = chunk_bytes(LAYOUT, CHUNK)
+
+
+@pytest.fixture
+def dev():
+    d = StrictDevice()
+    yield d
+    d.close()
+
+
+@pytest.fixture
+def client(tmp_path):
+    codec = codecs()["quant"]
+    url = f"file://{tmp_path}/store"
+    keys, blobs = put_chunks(url, codec, random_chunks(5, seed=21))
+    spec = ProcessSpec(workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * CB, store_timeout_s=2.0)
+    c = DpuClient(DpuClientConfig(url, dest_slots=2, dest_slot_bytes=2 * CB, process=spec), FP, codec)
+    c.start()
+    yield c, keys, blobs
+    c.close()
+
+
+def test_fetch_into_a_strict_device_pool_is_exact(client, dev):
+    c, keys, blobs = client
+    target = make_pool(LAYOUT, 512, 5 * CHUNK, ops=dev)
+    res = c.fetch("strict", keys, CHUNK, target, timeout=60)
+    assert res.hit_chunks == 5 and not res.failures
+    w = target.writer
+    assert w.stats["writes"] == 3  # 5 chunks in host rounds of 2: one write (one launch) per round
+    assert w.stats["zero_copy"] == 3 and len(dev.pinned) == 1  # the region, pinned once
+    for i in range(5):
+        k, v = decode(blobs[i], FP)
+        pk, pv = pool_tokens(target, LAYOUT, i * CHUNK, (i + 1) * CHUNK)
+        assert np.array_equal(k, pk) and np.array_equal(v, pv), f"chunk {i} differs"
+    c.close()
+    assert dev.pinned == []  # unregistered before the region is unmapped
+
+
+def test_device_fault_during_the_write_fails_the_round_never_a_hit(client, dev):
+    c, keys, _ = client
+    target = make_pool(LAYOUT, 512, 5 * CHUNK, ops=dev)
+    dev.error = RuntimeError("an illegal memory access was encountered")  # sticky, like CUDA's
+    res = c.fetch("fault", keys, CHUNK, target, timeout=60)
+    assert res.hit_chunks == 0 and res.failures.get(0) == "write"
+    assert c.stats()["write_failed"] >= 1
+
+
+def test_device_hang_is_a_timed_out_write_and_readers_stay_fenced(client, dev):
+    c, keys, _ = client
+    kv = StrictKVPool(dev, LAYOUT, 512, torch.bfloat16)
+    from sgl_remote_kv.control.jobs import KVTarget
+    from sgl_remote_kv.kvpool import PoolTensors, writer_for
+
+    writer = writer_for(PoolTensors(kv.k_buffer, kv.v_buffer), LAYOUT, timeout_s=0.3, ops=dev)
+    slots = torch.randperm(512)[: 5 * CHUNK]
+    dev.hang()
+    res = c.fetch("hang", keys[:2], CHUNK, KVTarget(writer, slots), timeout=60)
+    assert res.hit_chunks == 0 and res.failures.get(0) == "write"
+    from strict_device import UnfencedRead
+
+    with pytest.raises(UnfencedRead):
+        kv.get_key_buffer(0)  # the late scatter may still land: no reader passes before its event
+    dev.resume()
+    writer.fence()
+    kv.get_key_buffer(0)
