@@ -4,13 +4,13 @@
 :class:`VideoDecoder`. Chunks wait in a bounded FIFO; an idle instance takes the next one, parses and
 verifies the blob, and decodes its videos frame by frame. Every decoded frame goes straight to the chunk's
 *sink* (the restoration callback, called on the worker thread), e.g. :class:`SlotWriter`, which
-dequantizes the frame's tokens and writes them into their KV slots: memory per chunk in flight is one
-decoded frame plus the chunk's scales (no whole-chunk staging).
+dequantizes the frame's tokens into the fetch's host staging rows (the SGLang glue then puts them into the
+KV pool through the pool's ``KVWriter``, like every other path).
 
 Usage (what the SGLang glue would do per fetched chunk)::
 
-    pool = DecoderPool(instances=2)                     # device="cuda" -> hevc_cuvid (UNTESTED)
-    sink = SlotWriter(k_buffers, v_buffers, slots)      # per-layer [S, H, D] pool tensors, slots [T]
+    pool = DecoderPool(instances=2)                     # device="cuda" -> PyNvVideoCodec (nvcodec.py)
+    sink = SlotWriter(k_rows, v_rows, rows, dtype)      # per-layer [S, H, D] host arrays, rows [T]
     fut = pool.submit(blob, fingerprint, sink)          # -> concurrent.futures.Future[ChunkResult]
     fut.result()                                        # raises ChunkError (treat as a miss) / PoolClosed
     pool.close()                                        # cancels queued chunks, aborts running ones

@@ -168,3 +168,28 @@ def test_staging_source_reused_too_early_would_be_caught(dev):
     dev.resume()
     dev.synchronize()
     assert dst.cpu().sum().item() == 0
+
+
+def test_only_the_writer_touches_the_pool_tensors():
+    """Every write (and the write-back's read) of token KV goes through ``kvpool``: outside it, only the
+    pool adapter (``sglang_glue/kv_io.py``: layout + building the writer) names SGLang's per-layer
+    tensors, and nothing else in the package uses a tensor scatter/copy op that could write them."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    shipped = [p for d in ("sgl_remote_kv", "dpu", "nvdec", "kernels") for p in (root / d).rglob("*.py")]
+    allowed_names = {root / "sgl_remote_kv/sglang_glue/kv_io.py", root / "kernels/scatter.py"}
+    pool_names = re.compile(r"\b[kv]_buffer\b")
+    writes = re.compile(r"\.(index_copy_|index_put_|index_put|scatter_|copy_)\(")
+    offenders = []
+    for p in shipped:
+        text = p.read_text()
+        if "kvpool" in p.parts:
+            continue
+        if p not in allowed_names and pool_names.search(text):
+            offenders.append(f"{p.relative_to(root)} names k_buffer/v_buffer")
+        if writes.search(text):
+            offenders.append(f"{p.relative_to(root)} uses an in-place tensor write op")
+    assert not offenders, offenders
+    assert len(shipped) > 50  # the walk found the package

@@ -1,0 +1,146 @@
+"""GPU suite (``pytest -m gpu``; ``scripts/gpu_check.sh``): the KV writer on a real CUDA device.
+
+- the device writer into a real SGLang ``MHATokenToKVPool`` on ``cuda``: bit-exact for fp32/fp16/bf16,
+  zero-copy out of a pinned shared-memory region (``DestRegion`` + ``cudaHostRegister``) and staged out of
+  pageable memory, rows not written stay untouched;
+- writes from another thread on the side stream while a forward-like kernel loop runs on the default
+  stream, each layer read only after ``wait_layer``: every read sees the written KV;
+- the DPU client end to end: a real data-plane process fetches from an embedded store into a CUDA pool.
+
+Skipped with the reason when there is no CUDA device (always, in CI). Never ran in development.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device (GPU suite: scripts/gpu_check.sh)", allow_module_level=True)
+
+from sgl_remote_kv.kvpool import PoolTensors, writer_for  # noqa: E402
+from sgl_remote_kv.kvpool.device_writer import DeviceKVWriter  # noqa: E402
+from sgl_remote_kv.types import KVLayout, numpy_storage_dtype  # noqa: E402
+
+TD = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _sglang_pool(layout: KVLayout, size: int):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return MHATokenToKVPool(
+        size, 1, TD[layout.dtype], layout.num_kv_heads, layout.head_dim, layout.num_layers, "cuda", False
+    )
+
+
+def _kv(layout: KVLayout, t: int, seed: int):
+    rng = np.random.default_rng(seed)
+    f = rng.standard_normal((2, layout.num_layers, t, layout.num_kv_heads, layout.head_dim), np.float32)
+    if layout.dtype == "bfloat16":
+        return (f.view(np.uint32) >> 16).astype(np.uint16)
+    return f.astype(numpy_storage_dtype(layout.dtype))
+
+
+def _writer(pool, layout):
+    w = writer_for(PoolTensors(pool.k_buffer, pool.v_buffer), layout)
+    assert isinstance(w, DeviceKVWriter)
+    return w
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("pinned", [True, False])
+def test_writer_into_sglang_pool_is_exact(dtype, pinned):
+    from sgl_remote_kv.dpu.buffers import DestRegion
+
+    lay = KVLayout(num_layers=6, num_kv_heads=3, head_dim=64, dtype=dtype)
+    pool = _sglang_pool(lay, 4096)
+    w = _writer(pool, lay)
+    kv = _kv(lay, 300, seed=1)
+    region = DestRegion.create(kv.nbytes, f"srkv-gpu-test-{dtype}-{pinned}")
+    try:
+        src = region.array[: kv.nbytes].view(kv.dtype).reshape(kv.shape)
+        src[...] = kv
+        if pinned:
+            w.register_host(region.array)
+        slots = torch.randperm(4096)[:300]
+        w.write(src[0], src[1], slots)
+        assert w.stats["zero_copy" if pinned else "staged"] == 1
+        src[...] = 0  # the source is reusable once write() returned
+        rk, rv = w.read(slots)
+        np.testing.assert_array_equal(rk, kv[0])
+        np.testing.assert_array_equal(rv, kv[1])
+        others = torch.ones(4096, dtype=torch.bool)
+        others[slots] = False
+        assert not pool.k_buffer[0][others.cuda()].any()  # only the written rows changed
+        if pinned:
+            w.unregister_host(region.array)
+    finally:
+        region.unlink()
+        region.close()
+
+
+def test_writes_on_the_side_stream_while_a_forward_runs():
+    lay = KVLayout(num_layers=8, num_kv_heads=4, head_dim=128, dtype="bfloat16")
+    pool = _sglang_pool(lay, 1 << 15)
+    w = _writer(pool, lay)
+    stop = threading.Event()
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def forward_like():  # keeps the default stream busy with work of its own
+        while not stop.is_set():
+            torch.mm(a, a)
+        torch.cuda.synchronize()
+
+    t = threading.Thread(target=forward_like)
+    t.start()
+    try:
+        for i in range(20):
+            kv = _kv(lay, 256, seed=10 + i)
+            slots = torch.arange(i * 256, (i + 1) * 256)
+            writer_thread = threading.Thread(target=w.write, args=(kv[0], kv[1], slots))
+            writer_thread.start()  # like the DPU receiver thread
+            writer_thread.join(30)
+            assert not writer_thread.is_alive()
+            for layer in range(lay.num_layers):
+                w.wait_layer(layer)  # the consumer (current) stream waits on the layer's event
+                got = pool.get_key_buffer(layer)[slots.cuda()].view(torch.int16).cpu().numpy()
+                np.testing.assert_array_equal(got.view(np.uint16), kv[0][layer])
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_dpu_client_end_to_end_into_a_cuda_pool(tmp_path):
+    from dpu_helpers import CHUNK, FP, LAYOUT, codecs, put_chunks, random_chunks
+    from sgl_remote_kv.dpu.buffers import chunk_bytes
+
+    from sgl_remote_kv.codec.base import decode
+    from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+    from sgl_remote_kv.control.dpu_process import ProcessSpec
+    from sgl_remote_kv.control.jobs import KVTarget
+
+    codec = codecs()["quant"]
+    url = f"file://{tmp_path}/store"
+    keys, blobs = put_chunks(url, codec, random_chunks(5, seed=3))
+    cb = chunk_bytes(LAYOUT, CHUNK)
+    spec = ProcessSpec(workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * cb)
+    c = DpuClient(DpuClientConfig(url, dest_slots=2, dest_slot_bytes=2 * cb, process=spec), FP, codec)
+    c.start()
+    try:
+        pool = _sglang_pool(LAYOUT, 1024)
+        w = _writer(pool, LAYOUT)
+        slots = torch.randperm(1024)[: 5 * CHUNK]
+        res = c.fetch("gpu", keys, CHUNK, KVTarget(w, slots), timeout=120)
+        assert res.hit_chunks == 5 and not res.failures
+        assert w.stats["zero_copy"] >= 1  # out of the pinned destination region
+        for i in range(5):
+            k, v = decode(blobs[i], FP)
+            pk, pv = w.read(slots[i * CHUNK : (i + 1) * CHUNK])
+            np.testing.assert_array_equal(pk, k)
+            np.testing.assert_array_equal(pv, v)
+    finally:
+        c.close()
