@@ -176,6 +176,19 @@ class StrictDevice:
 
         self._enqueue(run, planes)
 
+    def dequant(self, codes, scales, m: int, cs, out: torch.Tensor) -> None:
+        from sgl_remote_kv.kernels.dequant import dequant_reference
+
+        for t in (codes, scales, out, *(() if cs is None else (cs,))):
+            if not isinstance(t, DeviceTensor):
+                raise RuntimeError("dequant operands must all be on the device (strict device)")
+
+        def run():
+            with torch._C.DisableTorchFunctionSubclass():
+                out.copy_(dequant_reference(codes, scales, m, cs, out.dtype))
+
+        self._enqueue(run, [])
+
     def record(self) -> _Event:
         ev = _Event(next(self._seq))
         self._q.put(("event", ev))

@@ -144,3 +144,37 @@ def test_dpu_client_end_to_end_into_a_cuda_pool(tmp_path):
             np.testing.assert_array_equal(pv, v)
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("k_channel_scale", [False, True])
+def test_write_quantized_dequantizes_on_the_device_bit_exact(dtype, k_channel_scale):
+    """The in-process path on a CUDA pool: codes + scales H2D, Triton dequant, scatter; the pool must hold
+    the same bits as the codec's CPU decode (numba)."""
+    from sgl_remote_kv.codec import quant, synthetic
+    from sgl_remote_kv.codec.base import get_codec
+    from sgl_remote_kv.codec.format import layer_section, parse_header
+
+    fp = synthetic.fingerprint(num_layers=4, dtype=dtype)
+    lay = fp.layout
+    gran = "head" if k_channel_scale else "token"
+    codec = get_codec("quant_deflate", k_bins="256", v_bins="96", granularity=gran, k_channel_scale=k_channel_scale)
+    chunks = [synthetic.kv(lay, 64, seed=s) for s in range(3)]
+    blobs = [codec.encode(k, v, fp) for k, v in chunks]
+    pool = _sglang_pool(lay, 1024)
+    w = _writer(pool, lay)
+    slots = torch.randperm(1024)[:192]
+    for layer in range(lay.num_layers):
+        views = []
+        for b in blobs:
+            hdr = parse_header(b, fp)
+            buf = np.empty(codec.scratch_bytes(hdr, layer), np.uint8)
+            n = codec.lossless_stage(layer_section(b, hdr, layer), buf)
+            views.append(quant.split_layer(codec.spec, buf[:n], layer, 64, lay.num_kv_heads, lay.head_dim,
+                                           lay.itemsize))  # fmt: skip
+        w.write_quantized(views, slots, layer)
+    assert w.stats["device_dequant"] == lay.num_layers
+    ref = [codec.decode(b, fp) for b in blobs]
+    rk, rv = w.read(slots)
+    np.testing.assert_array_equal(rk, np.concatenate([r[0] for r in ref], axis=1))
+    np.testing.assert_array_equal(rv, np.concatenate([r[1] for r in ref], axis=1))

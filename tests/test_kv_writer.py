@@ -193,3 +193,70 @@ def test_only_the_writer_touches_the_pool_tensors():
             offenders.append(f"{p.relative_to(root)} uses an in-place tensor write op")
     assert not offenders, offenders
     assert len(shipped) > 50  # the walk found the package
+
+
+def _views(codec, fp, chunks, layer):
+    """The lossless stage's output (``LayerView``) of ``layer`` for each encoded chunk."""
+    from sgl_remote_kv.codec import quant
+    from sgl_remote_kv.codec.format import layer_section, parse_header
+
+    lay = fp.layout
+    out = []
+    for k, v in chunks:
+        blob = codec.encode(k, v, fp)
+        hdr = parse_header(blob, fp)
+        buf = np.empty(codec.scratch_bytes(hdr, layer), np.uint8)
+        n = codec.lossless_stage(layer_section(blob, hdr, layer), buf)
+        out.append(quant.split_layer(codec.spec, buf[:n], layer, hdr.num_tokens, lay.num_kv_heads,
+                                     lay.head_dim, lay.itemsize))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"k_bins": "256", "v_bins": "96", "granularity": "token"},
+        {"k_bins": "64", "granularity": "head", "k_channel_scale": True},
+        {"k_bins": "64", "granularity": "token", "k_outliers": 2},  # outliers: host dequant fallback
+    ],
+)
+def test_write_quantized_device_equals_host_dequant(dev, dtype, params):
+    """The device writer dequantizes on the device (kernels/dequant.py's definition); the host writer with
+    the CPU codec path (numba). Both must put the same bits into the pool as the codec's own decode."""
+    from sgl_remote_kv.codec import synthetic
+    from sgl_remote_kv.codec.base import get_codec
+
+    fp = synthetic.fingerprint(num_layers=2, dtype=dtype)
+    lay = fp.layout
+    codec = get_codec("quant_deflate", **params)
+    chunks = [synthetic.kv(lay, 33, seed=s) for s in (1, 2)]
+    s = _slots(66, 128)
+    host = writer_for(PoolTensors(*[[torch.zeros(128, lay.num_kv_heads, lay.head_dim, dtype=TD[dtype])
+                                      for _ in range(2)] for _ in "kv"]), lay)  # fmt: skip
+    kv, w = _strict(dev, lay, pool=128)
+    for layer in range(2):
+        views = _views(codec, fp, chunks, layer)
+        host.write_quantized(views, s, layer)
+        w.write_quantized(views, s, layer)
+    hk, hv = host.read(s)
+    dk, dv = w.read(s)
+    np.testing.assert_array_equal(dk, hk)
+    np.testing.assert_array_equal(dv, hv)
+    ref = [codec.decode(codec.encode(k, v, fp), fp) for k, v in chunks]
+    np.testing.assert_array_equal(hk, np.concatenate([r[0] for r in ref], axis=1))
+    np.testing.assert_array_equal(hv, np.concatenate([r[1] for r in ref], axis=1))
+    assert w.stats["writes"] == 2
+    assert w.stats["device_dequant"] == (0 if params.get("k_outliers") else 2)
+
+
+def test_write_quantized_bad_input_is_a_write_error(dev):
+    from sgl_remote_kv.codec import synthetic
+    from sgl_remote_kv.codec.base import get_codec
+
+    fp = synthetic.fingerprint(num_layers=2, dtype="float16")
+    codec = get_codec("quant_deflate", k_bins="64", granularity="token")
+    views = _views(codec, fp, [synthetic.kv(fp.layout, 8, seed=3)], 0)
+    _, w = _strict(dev, fp.layout, pool=32)
+    with pytest.raises(KVWriteError, match="slots"):
+        w.write_quantized(views, _slots(7, 32), 0)

@@ -16,6 +16,7 @@ import logging
 import numpy as np
 import torch
 
+from sgl_remote_kv.kernels.dequant import dequant_triton
 from sgl_remote_kv.kernels.scatter import scatter_triton
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,10 @@ class CudaOps:
                 bases = torch.tensor(key, dtype=torch.int64).to(self.device, non_blocking=False)
                 self._bases[key] = bases
             scatter_triton(src, planes, slots, bases=bases)
+
+    def dequant(self, codes, scales, m: int, cs, out: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            dequant_triton(codes, scales, m, cs, out.dtype, out=out)
 
     def record(self) -> torch.cuda.Event:
         ev = torch.cuda.Event()

@@ -51,10 +51,13 @@ class DeviceOps(Protocol):
     def query(self, event: object) -> bool: ...  # completed?
     def stream_wait(self, event: object) -> None: ...  # the calling thread's current stream waits
     def gather(self, planes: list[torch.Tensor], slots: torch.Tensor) -> np.ndarray: ...  # D2H; host slots
+    def dequant(self, codes, scales, m: int, cs, out: torch.Tensor) -> None: ...  # kernels/dequant.py
 
 
 class DeviceKVWriter(KVWriter):
     """See module docstring."""
+
+    device_dequant = True
 
     def __init__(self, pool: PoolTensors, layout: KVLayout, ops: DeviceOps, timeout_s: float = 10.0) -> None:
         super().__init__(pool, layout, timeout_s)
@@ -65,7 +68,7 @@ class DeviceKVWriter(KVWriter):
         self._dev = ops.device_empty(0)
         self._layer_events: dict[int, object] = {}  # layer -> event of its last write
         self._late: list[object] = []  # events of timed-out writes (fenced until they complete)
-        self.stats = {"writes": 0, "zero_copy": 0, "staged": 0, "timeouts": 0}
+        self.stats = {"writes": 0, "zero_copy": 0, "staged": 0, "timeouts": 0, "device_dequant": 0}
 
     # ---- host regions ------------------------------------------------------------------------------
     def register_host(self, array: np.ndarray) -> None:
@@ -112,14 +115,69 @@ class DeviceKVWriter(KVWriter):
         src = dev[:kv_bytes].view(self.torch_dtype).view(2 * n, t, self.layout.num_kv_heads, -1)
         planes = [*self.pool.k[layer_lo : layer_lo + n], *self.pool.v[layer_lo : layer_lo + n]]
         self.ops.scatter(src, planes, dev[kv_bytes : kv_bytes + slot_bytes].view(torch.int64))
+        self._complete(list(range(layer_lo, layer_lo + n)), f"KV write of layers {layer_lo}..{layer_lo + n}")
+
+    def _write_quantized(self, views, slots: torch.Tensor, layer: int) -> None:
+        """Codes + scales H2D, dequantized on the device (one launch for V, one for K, or one per chunk
+        when keys carry per-chunk channel scales), one scatter of the layer's K and V, one event."""
+        if any(vw.k_out_idx.size for vw in views):  # exact outlier channels: not in the kernel
+            return super()._write_quantized(views, slots, layer)
+        lay = self.layout
+        t, c = len(slots), lay.num_kv_heads * lay.head_dim
+        g = views[0].k_scales.shape[1]
+        has_cs = bool(views[0].k_cs.size)
+        parts = {"kc": t * c, "vc": t * c, "ks": 4 * t * g, "vs": 4 * t * g,
+                 "cs": 4 * c * len(views) if has_cs else 0, "slots": 8 * t}  # fmt: skip
+        offs, n_in = {}, 0
+        for name, nbytes in parts.items():
+            offs[name] = n_in
+            n_in = _align(n_in + nbytes)
+        out_bytes = 2 * t * c * self.storage.itemsize
+        host = self._host_buffer(n_in)[:n_in].numpy()
+        lo = 0
+        for i, vw in enumerate(views):
+            n = vw.k_codes.shape[0]
+            for name, src, width, dt in (("kc", vw.k_codes, c, np.uint8), ("vc", vw.v_codes, c, np.uint8),
+                                         ("ks", vw.k_scales, g, np.float32), ("vs", vw.v_scales, g, np.float32)):  # fmt: skip
+                dst = host[offs[name] : offs[name] + parts[name]].view(dt).reshape(t, width)
+                dst[lo : lo + n] = src
+            if has_cs:
+                host[offs["cs"] : offs["cs"] + parts["cs"]].view(np.float32).reshape(-1, c)[i] = vw.k_cs
+            lo += n
+        host[offs["slots"] : offs["slots"] + parts["slots"]].view(np.int64)[...] = slots.numpy()
+        dev = self._device_buffer(n_in + out_bytes)
+        self.ops.upload(dev[:n_in], self._host[:n_in])
+
+        def region(name, dt, *shape):
+            return dev[offs[name] : offs[name] + parts[name]].view(dt).view(*shape)
+
+        out = dev[n_in : n_in + out_bytes].view(self.torch_dtype).view(2, t, c)
+        mk, mv = views[0].mk, views[0].mv
+        self.ops.dequant(region("vc", torch.uint8, t, c), region("vs", torch.float32, t, g), mv, None, out[1])
+        kc, ks = region("kc", torch.uint8, t, c), region("ks", torch.float32, t, g)
+        if has_cs:
+            cs, lo = region("cs", torch.float32, len(views), c), 0
+            for i, vw in enumerate(views):
+                n = vw.k_codes.shape[0]
+                self.ops.dequant(kc[lo : lo + n], ks[lo : lo + n], mk, cs[i], out[0, lo : lo + n])
+                lo += n
+        else:
+            self.ops.dequant(kc, ks, mk, None, out[0])
+        src = out.view(2, t, lay.num_kv_heads, lay.head_dim)
+        self.ops.scatter(src, [self.pool.k[layer], self.pool.v[layer]], region("slots", torch.int64, t))
+        self.stats["device_dequant"] += 1
+        self._complete([layer], f"quantized KV write of layer {layer}")
+
+    def _complete(self, layers: list[int], what: str) -> None:
+        """Record the write's event for ``layers`` and wait for it (see module docstring, step 5)."""
         event = self.ops.record()
-        for layer in range(layer_lo, layer_lo + n):
+        for layer in layers:
             self._layer_events[layer] = event
         self.stats["writes"] += 1
         if not self._wait_host(event):
             self.stats["timeouts"] += 1
             self._late.append(event)
-            raise KVWriteError(f"KV write of layers {layer_lo}..{layer_lo + n} not done in {self.timeout_s} s")
+            raise KVWriteError(f"{what} not done in {self.timeout_s} s")
 
     def _wait_host(self, event: object) -> bool:
         deadline, pause = time.monotonic() + self.timeout_s, 2e-5
@@ -168,6 +226,10 @@ class DeviceKVWriter(KVWriter):
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
+
+
+def _align(n: int, to: int = 64) -> int:
+    return -(-n // to) * to
 
 
 def _grow(nbytes: int) -> int:

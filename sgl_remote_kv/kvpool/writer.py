@@ -17,6 +17,11 @@ Contract of ``write(k, v, slots, layer_lo)``:
   or ``fence()`` (the scheduler, before admitting or reusing slots): on a device pool these make the
   reading stream wait on the write's completion event; on host pools they are no-ops.
 
+``write_quantized(views, slots, layer)`` is the same contract for one layer given as the codec's
+lossless-stage output (``codec.quant.LayerView``: codes + scales, one per chunk): a host pool dequantizes
+on the CPU (numba), a device pool uploads the codes and dequantizes on the device (the Triton kernel of
+``kernels/dequant.py``), so the in-process path on a GPU ships ~1 byte per value over PCIe, not 2-4.
+
 Implementations: ``HostKVWriter`` (CPU pools: single-threaded numpy copies) here, ``DeviceKVWriter``
 (device pools: pinned host source, H2D copy on a side stream, one scatter launch per write, an event per
 layer) in ``device_writer.py``. ``writer_for`` picks one from the pool's device.
@@ -36,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sgl_remote_kv.codec import quant
 from sgl_remote_kv.types import KVLayout, numpy_storage_dtype
 
 logger = logging.getLogger(__name__)
@@ -59,6 +65,8 @@ class PoolTensors:
 class KVWriter(ABC):
     """See module docstring."""
 
+    device_dequant = False  # write_quantized dequantizes on the device (worth keeping codes staged)
+
     def __init__(self, pool: PoolTensors, layout: KVLayout, timeout_s: float = 10.0) -> None:
         if len(pool.k) != layout.num_layers or len(pool.v) != layout.num_layers:
             raise ValueError(f"pool has {len(pool.k)}/{len(pool.v)} layers, layout {layout.num_layers}")
@@ -77,6 +85,34 @@ class KVWriter(ABC):
             raise
         except Exception as e:  # any failure of the copy is a failed write, never a hit
             raise KVWriteError(f"KV write of layers {layer_lo}..{layer_lo + k.shape[0]} failed: {e!r}") from e
+
+    def write_quantized(self, views: Sequence[quant.LayerView], slots: torch.Tensor, layer: int) -> None:
+        """Layer ``layer`` of consecutive chunks (``views``: their lossless stage's output, tokens in order)
+        into ``slots``, dequantized on the pool's side. Same contract as ``write``; raises ``KVWriteError``."""
+        slots = slots.to("cpu", torch.int64)
+        t = sum(vw.k_codes.shape[0] for vw in views)
+        if slots.ndim != 1 or len(slots) != t or not 0 <= layer < self.layout.num_layers:
+            raise KVWriteError(f"{len(slots)} slots for {t} quantized tokens of layer {layer}")
+        try:
+            with self._lock:
+                self._write_quantized(views, slots, layer)
+        except KVWriteError:
+            raise
+        except Exception as e:  # any failure of the dequantizing copy is a failed write
+            raise KVWriteError(f"quantized KV write of layer {layer} failed: {e!r}") from e
+
+    def _write_quantized(self, views: Sequence[quant.LayerView], slots: torch.Tensor, layer: int) -> None:
+        """Host dequantization (numba), then the plain write (lock held)."""
+        lay = self.layout
+        t = len(slots)
+        k = np.empty((1, t, lay.num_kv_heads, lay.head_dim), self.storage)
+        v = np.empty_like(k)
+        lo = 0
+        for vw in views:
+            n = vw.k_codes.shape[0]
+            quant.dequant_layer(vw, lay.dtype, k[0, lo : lo + n], v[0, lo : lo + n])
+            lo += n
+        self._write(k, v, slots, layer)
 
     def wait_layer(self, layer: int) -> None:
         """The reading stream waits for the last write of ``layer`` (no-op on host pools)."""

@@ -89,7 +89,7 @@ class FetchCompletion:
         if p.slots is not None:  # direct: the KV is already in the reserved slots
             slots, p.slots = p.slots[:ok], p.slots[ok:]
         else:
-            if h.k is None:
+            if not h.has_staged():
                 return
             slots = self.inst.alloc(ok)
             if slots is None:
@@ -97,7 +97,7 @@ class FetchCompletion:
                 return
             p.slots = slots  # the caller frees them unless the tree takes them
             try:
-                self.inst.write(slots, h.k[:, :ok], h.v[:, :ok])
+                self.inst.write(slots, h)
             except KVWriteError as e:  # a failed write is a miss: the request recomputes
                 self.rt.metrics.failure("write")
                 logger.warning("writing fetched KV for %s failed; recomputing: %s", p.req.rid, e)

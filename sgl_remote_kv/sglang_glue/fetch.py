@@ -10,13 +10,17 @@ The SGLang glue talks to a small interface so the decode path can be swapped:
   failure), ``cancel()``.
 
 ``InProcessFetchBackend`` is the in-process baseline ("CacheGen-Async-like"): worker threads of the
-scheduler process run ``StoreClient.get_many`` and decode layer-major into numpy staging arrays. The
-DPU data-plane client (``sgl_remote_kv.control.dpu_client``) implements the same interface.
+scheduler process run ``StoreClient.get_many`` and decode layer-major into numpy staging arrays. With a
+device KV pool and a quantized codec (``keep_codes``) the workers run only the lossless stage and stage
+the codes (``handle.codes``): the pool's ``KVWriter`` dequantizes them on the device at install (the
+CacheGen-like "GPU decode" baseline). The DPU data-plane client (``sgl_remote_kv.control.dpu_client``)
+implements the same interface.
 
 Threads: ``submit``/``cancel``/reads of a handle happen on the scheduler thread; the decode runs on
 the backend's worker threads. Buffers: the staging arrays ``handle.k``/``handle.v``
-(``[L, n_chunks * chunk, H, D]``) are allocated by the backend and owned by the handle; the scheduler
-reads them only after ``done()`` is true, then drops the handle.
+(``[L, n_chunks * chunk, H, D]``) or ``handle.codes`` (per layer, one ``LayerView`` per chunk) are
+allocated by the backend and owned by the handle; the scheduler reads them only after ``done()`` is
+true (``write_staged``), then drops the handle.
 """
 
 from __future__ import annotations
@@ -29,8 +33,11 @@ from typing import Protocol
 
 import numpy as np
 
+from sgl_remote_kv.codec import quant
 from sgl_remote_kv.codec.base import Codec
 from sgl_remote_kv.codec.errors import ChunkError
+from sgl_remote_kv.codec.format import layer_section
+from sgl_remote_kv.kvpool import KVWriter
 from sgl_remote_kv.types import ModelFingerprint, numpy_storage_dtype
 
 logger = logging.getLogger(__name__)
@@ -46,6 +53,7 @@ class FetchHandle:
         self.chunk_size = chunk_size
         self.k: np.ndarray | None = None
         self.v: np.ndarray | None = None
+        self.codes: list[list[quant.LayerView]] | None = None  # [layer][chunk], instead of k/v
         self.ok_chunks = n_chunks
         self.layers_ready = 0
         self.failure: str | None = None
@@ -83,6 +91,19 @@ class FetchHandle:
     @property
     def ok_tokens(self) -> int:
         return self.ok_chunks * self.chunk_size if self.failure != "cancelled" else 0
+
+    def has_staged(self) -> bool:
+        return self.k is not None or self.codes is not None
+
+    def write_staged(self, writer: KVWriter, slots, tokens: int) -> None:
+        """The first ``tokens`` staged tokens into ``slots`` through ``writer`` (after ``done()``).
+        Raises ``KVWriteError``."""
+        if self.codes is not None:
+            n = tokens // self.chunk_size
+            for layer, views in enumerate(self.codes):
+                writer.write_quantized(views[:n], slots, layer)
+        else:
+            writer.write(self.k[:, :tokens], self.v[:, :tokens], slots)
 
     # -- worker side ---------------------------------------------------------------------------
     def _fail_from(self, chunk: int, kind: str) -> None:
@@ -185,7 +206,12 @@ class ThreadedFetchBackend:
 
 
 class InProcessFetchBackend(ThreadedFetchBackend):
-    """Fetch + decode in worker threads of this process (see module docstring)."""
+    """Fetch + decode in worker threads of this process (see module docstring). ``keep_codes``: stage
+    the lossless stage's codes for device dequantization (quantized codecs only)."""
+
+    def __init__(self, *args, keep_codes: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.keep_codes = keep_codes and isinstance(self.codec, quant.QuantCodec)
 
     def _fetch_and_decode(self, handle: FetchHandle, keys: list[bytes]) -> None:
         if handle.cancelled:
@@ -204,7 +230,37 @@ class InProcessFetchBackend(ThreadedFetchBackend):
             if handle.cancelled:
                 handle._fail_from(0, "cancelled")
             return
-        self._decode_layer_major(handle, blobs, headers)
+        if self.keep_codes:
+            self._stage_codes(handle, blobs, headers)
+        else:
+            self._decode_layer_major(handle, blobs, headers)
+
+    def _stage_codes(self, handle: FetchHandle, blobs: list, headers: list) -> None:
+        """Lossless stage only, layer-major: ``handle.codes[layer][chunk]`` (views into per-chunk buffers)."""
+        lay, c = self.fingerprint.layout, self.chunk_size
+        t0 = time.perf_counter()
+        codes: list[list[quant.LayerView]] = []
+        for layer in range(lay.num_layers):
+            row = []
+            for i in range(handle.ok_chunks):
+                buf = np.empty(self.codec.scratch_bytes(headers[i], layer), np.uint8)
+                try:
+                    n = self.codec.lossless_stage(layer_section(blobs[i], headers[i], layer), buf)
+                    row.append(quant.split_layer(self.codec.spec, buf[:n], layer, c, lay.num_kv_heads,
+                                                 lay.head_dim, lay.itemsize))  # fmt: skip
+                except ChunkError as e:
+                    handle._fail_from(i, f"decode:{type(e).__name__}")
+                    break
+            codes.append(row)
+            if handle.cancelled:
+                handle._fail_from(0, "cancelled")
+                return
+            if handle.ok_chunks == 0:
+                return
+        handle.codes = [row[: handle.ok_chunks] for row in codes]
+        handle.layers_ready = lay.num_layers
+        handle.decode_s = time.perf_counter() - t0
+        handle.decoded_bytes = handle.ok_chunks * c * lay.bytes_per_token()
 
     def _decode_layer_major(self, handle: FetchHandle, blobs: list, headers: list) -> None:
         lay = self.fingerprint.layout

@@ -58,9 +58,10 @@ class TreeInstaller:
         if slots is not None and slots.numel():
             self.allocator.free(slots)
 
-    def write(self, slots: torch.Tensor, k, v) -> None:
-        """Staged ``[L, T, H, D]`` KV into ``slots``; raises ``KVWriteError`` (the slots hold garbage)."""
-        self.kv_writer.write(k, v, slots.to("cpu", torch.int64))
+    def write(self, slots: torch.Tensor, handle) -> None:
+        """A finished fetch's staged KV (its first ``len(slots)`` tokens) into ``slots``; raises
+        ``KVWriteError`` (the slots hold garbage then)."""
+        handle.write_staged(self.kv_writer, slots.to("cpu", torch.int64), len(slots))
 
     def insert(self, req, prefix_node, start: int, slots: torch.Tensor):
         """Insert tokens ``[0, start + len(slots))``: the tree's own ``[0, start)`` (path of the locked

@@ -47,7 +47,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sgl_remote_kv.codec import quant
 from sgl_remote_kv.codec.errors import ChunkError
+from sgl_remote_kv.codec.format import layer_section
 from sgl_remote_kv.kvpool import KVWriteError
 from sgl_remote_kv.sglang_glue.fetch import FetchHandle
 from sgl_remote_kv.types import numpy_storage_dtype
@@ -155,6 +157,8 @@ class LayerwiseInstalls:
             h.wait(0.002)
 
     def _decode_layer(self, p: _Pending, layer: int) -> None:
+        if self.kv_writer.device_dequant and isinstance(p.codec, quant.QuantCodec):
+            return self._decode_layer_on_device(p, layer)
         t0 = time.perf_counter()
         h, c = p.handle, p.handle.chunk_size
         k, v = self._bufs.kv(h.n_chunks * c)
@@ -175,6 +179,28 @@ class LayerwiseInstalls:
             raise RuntimeError(f"layer {layer} of admitted {h.request_id} cannot be written: {e}") from e
         p.decode_s += t1 - t0
         p.scatter_s += time.perf_counter() - t1
+
+    def _decode_layer_on_device(self, p: _Pending, layer: int) -> None:
+        """Device pools: the lossless stage here, dequantization on the device (``write_quantized``),
+        one chunk at a time through the shared scratch."""
+        t0 = time.perf_counter()
+        h, c = p.handle, p.handle.chunk_size
+        lay = self.fingerprint.layout
+        for i, (blob, hdr) in enumerate(zip(h.blobs, h.headers, strict=True)):
+            scratch = self._bufs.scratch(p.codec.scratch_bytes(hdr, layer))
+            try:
+                n = p.codec.lossless_stage(layer_section(blob, hdr, layer), scratch)
+                view = quant.split_layer(p.codec.spec, scratch[:n], layer, c, lay.num_kv_heads,
+                                         lay.head_dim, lay.itemsize)  # fmt: skip
+            except ChunkError as e:
+                self.metrics.failure("layerwise_decode_error")
+                raise RuntimeError(f"verified chunk {i} of {h.request_id} failed to decode: {e!r}") from e
+            try:
+                self.kv_writer.write_quantized([view], p.slots[i * c : (i + 1) * c], layer)
+            except KVWriteError as e:
+                self.metrics.failure("write")
+                raise RuntimeError(f"layer {layer} of admitted {h.request_id} cannot be written: {e}") from e
+        p.decode_s += time.perf_counter() - t0
 
     def _write(self, p: _Pending, layer: int, k, v) -> None:
         self.kv_writer.write(k, v, p.slots, layer)

@@ -101,8 +101,14 @@ class RemoteKVRuntime:
             self.set_paths([self.inproc_path()])
 
     def inproc_path(self) -> FetchPath:
+        keep_codes = self.kv_writer is not None and self.kv_writer.device_dequant  # GPU dequant at install
         be = InProcessFetchBackend(
-            self.client, self.codec, self.fingerprint, self.config.chunk_size, on_done=self.wakeup.set
+            self.client,
+            self.codec,
+            self.fingerprint,
+            self.config.chunk_size,
+            on_done=self.wakeup.set,
+            keep_codes=keep_codes,
         )
         return FetchPath("inproc", be, self.codec)
 
