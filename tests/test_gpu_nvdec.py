@@ -44,7 +44,7 @@ def _kv_like_planes(frames: int, h: int, w: int, seed: int) -> np.ndarray:
 
 
 @functools.cache
-def _videos() -> list[tuple[list[bytes], int, int, int]]:
+def _videos() -> tuple[tuple[list[bytes], int, int, int], ...]:
     """(packets, frames, height, width): KV-like and pure-noise videos at NVDEC-sized pictures."""
     out = []
     for i, (h, w) in enumerate([(256, 256), (256, 512), (320, 256)]):
@@ -52,7 +52,7 @@ def _videos() -> list[tuple[list[bytes], int, int, int]]:
         out.append((video.encode_planes(planes), FRAMES, h, w))
     noise = np.random.default_rng(9).integers(0, 256, (4, 3, 256, 256), dtype=np.uint8)
     out.append((video.encode_planes(noise), 4, 256, 256))
-    return out
+    return tuple(out)
 
 
 def _chunk(tokens: int = 64, layers: int = 4):
@@ -108,9 +108,8 @@ class TestOnGpu:
 
     @pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
     def test_bit_exact_vs_cpu_twin(self, real_nvdec, on_device):
-        vids = _videos()
         codec, fp, blob = _chunk()
-        vids += _group_videos(codec, fp, blob)
+        vids = [*_videos(), *_group_videos(codec, fp, blob)]
         gpu = video.VideoDecoder("cuda", on_device=on_device)  # one decoder for all: reuse + size changes
         for packets, count, h, w in vids:
             soft = _decode_all(video.VideoDecoder("cpu"), packets, count, h, w)

@@ -1,0 +1,176 @@
+#!/usr/bin/env bash
+# Download the wheels the GPU suite needs on the bare, offline GPU machine into .whl/ (run it HERE,
+# where pip reaches an index). scripts/gpu_check.sh installs them there into /tmp/site.
+#
+#   bash scripts/gpu_wheels.sh            # profile "core" (default): sgl_remote_kv + SGLang's KV pool
+#   bash scripts/gpu_wheels.sh nvdec      # profile "nvdec": PyAV + PyNvVideoCodec (tests/test_gpu_nvdec.py)
+#
+# The GPU image already has torch, triton, numpy, numba, pytest, transformers, safetensors, psutil, ...
+# (/work/.library/device/KINDS.md); each wheel below was found missing there by importing the suite's
+# modules against exactly that package set. Versions are the ones .venv holds (make setup).
+#
+# "core": what `import sgl_remote_kv.{kernels,kvpool,codec,dpu,control.dpu_client}` and
+# `python -m sgl_remote_kv.dpu` need, plus what `from sglang.srt.mem_cache.memory_pool import
+# MHATokenToKVPool` needs on CUDA. SGLang's wheel is slimmed: its five Rust extension modules (*.so:
+# HTTP/gRPC server, benchmark, multimodal, radix-tree core; 19 MB of its 39 MB) are dropped; importing
+# the KV pool loads none of them. SGLang also imports sgl_kernel at module level on CUDA; that wheel
+# (sglang-kernel) is 373 MB, so gpu_check.sh puts an import-only stub there instead (calls raise).
+#
+# "nvdec": isal + av + pynvvideocodec, 60 MiB: with the working tree that is just under the 64 MiB one
+# device call carries, so it is its own profile, for its own call: each run replaces the other profile's
+# wheels in .whl/ (wheels this script does not know stay, and travel too).
+#
+# Env: PYTHON (the pip to use; default .venv/bin/python, else python3), GPU_WHEELS_DIR (default .whl),
+#      GPU_WHEELS_PYTHON (target Python, default 3.12: the GPU image's), GPU_WHEELS_SLIM_SGLANG (default 1;
+#      0 keeps SGLang's .so files).
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+PROFILE=${1:-core}
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ -x "$ROOT/.venv/bin/python" ]; then PY=$ROOT/.venv/bin/python
+else PY=python3; fi
+DEST=${GPU_WHEELS_DIR:-$ROOT/.whl}
+PYVER=${GPU_WHEELS_PYTHON:-3.12}
+SLIM=${GPU_WHEELS_SLIM_SGLANG:-1}
+
+# name==version             needed by
+CORE_BASE="
+pyzmq==27.3.0               control.dpu_client, dpu (ZeroMQ between the control and data planes)
+msgspec==0.22.0             dpu.protocol (wire messages); SGLang too
+isal==1.9.1                 codec.format, codec.lz (deflate)
+zstandard==0.25.0           codec.lz
+"
+CORE_SGLANG="
+sglang==0.5.23              sglang.srt.mem_cache.memory_pool.MHATokenToKVPool (slimmed, see above)
+apache-tvm-ffi==0.1.11      sglang.kernels (tvm_ffi at module level)
+orjson==3.13.0              sglang.srt.utils
+pybase64==1.5.1             sglang.srt.utils
+pydantic==2.14.3            sglang (configs, entrypoint models)
+pydantic-core==2.50.4       pydantic (exact pin)
+annotated-types==0.8.0      pydantic
+typing-inspection==0.4.5    pydantic
+typing-extensions==4.16.0   pydantic needs >=4.16 (the image's version is unknown; newer is compatible)
+starlette==1.10.0           sglang (imported through the server-args chain)
+ipython==9.18.1             sglang.utils (IPython.display)
+traitlets==5.16.1           ipython
+httpx2==2.16.2              sglang.srt.utils
+httpcore2==2.16.2           httpx2
+truststore==0.10.5          httpx2, httpcore2
+dill==0.4.1                 sglang.srt.utils
+compressed-tensors==0.18.0  sglang.srt.layers.quantization
+loguru==0.7.3               compressed-tensors
+gguf==0.19.0                sglang.srt.layers.quantization.gguf
+"
+NVDEC="
+isal==1.9.1                 codec.format (the hevc codec's chunk framing)
+av==18.1.0                  nvdec.video (HEVC encode, the CPU twin decoder)
+pynvvideocodec==2.2.4       nvdec.nvcodec (NVDEC)
+"
+case "$PROFILE" in
+  core) LIST="$CORE_BASE$CORE_SGLANG" ;;
+  nvdec) LIST="$NVDEC" ;;
+  *) echo "usage: $0 [core|nvdec]" >&2; exit 2 ;;
+esac
+SPECS=$(echo "$LIST" | awk 'NF {print $1}')
+mkdir -p "$DEST"
+
+# the wheel files in $DEST of distribution NAME (optionally VERSION): NAME normalised to underscores
+wheels_of() {
+  "$PY" -c '
+import os, re, sys
+dest, name = sys.argv[1], re.sub(r"[-_.]+", "_", sys.argv[2]).lower()
+version = sys.argv[3] if len(sys.argv) > 3 else None
+for f in sorted(os.listdir(dest)):
+    parts = f.split("-")
+    if f.endswith(".whl") and parts[0].lower() == name and (version is None or parts[1] == version):
+        print(os.path.join(dest, f))
+' "$DEST" "$@"
+}
+
+# one version of each distribution in $DEST (two stop the whole install there), and one profile (both
+# do not fit in one call): drop the wheels of every distribution this script knows, any version
+for spec in $(echo "$CORE_BASE$CORE_SGLANG$NVDEC" | awk 'NF {print $1}'); do
+  wheels_of "${spec%%==*}" | while read -r f; do rm -f "$f"; done
+done
+rm -f "$DEST"/MANIFEST-core.txt "$DEST"/MANIFEST-nvdec.txt
+
+PLAT="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64"
+PLAT="$PLAT --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
+for spec in $SPECS; do
+  extra=""
+  # sglang publishes only manylinux_2_34 wheels (glibc >= 2.34; the image's Python 3.12.3 is Ubuntu 24.04's)
+  if [ "${spec%%==*}" = sglang ]; then extra="--platform manylinux_2_34_x86_64"; fi
+  # shellcheck disable=SC2086
+  "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+    --python-version "$PYVER" --implementation cp $PLAT $extra -d "$DEST" "$spec" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  if [ -z "$(wheels_of "${spec%%==*}" "${spec##*==}")" ]; then
+    echo "gpu_wheels: could not download $spec" >&2
+    exit 1
+  fi
+done
+
+if [ "$PROFILE" = core ] && [ "$SLIM" = 1 ]; then
+  "$PY" -c '
+import os, sys, zipfile
+path = sys.argv[1]
+with zipfile.ZipFile(path) as zin:
+    if any(n.endswith(".so") for n in zin.namelist()):
+        dropped = 0
+        with zipfile.ZipFile(path + ".tmp", "w", zipfile.ZIP_DEFLATED) as zout:
+            for info in zin.infolist():
+                if info.filename.endswith(".so"):
+                    dropped += info.file_size
+                    continue
+                data = zin.read(info)
+                if info.filename.endswith(".dist-info/RECORD"):  # keep RECORD true to the contents
+                    keep = [ln for ln in data.decode().splitlines() if not ln.split(",")[0].endswith(".so")]
+                    data = ("\n".join(keep) + "\n").encode()
+                zout.writestr(info, data)
+        os.replace(path + ".tmp", path)
+        print(f"gpu_wheels: {os.path.basename(path)}: dropped its .so modules ({dropped / 1e6:.0f} MB unpacked)")
+' "$(wheels_of sglang)"
+fi
+
+# the manifest travels with the wheels; gpu_check.sh copies it into gpu_check.json
+{
+  echo "# scripts/gpu_wheels.sh $PROFILE: python $PYVER, $(date -u +%Y-%m-%dT%H:%M:%SZ), sglang slim=$SLIM"
+  echo "$LIST" | awk 'NF'
+} > "$DEST/MANIFEST-$PROFILE.txt"
+
+# the pins against .venv (a mismatch means make setup moved on: update the pins above)
+if [ -x "$ROOT/.venv/bin/python" ]; then
+  # shellcheck disable=SC2086
+  "$ROOT/.venv/bin/python" -c '
+import importlib.metadata as md, sys
+for spec in sys.argv[1:]:
+    name, want = spec.split("==")
+    try:
+        have = md.version(name)
+    except md.PackageNotFoundError:
+        continue
+    if have != want:
+        print(f"gpu_wheels: note: .venv has {name}=={have}; the GPU wheels pin {want}")
+' $SPECS
+fi
+
+echo "gpu_wheels: profile $PROFILE -> $DEST"
+"$PY" -c '
+import os, subprocess, sys
+dest, root = sys.argv[1:3]
+MiB = 1 << 20
+wheels = sorted(f for f in os.listdir(dest) if f.endswith(".whl"))
+total = 0
+for f in wheels:
+    n = os.path.getsize(os.path.join(dest, f))
+    total += n
+    print(f"  {n / MiB:7.2f} MiB  {f}")
+out = subprocess.run(["git", "-C", root, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                     capture_output=True, check=True).stdout.decode()
+tree = sum(os.path.getsize(os.path.join(root, f)) for f in out.split("\0") if f and os.path.isfile(os.path.join(root, f)))
+print(f"gpu_wheels: {len(wheels)} wheels, {total / MiB:.1f} MiB; + working tree {tree / MiB:.1f} MiB"
+      f" = {(total + tree) / MiB:.1f} MiB (one device call carries at most 64 MiB)")
+if total + tree > 60 * MiB:
+    print(f"gpu_wheels: WARNING: over 60 MiB (every wheel in {dest} travels, not only this profile)", file=sys.stderr)
+' "$DEST" "$ROOT"

@@ -1,0 +1,211 @@
+"""GPU suite: the Triton scatter and dequant kernels on CUDA tensors against their torch references.
+
+``pytestmark = pytest.mark.gpu``: deselected by default; run with ``pytest -m gpu`` or, on a bare GPU
+machine, ``scripts/gpu_check.sh``. Every test is skipped, with the reason, where torch sees no CUDA device
+or Triton is missing. (``tests/test_kernels_triton.py`` runs the same kernels under Triton's CPU
+interpreter; here they are compiled for and run on the GPU.)
+
+Checks, for float32 / float16 / bfloat16 and odd sizes (tokens not a multiple of anything, rows of 3x64
+and 5x128 values, i.e. not a multiple of the kernels' 256-value block, 1 to 7 layers):
+
+* ``scatter_triton(src, pool, slots)`` writes exactly what ``scatter_reference`` writes, bit for bit,
+  with slots in random order; pool rows that are not in ``slots`` keep their bytes, and so do guard rows
+  laid out between and around the layers' buffers (catches writes past a buffer's ends);
+* ``dequant_triton`` equals ``dequant_reference`` bit for bit (the reference computed on the CPU and on
+  CUDA), also when writing into a caller's ``out`` between guard rows (the KV writer's use);
+* the scatter into a real SGLang ``MHATokenToKVPool`` on CUDA (K and V planes in one launch), skipped with
+  the reason when SGLang cannot be imported.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sgl_remote_kv.kernels import dequant as dequant_mod  # noqa: E402
+from sgl_remote_kv.kernels import scatter as scatter_mod  # noqa: E402
+from sgl_remote_kv.kernels.dequant import dequant_reference, dequant_triton  # noqa: E402
+from sgl_remote_kv.kernels.scatter import scatter_reference, scatter_triton  # noqa: E402
+
+DEVICE = "cuda"
+
+
+def _skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return (
+            f"needs a CUDA GPU: torch {torch.__version__} (built for CUDA {torch.version.cuda}) "
+            "reports torch.cuda.is_available() == False"
+        )
+    if scatter_mod.triton is None or dequant_mod.triton is None:
+        return "needs triton (not importable)"
+    return None
+
+
+_SKIP = _skip_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+GUARD = 5  # guard rows before, between and after the layers' buffers
+
+# (layers, tokens, heads, head_dim); rows = heads * head_dim = 64, 192, 640, 1024, 128 values
+SCATTER_SHAPES = [(1, 1, 1, 64), (3, 37, 3, 64), (5, 300, 5, 128), (2, 257, 8, 128), (7, 1000, 1, 128)]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)  # CPU generator: the same data on every machine
+
+
+def _guarded_pool(layers: int, size: int, heads: int, dim: int, dtype: torch.dtype, seed: int):
+    """One random buffer; each layer's pool is a contiguous view with GUARD rows around it."""
+    buf = torch.randn(GUARD + layers * (size + GUARD), heads, dim, generator=_gen(seed)).to(dtype)
+    buf = buf.to(DEVICE)
+    pool = [buf[GUARD + i * (size + GUARD) : GUARD + i * (size + GUARD) + size] for i in range(layers)]
+    guards = torch.ones(buf.shape[0], dtype=torch.bool, device=DEVICE)
+    for i in range(layers):
+        guards[GUARD + i * (size + GUARD) : GUARD + i * (size + GUARD) + size] = False
+    return buf, pool, guards
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point:  # bitwise: -0.0 vs 0.0 and NaN payloads count as different
+        view = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        a, b = a.view(view), b.view(view)
+    return torch.equal(a, b)
+
+
+def _check_scatter(src: torch.Tensor, pool_dtype: torch.dtype, size: int, seed: int) -> None:
+    layers, t, heads, dim = src.shape
+    slots = torch.randperm(size, generator=_gen(seed + 1))[:t].to(DEVICE)  # random order, unique
+    buf, pool, guards = _guarded_pool(layers, size, heads, dim, pool_dtype, seed + 2)
+    before = buf.clone()
+    ref = [p.clone() for p in pool]
+
+    scatter_triton(src, pool, slots)
+    scatter_reference(src, ref, slots)
+    torch.cuda.synchronize()
+
+    untouched = torch.ones(size, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    for i in range(layers):
+        assert _same_bits(pool[i], ref[i]), f"layer {i}: Triton scatter differs from the torch reference"
+        assert _same_bits(pool[i][slots], src[i].to(pool_dtype)), f"layer {i}: slots hold other values"
+        assert _same_bits(pool[i][untouched], before[GUARD + i * (size + GUARD) :][:size][untouched]), (
+            f"layer {i}: a row outside slots changed"
+        )
+    assert _same_bits(buf[guards], before[guards]), "a guard row around the pool buffers changed"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", SCATTER_SHAPES, ids=lambda s: "L{}-T{}-H{}-D{}".format(*s))
+def test_scatter_triton_matches_reference(dtype, shape):
+    layers, t, heads, dim = shape
+    src = torch.randn(layers, t, heads, dim, generator=_gen(t)).to(DTYPES[dtype]).to(DEVICE)
+    _check_scatter(src, DTYPES[dtype], size=3 * t + 11, seed=t)
+
+
+@pytest.mark.parametrize("pool_dtype", ["float16", "bfloat16"])
+def test_scatter_triton_converts_like_torch(pool_dtype):
+    """float32 source into a 16-bit pool: the kernel's cast rounds like torch's ``.to()`` (nearest even)."""
+    src = (torch.randn(3, 37, 3, 64, generator=_gen(7)) * 3).to(DEVICE)
+    _check_scatter(src, DTYPES[pool_dtype], size=200, seed=7)
+
+
+# (tokens, channels, scale groups, m, channel scales); channels = heads * head_dim (3x64, 5x128, 8x128)
+DEQUANT_CASES = [
+    (1, 192, 1, 127, False),
+    (37, 192, 3, 31, True),
+    (300, 640, 5, 7, False),
+    (257, 640, 1, 127, True),
+    (1000, 1024, 8, 15, True),
+]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("scales_dtype", ["float16", "float32"])
+@pytest.mark.parametrize("case", DEQUANT_CASES, ids=lambda c: "T{}-C{}-G{}-m{}-cs{:d}".format(*c))
+def test_dequant_triton_matches_reference(dtype, scales_dtype, case):
+    t, c, groups, m, with_cs = case
+    g = _gen(t + c)
+    codes = torch.randint(0, 2 * m + 1, (t, c), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(t, groups, generator=g) * 4).to(DTYPES[scales_dtype])
+    chan = torch.rand(c, generator=g) + 0.5 if with_cs else None
+    # the reference on the CPU is the definition; on CUDA it must agree with itself and the kernel
+    want = dequant_reference(codes, scales, m, chan, DTYPES[dtype]).to(DEVICE)
+    ref_gpu = dequant_reference(
+        codes.to(DEVICE), scales.to(DEVICE), m, None if chan is None else chan.to(DEVICE), DTYPES[dtype]
+    )
+    got = dequant_triton(
+        codes.to(DEVICE), scales.to(DEVICE), m, None if chan is None else chan.to(DEVICE), DTYPES[dtype]
+    )
+    torch.cuda.synchronize()
+    assert got.dtype == DTYPES[dtype] and got.shape == (t, c) and got.device.type == "cuda"
+    assert _same_bits(ref_gpu, want), "the torch reference differs between CPU and CUDA"
+    if not _same_bits(got, want):
+        diff = (got.float() - want.float()).abs()
+        pytest.fail(
+            f"Triton dequant differs from the reference in {int((diff > 0).sum())} values, max {diff.max()}"
+        )
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_dequant_triton_writes_only_its_out_rows(dtype):
+    t, c, groups, m = 33, 640, 5, 31
+    g = _gen(5)
+    codes = torch.randint(0, 2 * m + 1, (t, c), dtype=torch.uint8, generator=g).to(DEVICE)
+    scales = (torch.rand(t, groups, generator=g) * 4).to(DEVICE)  # float32, as the KV writer passes them
+    chan = (torch.rand(c, generator=g) + 0.5).to(DEVICE)
+    buf = torch.randn(t + 2 * GUARD, c, generator=g).to(DTYPES[dtype]).to(DEVICE)
+    before = buf.clone()
+    out = buf[GUARD : GUARD + t]
+    ret = dequant_triton(codes, scales, m, chan, DTYPES[dtype], out=out)
+    torch.cuda.synchronize()
+    assert ret.data_ptr() == out.data_ptr()
+    assert _same_bits(
+        out, dequant_reference(codes.cpu(), scales.cpu(), m, chan.cpu(), DTYPES[dtype]).to(DEVICE)
+    )
+    assert _same_bits(buf[:GUARD], before[:GUARD]) and _same_bits(buf[GUARD + t :], before[GUARD + t :])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_scatter_into_real_sglang_pool(dtype):
+    """K and V planes of 3 layers in one launch into SGLang's own ``MHATokenToKVPool`` buffers."""
+    try:
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    except ImportError as e:  # not carried to this machine (scripts/gpu_wheels.sh carries it)
+        pytest.skip(f"SGLang's MHATokenToKVPool is not importable here: {type(e).__name__}: {e}")
+    layers, heads, dim, size, t = 3, 5, 128, 400, 61
+    pool = MHATokenToKVPool(
+        size=size,
+        page_size=1,
+        dtype=DTYPES[dtype],
+        head_num=heads,
+        head_dim=dim,
+        layer_num=layers,
+        device=DEVICE,
+        enable_memory_saver=False,
+    )
+    planes = [pool.get_key_buffer(i) for i in range(layers)] + [
+        pool.get_value_buffer(i) for i in range(layers)
+    ]
+    for i, p in enumerate(planes):  # SGLang zero-fills; random bytes make "untouched" meaningful
+        p.copy_(torch.randn(p.shape, generator=_gen(100 + i)).to(p.dtype))
+    before = [p.clone() for p in planes]
+    src = torch.randn(2 * layers, t, heads, dim, generator=_gen(3)).to(DTYPES[dtype]).to(DEVICE)
+    slots = (torch.randperm(size, generator=_gen(4))[:t] + 1).to(DEVICE)  # slot 0 is SGLang's padding slot
+    ref = [p.clone() for p in planes]
+
+    scatter_triton(src, planes, slots)
+    scatter_reference(src, ref, slots)
+    torch.cuda.synchronize()
+
+    untouched = torch.ones(planes[0].shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    for i in range(layers):
+        assert _same_bits(pool.get_key_buffer(i)[slots], src[i])
+        assert _same_bits(pool.get_value_buffer(i)[slots], src[layers + i])
+    for i, (p, r, b) in enumerate(zip(planes, ref, before, strict=True)):
+        assert _same_bits(p, r), f"plane {i}: Triton scatter differs from the torch reference"
+        assert _same_bits(p[untouched], b[untouched]), f"plane {i}: a row outside slots changed"
