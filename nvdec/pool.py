@@ -114,11 +114,16 @@ class DecoderPool:
     """N decoder threads over one FIFO of chunks. ``submit`` may be called from any thread."""
 
     def __init__(
-        self, instances: int = 2, device: str = "cpu", max_queued: int = 256, limits: Limits = DEFAULT_LIMITS
+        self,
+        instances: int = 2,
+        device: str = "cpu",
+        max_queued: int = 256,
+        limits: Limits = DEFAULT_LIMITS,
+        gpu_id: int = 0,
     ):
         if instances < 1:
             raise ValueError("instances must be >= 1")
-        self.instances, self.device, self.limits = instances, device, limits
+        self.instances, self.device, self.limits, self.gpu_id = instances, device, limits, gpu_id
         self._q: queue.Queue[_Job | None] = queue.Queue(max_queued)
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -195,7 +200,7 @@ class DecoderPool:
 
     # ---- worker side --------------------------------------------------------------------------
     def _worker(self) -> None:
-        decoder = VideoDecoder(self.device)
+        decoder = VideoDecoder(self.device, gpu_id=self.gpu_id)
         while True:
             job = self._q.get()
             if job is None:
@@ -230,7 +235,7 @@ class DecoderPool:
                     "decoder instance %s died (%r); replacing it", threading.current_thread().name, e
                 )
                 job.future.set_exception(DecoderCrashed(f"decoder instance died: {e!r}"))
-                decoder = VideoDecoder(self.device)
+                decoder = VideoDecoder(self.device, gpu_id=self.gpu_id)
             finally:
                 with self._lock:
                     self._busy -= 1

@@ -123,3 +123,33 @@ def test_graceful_close_finishes_queued_chunks():
     futs = [pool.submit(blob, fp, lambda fc: None) for _ in range(4)]
     pool.close(cancel_pending=False, timeout=30)
     assert [f.result(timeout=0).frames for f in futs] == [6] * 4
+
+
+def test_decoder_pool_device_follows_the_kv_pool(caplog):
+    """CPU pools decode in software; a GPU pool asks for NVDEC and, where PyNvVideoCodec cannot decode
+    (here: no package/driver), says why once and decodes the same bitstreams in software."""
+    import types
+
+    import torch
+    from sgl_remote_kv.nvdec import nvcodec
+    from strict_device import StrictDevice
+
+    from sgl_remote_kv.config import RemoteKVConfig
+    from sgl_remote_kv.kvpool import PoolTensors, writer_for
+    from sgl_remote_kv.sglang_glue.paths import _decoder_device
+    from sgl_remote_kv.types import KVLayout
+
+    lay = KVLayout(2, 1, 8, "float32")
+    cfg = RemoteKVConfig(nvdec_instances=3)
+    cpu = writer_for(PoolTensors([torch.zeros(4, 1, 8)] * 2, [torch.zeros(4, 1, 8)] * 2), lay)
+    assert _decoder_device(types.SimpleNamespace(kv_writer=cpu, config=cfg)) == ("cpu", 0, 3)
+    dev = StrictDevice()
+    try:
+        planes = [dev.plane((4, 1, 8), torch.float32) for _ in range(2)]
+        gpu = writer_for(PoolTensors(planes, planes), lay, ops=dev)
+        reason = nvcodec.unavailable_reason(0)
+        assert reason is not None  # this machine has no NVDEC
+        assert _decoder_device(types.SimpleNamespace(kv_writer=gpu, config=cfg)) == ("cpu", 0, 3)
+        assert "NVDEC unusable on GPU 0" in caplog.text
+    finally:
+        dev.close()

@@ -46,9 +46,27 @@ def nvdec_path(rt: RemoteKVRuntime, codec: Codec) -> FetchPath:
     from sgl_remote_kv.nvdec.fetch_nvdec import NvdecFetchBackend
     from sgl_remote_kv.nvdec.pool import DecoderPool
 
-    pool = DecoderPool(instances=rt.config.nvdec_instances)
+    device, gpu_id, instances = _decoder_device(rt)
+    pool = DecoderPool(instances=instances, device=device, gpu_id=gpu_id)
     be = NvdecFetchBackend(rt.client, pool, codec, rt.fingerprint, rt.chunk_size, on_done=rt.wakeup.set)
     return FetchPath("nvdec", be, codec, closers=(pool,))
+
+
+def _decoder_device(rt: RemoteKVRuntime) -> tuple[str, int, int]:
+    """(device, gpu id, instances) of the decoder pool: NVDEC through PyNvVideoCodec, one decoder per
+    engine, when the KV pool is on a GPU whose NVDEC decodes 8-bit 4:4:4 HEVC; FFmpeg's software decoder
+    (``--remote-kv-nvdec-instances`` threads) otherwise, on the same bitstreams."""
+    dev = rt.kv_writer.pool.k[0].device if rt.kv_writer is not None else None
+    if dev is None or dev.type != "cuda":
+        return "cpu", 0, rt.config.nvdec_instances
+    from sgl_remote_kv.nvdec import nvcodec
+
+    gpu = dev.index or 0
+    reason = nvcodec.unavailable_reason(gpu)
+    if reason is not None:
+        logger.warning("NVDEC unusable on GPU %d (%s): software HEVC decoding", gpu, reason)
+        return "cpu", 0, rt.config.nvdec_instances
+    return "cuda", gpu, nvcodec.nvdec_engines(gpu)
 
 
 def _dpu_or_inproc(rt: RemoteKVRuntime) -> FetchPath:
