@@ -260,3 +260,14 @@ def test_write_quantized_bad_input_is_a_write_error(dev):
     _, w = _strict(dev, fp.layout, pool=32)
     with pytest.raises(KVWriteError, match="slots"):
         w.write_quantized(views, _slots(7, 32), 0)
+
+
+def test_device_writer_odd_sizes_keep_the_slot_index_aligned(dev):
+    lay = KVLayout(num_layers=2, num_kv_heads=1, head_dim=3, dtype="float16")  # 60 bytes of K+V
+    kv, w = _strict(dev, lay, pool=16)
+    k, v = _kv(lay, 1, 5)
+    s = _slots(5, 16)
+    w.write(k, v, s, layer_lo=1)
+    rk, rv = w.read(s)
+    np.testing.assert_array_equal(rk[1:], k)
+    np.testing.assert_array_equal(rv[1:], v)

@@ -96,25 +96,26 @@ class DeviceKVWriter(KVWriter):
         plane = k[0].nbytes if n else 0
         idx = slots.to("cpu", torch.int64).contiguous()
         kv_bytes, slot_bytes = 2 * n * plane, idx.numel() * 8
-        dev = self._device_buffer(kv_bytes + slot_bytes)
+        so = _align(kv_bytes)  # the slots' offset (an int64 view needs an aligned offset)
+        dev = self._device_buffer(so + slot_bytes)
         if self._pinned(k) and self._pinned(v):
             self.stats["zero_copy"] += 1
             self.ops.upload(dev[: kv_bytes // 2], _bytes(torch.from_numpy(k)))
             self.ops.upload(dev[kv_bytes // 2 : kv_bytes], _bytes(torch.from_numpy(v)))
             host_slots = self._host_buffer(slot_bytes)[:slot_bytes]
             host_slots.view(torch.int64).copy_(idx)
-            self.ops.upload(dev[kv_bytes : kv_bytes + slot_bytes], host_slots)
+            self.ops.upload(dev[so : so + slot_bytes], host_slots)
         else:
             self.stats["staged"] += 1
-            host = self._host_buffer(kv_bytes + slot_bytes)[: kv_bytes + slot_bytes]
+            host = self._host_buffer(so + slot_bytes)[: so + slot_bytes]
             hn = host.numpy()
             hn[: kv_bytes // 2].view(self.storage).reshape(k.shape)[...] = k
             hn[kv_bytes // 2 : kv_bytes].view(self.storage).reshape(v.shape)[...] = v
-            hn[kv_bytes:].view(np.int64)[...] = idx.numpy()
-            self.ops.upload(dev[: kv_bytes + slot_bytes], host)
+            hn[so:].view(np.int64)[...] = idx.numpy()
+            self.ops.upload(dev[: so + slot_bytes], host)
         src = dev[:kv_bytes].view(self.torch_dtype).view(2 * n, t, self.layout.num_kv_heads, -1)
         planes = [*self.pool.k[layer_lo : layer_lo + n], *self.pool.v[layer_lo : layer_lo + n]]
-        self.ops.scatter(src, planes, dev[kv_bytes : kv_bytes + slot_bytes].view(torch.int64))
+        self.ops.scatter(src, planes, dev[so : so + slot_bytes].view(torch.int64))
         self._complete(list(range(layer_lo, layer_lo + n)), f"KV write of layers {layer_lo}..{layer_lo + n}")
 
     def _write_quantized(self, views, slots: torch.Tensor, layer: int) -> None:
