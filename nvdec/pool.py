@@ -77,11 +77,11 @@ class _Job:
 
 
 class SlotWriter:
-    """Restoration callback: dequantize a frame's codes into per-layer KV pool tensors at ``slots``.
+    """Restoration callback: dequantize a frame's codes into per-layer host arrays at rows ``slots``.
 
-    ``k_layers``/``v_layers``: per-layer arrays ``[S, H, D]`` in the KV storage dtype (SGLang's
-    ``MHATokenToKVPool`` buffers, or any numpy views), owned by the caller; ``slots[t]`` is the slot of
-    the chunk's token ``t``. Called on pool worker threads; writes only rows of ``slots`` (chunks in
+    ``k_layers``/``v_layers``: per-layer numpy arrays ``[S, H, D]`` in the KV storage dtype (the fetch's
+    host staging; the pool itself is written only through its ``KVWriter``), owned by the caller;
+    ``slots[t]`` is the row of the chunk's token ``t``. Called on pool worker threads; writes only rows of ``slots`` (chunks in
     flight must use disjoint slots). Scratch is per call (one frame's tokens).
     """
 

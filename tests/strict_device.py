@@ -126,6 +126,7 @@ class StrictDevice:
         self._worker.start()
         self.pinned: list[np.ndarray] = []
         self.error: BaseException | None = None
+        self._dropping = False
 
     # ---- allocation ------------------------------------------------------------------------------------
     def tensor(self, t: torch.Tensor) -> DeviceTensor:
@@ -220,6 +221,12 @@ class StrictDevice:
     def resume(self) -> None:
         self._running.set()
 
+    def reset(self) -> None:
+        """Drop the queued work without running it (a device reset after a hang: a late copy out of
+        host memory that was unmapped meanwhile must not run)."""
+        self._dropping = True
+        self._running.set()
+
     def synchronize(self) -> None:
         ev = self.record()
         while not self.query(ev):
@@ -287,6 +294,8 @@ class StrictDevice:
                 return
             self._running.wait()
             kind, x = item
+            if kind == "op" and self._dropping:
+                continue
             if kind == "op":
                 time.sleep(self.delay_s)
                 try:

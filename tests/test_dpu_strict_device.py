@@ -92,3 +92,23 @@ def test_device_hang_is_a_timed_out_write_and_readers_stay_fenced(client, dev):
     dev.resume()
     writer.fence()
     kv.get_key_buffer(0)
+
+
+def test_close_with_a_wedged_device_does_not_hang(client, dev):
+    import time
+
+    from sgl_remote_kv.control.jobs import KVTarget
+    from sgl_remote_kv.kvpool import PoolTensors, writer_for
+
+    c, keys, _ = client
+    kv = StrictKVPool(dev, LAYOUT, 512, torch.bfloat16)
+    writer = writer_for(PoolTensors(kv.k_buffer, kv.v_buffer), LAYOUT, timeout_s=0.3, ops=dev)
+    dev.hang()
+    try:
+        res = c.fetch("wedged", keys[:2], CHUNK, KVTarget(writer, torch.randperm(512)[: 2 * CHUNK]), timeout=60)
+        assert res.hit_chunks == 0
+        t0 = time.monotonic()
+        c.close()  # unpinning waits for the device at most the writer's timeout, then gives up loudly
+        assert time.monotonic() - t0 < 10
+    finally:
+        dev.reset()  # the region is unmapped now: the wedged copies must never run

@@ -106,7 +106,7 @@ class DpuClient:
         self._ctx = zmq.Context()
         self._wake_tx = self._wake_rx = None
         self.counters = {"submitted": 0, "restarts": 0, "chunks_done": 0, "chunks_failed": 0, "bad_frames": 0}
-        self.counters.update({"receiver_errors": 0, "scatter_s": 0, "rounds": 0, "verified": 0})
+        self.counters.update({"receiver_errors": 0, "write_s": 0, "rounds": 0, "verified": 0})
         self.counters.update({"verify_rejected": 0, "write_failed": 0})
         self._writers: list = []  # KV writers the destination region is registered with (pinned)
         self.last_pong: P.Pong | None = None

@@ -231,5 +231,5 @@ class RoundBook:
             self._fail_from(r, r.chunk_lo, "write")
             return False
         finally:
-            self.counters["scatter_s"] += time.perf_counter() - t0
+            self.counters["write_s"] += time.perf_counter() - t0
         return True

@@ -24,6 +24,7 @@ stay owned by their creator, which must ``unregister_host`` before unmapping.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Protocol
 
@@ -32,7 +33,7 @@ import torch
 
 from sgl_remote_kv.types import KVLayout
 
-from .writer import TORCH_DTYPES, KVWriteError, KVWriter, PoolTensors
+from .writer import DEFAULT_TIMEOUT_S, TORCH_DTYPES, KVWriteError, KVWriter, PoolTensors
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class DeviceKVWriter(KVWriter):
 
     device_dequant = True
 
-    def __init__(self, pool: PoolTensors, layout: KVLayout, ops: DeviceOps, timeout_s: float = 10.0) -> None:
+    def __init__(self, pool: PoolTensors, layout: KVLayout, ops: DeviceOps, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         super().__init__(pool, layout, timeout_s)
         self.ops = ops
         self.torch_dtype = TORCH_DTYPES[layout.dtype]
@@ -68,6 +69,7 @@ class DeviceKVWriter(KVWriter):
         self._dev = ops.device_empty(0)
         self._layer_events: dict[int, object] = {}  # layer -> event of its last write
         self._late: list[object] = []  # events of timed-out writes (fenced until they complete)
+        self._late_lock = threading.Lock()  # not the write lock: fence() must not wait for a write
         self.stats = {"writes": 0, "zero_copy": 0, "staged": 0, "timeouts": 0, "device_dequant": 0}
 
     # ---- host regions ------------------------------------------------------------------------------
@@ -177,7 +179,8 @@ class DeviceKVWriter(KVWriter):
         self.stats["writes"] += 1
         if not self._wait_host(event):
             self.stats["timeouts"] += 1
-            self._late.append(event)
+            with self._late_lock:
+                self._late.append(event)
             raise KVWriteError(f"{what} not done in {self.timeout_s} s")
 
     def _wait_host(self, event: object) -> bool:
@@ -206,16 +209,22 @@ class DeviceKVWriter(KVWriter):
             self.ops.stream_wait(ev)
 
     def fence(self) -> None:
-        events = [*list(self._layer_events.values()), *self._late]  # snapshot: writers run concurrently
+        with self._late_lock:
+            late = list(self._late)
+        events = [*list(self._layer_events.values()), *late]  # snapshot: writers run concurrently
         for ev in {id(e): e for e in events}.values():
             self.ops.stream_wait(ev)
-        self._late = [e for e in self._late if not self.ops.query(e)]
+        with self._late_lock:
+            self._late = [e for e in self._late if not self.ops.query(e)]
 
     def fence_host(self) -> None:
-        """The host waits until every write issued so far completed (before unpinning its source)."""
-        for ev in [*list(self._layer_events.values()), *self._late]:
-            while not self.ops.query(ev):
-                time.sleep(1e-4)
+        """The host waits until every write issued so far completed (before unpinning its source);
+        ``KVWriteError`` if that takes longer than ``timeout_s`` (a wedged device)."""
+        with self._late_lock:
+            late = list(self._late)
+        for ev in [*list(self._layer_events.values()), *late]:
+            if not self._wait_host(ev):
+                raise KVWriteError(f"device writes not done in {self.timeout_s} s")
 
     def read(self, slots: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         self.fence()

@@ -14,8 +14,9 @@ Contract of ``write(k, v, slots, layer_lo)``:
   raises ``KVWriteError`` and the caller must treat the chunks carried as failed (kind ``write``): their
   slots hold garbage.
 - Consumers that read the pool from another stream call ``wait_layer(layer)`` (the forward, per layer)
-  or ``fence()`` (the scheduler, before admitting or reusing slots): on a device pool these make the
-  reading stream wait on the write's completion event; on host pools they are no-ops.
+  or ``fence()`` (the scheduler: before inserting written slots into the tree and before freeing slots a
+  write may have touched): on a device pool these make the reading stream wait on the write's completion
+  event (a timed-out write's too); on host pools they are no-ops.
 
 ``write_quantized(views, slots, layer)`` is the same contract for one layer given as the codec's
 lossless-stage output (``codec.quant.LayerView``: codes + scales, one per chunk): a host pool dequantizes
@@ -50,6 +51,12 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 _RAW = {torch.bfloat16: torch.int16}  # numpy has no bf16: move raw bits
 
 
+# A round's scatter takes micro- to milliseconds on a GPU; a write not done after this is a wedged device.
+# Below the DPU client's 5 s heartbeat timeout: the receiver thread writes, so a longer stall there would
+# also read as a hung data plane.
+DEFAULT_TIMEOUT_S = 2.0
+
+
 class KVWriteError(Exception):
     """A write into the KV pool failed or did not complete in time; its chunks are failed."""
 
@@ -67,7 +74,7 @@ class KVWriter(ABC):
 
     device_dequant = False  # write_quantized dequantizes on the device (worth keeping codes staged)
 
-    def __init__(self, pool: PoolTensors, layout: KVLayout, timeout_s: float = 10.0) -> None:
+    def __init__(self, pool: PoolTensors, layout: KVLayout, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if len(pool.k) != layout.num_layers or len(pool.v) != layout.num_layers:
             raise ValueError(f"pool has {len(pool.k)}/{len(pool.v)} layers, layout {layout.num_layers}")
         self.pool, self.layout, self.timeout_s = pool, layout, timeout_s
@@ -174,7 +181,7 @@ class HostKVWriter(KVWriter):
         return k, v
 
 
-def writer_for(pool: PoolTensors, layout: KVLayout, timeout_s: float = 10.0, ops=None) -> KVWriter:
+def writer_for(pool: PoolTensors, layout: KVLayout, timeout_s: float = DEFAULT_TIMEOUT_S, ops=None) -> KVWriter:
     """The writer for the pool's device: ``HostKVWriter`` on CPU, ``DeviceKVWriter`` over ``ops`` on a
     device (``cuda_ops.CudaOps`` unless given: the test suite passes its strict CPU double)."""
     dev = pool.k[0].device

@@ -55,7 +55,10 @@ class TreeInstaller:
         return self.allocator.alloc(n)
 
     def free(self, slots: torch.Tensor | None) -> None:
+        """Return slots to SGLang's allocator, after fencing every KV write (a late write to them is
+        ordered before their next user)."""
         if slots is not None and slots.numel():
+            self.kv_writer.fence()
             self.allocator.free(slots)
 
     def write(self, slots: torch.Tensor, handle) -> None:

@@ -67,7 +67,7 @@ class _Pending:
     on_demand: bool = False  # decode each layer from the verified blobs when first needed
     admitted: float = field(default_factory=time.monotonic)
     decode_s: float = 0.0  # forward-thread time spent decoding / scattering this install's layers
-    scatter_s: float = 0.0
+    write_s: float = 0.0
 
 
 class LayerwiseInstalls:
@@ -97,8 +97,8 @@ class LayerwiseInstalls:
         for p in done:
             logger.debug(
                 "layer-wise install of %s complete %.3f s after admission (fallback %s; decode %.3f s, "
-                "scatter %.3f s)",
-                p.handle.request_id, time.monotonic() - p.admitted, p.fell_back, p.decode_s, p.scatter_s,
+                "write %.3f s)",
+                p.handle.request_id, time.monotonic() - p.admitted, p.fell_back, p.decode_s, p.write_s,
             )  # fmt: skip
 
     def set_consumer(self, index: int) -> None:  # HiCache API; unused
@@ -132,6 +132,7 @@ class LayerwiseInstalls:
                     try:
                         self._write(p, layer, h.k[layer : layer + 1, :n], h.v[layer : layer + 1, :n])
                     except KVWriteError as e:
+                        self.metrics.failure("write")
                         logger.warning("layer-wise write of %s failed (%s); decoding in-process", h.request_id, e)
                         self._decode_layer(p, layer)
             else:
@@ -178,7 +179,7 @@ class LayerwiseInstalls:
             self.metrics.failure("write")
             raise RuntimeError(f"layer {layer} of admitted {h.request_id} cannot be written: {e}") from e
         p.decode_s += t1 - t0
-        p.scatter_s += time.perf_counter() - t1
+        p.write_s += time.perf_counter() - t1
 
     def _decode_layer_on_device(self, p: _Pending, layer: int) -> None:
         """Device pools: the lossless stage here, dequantization on the device (``write_quantized``),
