@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from enum import Enum
 
 import numpy as np
 
@@ -70,3 +71,83 @@ class ModelFingerprint:
     def digest(self) -> bytes:
         """32-byte SHA-256 over the canonical JSON form (stable across processes and hosts)."""
         return hashlib.sha256(self.canonical()).digest()
+
+
+class FailureKind(str, Enum):
+    """Why (part of) a remote hit became a miss: the closed set of ``failures_total{kind}`` label values.
+    Anything else is counted as ``INTERNAL`` (the raw detail goes to the log, never into a label)."""
+
+    # the store / the fetch
+    MISS = "miss"  # the data plane's store answered absent
+    STORE_MISS = "store_miss"
+    STORE_TIMEOUT = "store_timeout"
+    STORE_UNAVAILABLE = "store_unavailable"
+    STORE_BREAKER_OPEN = "store_breaker_open"
+    STORE_CORRUPT = "store_corrupt"
+    STORE_OTHER = "store_other"
+    CORRUPT = "corrupt"
+    FOREIGN = "foreign"
+    BAD_REQUEST = "bad_request"
+    DECODE_CORRUPT = "decode:CorruptChunk"
+    DECODE_FOREIGN = "decode:ForeignChunk"
+    DECODE_VERSION = "decode:UnsupportedVersion"
+    DECODE_LIMIT = "decode:LimitExceeded"
+    DECODE_CHUNK_SIZE = "decode:chunk_size"
+    DATAPLANE_LOST = "dataplane_lost"
+    CANCELLED = "cancelled"
+    FETCH_TIMEOUT = "fetch_timeout"
+    ABANDONED = "abandoned"
+    # installing into SGLang
+    WRITE = "write"  # a write into the KV pool failed or timed out
+    NO_KV_SLOTS = "no_kv_slots"
+    INSTALL = "install"
+    LOCAL_PREFIX_EVICTED = "local_prefix_evicted"
+    ABORTED_WHILE_WAITING = "aborted_while_waiting"
+    TP_PEER_MISS = "tp_peer_miss"
+    PARK = "park"
+    LAYERWISE_FALLBACK = "layerwise_fallback"
+    LAYERWISE_DECODE_ERROR = "layerwise_decode_error"
+    REPAIR_UNDECODABLE = "repair_undecodable"
+    # the write-back
+    WRITEBACK = "writeback"
+    WRITEBACK_OFFER = "writeback_offer"
+    WRITEBACK_STORE = "writeback:store"
+    INTERNAL = "internal"
+
+    @classmethod
+    def of(cls, kind: str) -> FailureKind:
+        """The label for ``kind`` (a known value, or a ``store_<client kind>`` -> ``STORE_OTHER``, else
+        ``INTERNAL``)."""
+        try:
+            return cls(kind)
+        except ValueError:
+            return cls.STORE_OTHER if str(kind).startswith("store_") else cls.INTERNAL
+
+
+class StoreErrorLabel(str, Enum):
+    """``store_errors_total{kind}`` label values: the store client's error kinds, closed (``io:<errno>`` ->
+    ``io``; exception names -> ``other``)."""
+
+    TIMEOUT = "timeout"
+    UNAVAILABLE = "unavailable"
+    BREAKER_OPEN = "breaker_open"
+    CORRUPT = "corrupt"
+    INVALID = "invalid"
+    CLOSED = "closed"
+    IO = "io"
+    OTHER = "other"
+
+    @classmethod
+    def of(cls, kind: str) -> StoreErrorLabel:
+        if str(kind).startswith("io:"):
+            return cls.IO
+        try:
+            return cls(kind)
+        except ValueError:
+            return cls.OTHER
+
+
+STORE_OPS = ("lookup", "get", "put", "delete")
+LOOKUP_RESULTS = ("hit", "miss", "error", "timeout")
+DECISIONS = ("dpu", "nvdec", "inproc", "recompute", "probe")
+WRITEBACK_SKIPS = ("queue_full", "present")

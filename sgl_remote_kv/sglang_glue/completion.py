@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from sgl_remote_kv.kvpool import KVWriteError
 from sgl_remote_kv.sglang_glue.fetch import FetchHandle
+from sgl_remote_kv.types import FailureKind
 
 if TYPE_CHECKING:
     from sgl_remote_kv.sglang_glue.waiting_queue import _Parked
@@ -39,7 +40,7 @@ class FetchCompletion:
         try:
             self._install(p, h)
         except Exception as e:  # boundary: a failed install is a miss, never a crash
-            self.rt.metrics.failure(f"install:{type(e).__name__}")
+            self.rt.metrics.failure(FailureKind.INSTALL)
             # with TP > 1 a one-rank install failure is a bug the agreement cannot repair (docs)
             log = logger.error if agreed is not None else logger.warning
             log("installing fetched KV for %s failed: %r", p.req.rid, e)
@@ -60,7 +61,7 @@ class FetchCompletion:
         try:
             self._insert_hit(p, h, slots)
         except Exception as e:  # boundary: keep waiting on the normal completion path instead
-            self.rt.metrics.failure(f"install:{type(e).__name__}")
+            self.rt.metrics.failure(FailureKind.INSTALL)
             logger.warning("layer-wise install for %s failed: %r", p.req.rid, e)
             if not direct:
                 self.inst.free(slots)
@@ -99,7 +100,7 @@ class FetchCompletion:
             try:
                 self.inst.write(slots, h)
             except KVWriteError as e:  # a failed write is a miss: the request recomputes
-                self.rt.metrics.failure("write")
+                self.rt.metrics.failure(FailureKind.WRITE)
                 logger.warning("writing fetched KV for %s failed; recomputing: %s", p.req.rid, e)
                 return
             self._insert_hit(p, h, slots)

@@ -7,6 +7,10 @@ processes, and its HTTP server serves every process's samples through
 no further plumbing. Without ``--enable-metrics`` the metrics still exist in-process (tests read
 ``snapshot()``), they are just not exported.
 
+Label values are closed sets (``types.FailureKind``, ``StoreErrorLabel``, ``LOOKUP_RESULTS``,
+``DECISIONS``, ...): anything else is folded into ``internal``/``other`` and its raw text logged once.
+Every labelled series is created at 0 when the metrics are built, so alerts see 0, not "no data".
+
 Threads: any thread may update (prometheus_client metrics are thread-safe); ``snapshot()`` is for
 tests and logs.
 """
@@ -16,6 +20,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter as _Tally
+
+from sgl_remote_kv.types import (
+    DECISIONS,
+    LOOKUP_RESULTS,
+    STORE_OPS,
+    WRITEBACK_SKIPS,
+    FailureKind,
+    StoreErrorLabel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +42,7 @@ class RemoteKVMetrics:
         self._tally: _Tally = _Tally()
         self._lock = threading.Lock()
         self._prom = None
+        self._folded: set[str] = set()  # raw kinds folded into internal/other (logged once each)
         try:
             self._prom = _build_prometheus()
         except Exception as e:  # metrics are optional; never break serving over them
@@ -54,8 +68,12 @@ class RemoteKVMetrics:
 
     def store_error(self, op: str, kind: str, n: int = 1) -> None:
         """A failed store call (``StoreClient``'s error listener; any thread): ``op`` lookup / get /
-        put / delete, ``kind`` unavailable / timeout / breaker_open / corrupt / io:<errno> / ..."""
-        self._inc("store_errors", n, op=op, kind=kind)
+        put / delete, ``kind`` the client's kind (unavailable / timeout / breaker_open / corrupt /
+        io:<errno> / ...), labelled by ``StoreErrorLabel``."""
+        label = StoreErrorLabel.of(kind)
+        if label.value != kind:
+            self._fold(f"store error {kind!r}", label.value)
+        self._inc("store_errors", n, op=op if op in STORE_OPS else "other", kind=label.value)
 
     def hit(self, tokens: int, chunks: int) -> None:
         self._inc("hit_tokens", tokens)
@@ -70,8 +88,16 @@ class RemoteKVMetrics:
         self._observe("decode_latency", decode_s)
         self._observe("kv_wait", wait_s)
 
-    def failure(self, kind: str) -> None:
-        self._inc("failures", kind=kind)
+    def failure(self, kind: str | FailureKind) -> None:
+        label = FailureKind.of(kind)
+        if label.value != kind:
+            self._fold(f"failure kind {kind!r}", label.value)
+        self._inc("failures", kind=label.value)
+
+    def _fold(self, what: str, into: str) -> None:
+        if what not in self._folded and len(self._folded) < 1024:
+            self._folded.add(what)
+            logger.warning("remote-kv metrics: %s counted as %r", what, into)
 
     def decision(self, path: str) -> None:
         self._inc("decisions", path=path)
@@ -101,7 +127,7 @@ def _build_prometheus() -> dict:
     from prometheus_client import Counter, Histogram
 
     p = "sglang:remote_kv_"
-    return {
+    metrics = {
         "lookups": Counter(p + "lookups", "Remote prefix lookups by result", ["result"]),
         "store_errors": Counter(
             p + "store_errors", "Failed store calls (each became a miss or a dropped write)", ["op", "kind"]
@@ -132,6 +158,18 @@ def _build_prometheus() -> dict:
             p + "kv_wait_seconds", "Time a request spent in waiting_for_KV", buckets=_LAT_BUCKETS
         ),
     }
+    for kind in FailureKind:  # every known series exists (at 0) from the start
+        metrics["failures"].labels(kind=kind.value)
+    for op in (*STORE_OPS, "other"):
+        for label in StoreErrorLabel:
+            metrics["store_errors"].labels(op=op, kind=label.value)
+    for result in LOOKUP_RESULTS:
+        metrics["lookups"].labels(result=result)
+    for path in DECISIONS:
+        metrics["decisions"].labels(path=path)
+    for reason in WRITEBACK_SKIPS:
+        metrics["writeback_skipped"].labels(reason=reason)
+    return metrics
 
 
 _INSTANCE: RemoteKVMetrics | None = None

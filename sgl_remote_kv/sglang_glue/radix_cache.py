@@ -26,6 +26,7 @@ from sgl_remote_kv import preflight
 from sgl_remote_kv.config import RemoteKVConfig
 from sgl_remote_kv.sglang_glue import kv_io, paths, runtime
 from sgl_remote_kv.sglang_glue.writeback import WriteBack
+from sgl_remote_kv.types import FailureKind
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,8 @@ class RemoteKVRadixCache(UnifiedRadixCache):
         try:
             rt.writer.offer(req, req.full_untruncated_fill_ids, up_to)
         except Exception as e:  # boundary: write-back must never break the scheduler
-            rt.metrics.failure(f"writeback_offer:{type(e).__name__}")
-            logger.debug("write-back offer failed for %s: %r", req.rid, e)
+            rt.metrics.failure(FailureKind.WRITEBACK_OFFER)
+            logger.warning("write-back offer failed for %s: %r", req.rid, e)
         if req.finished():
             rt.writer.forget(req.rid)
 

@@ -27,6 +27,7 @@ import logging
 import time
 
 from sgl_remote_kv.sglang_glue import runtime
+from sgl_remote_kv.types import FailureKind
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def around_add_request_to_queue(original, self, req, is_retracted: bool = False,
     try:
         parked = q.park(req)
     except Exception as e:  # boundary: the tier must never lose a request
-        q.rt.metrics.failure(f"park:{type(e).__name__}")
+        q.rt.metrics.failure(FailureKind.PARK)
         logger.warning("remote KV park failed for %s: %r", req.rid, e)
         parked = False
     if not parked:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sgl_remote_kv.types import FailureKind
+
 logger = logging.getLogger(__name__)
 
 _MAX_TRACKED = 65536
@@ -102,7 +104,7 @@ class WriteBack:
                 self._write(job)
             except Exception as e:  # thread boundary: a failed write-back is only a lost cache entry
                 kind = type(e).__name__
-                self.rt.metrics.failure(f"writeback:{kind}")
+                self.rt.metrics.failure(FailureKind.WRITEBACK)
                 if kind not in self._errors_logged:
                     self._errors_logged.add(kind)
                     logger.warning("remote-kv write-back failed (%s): %s", kind, e)
