@@ -23,6 +23,7 @@ processing that chunk's slab, handed over through the stage queues. Threads neve
 
 from __future__ import annotations
 
+import _posixshmem
 import logging
 import math
 import os
@@ -166,9 +167,14 @@ class DestRegion:
         return os.path.exists("/dev/shm/" + self.name.lstrip("/"))
 
     def unlink(self) -> None:
-        """Remove the segment's name (existing mappings stay valid); a no-op if already gone."""
+        """Remove the segment's name (existing mappings stay valid); a no-op if already gone. A region
+        attached untracked is unlinked without telling the resource tracker (which never knew it:
+        ``SharedMemory.unlink`` would make the tracker print a ``KeyError`` traceback at exit)."""
         try:
-            self._shm.unlink()
+            if self.owner:
+                self._shm.unlink()
+            else:
+                _posixshmem.shm_unlink(self._shm._name)  # noqa: SLF001
         except FileNotFoundError:
             pass
 

@@ -72,3 +72,52 @@ def test_stale_regions_of_killed_process_groups_are_swept(tmp_path):
         live.wait(timeout=10)
         for n in [dead_name, live_name, reused, *foreign]:
             (SHM / n).unlink(missing_ok=True)
+
+
+def test_stale_run_directories_are_swept_keeping_the_newest(tmp_path):
+    """Run directories (data-plane endpoint + log) of dead creators go, except the newest ``keep``;
+    directories of live creators and of other names stay."""
+    import time
+
+    dead = 4_194_000  # above any pid this box hands out (pid_max 4194304 at most)
+    stale = []
+    for i in range(5):
+        d = tmp_path / f"srkv-dpu-{dead + i}-12345-0000000{i}"
+        d.mkdir()
+        (d / "dp-1.log").write_text("log")
+        os.utime(d, (time.time() - 100 + i, time.time() - 100 + i))
+        stale.append(d)
+    live = tmp_path / shm_names.region_name()
+    live.mkdir()
+    other = tmp_path / "srkv-dpu-notours"
+    other.mkdir()
+    removed = shm_names.sweep_stale_dirs(str(tmp_path), keep=2)
+    assert sorted(removed) == sorted(str(d) for d in stale[:3])  # the three oldest
+    assert all(d.exists() for d in stale[3:]) and live.exists() and other.exists()
+
+
+def test_data_plane_unlinking_its_dead_hosts_region_prints_no_tracker_traceback():
+    """The data plane attaches untracked; unlinking must not make the resource tracker print a KeyError
+    traceback at exit (every stopped server used to leave one in the data-plane log)."""
+    code = textwrap.dedent(
+        """
+        import subprocess, sys
+        from sgl_remote_kv.control import shm_names
+        from sgl_remote_kv.dpu.buffers import DestRegion
+        name = shm_names.region_name()
+        r = DestRegion.create(1 << 16, name)
+        child = '''
+        import sys
+        from sgl_remote_kv.dpu.buffers import DestRegion
+        d = DestRegion.attach(sys.argv[1])
+        d.unlink()
+        d.close()
+        '''
+        out = subprocess.run([sys.executable, "-c", child, name], capture_output=True, text=True)
+        print(out.returncode, out.stderr)
+        r.close()
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("0 ") and "KeyError" not in res.stdout + res.stderr, res.stdout + res.stderr

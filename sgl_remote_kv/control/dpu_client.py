@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -97,7 +96,7 @@ class DpuClient:
         self.dest: DestRegion | None = None
         self.io: RoundIO | None = None
         self._proc: DataPlaneProcess | None = None
-        self._tmp = tempfile.mkdtemp(prefix="srkv-dpu-")
+        self._tmp = shm_names.run_dir()  # endpoint + log; swept by a later client if we die unclosed
         self.on_store_error = on_store_error  # (op, kind, n): the data plane's store client failures
         self.book: RoundBook | None = None  # created in ``start`` (needs the region)
         self._thread: threading.Thread | None = None
@@ -116,6 +115,7 @@ class DpuClient:
         """Create the destination region, spawn the data plane, wait until it answers a heartbeat."""
         cfg = self.cfg
         shm_names.sweep_stale()  # regions of hosts that died together with their data plane
+        shm_names.sweep_stale_dirs()
         nbytes = cfg.dest_slots * (cfg.dest_slot_bytes + cfg.blob_slot_bytes)
         self.dest = DestRegion.create(nbytes, shm_names.region_name())
         self.io = RoundIO(self.dest, self.layout, cfg.dest_slot_bytes, cfg.dest_slots, cfg.blob_slot_bytes)

@@ -1,4 +1,5 @@
-"""Names of the DPU client's shared-memory destination regions, and the sweep of stale ones.
+"""Names of the DPU client's shared-memory destination regions and data-plane run directories, and the
+sweep of stale ones.
 
 A region (128 MiB+) is unlinked by ``DpuClient.close`` or, when only the host died, by its data plane;
 when both die at once (SIGKILL of the server's process group, the OOM killer) nobody does and the
@@ -8,7 +9,11 @@ since boot, so a recycled pid is not mistaken for the creator), and ``sweep_stal
 ``DpuClient.start`` -- unlinks the regions whose creator is gone. It never touches a name of another
 pattern, nor a region whose creator is alive (or cannot be checked: no /proc).
 
-Threads: pure functions; ``sweep_stale`` runs on the thread calling ``DpuClient.start``.
+The data plane's run directory (its IPC endpoint and log, under the temp dir) carries the same kind of
+name; a server stopped without closing its client (SIGTERM of the process group) leaves it behind, so
+``sweep_stale_dirs`` removes the directories of dead creators, keeping the newest few for post-mortems.
+
+Threads: pure functions; the sweeps run on the thread calling ``DpuClient.start``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import logging
 import os
 import re
 import secrets
+import shutil
+import tempfile
 
 logger = logging.getLogger(__name__)
 
@@ -74,4 +81,34 @@ def sweep_stale(shm_dir: str = SHM_DIR) -> list[str]:
             continue
         removed.append(name)
         logger.warning("removed stale DPU destination region %s (%.0f MiB; creator gone)", name, size / 2**20)
+    return removed
+
+
+def run_dir() -> str:
+    """A fresh private run directory for this process's data plane (named like a region)."""
+    path = os.path.join(tempfile.gettempdir(), region_name())
+    os.mkdir(path, 0o700)
+    return path
+
+
+def sweep_stale_dirs(parent: str | None = None, keep: int = 3) -> list[str]:
+    """Remove our run directories whose creator is gone, except the ``keep`` newest of them (their
+    data-plane logs); the paths removed. Never raises."""
+    parent = parent or tempfile.gettempdir()
+    try:
+        stale = [
+            os.path.join(parent, n)
+            for n in os.listdir(parent)
+            if _NAME.match(n) and os.path.isdir(os.path.join(parent, n)) and not creator_alive(n)
+        ]
+        stale.sort(key=lambda p: os.stat(p).st_mtime, reverse=True)
+    except OSError as e:
+        logger.debug("cannot list %s: %s", parent, e)
+        return []
+    removed = []
+    for path in stale[keep:]:
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        logger.info("removed %d stale data-plane run directories", len(removed))
     return removed
