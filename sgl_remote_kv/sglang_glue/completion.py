@@ -36,7 +36,9 @@ class FetchCompletion:
         if agreed is not None:
             h.ok_chunks = min(h.ok_chunks, agreed)  # the worker is done with the handle
         self.rt.policy.observe_fetch(p.path, h.fetched_bytes, h.fetch_s, h.decoded_bytes, h.decode_s)
-        self.rt.metrics.fetched(h.fetched_bytes, h.decoded_bytes, h.fetch_s, h.decode_s, now - p.parked_at)
+        ready = h.finished_at if h.finished_at is not None else now
+        decode_s = h.decode_s if h.decoded_here else None
+        self.rt.metrics.fetched(h.fetched_bytes, h.decoded_bytes, h.fetch_s, decode_s, ready - p.parked_at)
         try:
             self._install(p, h)
         except Exception as e:  # boundary: a failed install is a miss, never a crash
@@ -73,8 +75,8 @@ class FetchCompletion:
         self.layerwise.add(h, slots, self.rt.paths[p.path].codec, on_demand=on_demand)
         self.rt.policy.fetch_ended(p.req.rid)
         self.rt.policy.observe_fetch(p.path, h.fetched_bytes, h.fetch_s, 0, 0.0)
-        self.rt.metrics.fetched(h.fetched_bytes, h.n_chunks * h.chunk_size * self._bpt(), h.fetch_s, 0.0,
-                                now - p.parked_at)  # fmt: skip
+        self.rt.metrics.fetched(h.fetched_bytes, h.n_chunks * h.chunk_size * self._bpt(), h.fetch_s, None,
+                                now - p.parked_at)  # fmt: skip  (admitted at verified: KV ready per layer)
         self.rt.metrics.layerwise_admission()
         logger.debug("layer-wise: admitted %s before its KV is in the pool", p.req.rid)
         self.inst.unlock(p.prefix_lock)

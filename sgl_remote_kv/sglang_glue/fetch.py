@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 class FetchHandle:
     """Progress of one request's fetch. Written by one worker thread, read by the scheduler thread."""
 
+    decoded_here = True  # the decode ran in this process (``decode_s`` is its time)
+
     def __init__(self, request_id: str, n_chunks: int, start_token: int, chunk_size: int) -> None:
         self.request_id = request_id
         self.n_chunks = n_chunks
@@ -62,6 +64,7 @@ class FetchHandle:
         self.fetch_s = 0.0
         self.decode_s = 0.0
         self.submitted_at = time.monotonic()
+        self.finished_at: float | None = None  # monotonic time the KV was ready (or the fetch failed)
         self._done = threading.Event()
         self._cancelled = threading.Event()
         # Set once every chunk's bytes are fetched and verified (``codec.parse``: header, checksum,
@@ -112,6 +115,7 @@ class FetchHandle:
             self.failure = self.failure or kind
 
     def _finish(self) -> None:
+        self.finished_at = time.monotonic()
         self._done.set()
 
     def _mark_verified(self, blobs: list, headers: list, on_event=None) -> None:

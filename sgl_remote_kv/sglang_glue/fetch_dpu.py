@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 class DpuFetchHandle(FetchHandle):
     """Adapter: our ``FetchHandle`` view of a ``control.jobs.FetchHandle``."""
 
-    direct = True  # the KV lands in the caller's slots (scattered by the client's receiver thread)
+    direct = True  # the KV lands in the caller's slots (written by the client's receiver thread)
+    decoded_here = False  # the data plane decodes: its time is part of ``fetch_s``
 
     def __init__(self, client, inner, start_token: int, chunk_size: int, bytes_per_token: int) -> None:
         self._client, self._inner = client, inner
@@ -84,6 +85,7 @@ class DpuFetchHandle(FetchHandle):
         elif self.cancelled:
             self.failure = "cancelled"
         self.fetch_s = res.elapsed_s
+        self.finished_at = self._inner.t_done or None
         # Compressed bytes of the hit chunks, from the data plane's per-chunk ChunkDone.wire_bytes.
         self.fetched_bytes = int(getattr(res, "wire_bytes", 0))
         self.decoded_bytes = self.ok_tokens * self._bytes_per_token

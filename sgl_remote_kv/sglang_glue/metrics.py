@@ -80,12 +80,15 @@ class RemoteKVMetrics:
         self._inc("hit_chunks", chunks)
 
     def fetched(
-        self, nbytes: int, decoded_bytes: int, fetch_s: float, decode_s: float, wait_s: float
+        self, nbytes: int, decoded_bytes: int, fetch_s: float, decode_s: float | None, wait_s: float
     ) -> None:
+        """A fetch ended. ``decode_s`` is None where no decode ran in this process (the DPU path: the
+        data plane's decode is inside ``fetch_s``); ``wait_s`` is parking -> KV ready."""
         self._inc("fetched_bytes", nbytes)
         self._inc("decoded_bytes", decoded_bytes)
         self._observe("fetch_latency", fetch_s)
-        self._observe("decode_latency", decode_s)
+        if decode_s is not None:
+            self._observe("decode_latency", decode_s)
         self._observe("kv_wait", wait_s)
 
     def failure(self, kind: str | FailureKind) -> None:
@@ -151,11 +154,19 @@ def _build_prometheus() -> dict:
         "written_bytes": Counter(p + "written_bytes", "Compressed bytes written back"),
         "writeback_skipped": Counter(p + "writeback_skipped", "Write-back chunks skipped", ["reason"]),
         "fetch_latency": Histogram(
-            p + "fetch_seconds", "Store get latency per request", buckets=_LAT_BUCKETS
+            p + "fetch_seconds",
+            "Fetch time per request (store get; on the DPU path the data plane's whole job incl. decode)",
+            buckets=_LAT_BUCKETS,
         ),
-        "decode_latency": Histogram(p + "decode_seconds", "Decode time per request", buckets=_LAT_BUCKETS),
+        "decode_latency": Histogram(
+            p + "decode_seconds",
+            "Decode time per request, on paths that decode in the serving process (not the DPU path)",
+            buckets=_LAT_BUCKETS,
+        ),
         "kv_wait": Histogram(
-            p + "kv_wait_seconds", "Time a request spent in waiting_for_KV", buckets=_LAT_BUCKETS
+            p + "kv_wait_seconds",
+            "Time from parking a request in waiting_for_KV until its KV was ready (the fetch ended)",
+            buckets=_LAT_BUCKETS,
         ),
     }
     for kind in FailureKind:  # every known series exists (at 0) from the start
