@@ -22,7 +22,10 @@ from sgl_remote_kv import env
 
 logger = logging.getLogger(__name__)
 
-CPU_ARGS = ("--device", "cpu", "--disable-cuda-graph", "--sleep-on-idle")
+CPU_ARGS = (
+    "--device", "cpu", "--sleep-on-idle",
+    "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
+)  # fmt: skip
 
 
 def free_port() -> int:
@@ -116,11 +119,22 @@ class SGLangServer:
         return "\n".join(self.log_text().splitlines()[-n:])
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the process group, SIGKILL what is left after ``grace_s``. Idempotent."""
+        """SIGTERM the server's main process (SGLang's own shutdown stops its children in order), then
+        the process group if anything is left after half of ``grace_s``, then SIGKILL. Signalling the
+        whole group first kills the scheduler under SGLang's subprocess watchdog, which then logs it
+        as a crash. Idempotent."""
         if self.proc is None or not self._alive():
             return
-        _signal_group(self.proc.pid, signal.SIGTERM)
+        try:
+            os.kill(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
         deadline = time.monotonic() + grace_s
+        half = time.monotonic() + grace_s / 2
+        while time.monotonic() < half and self._alive():
+            time.sleep(0.2)
+        if self._alive():
+            _signal_group(self.proc.pid, signal.SIGTERM)
         while time.monotonic() < deadline and self._alive():
             time.sleep(0.2)
         if self._alive():
