@@ -10,7 +10,7 @@ prefix KV then replaces the recomputed prefix (``benchmarks.quality``).
 - ``kl`` / ``top1`` / ``greedy_match``: means over texts (per-text values in ``per_text``).
 
 Rows from elsewhere (the video-codec path) join the same table: either a module
-``sgl_remote_kv.nvdec.bench_rows`` exposing ``rows(ctx) -> list[dict]`` (``ctx`` is an ``EvalContext``; its
+``benchmarks.nvdec_rows`` exposing ``rows(ctx) -> list[dict]`` (``ctx`` is an ``EvalContext``; its
 ``measure`` takes plain encode/decode callables), producers added to ``ROW_PRODUCERS``, or ``--extra-rows``
 JSON files of finished rows.
 
@@ -264,10 +264,10 @@ def spec_row(ctx: EvalContext, spec: Spec, timing: bool = True) -> dict | None:
 
 
 def discovered_producers() -> list[Callable[[EvalContext], list[dict]]]:
-    """Producers registered in ``ROW_PRODUCERS`` plus ``sgl_remote_kv.nvdec.bench_rows.rows`` if present."""
+    """Producers registered in ``ROW_PRODUCERS`` plus ``benchmarks.nvdec_rows.rows`` if present."""
     found = list(ROW_PRODUCERS)
     try:
-        mod = importlib.import_module("sgl_remote_kv.nvdec.bench_rows")
+        mod = importlib.import_module("benchmarks.nvdec_rows")
     except ImportError:
         return found
     if hasattr(mod, "rows"):

@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 url = f"faulty+file://{tmp}/store-lat?latency_s=0.008"
                 rows += bench_store("file+latency", url, codec, texts, sizes, reps)
             elif store == "redis":
-                from sgl_remote_kv.store.redis_server import RedisServer, free_port
+                from benchmarks.redis_server import RedisServer, free_port
 
                 srv = RedisServer(Path(tmp) / "redis", free_port()).start()
                 try:

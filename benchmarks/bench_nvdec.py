@@ -31,12 +31,13 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import sgl_remote_kv.nvdec  # noqa: E402, F401
-from sgl_remote_kv.nvdec import adaptive, bench_rows  # noqa: E402
 from sgl_remote_kv.nvdec.hevc_codec import HevcCodec  # noqa: E402
 from sgl_remote_kv.nvdec.pool import DecoderPool, SlotWriter  # noqa: E402
-from sgl_remote_kv.nvdec.search import search_tiling  # noqa: E402
 
 from benchmarks import bench_codec, kvdata  # noqa: E402
+from benchmarks import nvdec_adaptive as adaptive  # noqa: E402
+from benchmarks import nvdec_rows as bench_rows  # noqa: E402
+from benchmarks.nvdec_search import search_tiling  # noqa: E402
 from benchmarks.nvdec_sim import TRACE_DOC, run_fetch  # noqa: E402
 from sgl_remote_kv.codec.base import get_codec  # noqa: E402
 

@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.netshape import netns_supported, shaped_link, tbf_burst_bytes
+from benchmarks.redis_server import RedisCluster, RedisServer, free_port
 from sgl_remote_kv.store.base import KVStore, open_store
 from sgl_remote_kv.store.client import ClientConfig, StoreClient
-from sgl_remote_kv.store.redis_server import RedisCluster, RedisServer, free_port
 from sgl_remote_kv.store.redis_store import RedisStore
 
 REPO = Path(__file__).resolve().parent.parent

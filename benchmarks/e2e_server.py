@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.netshape import ShapedLink, shaped_link
-from sgl_remote_kv.store.redis_server import RedisServer
+from benchmarks.redis_server import RedisServer
 
 logger = logging.getLogger(__name__)
 

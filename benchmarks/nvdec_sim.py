@@ -14,8 +14,9 @@ import time
 from concurrent.futures import wait
 
 import numpy as np
-from sgl_remote_kv.nvdec import adaptive
 from sgl_remote_kv.nvdec.pool import DecoderPool, SlotWriter
+
+from benchmarks import nvdec_adaptive as adaptive
 
 TRACE_DOC = (
     "piecewise-constant bandwidth: 'high' (2x the fastest balanced rate of any resolution) until t_switch, "

@@ -32,10 +32,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from benchmarks.redis_server import RedisServer, free_port
 from sgl_remote_kv.launcher import ServerSpec, SGLangServer
 from sgl_remote_kv.model import ensure_model
 from sgl_remote_kv.store.client import frame, unframe
-from sgl_remote_kv.store.redis_server import RedisServer, free_port
 from tests.fixtures.faults import TcpProxy, data_plane_procs, tree_rss_mb
 from tests.fixtures.remote_kv_server import CHUNK, flush_cache, post, storage_tokens
 

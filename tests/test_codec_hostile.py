@@ -9,7 +9,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from sgl_remote_kv.codec import synthetic
+from benchmarks import synthetic_kv as synthetic
 from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.codec.errors import (
     ChunkError,

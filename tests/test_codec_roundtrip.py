@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sgl_remote_kv.codec import quant, synthetic
+from benchmarks import synthetic_kv as synthetic
+from sgl_remote_kv.codec import quant
 from sgl_remote_kv.codec.base import codec_for_header, decode, default_codec, get_codec
 from sgl_remote_kv.codec.format import layer_section, parse_header
 from sgl_remote_kv.codec.quant import QuantSpec, to_f32

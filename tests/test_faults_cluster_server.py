@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_remote_kv.store.redis_server import RedisCluster
+from benchmarks.redis_server import RedisCluster
 from tests.fixtures.faults import CHUNK, ask, healthy, make_case, prime, wait_full_hit
 from tests.fixtures.remote_kv_server import remote_kv_server
 

@@ -17,7 +17,7 @@ import sgl_remote_kv.nvdec  # noqa: F401
 from sgl_remote_kv.nvdec import video
 from sgl_remote_kv.nvdec.pool import DecoderCrashed, DecoderPool, SlotWriter
 
-from sgl_remote_kv.codec import synthetic
+from benchmarks import synthetic_kv as synthetic
 from sgl_remote_kv.codec.base import get_codec
 
 SMALL = dict(tokens_per_frame=4, min_side=16)

@@ -16,12 +16,12 @@ import time
 
 import pytest
 
-from sgl_remote_kv.codec import synthetic
+from benchmarks import synthetic_kv as synthetic
+from benchmarks.redis_server import RedisServer, free_port
 from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.sglang_glue.kv_io import weights_id_for
 from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.store.client import frame, unframe
-from sgl_remote_kv.store.redis_server import RedisServer, free_port
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 from tests.fixtures.faults import (
     CHUNK,

@@ -151,7 +151,8 @@ def test_dpu_client_end_to_end_into_a_cuda_pool(tmp_path):
 def test_write_quantized_dequantizes_on_the_device_bit_exact(dtype, k_channel_scale):
     """The in-process path on a CUDA pool: codes + scales H2D, Triton dequant, scatter; the pool must hold
     the same bits as the codec's CPU decode (numba)."""
-    from sgl_remote_kv.codec import quant, synthetic
+    from benchmarks import synthetic_kv as synthetic
+    from sgl_remote_kv.codec import quant
     from sgl_remote_kv.codec.base import get_codec
     from sgl_remote_kv.codec.format import layer_section, parse_header
 

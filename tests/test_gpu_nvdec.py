@@ -26,7 +26,7 @@ from sgl_remote_kv.nvdec import layout as lo
 from sgl_remote_kv.nvdec import nvcodec, video
 from sgl_remote_kv.nvdec.pool import DecoderPool, SlotWriter
 
-from sgl_remote_kv.codec import synthetic
+from benchmarks import synthetic_kv as synthetic
 from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.codec.errors import ChunkError, CorruptChunk
 from sgl_remote_kv.codec.format import layer_section, parse_header

@@ -12,7 +12,7 @@ import pytest
 import torch
 from strict_device import StrictDevice, StrictKVPool
 
-from sgl_remote_kv.codec import synthetic
+from benchmarks import synthetic_kv as synthetic
 from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.kvpool import KVWriteError, PoolTensors, writer_for
 from sgl_remote_kv.sglang_glue import layerwise

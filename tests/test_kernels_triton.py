@@ -59,7 +59,8 @@ def test_triton_kernels_match_reference_under_interpreter():
 def test_torch_reference_matches_numba_cpu_path(dtype):
     from sgl_remote_kv.kernels.dequant import dequant_reference
 
-    from sgl_remote_kv.codec import quant, synthetic
+    from benchmarks import synthetic_kv as synthetic
+    from sgl_remote_kv.codec import quant
     from sgl_remote_kv.codec.base import get_codec
     from sgl_remote_kv.codec.format import layer_section, parse_header
 

@@ -224,7 +224,7 @@ def _views(codec, fp, chunks, layer):
 def test_write_quantized_device_equals_host_dequant(dev, dtype, params):
     """The device writer dequantizes on the device (kernels/dequant.py's definition); the host writer with
     the CPU codec path (numba). Both must put the same bits into the pool as the codec's own decode."""
-    from sgl_remote_kv.codec import synthetic
+    from benchmarks import synthetic_kv as synthetic
     from sgl_remote_kv.codec.base import get_codec
 
     fp = synthetic.fingerprint(num_layers=2, dtype=dtype)
@@ -251,7 +251,7 @@ def test_write_quantized_device_equals_host_dequant(dev, dtype, params):
 
 
 def test_write_quantized_bad_input_is_a_write_error(dev):
-    from sgl_remote_kv.codec import synthetic
+    from benchmarks import synthetic_kv as synthetic
     from sgl_remote_kv.codec.base import get_codec
 
     fp = synthetic.fingerprint(num_layers=2, dtype="float16")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import sgl_remote_kv.nvdec  # noqa: F401
-from sgl_remote_kv.nvdec import adaptive as ad
 from sgl_remote_kv.nvdec.pool import DecoderPool
 
-from sgl_remote_kv.codec import synthetic
+from benchmarks import nvdec_adaptive as ad
+from benchmarks import synthetic_kv as synthetic
 from sgl_remote_kv.codec.base import get_codec
 
 # resolution (tokens/frame) -> bytes: small frames compress better but decode slower (the paper's shape)

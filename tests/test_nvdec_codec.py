@@ -7,9 +7,9 @@ import pytest
 import sgl_remote_kv.nvdec  # noqa: F401  (registers "hevc")
 from sgl_remote_kv.nvdec import layout as lo
 from sgl_remote_kv.nvdec.hevc_codec import HevcCodec
-from sgl_remote_kv.nvdec.search import search_tiling
 
-from sgl_remote_kv.codec import synthetic
+from benchmarks import synthetic_kv as synthetic
+from benchmarks.nvdec_search import search_tiling
 from sgl_remote_kv.codec.base import codec_for_header, decode, get_codec
 from sgl_remote_kv.codec.errors import ChunkError, CorruptChunk, ForeignChunk
 from sgl_remote_kv.codec.format import layer_section, pack, parse_header

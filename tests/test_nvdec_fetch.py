@@ -8,7 +8,7 @@ from sgl_remote_kv.nvdec.fetch_nvdec import NvdecFetchBackend
 from sgl_remote_kv.nvdec.hevc_codec import HevcCodec
 from sgl_remote_kv.nvdec.pool import DecoderPool
 
-from sgl_remote_kv.codec import synthetic
+from benchmarks import synthetic_kv as synthetic
 
 C = 8
 

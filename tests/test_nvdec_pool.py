@@ -10,7 +10,7 @@ import pytest
 import sgl_remote_kv.nvdec  # noqa: F401
 from sgl_remote_kv.nvdec.pool import DecoderPool, PoolClosed, SlotWriter
 
-from sgl_remote_kv.codec import synthetic
+from benchmarks import synthetic_kv as synthetic
 from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.codec.errors import ChunkError, ForeignChunk
 

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from sgl_remote_kv.codec import synthetic
+from benchmarks import synthetic_kv as synthetic
 from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.codec.format import CRC, FIXED, crc32
 from sgl_remote_kv.config import RemoteKVConfig

@@ -67,7 +67,7 @@ def test_good_store_urls_pass_without_touching_the_network(url):
 
 
 def test_unreachable_store_is_one_warning_not_an_error(tmp_path, caplog):
-    from sgl_remote_kv.store.redis_server import free_port
+    from benchmarks.redis_server import free_port
 
     with caplog.at_level("INFO", logger="sgl_remote_kv.preflight"):
         t0 = time.perf_counter()

@@ -29,7 +29,7 @@ import pytest
 from dpu_helpers import protocol_samples
 from sgl_remote_kv.dpu import protocol as P
 
-from sgl_remote_kv.codec import synthetic
+from benchmarks import synthetic_kv as synthetic
 from sgl_remote_kv.codec.base import codec_names, get_codec
 from sgl_remote_kv.codec.base import decode as generic_decode
 from sgl_remote_kv.codec.errors import ChunkError

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from benchmarks.netshape import netns_supported, shaped_link
-from sgl_remote_kv.store.redis_server import RedisServer, require_redis
+from benchmarks.redis_server import RedisServer, require_redis
 from sgl_remote_kv.store.redis_store import RedisStore
 
 

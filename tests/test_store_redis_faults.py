@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import time
 
+from benchmarks.redis_server import RedisCluster, RedisServer
 from sgl_remote_kv.store.base import open_store
 from sgl_remote_kv.store.client import ClientConfig, StoreClient
-from sgl_remote_kv.store.redis_server import RedisCluster, RedisServer
 
 pytest_plugins = ["fixtures.redis_servers"]
 
