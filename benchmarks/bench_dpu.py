@@ -25,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 from sgl_remote_kv.dpu.buffers import chunk_bytes, layer_bytes
+from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from benchmarks import kvdata
 from sgl_remote_kv.codec.base import default_codec
 from sgl_remote_kv.codec.format import layer_section
 from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
-from sgl_remote_kv.control.dpu_process import ProcessSpec
 from sgl_remote_kv.store.client import open_client
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 
@@ -138,7 +138,7 @@ VARIANTS = {"pipeline": (), "no_pipeline": ("--ablation-serial",), "no_prealloc"
 
 def _client(url: str, codec, chunk_size: int, extra: tuple[str, ...]) -> DpuClient:
     cb = chunk_bytes(LAYOUT, chunk_size)
-    spec = ProcessSpec(layer_group=5, slots=2, slot_bytes=max(cb, 8 << 20) * 2, extra_args=extra, cpus=())
+    spec = DataPlaneSettings.from_flags(list(extra), layer_group=5, slots=2, slot_bytes=max(cb, 8 << 20) * 2)
     cfg = DpuClientConfig(
         url, dest_slots=4, dest_slot_bytes=max(cb, 16 << 20), process=spec, heartbeat_s=0.25
     )

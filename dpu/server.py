@@ -29,7 +29,8 @@ from sgl_remote_kv.types import KVLayout, ModelFingerprint
 from . import protocol as P
 from .buffers import DestRegion, StagingBuffers, layer_bytes, plan_rounds
 from .pipeline import Pipeline
-from .tasks import JobState, PipelineConfig
+from .settings import DataPlaneSettings
+from .tasks import JobState
 
 logger = logging.getLogger(__name__)
 
@@ -39,17 +40,13 @@ _EVENTS = "inproc://dpu-events"
 
 @dataclass(frozen=True)
 class DataPlaneConfig:
-    """Everything the data plane needs; parsed once at the CLI edge (``__main__``)."""
+    """Where this data plane serves and for whom, plus its ``DataPlaneSettings``; built once at the CLI
+    edge (``__main__``)."""
 
     endpoint: str
     store_url: str
     dest_name: str
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    slots: int = 2
-    slot_bytes: int = 64 << 20
-    inflate_ratio: float = 1.0
-    cpus: tuple[int, ...] = ()  # process affinity (empty: inherit)
-    store_timeout_s: float = 5.0
+    settings: DataPlaneSettings = field(default_factory=DataPlaneSettings)
     max_jobs: int = 1024
     max_active_chunks: int = 1 << 16  # over all active jobs: bounds the job table's memory
     parent_pid: int = 0  # when set, exit as soon as this process is no longer our parent
@@ -60,11 +57,12 @@ class DataPlaneServer:
         from sgl_remote_kv.store.client import ClientConfig, open_client
 
         self.cfg = cfg
-        if cfg.cpus:
+        st = cfg.settings
+        if st.cpus:
             try:
-                os.sched_setaffinity(0, cfg.cpus)
+                os.sched_setaffinity(0, st.cpus)
             except OSError as e:  # e.g. a core outside our cpuset: serve unpinned, say so
-                logger.error("cannot pin the data plane to cores %s: %s; running unpinned", cfg.cpus, e)
+                logger.error("cannot pin the data plane to cores %s: %s; running unpinned", st.cpus, e)
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -79,14 +77,14 @@ class DataPlaneServer:
         self._push_sock.connect(_EVENTS)
         self._push_lock = threading.Lock()
         self.dest = DestRegion.attach(cfg.dest_name)
-        self.buffers = StagingBuffers(cfg.slots, cfg.slot_bytes, cfg.inflate_ratio)
-        self.store = open_client(cfg.store_url, ClientConfig(timeout_s=cfg.store_timeout_s))
+        self.buffers = StagingBuffers(st.slots, st.slot_bytes, st.inflate_ratio)
+        self.store = open_client(cfg.store_url, ClientConfig(timeout_s=st.store_timeout_s))
         self.pipeline = Pipeline(
-            cfg.pipeline, self.buffers, self.dest.array, self.store, self._emit, self._slot_freed
+            st.pipeline(), self.buffers, self.dest.array, self.store, self._emit, self._slot_freed
         )
         self.jobs: dict[int, JobState] = {}
         self.pending: deque[tuple[JobState, list]] = deque()
-        self.free_slots = list(range(cfg.slots))
+        self.free_slots = list(range(st.slots))
         self._codecs: dict[tuple[str, bytes], object] = {}
         self._stop = False
         self.counters = {"submitted": 0, "rejected": 0, "bad_frames": 0, "cancels": 0, "handler_errors": 0}
@@ -218,8 +216,8 @@ class DataPlaneServer:
                 raise ValueError("chunk destination outside the destination region")
         codec = self._codec(msg.codec, msg.codec_params)
         job = JobState(msg.job, peer, codec, fp, layout, list(msg.chunks), (msg.blob_off, msg.blob_cap))
-        ratio = self.cfg.inflate_ratio
-        rounds = plan_rounds([c.tokens for c in msg.chunks], layout, self.cfg.slot_bytes, ratio)
+        ratio = self.cfg.settings.inflate_ratio
+        rounds = plan_rounds([c.tokens for c in msg.chunks], layout, self.cfg.settings.slot_bytes, ratio)
         return job, rounds
 
     def _codec(self, name: str, params: bytes):

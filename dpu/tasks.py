@@ -22,19 +22,21 @@ STAGES = ("fetch", "inflate", "dequant", "dma")
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    fetch_workers: int = 1
-    inflate_workers: int = 1
-    dequant_workers: int = 1
-    dma_workers: int = 1
-    layer_group: int = 6  # layers per slab
-    queue_depth: int = 64  # items per stage queue
-    stage_cpus: tuple[tuple[int, ...], ...] = ()  # per stage (STAGES order): cores to pin to, or ()
+    """The pipeline's view of ``settings.DataPlaneSettings`` (built only by its ``pipeline()``)."""
+
+    fetch_workers: int
+    inflate_workers: int
+    dequant_workers: int
+    dma_workers: int
+    layer_group: int  # layers per slab
+    queue_depth: int  # items per stage queue
+    stage_cpus: tuple[tuple[int, ...], ...]  # per stage (STAGES order): cores to pin to, or ()
     # Ablations (benchmarks only): run a chunk's four stages back to back on the fetch worker, and/or
     # allocate a chunk's staging buffers per chunk instead of using the pre-allocated slot regions.
-    serial: bool = False
-    prealloc: bool = True
+    serial: bool
+    prealloc: bool
     # Fault injection / emulation (tests, benchmarks): the DMA stage sleeps this long per slab.
-    dma_delay_s: float = 0.0
+    dma_delay_s: float
 
 
 class JobState:

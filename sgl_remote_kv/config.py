@@ -235,18 +235,16 @@ def cpu_list_arg(text: str) -> tuple[int, ...]:
 
 
 def _dpu_args(text: str) -> str:
+    """Data-plane flags, checked by parsing them into ``DataPlaneSettings`` (the data plane's own flags)."""
     import shlex
 
+    from sgl_remote_kv.dpu.settings import DataPlaneSettings
+
     try:
-        args = shlex.split(text)
+        DataPlaneSettings.from_flags(shlex.split(text))
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    if any(a.split("=")[0] in _DPU_OWNED_FLAGS for a in args):
-        raise argparse.ArgumentTypeError(f"the host sets {sorted(_DPU_OWNED_FLAGS)} itself")
     return text
-
-
-_DPU_OWNED_FLAGS = frozenset({"--endpoint", "--store", "--dest-shm", "--parent-pid"})
 
 
 def _store_url(text: str) -> str:

@@ -18,24 +18,19 @@ import zmq
 from dpu_helpers import CHUNK, FP, LAYOUT, codecs, make_pool, pool_tokens, put_chunks, random_chunks
 from sgl_remote_kv.dpu import protocol as P
 from sgl_remote_kv.dpu.buffers import chunk_bytes
+from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.codec.base import decode
 from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
-from sgl_remote_kv.control.dpu_process import ProcessSpec
 from sgl_remote_kv.control.jobs import HostRound
 
 CB = chunk_bytes(LAYOUT, CHUNK)
 N = 3
 
 
-def _spec(*extra: str, layer_group: int = 1) -> ProcessSpec:
-    return ProcessSpec(
-        workers=(1, 1, 1, 1),
-        layer_group=layer_group,
-        slots=2,
-        slot_bytes=N * CB,
-        store_timeout_s=2.0,
-        extra_args=extra,
+def _spec(*flags: str, layer_group: int = 1) -> DataPlaneSettings:
+    return DataPlaneSettings.from_flags(
+        list(flags), workers=(1, 1, 1, 1), layer_group=layer_group, slots=2, slot_bytes=N * CB, store_timeout_s=2.0
     )
 
 

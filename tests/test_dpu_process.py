@@ -18,19 +18,19 @@ import pytest
 import zmq
 from dpu_helpers import CHUNK, FP, LAYOUT, codecs, make_pool, pool_tokens, put_chunks, random_chunks
 from sgl_remote_kv.dpu.buffers import chunk_bytes
+from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.codec.base import decode
 from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
-from sgl_remote_kv.control.dpu_process import ProcessSpec
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 
 CB = chunk_bytes(LAYOUT, CHUNK)
 
 
-def _spec(**kw) -> ProcessSpec:
+def _spec(**kw) -> DataPlaneSettings:
     base = dict(workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * CB, store_timeout_s=2.0)
     base.update(kw)
-    return ProcessSpec(**base)
+    return DataPlaneSettings(**base)
 
 
 @contextlib.contextmanager
@@ -352,8 +352,8 @@ import sys, time
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from dpu_helpers import FP, codecs
 from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
-from sgl_remote_kv.control.dpu_process import ProcessSpec
-spec = ProcessSpec(slot_bytes=1 << 20)
+from sgl_remote_kv.dpu.settings import DataPlaneSettings
+spec = DataPlaneSettings(slot_bytes=1 << 20)
 c = DpuClient(DpuClientConfig("file://{tmp_path}/store", dest_slot_bytes=1 << 20, process=spec), FP, codecs()["lossless"])
 c.start()
 print(c.pid, c.dest.name.lstrip("/"), flush=True)
@@ -449,8 +449,16 @@ def test_dpu_args_flag_and_data_plane_flags_reach_their_config():
         with pytest.raises(SystemExit):
             parser.parse_args(["--remote-kv-dpu-args", bad])
     base = ["--endpoint", "ipc:///x", "--store", "file:///y", "--dest-shm", "z"]
-    pipe = config_from_args(build_parser().parse_args(base)).pipeline
+    pipe = config_from_args(build_parser().parse_args(base)).settings.pipeline()
     assert (pipe.serial, pipe.prealloc, pipe.dma_delay_s) == (False, True, 0.0)
     extra = ["--ablation-serial", "--ablation-no-prealloc", "--dma-delay-s", "0.5"]
-    pipe = config_from_args(build_parser().parse_args(base + extra)).pipeline
+    settings = config_from_args(build_parser().parse_args(base + extra)).settings
+    pipe = settings.pipeline()
     assert (pipe.serial, pipe.prealloc, pipe.dma_delay_s) == (True, False, 0.5)
+    # the host's way: the same settings as one JSON argument, defaults defined once
+    assert DataPlaneSettings.from_json(settings.to_json()) == settings
+    host = config_from_args(build_parser().parse_args(base + ["--settings-json", settings.to_json()]))
+    assert host.settings == settings
+    assert DataPlaneSettings.from_flags([]) == DataPlaneSettings(cpus=())
+    with pytest.raises(ValueError):
+        DataPlaneSettings.from_flags(["--no-such-flag"])

@@ -15,10 +15,10 @@ from pathlib import Path
 
 from dpu_helpers import CHUNK, FP, codecs
 from sgl_remote_kv.dpu.buffers import chunk_bytes
+from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.control import shm_names
 from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
-from sgl_remote_kv.control.dpu_process import ProcessSpec
 
 SHM = Path("/dev/shm")
 _CREATOR = textwrap.dedent(
@@ -55,7 +55,7 @@ def test_stale_regions_of_killed_process_groups_are_swept(tmp_path):
         os.killpg(dead.pid, signal.SIGKILL)  # creator and its resource tracker die together
         dead.wait(timeout=10)
         assert (SHM / dead_name).exists(), "nobody unlinks it when the whole group is killed"
-        spec = ProcessSpec(workers=(1, 1, 1, 1), slots=1, slot_bytes=chunk_bytes(FP.layout, CHUNK))
+        spec = DataPlaneSettings(workers=(1, 1, 1, 1), slots=1, slot_bytes=chunk_bytes(FP.layout, CHUNK))
         cfg = DpuClientConfig(f"file://{tmp_path}/store", 1, chunk_bytes(FP.layout, CHUNK), process=spec)
         client = DpuClient(cfg, FP, codecs()["lossless"])
         client.start()

@@ -21,11 +21,11 @@ import pytest
 import torch
 from dpu_helpers import CHUNK, FP, LAYOUT, codecs, make_pool, pool_tokens, put_chunks, random_chunks
 from sgl_remote_kv.dpu.buffers import chunk_bytes
+from sgl_remote_kv.dpu.settings import DataPlaneSettings
 from strict_device import StrictDevice, StrictKVPool
 
 from sgl_remote_kv.codec.base import decode
 from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
-from sgl_remote_kv.control.dpu_process import ProcessSpec
 
 CB = chunk_bytes(LAYOUT, CHUNK)
 
@@ -42,7 +42,7 @@ def client(tmp_path):
     codec = codecs()["quant"]
     url = f"file://{tmp_path}/store"
     keys, blobs = put_chunks(url, codec, random_chunks(5, seed=21))
-    spec = ProcessSpec(workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * CB, store_timeout_s=2.0)
+    spec = DataPlaneSettings(workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * CB, store_timeout_s=2.0)
     c = DpuClient(DpuClientConfig(url, dest_slots=2, dest_slot_bytes=2 * CB, process=spec), FP, codec)
     c.start()
     yield c, keys, blobs

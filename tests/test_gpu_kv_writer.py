@@ -117,17 +117,17 @@ def test_writes_on_the_side_stream_while_a_forward_runs():
 def test_dpu_client_end_to_end_into_a_cuda_pool(tmp_path):
     from dpu_helpers import CHUNK, FP, LAYOUT, codecs, put_chunks, random_chunks
     from sgl_remote_kv.dpu.buffers import chunk_bytes
+    from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
     from sgl_remote_kv.codec.base import decode
     from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
-    from sgl_remote_kv.control.dpu_process import ProcessSpec
     from sgl_remote_kv.control.jobs import KVTarget
 
     codec = codecs()["quant"]
     url = f"file://{tmp_path}/store"
     keys, blobs = put_chunks(url, codec, random_chunks(5, seed=3))
     cb = chunk_bytes(LAYOUT, CHUNK)
-    spec = ProcessSpec(workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * cb)
+    spec = DataPlaneSettings(workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * cb)
     c = DpuClient(DpuClientConfig(url, dest_slots=2, dest_slot_bytes=2 * cb, process=spec), FP, codec)
     c.start()
     try:

@@ -21,10 +21,10 @@ import torch
 from dpu_helpers import CHUNK, FP, LAYOUT, codecs, put_chunks, random_chunks
 from pool_fake import FakeKVPool
 from sgl_remote_kv.dpu.buffers import chunk_bytes
+from sgl_remote_kv.dpu.settings import DataPlaneSettings, Debug
 
 from sgl_remote_kv.codec.base import decode
 from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
-from sgl_remote_kv.control.dpu_process import ProcessSpec
 from sgl_remote_kv.sglang_glue import layerwise
 from sgl_remote_kv.sglang_glue.fetch_dpu import DpuFetchBackend
 from sgl_remote_kv.sglang_glue.metrics import RemoteKVMetrics
@@ -53,12 +53,8 @@ def setup(tmp_path, request):
     codec = codecs()["lossless"]
     url = f"file://{tmp_path}/store"
     keys, blobs = put_chunks(url, codec, random_chunks(N, seed=11))
-    spec = ProcessSpec(
-        workers=(1, 1, 1, 1),
-        layer_group=1,
-        slots=2,
-        slot_bytes=N * CB,
-        extra_args=("--dma-delay-s", str(delay)),
+    spec = DataPlaneSettings(
+        workers=(1, 1, 1, 1), layer_group=1, slots=2, slot_bytes=N * CB, debug=Debug(dma_delay_s=delay)
     )
     cfg = DpuClientConfig(url, dest_slots=2, dest_slot_bytes=N * CB, blob_slot_bytes=2 * N * CB, process=spec)
     client = DpuClient(cfg, FP, codec)

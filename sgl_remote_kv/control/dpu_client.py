@@ -40,10 +40,11 @@ import zmq
 from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.dpu import protocol as P
 from sgl_remote_kv.dpu.buffers import DestRegion
+from sgl_remote_kv.dpu.settings import DataPlaneSettings
 from sgl_remote_kv.types import ModelFingerprint
 
 from . import shm_names
-from .dpu_process import DataPlaneProcess, ProcessSpec
+from .dpu_process import DataPlaneProcess
 from .jobs import FetchHandle, FetchResult, HostRound, KVTarget
 from .round_io import RoundIO
 from .rounds import RoundBook
@@ -57,7 +58,7 @@ class DpuClientConfig:
     dest_slots: int = 2
     dest_slot_bytes: int = 64 << 20
     blob_slot_bytes: int = 0  # > 0: host-visible copies of verified blobs (layer-wise admission)
-    process: ProcessSpec = ProcessSpec()
+    process: DataPlaneSettings = DataPlaneSettings()
     heartbeat_s: float = 0.5
     heartbeat_timeout_s: float = 5.0
     job_timeout_s: float = 30.0  # an in-flight round with no event for this long: data plane hung

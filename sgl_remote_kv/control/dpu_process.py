@@ -8,38 +8,21 @@ never be mistaken for the new one's.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 
 from sgl_remote_kv.dpu import protocol as P
+from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ProcessSpec:
-    """Data-plane command-line settings (see ``python -m sgl_remote_kv.dpu --help``)."""
-
-    # fetch, inflate, dequant, dma; two fetch workers hide store latency (measured: docs/DPU.md)
-    workers: tuple[int, int, int, int] = (2, 1, 1, 1)
-    layer_group: int = 6
-    queue_depth: int = 64
-    slots: int = 2
-    slot_bytes: int = 64 << 20
-    inflate_ratio: float = 1.0
-    cpus: tuple[int, ...] | None = None  # None: auto (last quarter of our cores if >= 4, else unpinned)
-    pin_stages: bool = False
-    store_timeout_s: float = 5.0
-    log_level: str = "WARNING"
-    extra_args: tuple[str, ...] = ()  # appended verbatim (e.g. the benchmark's ablation flags)
 
 
 def auto_cpus() -> tuple[int, ...]:
@@ -50,26 +33,18 @@ def auto_cpus() -> tuple[int, ...]:
     return tuple(avail[-max(1, len(avail) // 4) :])
 
 
-def command(spec: ProcessSpec, endpoint: str, store_url: str, dest_name: str) -> list[str]:
-    cpus = auto_cpus() if spec.cpus is None else spec.cpus
-    f, i, d, m = spec.workers
+def command(settings: DataPlaneSettings, endpoint: str, store_url: str, dest_name: str) -> list[str]:
+    if settings.cpus is None:  # auto: away from the serving process when the machine has the cores
+        settings = dataclasses.replace(settings, cpus=auto_cpus())
     cmd = [sys.executable, "-m", "sgl_remote_kv.dpu", "--endpoint", endpoint, "--store", store_url]
-    cmd += ["--dest-shm", dest_name, "--fetch-workers", str(f), "--inflate-workers", str(i)]
-    cmd += ["--dequant-workers", str(d), "--dma-workers", str(m), "--layer-group", str(spec.layer_group)]
-    cmd += ["--queue-depth", str(spec.queue_depth), "--slots", str(spec.slots)]
-    cmd += ["--slot-bytes", str(spec.slot_bytes), "--inflate-ratio", str(spec.inflate_ratio)]
-    cmd += ["--store-timeout", str(spec.store_timeout_s), "--log-level", spec.log_level]
-    cmd += ["--parent-pid", str(os.getpid())]  # the data plane exits if the serving process dies
-    cmd += list(spec.extra_args)
-    if cpus:
-        cmd += ["--cpus", ",".join(map(str, cpus))]
-        if spec.pin_stages:
-            cmd.append("--pin-stages")
-    return cmd
+    cmd += ["--dest-shm", dest_name, "--parent-pid", str(os.getpid())]  # exits if the host dies
+    return cmd + ["--settings-json", settings.to_json()]
 
 
 class DataPlaneProcess:
-    def __init__(self, ctx: zmq.Context, spec: ProcessSpec, store_url: str, dest_name: str, tmp: str) -> None:
+    def __init__(
+        self, ctx: zmq.Context, spec: DataPlaneSettings, store_url: str, dest_name: str, tmp: str
+    ) -> None:
         self.ctx, self.spec, self.store_url, self.dest_name = ctx, spec, store_url, dest_name
         self.tmp = Path(tmp)
         self.generation = 0

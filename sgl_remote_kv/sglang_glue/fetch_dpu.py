@@ -137,10 +137,11 @@ def start_dpu_backend(config, fingerprint, codec, kv_writer, on_done=None) -> Dp
     """Spawn the data plane; ``None`` (with a warning) if it cannot start — the caller falls back."""
     try:
         from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
-        from sgl_remote_kv.control.dpu_process import ProcessSpec
+        from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
-        extra = tuple(shlex.split(config.dpu_args))  # --remote-kv-dpu-args (validated by config)
-        spec = ProcessSpec(cpus=tuple(config.dpu_cpus) or None, extra_args=extra)  # cpus None = auto
+        # --remote-kv-dpu-args (validated by config) and --remote-kv-dpu-cpus (empty: auto = None)
+        flags = shlex.split(config.dpu_args)
+        spec = DataPlaneSettings.from_flags(flags, cpus=tuple(config.dpu_cpus) or None)
         cfg = DpuClientConfig(store_url=config.resolved_store_url(), process=spec)
         if config.layerwise:  # host copies of verified blobs: compressed size <= decoded size here
             cfg = dataclasses.replace(cfg, blob_slot_bytes=cfg.dest_slot_bytes)
