@@ -22,6 +22,7 @@ from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.sglang_glue.kv_io import weights_id_for
 from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.store.client import frame, unframe
+from sgl_remote_kv.store.redis_store import redis_key
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 from tests.fixtures.faults import (
     CHUNK,
@@ -41,7 +42,6 @@ from tests.fixtures.faults import (
 from tests.fixtures.remote_kv_server import flush_cache, metrics, remote_kv_server, storage_tokens
 
 pytestmark = pytest.mark.e2e
-PREFIX = b"srkv:"
 
 
 @pytest.fixture(scope="module")
@@ -252,26 +252,26 @@ CAUGHT_BY_FRAMING = ("raw_bitflip", "truncated")  # the client deletes these; th
 def test_corrupt_truncated_and_foreign_blobs_are_partial_misses(srv, tok, rdb, chunk_keys):
     case = prime(srv, make_case(tok, "bad-blobs"))
     keys = chunk_keys(case.ids, case.chunks)
-    raws = rdb.mget([PREFIX + k for k in keys])
+    raws = rdb.mget([redis_key(k) for k in keys])
     assert all(raws), "the test derives the server's keys: every chunk must be in the store"
     for name, bad in _variants(chunk_keys, keys[1], raws[1]).items():
         before = failures(srv)
-        rdb.set(PREFIX + keys[1], bad)
+        rdb.set(redis_key(keys[1]), bad)
         _, hit = ask(srv, case)
         assert hit == CHUNK, (name, hit)  # chunk 0 is served, chunk 1 and after are recomputed
         assert failures(srv) > before, name
         if name in CAUGHT_BY_FRAMING:
             assert wait_full_hit(srv, case) == case.chunks * CHUNK, name  # deleted, then rewritten
         else:
-            rdb.set(PREFIX + keys[1], raws[1])
+            rdb.set(redis_key(keys[1]), raws[1])
 
 
 @pytest.mark.slow  # a server round trip + the repair write-back
 def test_undecodable_chunk_is_repaired_by_the_recompute(srv, tok, rdb, chunk_keys):
     case = prime(srv, make_case(tok, "bad-blob-repair"))
     keys = chunk_keys(case.ids, case.chunks)
-    raw = rdb.get(PREFIX + keys[1])
-    rdb.set(PREFIX + keys[1], _variants(chunk_keys, keys[1], raw)["foreign_model"])
+    raw = rdb.get(redis_key(keys[1]))
+    rdb.set(redis_key(keys[1]), _variants(chunk_keys, keys[1], raw)["foreign_model"])
     _, hit = ask(srv, case)
     assert hit == CHUNK
     assert wait_full_hit(srv, case, timeout=45) == case.chunks * CHUNK
@@ -288,7 +288,7 @@ def test_writeback_failing_halfway_publishes_only_whole_chunks(srv, proxy, tok, 
     wait_for(lambda: proxy.counts["cuts"] > 0, 60, what="a write cut halfway")
     wait_for(lambda: failures(srv) > before, 60, what="the failed write-back counted")
     proxy.clear()
-    stored = rdb.mget([PREFIX + k for k in keys])
+    stored = rdb.mget([redis_key(k) for k in keys])
     for k, raw in zip(keys, stored, strict=True):
         assert raw is None or unframe(k, raw) is not None, "a partial value became visible"
     assert any(v is None for v in stored), "the cut should have lost at least one chunk"
@@ -347,7 +347,7 @@ def test_tenants_never_share_remote_kv_nor_observe_each_others_prefix(srv, tok, 
     prime(srv, case, **alice)
     a_keys = chunk_keys(case.ids, case.chunks, tenant_salt("alice", None))
     b_keys = chunk_keys(case.ids, case.chunks, tenant_salt("bob", None))
-    assert all(rdb.mget([PREFIX + k for k in a_keys])) and not any(rdb.mget([PREFIX + k for k in b_keys]))
+    assert all(rdb.mget([redis_key(k) for k in a_keys])) and not any(rdb.mget([redis_key(k) for k in b_keys]))
     gen(srv, case.ids, **alice)  # alice's prefix is now also in the local tree
     out = gen(srv, case.ids, **bob)
     assert out["meta_info"]["cached_tokens"] == 0 and storage_tokens(out) == 0, out["meta_info"]

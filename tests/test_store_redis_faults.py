@@ -73,3 +73,24 @@ def test_killed_cluster_node_becomes_misses_and_client_recovers(own_redis_cluste
     assert client.stats().circuit == "closed"
     assert client.get_many(ks) == [b"back"] * 30
     client.close()
+
+
+def test_redis_keys_are_printable_under_the_prefix(own_redis_server: RedisServer) -> None:
+    """Chunk keys land in Redis as ``srkv:<64 hex>``: one printable line each, so
+    ``redis-cli --scan --pattern 'srkv:*' | ...`` pipelines work (raw digests held newlines)."""
+    import re
+
+    import redis
+
+    from sgl_remote_kv.store.redis_store import redis_key
+
+    client = StoreClient(open_store(own_redis_server.url), CFG)
+    ks = [bytes([10]) * 32, *keys(7)]  # a digest full of b"\n"
+    assert client.put_many([(k, b"v") for k in ks]) == 8
+    r = redis.Redis(port=own_redis_server.port)
+    found = set(r.scan_iter(match="srkv:*"))
+    r.close()
+    assert found == {redis_key(k) for k in ks}
+    assert all(re.fullmatch(rb"srkv:[0-9a-f]{64}", k) for k in found)
+    assert client.get_many(ks) == [b"v"] * 8
+    client.close()

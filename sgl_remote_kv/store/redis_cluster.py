@@ -3,7 +3,8 @@
 URL: ``redis+cluster://host:port[,host:port...]?timeout=2&prefix=srkv:&ttl=0&batch=32``. Any
 reachable subset of nodes is enough to discover the cluster.
 
-Keys are ``prefix + 32-byte digest`` without hash tags, so chunks spread evenly over all shards; a
+Keys are ``prefix + hex digest`` (``redis_store.redis_key``) without hash tags, so chunks spread evenly
+over all shards; a
 cluster pipeline groups the batch's commands by owning node and sends one pipeline per node.
 Publish-after-full-write holds per key exactly as for standalone Redis (one ``SET`` per key; see
 ``redis_store``). If a shard is down (no replica to fail over to), operations touching its slots

@@ -2,7 +2,8 @@
 
 URL: ``redis://[:password@]host:port/db?timeout=2&prefix=srkv:&ttl=0&batch=32``.
 
-Keys are stored raw (binary-safe) behind a prefix: ``b"srkv:" + <32-byte digest>``. Capacity and
+Keys are printable: the prefix then the digest in hex, ``srkv:<64 hex digits>`` (``redis_key``), so
+``redis-cli --scan --pattern 'srkv:*'`` pipelines work (raw digests contained newlines). Capacity and
 eviction are the server's business: run it with ``maxmemory`` and ``maxmemory-policy allkeys-lru``
 (or set ``ttl`` seconds here).
 
@@ -45,6 +46,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = b"srkv:"
 COMMON_OPTIONS = {"timeout", "prefix", "ttl", "batch"}
+
+
+def redis_key(key: bytes, prefix: bytes = DEFAULT_PREFIX) -> bytes:
+    """The Redis key of a chunk key: ``prefix`` + hex digest (printable, one line, scan-friendly)."""
+    return prefix + key.hex().encode()
 _READ_SIZE = 1 << 20
 
 
@@ -81,7 +87,7 @@ class RedisKV:
         self._counters = Counters(backend)
 
     def _k(self, key: bytes) -> bytes:
-        return self._prefix + key
+        return redis_key(key, self._prefix)
 
     def _batches(self, seq: Sequence[Any]) -> Iterator[Sequence[Any]]:
         for i in range(0, len(seq), self._batch):
