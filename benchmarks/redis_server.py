@@ -132,21 +132,24 @@ class RedisServer:
 
 @dataclass
 class RedisCluster:
-    """A cluster of ``n`` masters (no replicas) on loopback, created with ``redis-cli --cluster``."""
+    """A cluster of ``n`` masters with ``replicas`` replicas each on loopback, created with
+    ``redis-cli --cluster create --cluster-replicas``."""
 
     workdir: Path
     n: int = 3
+    replicas: int = 0
     nodes: list[RedisServer] = field(default_factory=list)
 
     def start(self, timeout: float = 30.0) -> RedisCluster:
         require_redis()
         try:
-            for i in range(self.n):
+            for i in range(self.n * (1 + self.replicas)):
                 node = RedisServer(self.workdir / f"node{i}", free_port(cluster_bus=True), cluster=True)
                 self.nodes.append(node.start())
             addrs = [f"127.0.0.1:{s.port}" for s in self.nodes]
             r = subprocess.run(
-                ["redis-cli", "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+                ["redis-cli", "--cluster", "create", *addrs, "--cluster-replicas", str(self.replicas),
+                 "--cluster-yes"],  # fmt: skip
                 capture_output=True,
                 text=True,
                 timeout=timeout,
@@ -180,6 +183,17 @@ class RedisCluster:
             if line.startswith("cluster_state:"):
                 return line.split(":", 1)[1].strip()
         return "unknown"
+
+    def masters(self) -> list[RedisServer]:
+        """The running nodes that currently serve slots as masters."""
+        out = []
+        for node in self.nodes:
+            if node.proc is None or node.proc.poll() is not None:
+                continue
+            r = subprocess.run(["redis-cli", "-p", str(node.port), "role"], capture_output=True, text=True)
+            if r.stdout.startswith("master"):
+                out.append(node)
+        return out
 
     def stop(self) -> None:
         for node in self.nodes:

@@ -94,3 +94,31 @@ def test_redis_keys_are_printable_under_the_prefix(own_redis_server: RedisServer
     assert all(re.fullmatch(rb"srkv:[0-9a-f]{64}", k) for k in found)
     assert client.get_many(ks) == [b"v"] * 8
     client.close()
+
+
+def test_cluster_with_replicas_fails_over_and_keeps_serving_hits(tmp_path) -> None:
+    """README's recipe (one replica per master): killing a master costs a short outage on its slots
+    (misses, never errors into serving), then its replica takes over and every chunk is a hit again,
+    with the same bytes: the data survived on the replica."""
+    import redis
+
+    cluster = RedisCluster(tmp_path / "cluster", n=3, replicas=1).start()
+    try:
+        client = StoreClient(open_store(cluster.url + "?timeout=0.5"), CFG)
+        ks = keys(64)  # spread over all three shards
+        values = [os.urandom(512) for _ in ks]
+        assert client.put_many(list(zip(ks, values, strict=True))) == 64
+        # replication is asynchronous: wait until every replica acknowledged the writes
+        for m in cluster.masters():
+            r = redis.Redis(port=m.port)
+            assert r.execute_command("WAIT", 1, 5000) >= 1
+            r.close()
+        victim = cluster.masters()[0]
+        victim.stop(kill=True)
+        assert wait_until(lambda: len(cluster.masters()) == 3, timeout=30), "no replica took over"
+        cluster.wait_ok(30)
+        assert wait_until(lambda: client.count_prefix(ks) == 64, timeout=30)
+        assert client.get_many(ks) == values
+        client.close()
+    finally:
+        cluster.stop()
