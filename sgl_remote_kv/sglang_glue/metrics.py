@@ -44,7 +44,7 @@ class RemoteKVMetrics:
         self._prom = None
         self._folded: set[str] = set()  # raw kinds folded into internal/other (logged once each)
         try:
-            self._prom = _build_prometheus()
+            self._prom = _prometheus()
         except Exception as e:  # metrics are optional; never break serving over them
             logger.warning("remote-kv Prometheus metrics unavailable: %r", e)
 
@@ -181,6 +181,20 @@ def _build_prometheus() -> dict:
     for reason in WRITEBACK_SKIPS:
         metrics["writeback_skipped"].labels(reason=reason)
     return metrics
+
+
+_PROM: dict | None = None
+_PROM_LOCK = threading.Lock()
+
+
+def _prometheus() -> dict:
+    """The process's collectors, built once (a second registration of the same names would fail):
+    every ``RemoteKVMetrics`` of the process exports through them."""
+    global _PROM
+    with _PROM_LOCK:
+        if _PROM is None:
+            _PROM = _build_prometheus()
+        return _PROM
 
 
 _INSTANCE: RemoteKVMetrics | None = None
