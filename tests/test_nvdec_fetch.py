@@ -1,9 +1,13 @@
-"""NVDEC fetch backend: store -> pool -> staging, layer-group progress, misses and corrupt chunks."""
+"""NVDEC fetch backend (direct): store -> pool -> frames restored and written into the reserved KV slots
+through the pool's KVWriter group by group; layer-group progress, misses, corrupt chunks, failed writes
+(CPU pools and the strict CUDA double)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import sgl_remote_kv.nvdec  # noqa: F401
+import torch
 from sgl_remote_kv.nvdec.fetch_nvdec import NvdecFetchBackend
 from sgl_remote_kv.nvdec.hevc_codec import HevcCodec
 from sgl_remote_kv.nvdec.pool import DecoderPool
@@ -39,15 +43,40 @@ def _setup(n_chunks=3, layers=4):
     return fp, codec, data, np.concatenate(ref_k, 1), np.concatenate(ref_v, 1)
 
 
-def test_fetch_restores_every_chunk_and_reports_all_layers():
+def _pool(fp, ops=None, slots=64):
+    """A KV pool (CPU, or planes of the strict device double) behind its writer, and shuffled slots."""
+    from sgl_remote_kv.kvpool import PoolTensors, writer_for
+
+    lay = fp.layout
+    shape = (slots, lay.num_kv_heads, lay.head_dim)
+    dt = torch.float32 if lay.dtype == "float32" else getattr(torch, lay.dtype)
+    make = (lambda: torch.zeros(shape, dtype=dt)) if ops is None else (lambda: ops.plane(shape, dt))
+    writer = writer_for(PoolTensors([make() for _ in range(lay.num_layers)], [make() for _ in range(lay.num_layers)]),
+                        lay, ops=ops)  # fmt: skip
+    return writer, torch.randperm(slots, generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("device", ["cpu", "strict-cuda"])
+def test_fetch_writes_every_chunk_into_its_slots_and_reports_all_layers(device):
+    from strict_device import StrictDevice
+
     fp, codec, data, rk, rv = _setup()
-    with DecoderPool(instances=2) as pool:
-        be = NvdecFetchBackend(DictClient(data), pool, codec, fp, C)
-        h = be.submit("r1", [b"key0", b"key1", b"key2"], 0)
-        assert h.wait(60)
-        be.close()
-    assert h.failure is None and h.ok_chunks == 3 and h.layers_ready == 4 and h.layer_ready(3)
-    assert np.array_equal(h.k, rk) and np.array_equal(h.v, rv) and be.queue_depth() == 0
+    dev = StrictDevice() if device != "cpu" else None
+    try:
+        writer, slots = _pool(fp, dev)
+        with DecoderPool(instances=2) as pool:
+            be = NvdecFetchBackend(DictClient(data), pool, codec, fp, C, writer)
+            assert be.direct
+            h = be.submit("r1", [b"key0", b"key1", b"key2"], 0, slots[: 3 * C])
+            assert h.wait(60)
+            be.close()
+        assert h.failure is None and h.ok_chunks == 3 and h.layers_ready == 4 and h.layer_ready(3)
+        assert h.k is None  # no whole-request staging: frames went into the pool group by group
+        k, v = writer.read(slots[: 3 * C])
+        assert np.array_equal(k, rk) and np.array_equal(v, rv) and be.queue_depth() == 0
+    finally:
+        if dev is not None:
+            dev.close()
 
 
 def test_fetch_stops_at_first_miss_or_corrupt_chunk():
@@ -55,12 +84,56 @@ def test_fetch_stops_at_first_miss_or_corrupt_chunk():
     bad = bytearray(data[b"key1"])
     bad[-5] ^= 1
     data[b"bad"] = bytes(bad)
+    writer, slots = _pool(fp)
     with DecoderPool(instances=1) as pool:
-        be = NvdecFetchBackend(DictClient(data), pool, codec, fp, C)
-        miss = be.submit("r2", [b"key0", b"nope", b"key2"], 0)
-        corrupt = be.submit("r3", [b"key0", b"bad", b"key2"], 0)
+        be = NvdecFetchBackend(DictClient(data), pool, codec, fp, C, writer)
+        miss = be.submit("r2", [b"key0", b"nope", b"key2"], 0, slots[: 3 * C])
+        corrupt = be.submit("r3", [b"key0", b"bad", b"key2"], 0, slots[3 * C : 6 * C])
         assert miss.wait(60) and corrupt.wait(60)
         be.close()
     assert miss.ok_chunks == 1 and miss.failure == "store_miss"
-    assert np.array_equal(miss.k[:, :C], rk[:, :C])
+    assert np.array_equal(writer.read(slots[:C])[0], rk[:, :C])
     assert corrupt.ok_chunks == 1 and corrupt.failure.startswith("decode:CorruptChunk")
+
+
+def test_a_failed_write_fails_the_chunk_never_a_hit():
+    from strict_device import StrictDevice
+
+    fp, codec, data, _, _ = _setup()
+    dev = StrictDevice()
+    try:
+        writer, slots = _pool(fp, dev)
+        dev.error = RuntimeError("an illegal memory access was encountered")
+        with DecoderPool(instances=1) as pool:
+            be = NvdecFetchBackend(DictClient(data), pool, codec, fp, C, writer)
+            h = be.submit("r4", [b"key0", b"key1"], 0, slots[: 2 * C])
+            assert h.wait(60)
+            be.close()
+        assert h.ok_chunks == 0 and h.failure == "write"
+    finally:
+        dev.close()
+
+
+def test_layerwise_install_of_a_direct_nvdec_fetch_reads_the_written_slots():
+    """Layer-wise admission of an NVDEC fetch: the handle is direct (its frames are already in the slots),
+    so the layer-transfer counter only waits for each layer and never re-writes it."""
+    from pool_fake import FakeKVPool
+
+    from sgl_remote_kv.sglang_glue import layerwise
+    from sgl_remote_kv.sglang_glue.metrics import RemoteKVMetrics
+
+    fp, codec, data, rk, rv = _setup()
+    kv = FakeKVPool(fp.layout, 64, getattr(torch, fp.layout.dtype))
+    slots = torch.randperm(64)[: 3 * C]
+    counter = layerwise.attach(kv, kv.writer, fp, RemoteKVMetrics())
+    with DecoderPool(instances=2) as pool:
+        be = NvdecFetchBackend(DictClient(data), pool, codec, fp, C, kv.writer)
+        h = be.submit("lw", [b"key0", b"key1", b"key2"], 0, slots)
+        assert h.verified.wait(60) and h.direct
+        counter.add(h, slots, codec)
+        kv.get_key_buffer(fp.layout.num_layers - 1)  # waits layer by layer for the decoder's writes
+        assert h.wait(60)
+        be.close()
+    counter.finish_all()
+    k, v = kv.writer.read(slots)
+    assert np.array_equal(k, rk) and np.array_equal(v, rv)

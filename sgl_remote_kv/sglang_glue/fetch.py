@@ -2,8 +2,10 @@
 
 The SGLang glue talks to a small interface so the decode path can be swapped:
 
-- ``FetchBackend.submit(request_id, keys, start_token) -> FetchHandle`` starts fetching ``keys``
-  (consecutive chunk keys of one prompt, the first one starting at token ``start_token``);
+- ``FetchBackend.submit(request_id, keys, start_token[, slots]) -> FetchHandle`` starts fetching ``keys``
+  (consecutive chunk keys of one prompt, the first one starting at token ``start_token``); a *direct*
+  backend (``direct = True``: DPU, NVDEC) is given the reserved KV slots and writes the KV there itself
+  through the pool's ``KVWriter``, the others stage it for the install;
 - ``FetchHandle`` reports progress: ``layers_ready`` (layers fully decoded for every chunk that is
   still valid), ``done()``, ``ok_chunks`` (leading chunks fetched and decoded; chunks after the first
   failure are dropped, since a hit must stay prefix-contiguous), ``failure`` (kind of the first
@@ -32,6 +34,7 @@ import time
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from sgl_remote_kv.codec import quant
 from sgl_remote_kv.codec.base import Codec
@@ -47,6 +50,7 @@ class FetchHandle:
     """Progress of one request's fetch. Written by one worker thread, read by the scheduler thread."""
 
     decoded_here = True  # the decode ran in this process (``decode_s`` is its time)
+    direct = False  # the backend writes the KV into ``slots`` itself (nothing staged to install)
 
     def __init__(self, request_id: str, n_chunks: int, start_token: int, chunk_size: int) -> None:
         self.request_id = request_id
@@ -56,6 +60,7 @@ class FetchHandle:
         self.k: np.ndarray | None = None
         self.v: np.ndarray | None = None
         self.codes: list[list[quant.LayerView]] | None = None  # [layer][chunk], instead of k/v
+        self.slots = None  # direct backends: the reserved KV slots (host int64), one per token
         self.ok_chunks = n_chunks
         self.layers_ready = 0
         self.failure: str | None = None
@@ -127,7 +132,9 @@ class FetchHandle:
 
 
 class FetchBackend(Protocol):
-    def submit(self, request_id: str, keys: list[bytes], start_token: int) -> FetchHandle: ...
+    direct: bool  # True: submit takes reserved slots and the KV lands there (DPU, NVDEC)
+
+    def submit(self, request_id: str, keys: list[bytes], start_token: int, slots=None) -> FetchHandle: ...
 
     def queue_depth(self) -> int: ...
 
@@ -142,6 +149,7 @@ class ThreadedFetchBackend:
     just before the handle finishes, when no chunk failed.
     """
 
+    direct = False
     label = "fetch"
 
     def __init__(self, client, codec: Codec, fingerprint: ModelFingerprint, chunk_size: int,
@@ -159,8 +167,13 @@ class ThreadedFetchBackend:
         with self._lock:
             return self._pending
 
-    def submit(self, request_id: str, keys: list[bytes], start_token: int) -> FetchHandle:
+    def submit(self, request_id: str, keys: list[bytes], start_token: int, slots=None) -> FetchHandle:
+        """Queue a fetch; ``slots`` (direct backends only): the reserved KV slots of its tokens."""
         handle = FetchHandle(request_id, len(keys), start_token, self.chunk_size)
+        if self.direct:
+            if slots is None:
+                raise ValueError(f"{self.label} is a direct backend: submit with the reserved slots")
+            handle.slots, handle.direct = slots.to("cpu", torch.int64), True
         with self._lock:
             self._pending += 1
         self._pool.submit(self._run, handle, list(keys))

@@ -48,7 +48,9 @@ def nvdec_path(rt: RemoteKVRuntime, codec: Codec) -> FetchPath:
 
     device, gpu_id, instances = _decoder_device(rt)
     pool = DecoderPool(instances=instances, device=device, gpu_id=gpu_id)
-    be = NvdecFetchBackend(rt.client, pool, codec, rt.fingerprint, rt.chunk_size, on_done=rt.wakeup.set)
+    be = NvdecFetchBackend(
+        rt.client, pool, codec, rt.fingerprint, rt.chunk_size, rt.kv_writer, on_done=rt.wakeup.set
+    )
     return FetchPath("nvdec", be, codec, closers=(pool,))
 
 
