@@ -18,13 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device (GPU suite: scripts/gpu_check.sh)", allow_module_level=True)
+from sgl_remote_kv.kvpool import PoolTensors, writer_for
+from sgl_remote_kv.kvpool.device_writer import DeviceKVWriter
+from sgl_remote_kv.types import KVLayout, numpy_storage_dtype
 
-from sgl_remote_kv.kvpool import PoolTensors, writer_for  # noqa: E402
-from sgl_remote_kv.kvpool.device_writer import DeviceKVWriter  # noqa: E402
-from sgl_remote_kv.types import KVLayout, numpy_storage_dtype  # noqa: E402
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh)"),
+]
 
 TD = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
