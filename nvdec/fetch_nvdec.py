@@ -112,7 +112,7 @@ class NvdecFetchBackend(ThreadedFetchBackend):
             k, v = np.empty(shape, numpy_storage_dtype(lay.dtype)), np.empty(shape, numpy_storage_dtype(lay.dtype))
             restore = SlotWriter(k, v, np.arange(c), lay.dtype)  # the chunk's host staging rows
             futs.append(self.pool.submit(blobs[i], self.fingerprint, progress.sink(i, restore, k, v), chunk_id=i))
-        for i, fut in enumerate(futs):
+        for i, fut in enumerate(futs):  # every future is awaited: no worker writes after we return
             try:
                 res = fut.result()
                 fail = "decode:chunk_size" if res.tokens != c else None
@@ -121,7 +121,13 @@ class NvdecFetchBackend(ThreadedFetchBackend):
                 fail = f"decode:{type(e).__name__}"
             except PoolClosed:
                 fail = "cancelled"
+            except Exception as e:  # a crashed decoder instance or a sink bug: this chunk is a miss
+                logger.warning("NVDEC chunk %d of %s failed: %r", i, handle.request_id, e)
+                fail = "internal"
             if fail is not None:
                 with progress.lock:  # pool workers cut the hit too (failed writes)
                     handle._fail_from(i, fail)
+        if handle.cancelled:  # writes were skipped after the cancel: nothing of it is a hit
+            with progress.lock:
+                handle._fail_from(0, "cancelled")
         handle.decoded_bytes = handle.ok_chunks * c * lay.bytes_per_token()

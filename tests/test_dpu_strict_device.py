@@ -112,3 +112,23 @@ def test_close_with_a_wedged_device_does_not_hang(client, dev):
         assert time.monotonic() - t0 < 10
     finally:
         dev.reset()  # the region is unmapped now: the wedged copies must never run
+
+
+def test_a_finished_chunk_whose_round_was_never_written_is_not_a_hit():
+    """One write per round: chunk 0 of a 2-chunk round finished, chunk 1 was lost with the data plane
+    before the round's write ran. Chunk 0's KV never reached the pool, so the hit is 0 chunks, not 1."""
+    import threading
+
+    from sgl_remote_kv.control.jobs import DONE, FetchHandle, HostRound, KVTarget
+    from sgl_remote_kv.kvpool import PoolTensors, writer_for
+
+    k = [torch.zeros(8, LAYOUT.num_kv_heads, LAYOUT.head_dim, dtype=torch.bfloat16) for _ in range(LAYOUT.num_layers)]
+    target = KVTarget(writer_for(PoolTensors(k, k), LAYOUT), torch.arange(2 * CHUNK))
+    for written, hit in ((False, 0), (True, 1)):
+        h = FetchHandle(threading.Condition(), "r", [b"a" * 32, b"b" * 32], [CHUNK, CHUNK], LAYOUT.num_layers, target)
+        r = HostRound(h, 0, 2, 0, 2 * CHUNK, layer_written=[written] * LAYOUT.num_layers, terminal=True)
+        h.rounds.append(r)
+        h.state[0] = DONE
+        h.mark_failed(1, "dataplane_lost")
+        assert h.check_finished()
+        assert h.result().hit_chunks == hit

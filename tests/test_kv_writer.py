@@ -271,3 +271,19 @@ def test_device_writer_odd_sizes_keep_the_slot_index_aligned(dev):
     rk, rv = w.read(s)
     np.testing.assert_array_equal(rk[1:], k)
     np.testing.assert_array_equal(rv[1:], v)
+
+
+def test_device_writer_splits_large_writes_into_bounded_pieces(dev, monkeypatch):
+    """Large writes go in pieces (tokens per launch and bytes per piece bounded), exact all the same."""
+    from sgl_remote_kv.kvpool import device_writer
+
+    monkeypatch.setattr(device_writer, "MAX_TOKENS", 4)
+    monkeypatch.setattr(device_writer, "MAX_PIECE_BYTES", 2 * 4 * 2 * 8 * 2)  # one layer of 4 tokens
+    kv, w = _strict(dev)
+    k, v = _kv(LAY, 3, 10)
+    s = _slots(10, 64)
+    w.write(k, v, s)
+    assert w.stats["writes"] == 3 * 3  # 3 token pieces (4, 4, 2) x 3 layers
+    rk, rv = w.read(s)
+    np.testing.assert_array_equal(rk, k)
+    np.testing.assert_array_equal(rv, v)

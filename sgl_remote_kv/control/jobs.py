@@ -54,7 +54,7 @@ class HostRound:
     slot: int = -1
     job: int = 0
     last_event: float = 0.0
-    layer_done: list[int] = field(default_factory=list)  # per layer: chunks of the round with it done
+    chunk_layers: list[bytearray] = field(default_factory=list)  # per chunk of the round: layers in the region
     layer_written: list[bool] = field(default_factory=list)  # set only after the write returned
     terminal: bool = False
 
@@ -132,7 +132,16 @@ class FetchHandle:
 
     # ---- client side (under cv) --------------------------------------------------------------------
     def _result(self) -> FetchResult:
+        """The hit ends at the first failed chunk, and before any round whose layers were not all written
+        into the pool (a finished chunk whose round never got its write is not a hit)."""
         hit = self.first_fail
+        if self.target is not None:
+            for r in sorted(self.rounds, key=lambda r: r.chunk_lo):
+                if r.chunk_lo >= hit:
+                    break
+                if not all(r.layer_written):
+                    hit = r.chunk_lo
+                    break
         return FetchResult(
             self.request_id,
             hit,

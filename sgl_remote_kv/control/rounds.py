@@ -71,7 +71,7 @@ class RoundBook:
         for regions in plan_rounds(h.chunk_tokens, self.layout, self.slot_bytes, 1.0):
             n = sum(r.tokens for r in regions)
             r = HostRound(h, regions[0].index, regions[-1].index + 1, t, n)
-            r.layer_done = [0] * self.layout.num_layers
+            r.chunk_layers = [bytearray(self.layout.num_layers) for _ in range(r.chunk_hi - r.chunk_lo)]
             r.layer_written = [False] * self.layout.num_layers
             h.rounds.append(r)
             self.pending.append(r)
@@ -159,8 +159,7 @@ class RoundBook:
             i = r.chunk_lo + msg.chunk
             if i < r.chunk_hi and msg.layer + msg.count <= h.num_layers:
                 h.layers_seen[i] += msg.count
-                for layer in range(msg.layer, msg.layer + msg.count):
-                    r.layer_done[layer] += 1
+                r.chunk_layers[msg.chunk][msg.layer : msg.layer + msg.count] = b"\x01" * msg.count
                 self.try_write(r)
         elif isinstance(msg, P.ChunkDone):
             i = r.chunk_lo + msg.chunk
@@ -201,7 +200,8 @@ class RoundBook:
         valid = max(0, min(r.chunk_hi, h.first_fail) - r.chunk_lo)
         if h.cancelled:
             return
-        ready = [not r.layer_written[i] and r.layer_done[i] >= valid for i in range(h.num_layers)]
+        done = r.chunk_layers[:valid]  # a layer is ready when every chunk of the valid prefix has it
+        ready = [not r.layer_written[i] and all(c[i] for c in done) for i in range(h.num_layers)]
         if not self.eager and not all(w or rd for w, rd in zip(r.layer_written, ready, strict=True)):
             return  # one write per round, once every layer is in the region
         layer = 0
@@ -226,9 +226,9 @@ class RoundBook:
         try:
             self.io.write_layers(r, lo, hi, n_tok, h.target)
         except KVWriteError as e:
+            self._fail_from(r, r.chunk_lo, "write")
             self.counters["write_failed"] += 1
             logger.warning("KV write for %s failed; its round is a miss: %s", h.request_id, e)
-            self._fail_from(r, r.chunk_lo, "write")
             return False
         finally:
             self.counters["write_s"] += time.perf_counter() - t0

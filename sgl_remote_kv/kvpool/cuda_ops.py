@@ -30,10 +30,20 @@ class CudaOps:
         self.stream = torch.cuda.Stream(device)
         self._bases: dict[tuple[int, ...], torch.Tensor] = {}  # plane pointers, cached on the device
 
+    def _here(self) -> None:
+        """Make the pool's GPU the calling thread's device (receiver and decoder threads start on device
+        0: a stream context switching back to it would create a context there on every other rank)."""
+        if torch.cuda.current_device() != self.device.index:
+            torch.cuda.set_device(self.device)
+
     def pin(self, array: np.ndarray) -> bool:
+        self._here()
         cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(array.__array_interface__["data"][0], array.nbytes, 0)
+        err = cudart.cudaHostRegister(array.__array_interface__["data"][0], array.nbytes, 1)  # portable
         if int(err) != 0:
+            clear = getattr(cudart, "cudaGetLastError", None)  # the failure must not surface later
+            if clear is not None:
+                clear()
             logger.warning("cudaHostRegister of %d bytes failed (error %s)", array.nbytes, int(err))
             return False
         return True
@@ -45,14 +55,18 @@ class CudaOps:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def device_empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._here()
+        with torch.cuda.stream(self.stream):  # allocated on the stream that uses it
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._here()
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
 
     def scatter(self, src: torch.Tensor, planes: list[torch.Tensor], slots: torch.Tensor) -> None:
         key = tuple(p.data_ptr() for p in planes)
+        self._here()
         with torch.cuda.stream(self.stream):
             bases = self._bases.get(key)
             if bases is None:
@@ -61,10 +75,12 @@ class CudaOps:
             scatter_triton(src, planes, slots, bases=bases)
 
     def dequant(self, codes, scales, m: int, cs, out: torch.Tensor) -> None:
+        self._here()
         with torch.cuda.stream(self.stream):
             dequant_triton(codes, scales, m, cs, out.dtype, out=out)
 
     def record(self) -> torch.cuda.Event:
+        self._here()
         ev = torch.cuda.Event()
         ev.record(self.stream)
         return ev

@@ -35,6 +35,9 @@ from sgl_remote_kv.types import KVLayout
 
 from .writer import DEFAULT_TIMEOUT_S, TORCH_DTYPES, KVWriteError, KVWriter, PoolTensors
 
+MAX_TOKENS = 16384  # tokens per scatter launch (the kernel's grid axis y is capped at 65535)
+MAX_PIECE_BYTES = 64 << 20  # K+V bytes per piece: bounds the pinned and device staging buffers
+
 logger = logging.getLogger(__name__)
 
 
@@ -94,6 +97,17 @@ class DeviceKVWriter(KVWriter):
 
     # ---- write ---------------------------------------------------------------------------------------
     def _write(self, k: np.ndarray, v: np.ndarray, slots: torch.Tensor, layer_lo: int) -> None:
+        """In bounded pieces: at most ``MAX_TOKENS`` tokens (the scatter's grid) and about
+        ``MAX_PIECE_BYTES`` per piece (the staging buffers stay small), each waited for in turn."""
+        n, t = k.shape[:2]
+        layer_bytes = 2 * (k[0].nbytes // max(t, 1)) * min(t, MAX_TOKENS)
+        layers = max(1, min(n, MAX_PIECE_BYTES // max(layer_bytes, 1)))
+        for t0 in range(0, t, MAX_TOKENS):
+            for l0 in range(0, n, layers):
+                kp, vp = k[l0 : l0 + layers, t0 : t0 + MAX_TOKENS], v[l0 : l0 + layers, t0 : t0 + MAX_TOKENS]
+                self._write_piece(kp, vp, slots[t0 : t0 + MAX_TOKENS], layer_lo + l0)
+
+    def _write_piece(self, k: np.ndarray, v: np.ndarray, slots: torch.Tensor, layer_lo: int) -> None:
         n, t = k.shape[:2]
         plane = k[0].nbytes if n else 0
         idx = slots.to("cpu", torch.int64).contiguous()
@@ -125,6 +139,13 @@ class DeviceKVWriter(KVWriter):
         when keys carry per-chunk channel scales), one scatter of the layer's K and V, one event."""
         if any(vw.k_out_idx.size for vw in views):  # exact outlier channels: not in the kernel
             return super()._write_quantized(views, slots, layer)
+        if len(slots) > MAX_TOKENS:  # bounded pieces, chunk by chunk
+            lo = 0
+            for vw in views:
+                n = vw.k_codes.shape[0]
+                self._write_quantized([vw], slots[lo : lo + n], layer)
+                lo += n
+            return
         lay = self.layout
         t, c = len(slots), lay.num_kv_heads * lay.head_dim
         g = views[0].k_scales.shape[1]
@@ -199,6 +220,10 @@ class DeviceKVWriter(KVWriter):
 
     def _device_buffer(self, nbytes: int) -> torch.Tensor:
         if self._dev.numel() < nbytes:
+            with self._late_lock:
+                late = [e for e in self._late if not self.ops.query(e)]
+            if late:  # a timed-out copy may still land in the old buffer: never free it under it
+                raise KVWriteError("device writes still pending after a timeout; not growing staging")
             self._dev = self.ops.device_empty(_grow(nbytes))
         return self._dev
 
