@@ -90,25 +90,24 @@ class FetchCompletion:
         if ok <= 0:
             return
         if p.slots is not None:  # direct: the KV is already in the reserved slots
-            slots, p.slots = p.slots[:ok], p.slots[ok:]
-        else:
-            if not h.has_staged():
-                return
-            slots = self.inst.alloc(ok)
-            if slots is None:
-                self.rt.metrics.failure("no_kv_slots")
-                return
-            p.slots = slots  # the caller frees them unless the tree takes them
-            try:
-                self.inst.write(slots, h)
-            except KVWriteError as e:  # a failed write is a miss: the request recomputes
-                self.rt.metrics.failure(FailureKind.WRITE)
-                logger.warning("writing fetched KV for %s failed; recomputing: %s", p.req.rid, e)
-                return
-            self._insert_hit(p, h, slots)
-            p.slots = None  # tree-owned (or freed by the insert as duplicates)
+            self._insert_hit(p, h, p.slots[:ok])  # if it raises, the caller frees them all
+            p.slots = p.slots[ok:]  # the rest (past the hit) is freed by the caller
+            return
+        if not h.has_staged():
+            return
+        slots = self.inst.alloc(ok)
+        if slots is None:
+            self.rt.metrics.failure("no_kv_slots")
+            return
+        p.slots = slots  # the caller frees them unless the tree takes them
+        try:
+            self.inst.write(slots, h)
+        except KVWriteError as e:  # a failed write is a miss: the request recomputes
+            self.rt.metrics.failure(FailureKind.WRITE)
+            logger.warning("writing fetched KV for %s failed; recomputing: %s", p.req.rid, e)
             return
         self._insert_hit(p, h, slots)
+        p.slots = None  # tree-owned (or freed by the insert as duplicates)
 
     def _insert_hit(self, p: _Parked, h: FetchHandle, slots) -> None:
         ok, start = len(slots), h.start_token
