@@ -16,10 +16,10 @@ from the already-fetched, verified blobs in-process (``codec.decode_layer_into``
 error there is impossible short of a codec bug; it raises (the scheduler stops) rather than letting
 attention read wrong KV.
 
-Non-direct paths (in-process, NVDEC) stage each layer and this class writes it through the pool's
-``KVWriter``. The DPU path is *direct*: the DPU client's receiver thread writes each layer into the slots
-as the data plane reports it (``layer_ready``, set only after the write returned), so waiting is all
-this class does for it; its fallback blobs are host copies the
+A non-direct path stages each layer and this class writes it through the pool's ``KVWriter``. The DPU
+and NVDEC paths are *direct*: the DPU client's receiver thread (the decoder pool's workers) write each
+layer (layer group) into the slots as it is ready (``layer_ready``, set only after the write returned),
+so waiting is all this class does for them; the DPU's fallback blobs are host copies the
 data plane made before signalling verified (``fetch_dpu.py``), and falling back cancels the client's
 handle first (under the client's lock), after which the receiver never writes the slots again. The
 in-process path is decoded *on demand* (``on_demand``): its worker is cancelled at admission and each
