@@ -20,6 +20,8 @@ from tests.fixtures.remote_kv_server import CHUNK, generate, metrics, remote_kv_
 pytestmark = pytest.mark.e2e
 
 TOPICS = ("rivers of Europe", "how bees make honey")
+# The restart must read through NVDEC: the policy may otherwise prefer recompute on a loaded box.
+ALWAYS_FETCH = ("--remote-kv-policy-margin", "1e9")
 NEW_TOKENS = 16
 
 
@@ -55,7 +57,7 @@ def _agreement(ref, outs) -> tuple[int, int]:
 
 def test_nvdec_restart_remote_hit(model_dir, written):
     store, prompts, ref = written
-    with remote_kv_server(model_dir, store, codec="default", mode="nvdec") as s2:
+    with remote_kv_server(model_dir, store, *ALWAYS_FETCH, codec="default", mode="nvdec") as s2:
         outs = [generate(s2, p, NEW_TOKENS)[0] for p in prompts]
         m = metrics(s2)
     for p, o in zip(prompts, outs, strict=True):
