@@ -153,9 +153,8 @@ def test_write_quantized_dequantizes_on_the_device_bit_exact(dtype, k_channel_sc
     """The in-process path on a CUDA pool: codes + scales H2D, Triton dequant, scatter; the pool must hold
     the same bits as the codec's CPU decode (numba)."""
     from benchmarks import synthetic_kv as synthetic
-    from sgl_remote_kv.codec import quant
     from sgl_remote_kv.codec.base import get_codec
-    from sgl_remote_kv.codec.format import layer_section, parse_header
+    from sgl_remote_kv.codec.format import parse_header
 
     fp = synthetic.fingerprint(num_layers=4, dtype=dtype)
     lay = fp.layout
@@ -170,10 +169,7 @@ def test_write_quantized_dequantizes_on_the_device_bit_exact(dtype, k_channel_sc
         views = []
         for b in blobs:
             hdr = parse_header(b, fp)
-            buf = np.empty(codec.scratch_bytes(hdr, layer), np.uint8)
-            n = codec.lossless_stage(layer_section(b, hdr, layer), buf)
-            views.append(quant.split_layer(codec.spec, buf[:n], layer, 64, lay.num_kv_heads, lay.head_dim,
-                                           lay.itemsize))  # fmt: skip
+            views.append(codec.codes_stage(b, hdr, layer, np.empty(codec.scratch_bytes(hdr, layer), np.uint8)))
         w.write_quantized(views, slots, layer)
     assert w.stats["device_dequant"] == lay.num_layers
     ref = [codec.decode(b, fp) for b in blobs]

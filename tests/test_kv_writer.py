@@ -197,18 +197,13 @@ def test_only_the_writer_touches_the_pool_tensors():
 
 def _views(codec, fp, chunks, layer):
     """The lossless stage's output (``LayerView``) of ``layer`` for each encoded chunk."""
-    from sgl_remote_kv.codec import quant
-    from sgl_remote_kv.codec.format import layer_section, parse_header
+    from sgl_remote_kv.codec.format import parse_header
 
-    lay = fp.layout
     out = []
     for k, v in chunks:
         blob = codec.encode(k, v, fp)
         hdr = parse_header(blob, fp)
-        buf = np.empty(codec.scratch_bytes(hdr, layer), np.uint8)
-        n = codec.lossless_stage(layer_section(blob, hdr, layer), buf)
-        out.append(quant.split_layer(codec.spec, buf[:n], layer, hdr.num_tokens, lay.num_kv_heads,
-                                     lay.head_dim, lay.itemsize))  # fmt: skip
+        out.append(codec.codes_stage(blob, hdr, layer, np.empty(codec.scratch_bytes(hdr, layer), np.uint8)))
     return out
 
 

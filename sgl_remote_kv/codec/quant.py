@@ -31,7 +31,7 @@ from numba import njit
 
 from sgl_remote_kv.codec.base import Codec
 from sgl_remote_kv.codec.errors import CorruptChunk
-from sgl_remote_kv.codec.format import ChunkHeader
+from sgl_remote_kv.codec.format import ChunkHeader, layer_section
 
 logger = logging.getLogger(__name__)
 
@@ -334,6 +334,15 @@ class QuantCodec(Codec):
     def scratch_bytes(self, header: ChunkHeader, layer: int) -> int:
         lay = header.layout
         return max_decoded_bytes(self.spec, header.num_tokens, lay.num_kv_heads, lay.head_dim)
+
+    def codes_stage(self, blob, header: ChunkHeader, layer: int, out: np.ndarray) -> LayerView:
+        """The lossless stage of ``layer`` into ``out`` (uint8, >= ``scratch_bytes``), as its codes and
+        scales (views into ``out``): what a device dequantizes. Raises ``ChunkError``."""
+        n = self.lossless_stage(layer_section(blob, header, layer), out)
+        lay = header.layout
+        return split_layer(
+            self.spec, out[:n], layer, header.num_tokens, lay.num_kv_heads, lay.head_dim, lay.itemsize
+        )
 
     def dequant_stage(
         self, header: ChunkHeader, layer: int, decoded, out_k: np.ndarray, out_v: np.ndarray

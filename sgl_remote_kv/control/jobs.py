@@ -136,7 +136,7 @@ class FetchHandle:
         into the pool (a finished chunk whose round never got its write is not a hit)."""
         hit = self.first_fail
         if self.target is not None:
-            for r in sorted(self.rounds, key=lambda r: r.chunk_lo):
+            for r in self.rounds:  # in chunk order (``RoundBook.add``)
                 if r.chunk_lo >= hit:
                     break
                 if not all(r.layer_written):

@@ -39,7 +39,6 @@ import torch
 from sgl_remote_kv.codec import quant
 from sgl_remote_kv.codec.base import Codec
 from sgl_remote_kv.codec.errors import ChunkError
-from sgl_remote_kv.codec.format import layer_section
 from sgl_remote_kv.kvpool import KVWriter
 from sgl_remote_kv.types import ModelFingerprint, numpy_storage_dtype
 
@@ -262,9 +261,7 @@ class InProcessFetchBackend(ThreadedFetchBackend):
             for i in range(handle.ok_chunks):
                 buf = np.empty(self.codec.scratch_bytes(headers[i], layer), np.uint8)
                 try:
-                    n = self.codec.lossless_stage(layer_section(blobs[i], headers[i], layer), buf)
-                    row.append(quant.split_layer(self.codec.spec, buf[:n], layer, c, lay.num_kv_heads,
-                                                 lay.head_dim, lay.itemsize))  # fmt: skip
+                    row.append(self.codec.codes_stage(blobs[i], headers[i], layer, buf))
                 except ChunkError as e:
                     handle._fail_from(i, f"decode:{type(e).__name__}")
                     break

@@ -49,7 +49,6 @@ import numpy as np
 
 from sgl_remote_kv.codec import quant
 from sgl_remote_kv.codec.errors import ChunkError
-from sgl_remote_kv.codec.format import layer_section
 from sgl_remote_kv.kvpool import KVWriteError
 from sgl_remote_kv.sglang_glue.fetch import FetchHandle
 from sgl_remote_kv.types import numpy_storage_dtype
@@ -186,13 +185,10 @@ class LayerwiseInstalls:
         one chunk at a time through the shared scratch."""
         t0 = time.perf_counter()
         h, c = p.handle, p.handle.chunk_size
-        lay = self.fingerprint.layout
         for i, (blob, hdr) in enumerate(zip(h.blobs, h.headers, strict=True)):
             scratch = self._bufs.scratch(p.codec.scratch_bytes(hdr, layer))
             try:
-                n = p.codec.lossless_stage(layer_section(blob, hdr, layer), scratch)
-                view = quant.split_layer(p.codec.spec, scratch[:n], layer, c, lay.num_kv_heads,
-                                         lay.head_dim, lay.itemsize)  # fmt: skip
+                view = p.codec.codes_stage(blob, hdr, layer, scratch)
             except ChunkError as e:
                 self.metrics.failure("layerwise_decode_error")
                 raise RuntimeError(f"verified chunk {i} of {h.request_id} failed to decode: {e!r}") from e
