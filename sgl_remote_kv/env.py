@@ -3,6 +3,8 @@
 - ``SRKV_CPU_PLATFORM=1``: activate the CPU development platform plugin (CPU dev/CI only).
 - ``SRKV_CACHE_DIR``: where the built model and the embedded store live
   (default ``~/.cache/sgl-remote-kv``).
+- ``SRKV_ALLOW_SGLANG_VERSION=1``: run the tier on an SGLang version other than the one its seam was
+  written for (``sglang_glue/seam.py``), at the operator's risk.
 - ``SRKV_CONFIG``: JSON of the parsed ``RemoteKVConfig``; set by the launcher-side plugin so the
   scheduler subprocesses see the exact config the CLI produced (never set by hand).
 """
@@ -15,10 +17,19 @@ from pathlib import Path
 CPU_PLATFORM = "SRKV_CPU_PLATFORM"
 CACHE_DIR = "SRKV_CACHE_DIR"
 CONFIG_JSON = "SRKV_CONFIG"
+ALLOW_SGLANG_VERSION = "SRKV_ALLOW_SGLANG_VERSION"
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def cpu_platform_enabled() -> bool:
-    return os.environ.get(CPU_PLATFORM, "").strip().lower() in ("1", "true", "yes", "on")
+    return _flag(CPU_PLATFORM)
+
+
+def allow_other_sglang() -> bool:
+    return _flag(ALLOW_SGLANG_VERSION)
 
 
 def cache_dir() -> Path:

@@ -124,6 +124,15 @@ class FailureKind(str, Enum):
             return cls.STORE_OTHER if str(kind).startswith("store_") else cls.INTERNAL
 
 
+class PathName(str, Enum):
+    """A fetch path: how a remote prefix gets into the KV pool (``--remote-kv`` modes pick the set). The
+    order of the members is the column order of the TP agreement's rows."""
+
+    DPU = "dpu"  # the DPU data plane process decodes and writes into the pool
+    INPROC = "inproc"  # worker threads of the serving process decode; the install writes
+    NVDEC = "nvdec"  # the decoder pool (NVDEC or FFmpeg) decodes hevc and writes into the pool
+
+
 class StoreErrorLabel(str, Enum):
     """``store_errors_total{kind}`` label values: the store client's error kinds, closed (``io:<errno>`` ->
     ``io``; exception names -> ``other``)."""
@@ -149,5 +158,5 @@ class StoreErrorLabel(str, Enum):
 
 STORE_OPS = ("lookup", "get", "put", "delete")
 LOOKUP_RESULTS = ("hit", "miss", "error", "timeout")
-DECISIONS = ("dpu", "nvdec", "inproc", "recompute", "probe")
+DECISIONS = (*(p.value for p in PathName), "recompute", "probe")
 WRITEBACK_SKIPS = ("queue_full", "present")

@@ -19,7 +19,7 @@ import pytest
 from benchmarks import synthetic_kv as synthetic
 from benchmarks.redis_server import RedisServer, free_port
 from sgl_remote_kv.codec.base import get_codec
-from sgl_remote_kv.sglang_glue.kv_io import weights_id_for
+from sgl_remote_kv.sglang_glue.seam import weights_id_for
 from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.store.client import frame, unframe
 from sgl_remote_kv.store.redis_store import redis_key
@@ -340,7 +340,7 @@ def test_data_plane_lost_mid_fetch(srv, proxy, tok, sig):
 
 
 def test_tenants_never_share_remote_kv_nor_observe_each_others_prefix(srv, tok, rdb, chunk_keys):
-    from sgl_remote_kv.sglang_glue.runtime import tenant_salt
+    from sgl_remote_kv.store.keys import tenant_salt
 
     case = make_case(tok, "tenants")
     alice, bob = {"cache_salt": "alice"}, {"cache_salt": "bob"}

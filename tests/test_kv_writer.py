@@ -172,14 +172,14 @@ def test_staging_source_reused_too_early_would_be_caught(dev):
 
 def test_only_the_writer_touches_the_pool_tensors():
     """Every write (and the write-back's read) of token KV goes through ``kvpool``: outside it, only the
-    pool adapter (``sglang_glue/kv_io.py``: layout + building the writer) names SGLang's per-layer
+    SGLang seam (``sglang_glue/seam.py``: pool layout + building the writer) names SGLang's per-layer
     tensors, and nothing else in the package uses a tensor scatter/copy op that could write them."""
     import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     shipped = [p for d in ("sgl_remote_kv", "dpu", "nvdec", "kernels") for p in (root / d).rglob("*.py")]
-    allowed_names = {root / "sgl_remote_kv/sglang_glue/kv_io.py", root / "kernels/scatter.py"}
+    allowed_names = {root / "sgl_remote_kv/sglang_glue/seam.py", root / "kernels/scatter.py"}
     pool_names = re.compile(r"\b[kv]_buffer\b")
     writes = re.compile(r"\.(index_copy_|index_put_|index_put|scatter_|copy_)\(")
     offenders = []

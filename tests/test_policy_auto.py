@@ -3,15 +3,18 @@ queue's decision step (path + chunk count + metrics), and codec-separated namesp
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from sgl_remote_kv.admission import Phase, WaitingForKV
+from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.config import RemoteKVConfig
 from sgl_remote_kv.policy.estimator import Policy, PolicyConfig
 from sgl_remote_kv.sglang_glue import paths
-from sgl_remote_kv.sglang_glue.runtime import FetchPath, RemoteKVRuntime
-from sgl_remote_kv.sglang_glue.waiting_queue import WaitingForKV, _Parked
-from sgl_remote_kv.store.client import open_client
-from sgl_remote_kv.types import KVLayout, ModelFingerprint
+from sgl_remote_kv.sglang_glue.runtime import FetchPath, KeySpace
+from sgl_remote_kv.types import KVLayout, ModelFingerprint, PathName
+from tests.admission_fakes import C, make_queue, req
 
 MB = 1 << 20
 FP = ModelFingerprint(
@@ -58,79 +61,51 @@ def test_auto_recomputes_when_no_path_can_win_and_modes_restrict_paths():
     assert one.decide_among({"dpu": (1000, MB, MB)}, {}).path == one.decide(1000, MB, MB, {}).path
 
 
-class _Backend:
-    def __init__(self, depth: int) -> None:
-        self.depth = depth
-
-    def queue_depth(self) -> int:
-        return self.depth
-
-    def close(self) -> None:
-        pass
-
-
-@pytest.fixture()
-def rt(tmp_path):
-    cfg = RemoteKVConfig(mode="auto", store_url=f"file://{tmp_path / 's'}", chunk_size=16, codec="default")
-    rt = RemoteKVRuntime(cfg, FP, paths.write_codec(cfg), open_client(cfg.resolved_store_url()))
-    yield rt
-    rt.close()
-
-
-def test_write_codec_follows_the_mode_and_namespaces_never_collide(rt):
+def test_write_codec_follows_the_mode_and_namespaces_never_collide():
     base = dict(store_url="file:///x", chunk_size=16)
-    assert paths.write_codec(RemoteKVConfig(mode="nvdec", **base)).name == "hevc"
-    assert paths.write_codec(RemoteKVConfig(mode="dpu", **base)).name == rt.codec.name != "hevc"
+    quant = paths.write_codec(RemoteKVConfig(mode="dpu", **base))
     hevc = paths.write_codec(RemoteKVConfig(mode="nvdec", **base))
+    assert hevc.name == "hevc" != quant.name
+    ks = KeySpace(FP, quant, 16)
     ids = list(range(64))
-    quant_keys, hevc_keys = rt.keys_for(ids, 3, None), rt.keys_for(ids, 3, None, hevc)
+    quant_keys, hevc_keys = ks.keys_for(ids, 3, None), ks.keys_for(ids, 3, None, hevc)
     assert len(set(quant_keys) | set(hevc_keys)) == 6
-    assert rt.keys_for(ids, 3, None, hevc) == hevc_keys  # memoised namespace is stable
+    assert ks.keys_for(ids, 3, None, hevc) == hevc_keys  # memoised namespace is stable
 
 
-def test_waiting_queue_decision_picks_path_counts_and_metrics(rt):
-    from sgl_remote_kv.codec.base import get_codec
-
-    rt.set_paths(
-        [FetchPath("dpu", _Backend(depth=5), rt.codec), FetchPath("nvdec", _Backend(0), get_codec("hevc"))]
+def test_queue_decision_picks_the_path_with_the_prefix_and_the_shorter_queue():
+    """Two paths (DPU: the quantized codec, queue 5 deep; NVDEC: hevc, idle) under ``auto``: a prefix
+    stored under both goes to NVDEC; a prefix only the DPU namespace has goes to the DPU; each decision
+    is counted under its path."""
+    w = make_queue()
+    dpu, nvdec = w.be, type(w.be)()
+    dpu.queue_depth = lambda: 5
+    hevc = get_codec("hevc")
+    c = dataclasses.replace(
+        w.c,
+        paths={PathName.DPU: w.c.paths[PathName.DPU], PathName.NVDEC: FetchPath(PathName.NVDEC, nvdec, hevc)},
+        policy=Policy(PolicyConfig(mode="auto"), available=("dpu", "nvdec")),
     )
+    q = WaitingForKV(c, w.q.s)
     for _ in range(3):
-        rt.policy.observe_prefill(1000, 1.0)
-    wq = WaitingForKV.__new__(WaitingForKV)
-    wq.rt = rt
-    before = rt.metrics.snapshot()
-    p = _Parked(req=type("R", (), {"rid": "r1"})(), keys={}, local_chunks=0)
-    assert wq._decide_fetch(p, {"dpu": 4, "nvdec": 4})
-    assert (p.path, p.remote_chunks) == ("nvdec", 4)  # the DPU queue is deep
-    q = _Parked(req=type("R", (), {"rid": "r2"})(), keys={}, local_chunks=0)
-    assert wq._decide_fetch(q, {"dpu": 6, "nvdec": 0})
-    assert (q.path, q.remote_chunks) == ("dpu", 6)  # only the DPU namespace has the prefix
-    after = rt.metrics.snapshot()
+        c.policy.observe_prefill(1000, 1.0)
+    both, dpu_only = req("both", 4 * C + 1, base=0), req("dpu_only", 6 * C + 1, base=5000)
+    w.stored(both, 4)
+    w.stored(dpu_only, 6)
+    w.stored(both, 4, hevc)
+    before = c.metrics.snapshot()
+    for r in (both, dpu_only):
+        assert q.park(r)
+        q.parked[r.rid].lookup.result(timeout=10)
+    q.poll()
+    p_both, p_dpu = q.parked["both"], q.parked["dpu_only"]
+    assert (p_both.path, p_both.remote_chunks, p_both.phase) == (PathName.NVDEC, 4, Phase.FETCH)
+    assert (p_dpu.path, p_dpu.remote_chunks, p_dpu.phase) == (PathName.DPU, 6, Phase.FETCH)
+    assert "both" in nvdec.handles and "dpu_only" in dpu.handles
+    after = c.metrics.snapshot()
     for path in ("nvdec", "dpu"):
         key = f"decisions|path={path}"
         assert after.get(key, 0) - before.get(key, 0) == 1
-
-
-def test_in_flight_dedup_follows_then_reparks(rt):
-    wq = WaitingForKV.__new__(WaitingForKV)
-    wq.rt, wq.parked = rt, {}
-    released, reparked = [], []
-    wq._release_fn = released.append
-    wq.park = lambda req: reparked.append(req.rid) or False  # local match now covers it
-    req = type("R", (), {})
-    lead = _Parked(req=req(), keys={"dpu": [b"a", b"b"]}, local_chunks=0, path="dpu", handle=object())
-    lead.req.rid = "lead"
-    other = _Parked(req=req(), keys={"dpu": [b"x"]}, local_chunks=0, path="dpu")
-    same = _Parked(req=req(), keys={"dpu": [b"a"]}, local_chunks=0, path="dpu", fetch_started=1e18)
-    same.req.rid = "same"
-    wq.parked = {"lead": lead, "same": same}
-    assert wq._inflight_leader(other) is None and wq._inflight_leader(same) is lead
-    same.follow = "lead"
-    wq._poll_follower(same, 0.0)
-    assert "same" in wq.parked and not reparked  # leader still fetching
-    del wq.parked["lead"]  # leader installed and released
-    wq._poll_follower(same, 0.0)
-    assert reparked == ["same"] and released == [same.req] and "same" not in wq.parked
 
 
 def test_nvdec_and_layerwise_flags_parse_and_validate(capsys):

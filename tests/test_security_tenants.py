@@ -1,5 +1,5 @@
 """Tenant isolation at the key level: what the serving path derives from a request's ``cache_salt`` /
-``extra_key`` (``runtime.tenant_salt`` + ``RemoteKVRuntime.keys_for``) never lets two tenants share a
+``extra_key`` (``keys.tenant_salt`` + ``KeySpace.keys_for``) never lets two tenants share a
 chunk key, and a tenant's presence query never sees another tenant's chunks in a real store.
 (The namespace function itself is covered by ``test_store_keys.py``; the end-to-end check with a real
 server, including cached-token reports, is in ``test_faults_server.py``.)"""
@@ -12,9 +12,8 @@ import pytest
 
 from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.config import RemoteKVConfig
-from sgl_remote_kv.sglang_glue.runtime import RemoteKVRuntime, tenant_salt
-from sgl_remote_kv.store.client import ClientConfig, StoreClient
-from sgl_remote_kv.store.local import LocalStore
+from sgl_remote_kv.sglang_glue.runtime import KeySpace
+from sgl_remote_kv.store.keys import tenant_salt
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 
 FP = ModelFingerprint("LlamaForCausalLM", KVLayout(30, 3, 64, "float32"), "weights", 0, 1)
@@ -51,10 +50,7 @@ def test_tenant_salt_is_injective_over_tricky_identities():
 @pytest.fixture
 def rt(tmp_path):
     cfg = RemoteKVConfig(mode="dpu", store_url=f"file://{tmp_path / 's'}", chunk_size=64, codec="lossless")
-    client = StoreClient(LocalStore(tmp_path / "s"), ClientConfig(negative_ttl_s=0.0))
-    runtime = RemoteKVRuntime(cfg, FP, get_codec("lossless"), client)
-    yield runtime
-    runtime.close()
+    return KeySpace(FP, get_codec("lossless"), cfg.chunk_size)
 
 
 def test_same_prompt_different_tenants_share_no_key(rt):

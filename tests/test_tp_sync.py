@@ -1,4 +1,4 @@
-"""TP rank agreement (sgl_remote_kv/sglang_glue/tp_sync.py) over a real gloo process group.
+"""TP rank agreement (sgl_remote_kv/admission/agreement.py) over a real gloo process group.
 
 Each test spawns 2 or 3 real processes that join a torch.distributed gloo group (file:// rendezvous)
 and run the same scenario, each rank with its own local observations; the agreed verdicts of every
@@ -14,8 +14,8 @@ import traceback
 import pytest
 import torch
 
-from sgl_remote_kv.sglang_glue import tp_sync
-from sgl_remote_kv.sglang_glue.tp_sync import MISS, NEUTRAL, PENDING, Agreement, ready, row
+from sgl_remote_kv.admission.agreement import MISS, NEUTRAL, PENDING, Agreement, choice_of, ready, row
+from sgl_remote_kv.types import PathName
 
 
 def _scenario_pending(rank: int, ag: Agreement) -> list:
@@ -24,7 +24,7 @@ def _scenario_pending(rank: int, ag: Agreement) -> list:
     for step in range(3):
         code = PENDING if rank == 1 and step == 0 else ready(5 - rank)  # 5, 4, (3)
         v = ag.agree([("rid-a:fetch", row(code))])[0]
-        out.append((v.pending, v.miss, v.chunks))
+        out.append((v.pending, v.miss, v.n))
     return out
 
 
@@ -36,12 +36,12 @@ def _scenario_miss(rank: int, ag: Agreement) -> list:
         ("b:fetch", row(MISS if last else ready(7))),  # others finished
         ("c:lookup", row(ready(1), choice=0 if rank == 0 else NEUTRAL, counts={"dpu": 3})),
     ]
-    return [(v.pending, v.miss, v.chunks, v.path) for v in ag.agree(entries)]
+    return [(v.pending, v.miss, v.n, v.path) for v in ag.agree(entries)]
 
 
 def _scenario_choice(rank: int, ag: Agreement) -> list:
     """Rank 0's policy choice wins; per-path counts are the MIN over ranks; early needs every rank."""
-    choice = tp_sync.PATH_NAMES.index("inproc") + 1 if rank == 0 else NEUTRAL
+    choice = choice_of(PathName.INPROC) if rank == 0 else NEUTRAL
     counts = {"inproc": 6 - rank, "dpu": 9}
     entries = [
         ("x:lookup", row(ready(1), choice=choice, counts=counts)),
@@ -145,45 +145,10 @@ def test_tp1_is_the_identity_without_any_collective():
     assert not torch.distributed.is_initialized()  # a collective here would raise
     ag = Agreement()
     v = ag.agree([("a:fetch", row(ready(4))), ("b:lookup", row(MISS))])
-    assert (v[0].chunks, v[1].miss, ag.collectives, ag.active) == (4, True, 0, False)
-    assert not tp_sync.SINGLE.active
+    assert (v[0].n, v[1].miss, ag.collectives, ag.active) == (4, True, 0, False)
 
 
-# -- the queue driver (TPQueue) on real WaitingForKV state, one queue per rank ----------------------
-
-
-class _IdleBackend:
-    """A fetch path that is never fetched from here (rank 0's policy chooses recompute)."""
-
-    def queue_depth(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        pass
-
-
-def _queue(rank: int, ag: Agreement, tmp: str):
-    import types
-
-    from sgl_remote_kv.config import RemoteKVConfig
-    from sgl_remote_kv.sglang_glue import paths
-    from sgl_remote_kv.sglang_glue.install import TreeInstaller
-    from sgl_remote_kv.sglang_glue.runtime import FetchPath, RemoteKVRuntime
-    from sgl_remote_kv.sglang_glue.waiting_queue import WaitingForKV
-    from sgl_remote_kv.store.client import open_client
-    from sgl_remote_kv.types import KVLayout, ModelFingerprint
-
-    fp = ModelFingerprint("LlamaForCausalLM", KVLayout(2, 1, 8, "float32"), "w", rank, ag.size)
-    cfg = RemoteKVConfig(mode="dpu", store_url=f"file://{tmp}/s{rank}", chunk_size=16, policy_margin=0.0)
-    rt = RemoteKVRuntime(cfg, fp, paths.write_codec(cfg), open_client(cfg.resolved_store_url()))
-    rt.set_paths([FetchPath("inproc", _IdleBackend(), rt.codec)])
-    q = WaitingForKV.__new__(WaitingForKV)
-    q.rt, q.parked, q.zombies, q.layerwise = rt, {}, [], None
-    q.inst = TreeInstaller.__new__(TreeInstaller)  # zombies here hold no slots / locks
-    q.released = []
-    q._release_fn = q.released.append
-    q.sync = tp_sync.TPQueue(ag)
-    return q, types.SimpleNamespace  # requests: only ``rid`` is read on this path
+# -- the admission queue's one poll loop, one queue per rank ------------------------------------------
 
 
 def _scenario_queue(rank: int, ag: Agreement) -> list:
@@ -191,37 +156,41 @@ def _scenario_queue(rank: int, ag: Agreement) -> list:
     zombie fetch whose backend stops at a different pass on every rank; the pass at which each request
     leaves the queue and the zombie is reaped must be the same on every rank."""
     import concurrent.futures as cf
-    import tempfile
-    import time
 
+    from sgl_remote_kv.admission import ParkedRequest, Phase
     from sgl_remote_kv.sglang_glue.fetch import FetchHandle
-    from sgl_remote_kv.sglang_glue.waiting_queue import _Parked
+    from sgl_remote_kv.types import KVLayout, ModelFingerprint
+    from tests.admission_fakes import C, make_queue, req
 
-    q, ns = _queue(rank, ag, tempfile.mkdtemp())
+    fp = ModelFingerprint("LlamaForCausalLM", KVLayout(2, 1, 8, "float32"), "w", rank, ag.size)
+    w = make_queue(agreement=ag, margin=0.0, fp=fp)  # margin 0: rank 0's policy chooses recompute
+    q = w.q
     futures = {rid: cf.Future() for rid in ("late", "timeout", "fault")}
-    for rid, f in futures.items():
-        q.parked[rid] = _Parked(req=ns(rid=rid), keys={"inproc": [b"k"] * 3}, local_chunks=0, lookup=f)
-    zombie = _Parked(req=ns(rid="z"), keys={}, local_chunks=0, handle=FetchHandle("z", 1, 0, 16))
-    q.zombies.append(zombie)
-    futures["late"].set_result({"inproc": 3}) if rank != 1 else None  # rank 1 answers at pass 2
-    futures["timeout"].set_result({"inproc": 3}) if rank != ag.size - 1 else None  # never answers
+    for i, (rid, f) in enumerate(futures.items()):  # the same parked order on every rank
+        assert q.park(req(rid, 3 * C + 1, base=1000 * i))
+        q.parked[rid].lookup.cancel()
+        q.parked[rid].lookup = f  # answered when this scenario says so
+    z = ParkedRequest(req("z", 1), "z", {}, 0, 0.0, 0.0, phase=Phase.ZOMBIE, handle=FetchHandle("z", 1, 0, C))
+    q.zombies.append(z)  # a dropped fetch whose backend still runs
+    futures["late"].set_result({PathName.DPU: 3}) if rank != 1 else None  # rank 1 answers at pass 2
+    futures["timeout"].set_result({PathName.DPU: 3}) if rank != ag.size - 1 else None  # never answers
     if rank == 0:
         futures["fault"].set_exception(OSError("store unreachable"))
     else:
-        futures["fault"].set_result({"inproc": 3})
+        futures["fault"].set_result({PathName.DPU: 3})
     out, released_at = [], {}
     for step in range(5):
         if step == 2 and rank == 1:
-            futures["late"].set_result({"inproc": 3})
+            futures["late"].set_result({PathName.DPU: 3})
         if step == 1 and rank == ag.size - 1:  # this rank's clock passes the lookup deadline
-            q.parked["timeout"].parked_at = time.monotonic() - 10 * q.rt.settings.lookup_timeout_s
+            q.parked["timeout"].since -= 10 * q.s.lookup_timeout_s
         if step == rank:
-            zombie.handle._finish()  # this rank's backend stops writing the dropped fetch's slots
-        q.sync.poll(q, time.monotonic())
-        for r in q.released:
-            released_at.setdefault(r.rid, step)
+            z.handle._finish()  # this rank's backend stops writing the dropped fetch's slots
+        q.poll()
+        for rid in w.host.released:
+            released_at.setdefault(rid, step)
         out.append((sorted(q.parked), len(q.zombies), ag.collectives))
-    return [released_at, out, q.rt.metrics.snapshot().get("lookups|result=timeout", 0)]
+    return [released_at, out, w.c.metrics.snapshot().get("lookups|result=timeout", 0)]
 
 
 SCENARIOS["_scenario_queue"] = _scenario_queue

@@ -244,12 +244,11 @@ def _broken(h: FetchHandle) -> bool:
 
 def attach(kvcache, kv_writer, fingerprint, metrics) -> LayerwiseInstalls | None:
     """Register a ``LayerwiseInstalls`` on the pool; ``None`` if the pool cannot take one."""
-    if not hasattr(kvcache, "register_layer_transfer_counter"):
-        logger.warning("layer-wise pipelining off: %s has no layer-transfer counter", type(kvcache).__name__)
-        return None
-    if getattr(kvcache, "layer_transfer_counter", None) is not None:
-        logger.warning("layer-wise pipelining off: the pool's layer-transfer counter is taken (HiCache)")
-        return None
+    from sgl_remote_kv.sglang_glue import seam
+
     counter = LayerwiseInstalls(kv_writer, fingerprint, metrics)
-    kvcache.register_layer_transfer_counter(counter)
+    why = seam.attach_layer_counter(kvcache, counter)
+    if why is not None:
+        logger.warning("layer-wise pipelining off: %s", why)
+        return None
     return counter

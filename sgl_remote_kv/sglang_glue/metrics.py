@@ -108,6 +108,11 @@ class RemoteKVMetrics:
     def dedup(self) -> None:
         self._inc("dedup_followers")
 
+    def slot_wait(self, seconds: float) -> None:
+        """A request that chose to fetch waited ``seconds`` for KV slots before its fetch started."""
+        self._inc("slot_waits")
+        self._inc("slot_wait", seconds)
+
     def layerwise_admission(self) -> None:
         self._inc("layerwise_admissions")
 
@@ -144,6 +149,8 @@ def _build_prometheus() -> dict:
         "dedup_followers": Counter(
             p + "dedup_followers", "Requests that waited on another request's in-flight fetch"
         ),
+        "slot_waits": Counter(p + "slot_waits", "Fetches that waited for KV slots before they started"),
+        "slot_wait": Counter(p + "slot_wait_seconds", "Time fetches waited for KV slots before they started"),
         "layerwise_wait": Counter(
             p + "layerwise_wait_seconds", "Time forward passes waited for layer-wise installs"
         ),

@@ -25,10 +25,15 @@ Threads: built once on the scheduler thread by ``radix_cache.build``.
 from __future__ import annotations
 
 import logging
+import threading
+from dataclasses import dataclass
 
 from sgl_remote_kv.codec.base import Codec, get_codec
 from sgl_remote_kv.config import RemoteKVConfig
-from sgl_remote_kv.sglang_glue.runtime import FetchPath, RemoteKVRuntime, resolve_codec
+from sgl_remote_kv.sglang_glue.fetch import InProcessFetchBackend
+from sgl_remote_kv.sglang_glue.runtime import FetchPath, resolve_codec
+from sgl_remote_kv.store.client import StoreClient
+from sgl_remote_kv.types import ModelFingerprint, PathName
 
 logger = logging.getLogger(__name__)
 
@@ -42,60 +47,88 @@ def write_codec(cfg: RemoteKVConfig) -> Codec:
     return resolve_codec(cfg.codec)
 
 
-def nvdec_path(rt: RemoteKVRuntime, codec: Codec) -> FetchPath:
+@dataclass(frozen=True)
+class PathParts:
+    """What every fetch path is built from."""
+
+    config: RemoteKVConfig
+    fingerprint: ModelFingerprint
+    codec: Codec  # the write codec
+    client: StoreClient
+    kv_writer: object  # the pool's KVWriter (None: a CPU-only test without a pool)
+    wakeup: threading.Event
+    on_store_error: object = None  # (op, kind, n): the data plane's own store client's failures
+
+
+def inproc_path(parts: PathParts) -> FetchPath:
+    w = parts.kv_writer
+    be = InProcessFetchBackend(
+        parts.client,
+        parts.codec,
+        parts.fingerprint,
+        parts.config.chunk_size,
+        on_done=parts.wakeup.set,
+        keep_codes=w is not None and w.device_dequant,  # GPU dequant at install
+    )
+    return FetchPath(PathName.INPROC, be, parts.codec)
+
+
+def nvdec_path(parts: PathParts, codec: Codec) -> FetchPath:
     from sgl_remote_kv.nvdec.fetch_nvdec import NvdecFetchBackend
     from sgl_remote_kv.nvdec.pool import DecoderPool
 
-    device, gpu_id, instances = _decoder_device(rt)
+    device, gpu_id, instances = _decoder_device(parts)
     pool = DecoderPool(instances=instances, device=device, gpu_id=gpu_id)
     be = NvdecFetchBackend(
-        rt.client, pool, codec, rt.fingerprint, rt.chunk_size, rt.kv_writer, on_done=rt.wakeup.set
-    )
-    return FetchPath("nvdec", be, codec, closers=(pool,))
+        parts.client, pool, codec, parts.fingerprint, parts.config.chunk_size, parts.kv_writer,
+        on_done=parts.wakeup.set,
+    )  # fmt: skip
+    return FetchPath(PathName.NVDEC, be, codec, closers=(pool,))
 
 
-def _decoder_device(rt: RemoteKVRuntime) -> tuple[str, int, int]:
+def _decoder_device(parts: PathParts) -> tuple[str, int, int]:
     """(device, gpu id, instances) of the decoder pool: NVDEC through PyNvVideoCodec, one decoder per
     engine, when the KV pool is on a GPU whose NVDEC decodes 8-bit 4:4:4 HEVC; FFmpeg's software decoder
     (``--remote-kv-nvdec-instances`` threads) otherwise, on the same bitstreams."""
-    dev = rt.kv_writer.pool.k[0].device if rt.kv_writer is not None else None
+    dev = parts.kv_writer.pool.k[0].device if parts.kv_writer is not None else None
     if dev is None or dev.type != "cuda":
-        return "cpu", 0, rt.config.nvdec_instances
+        return "cpu", 0, parts.config.nvdec_instances
     from sgl_remote_kv.nvdec import nvcodec
 
     gpu = dev.index or 0
     reason = nvcodec.unavailable_reason(gpu)
     if reason is not None:
         logger.warning("NVDEC unusable on GPU %d (%s): software HEVC decoding", gpu, reason)
-        return "cpu", 0, rt.config.nvdec_instances
+        return "cpu", 0, parts.config.nvdec_instances
     return "cuda", gpu, nvcodec.nvdec_engines(gpu)
 
 
-def _dpu_or_inproc(rt: RemoteKVRuntime) -> FetchPath:
-    if rt.codec.name != HEVC and rt.settings.use_dpu:
+def _dpu_or_inproc(parts: PathParts) -> FetchPath:
+    if parts.codec.name != HEVC:
         from sgl_remote_kv.sglang_glue.fetch_dpu import start_dpu_backend
 
-        be = start_dpu_backend(rt.config, rt.fingerprint, rt.codec, rt.kv_writer, on_done=rt.wakeup.set)
+        be = start_dpu_backend(
+            parts.config, parts.fingerprint, parts.codec, parts.kv_writer, parts.wakeup.set, parts.on_store_error
+        )
         if be is not None:
-            return FetchPath("dpu", be, rt.codec)
-    return rt.paths.get("inproc") or rt.inproc_path()
+            return FetchPath(PathName.DPU, be, parts.codec)
+    return inproc_path(parts)
 
 
-def install_paths(rt: RemoteKVRuntime) -> None:
-    """Replace the runtime's default in-process path with the mode's paths."""
-    mode = rt.config.mode
-    if mode == "inproc":
-        rt.set_paths([rt.paths.get("inproc") or rt.inproc_path()])
-    elif mode == "dpu":
-        rt.set_paths([_dpu_or_inproc(rt)])
-    elif mode == "nvdec":
-        if rt.codec.name == HEVC:
-            rt.set_paths([nvdec_path(rt, rt.codec)])
-        else:
-            logger.warning("--remote-kv nvdec needs the hevc codec, got %r: in-process path", rt.codec.name)
+def build_paths(parts: PathParts) -> list[FetchPath]:
+    """The mode's fetch paths, primary first (see module docstring)."""
+    mode, codec = parts.config.mode, parts.codec
+    if mode == "dpu":
+        out = [_dpu_or_inproc(parts)]
+    elif mode == "nvdec" and codec.name == HEVC:
+        out = [nvdec_path(parts, codec)]
+    elif mode == "auto" and codec.name == HEVC:
+        out = [nvdec_path(parts, codec), inproc_path(parts)]
     elif mode == "auto":
-        if rt.codec.name == HEVC:
-            rt.set_paths([nvdec_path(rt, rt.codec), rt.paths.get("inproc") or rt.inproc_path()])
-        else:
-            rt.set_paths([_dpu_or_inproc(rt), nvdec_path(rt, get_codec(HEVC))])
-    logger.info("remote KV fetch paths: %s", {n: p.codec.name for n, p in rt.paths.items()})
+        out = [_dpu_or_inproc(parts), nvdec_path(parts, get_codec(HEVC))]
+    else:
+        if mode == "nvdec":
+            logger.warning("--remote-kv nvdec needs the hevc codec, got %r: in-process path", codec.name)
+        out = [inproc_path(parts)]
+    logger.info("remote KV fetch paths: %s", {p.name.value: p.codec.name for p in out})
+    return out

@@ -7,7 +7,7 @@ model config and the TP rank) and then the cache through SGLang's own ``create_u
 (so HiCache and every component keep working).
 
 Reads (remote hits) do not go through ``match_prefix`` at all: the waiting_for_KV queue
-(``waiting_queue.py``) fetches a request's remote chunks *before* the request is admitted and
+(``sgl_remote_kv.admission``) fetches a request's remote chunks *before* the request is admitted and
 installs them into this tree as ordinary device nodes. ``match_prefix`` then sees a plain device hit,
 so there is never a network round trip inside it, ``init_load_back`` is never asked for remote tokens
 (no "all or nothing" promise can be broken), and a failed fetch is simply a shorter device hit.
@@ -19,12 +19,14 @@ the newly computed full chunks to the write-back worker.
 from __future__ import annotations
 
 import logging
+import threading
 
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sgl_remote_kv import preflight
 from sgl_remote_kv.config import RemoteKVConfig
-from sgl_remote_kv.sglang_glue import kv_io, paths, runtime
+from sgl_remote_kv.sglang_glue import layerwise, paths, runtime, seam
+from sgl_remote_kv.sglang_glue import metrics as metrics_mod
 from sgl_remote_kv.sglang_glue.writeback import WriteBack
 from sgl_remote_kv.types import FailureKind
 
@@ -37,15 +39,15 @@ class RemoteKVRadixCache(UnifiedRadixCache):
     def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
         super().checkpoint(req, up_to=up_to, **kwargs)
         rt = runtime.get()
-        if rt is None or rt.writer is None:
+        if rt is None or rt.writeback is None:
             return
         try:
-            rt.writer.offer(req, req.full_untruncated_fill_ids, up_to)
+            rt.writeback.offer(req, up_to)
         except Exception as e:  # boundary: write-back must never break the scheduler
             rt.metrics.failure(FailureKind.WRITEBACK_OFFER)
-            logger.warning("write-back offer failed for %s: %r", req.rid, e)
+            logger.warning("write-back offer failed for %s: %r", seam.SchedulerHost.rid(req), e)
         if req.finished():
-            rt.writer.forget(req.rid)
+            rt.writeback.forget(seam.SchedulerHost.rid(req))
 
 
 def build(ctx):
@@ -56,9 +58,10 @@ def build(ctx):
     cfg = RemoteKVConfig.current()
     if not cfg.enabled:
         return cache
+    seam.check_version()
     try:
-        _install_runtime(ctx, cfg)
-    except kv_io.UnsupportedPool as e:
+        runtime.publish(build_runtime(seam.build_context(ctx), cfg))
+    except seam.UnsupportedPool as e:
         logger.warning("remote KV tier disabled: %s", e)
     except preflight.StartupError as e:  # impossible sizes: the server must not start (docs/RELIABILITY.md)
         logger.error("remote KV start-up error: %s", e)
@@ -66,30 +69,28 @@ def build(ctx):
     return cache
 
 
-def _install_runtime(ctx, cfg: RemoteKVConfig) -> None:
-    params = ctx.params
-    kvcache = params.token_to_kv_pool_allocator.get_kvcache()
-    archs = getattr(ctx.model_config.hf_config, "architectures", None) or ["unknown"]
-    fp = kv_io.fingerprint_for(kvcache, archs[0], ctx.server_args.model_path, ctx.tp_rank, ctx.tp_size)
+def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKVRuntime:
+    """Decide every part, then build the runtime once (``runtime.py``)."""
+    fp = b.fingerprint
     codec = paths.write_codec(cfg)
     data_plane = cfg.mode in ("dpu", "auto") and codec.name != paths.HEVC
-    preflight.check_chunk_fits(cfg.chunk_size, int(kvcache.size), fp.layout, data_plane)
-    kv_writer = kv_io.pool_writer(kvcache, fp.layout)
-    rt = runtime.RemoteKVRuntime(cfg, fp, codec, runtime.open_store_client(cfg), kv_writer=kv_writer)
-    rt.client.on_error = rt.metrics.store_error  # store_errors_total{op,kind}
-    paths.install_paths(rt)
-    if "dpu" in rt.paths:  # the data plane's own store client: its failures arrive per chunk
-        rt.paths["dpu"].backend.client.on_store_error = rt.metrics.store_error
-    rt.writer = WriteBack(rt, kv_writer, params.req_to_token_pool, rt.settings.writeback_queue)
-    runtime.install(rt)
+    preflight.check_chunk_fits(cfg.chunk_size, int(b.kvcache.size), fp.layout, data_plane)
+    metrics = metrics_mod.get()
+    kv_writer = seam.pool_writer(b.kvcache, fp.layout)
+    client = runtime.open_store_client(cfg)
+    client.on_error = metrics.store_error  # store_errors_total{op,kind}
+    wakeup = threading.Event()
+    parts = paths.PathParts(cfg, fp, codec, client, kv_writer, wakeup, on_store_error=metrics.store_error)
+    keys = runtime.KeySpace(fp, codec, cfg.chunk_size)
+    writeback = WriteBack(codec, fp, client, keys, metrics, kv_writer, b.req_to_token_pool, runtime.WRITEBACK_QUEUE)
+    counter = layerwise.attach(b.kvcache, kv_writer, fp, metrics) if cfg.layerwise else None
+    rt = runtime.build(cfg, fp, codec, client, paths.build_paths(parts), wakeup,
+                       kv_writer=kv_writer, keys=keys, writeback=writeback, layerwise=counter)  # fmt: skip
     logger.info(
         "remote KV tier ready: store %s, fetch paths %s, codec %r, chunk %d, layout %s",
-        cfg.resolved_store_url(),
-        list(rt.paths),
-        codec,
-        cfg.chunk_size,
-        fp.layout,
-    )
+        cfg.resolved_store_url(), [p.value for p in rt.paths], codec, cfg.chunk_size, fp.layout,
+    )  # fmt: skip
+    return rt
 
 
 def register() -> None:

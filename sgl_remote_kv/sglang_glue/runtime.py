@@ -1,49 +1,37 @@
-"""Process-wide state of the remote KV tier inside one SGLang scheduler process.
+"""The remote KV tier of one SGLang scheduler process: built once, then read-only.
 
-Built once by the radix cache factory (``radix_cache.build``), which is the first place that knows the
-KV pool, the model and the TP rank; the scheduler hooks pick it up with ``get()``. Holds the store
-client, the codec, the model fingerprint, namespaces per tenant salt, the fetch backend, the
-write-back worker, the policy and the metrics.
+``radix_cache.build`` (the first code that sees the KV pool, the model and the TP rank) decides
+everything first — store client, write codec, fetch paths, KV writer, write-back, layer-wise counter —
+and then constructs one ``RemoteKVRuntime`` (``build``) and publishes it (``publish``). The scheduler
+hooks read it through ``get()``; nothing mutates it afterwards.
 
 Tenant isolation: a request's ``cache_salt`` and ``extra_key`` (SGLang folds the LoRA id into
-``extra_key``) go into the key namespace, so tenants never share chunk keys (and cannot probe each
-other's prefixes by timing).
+``extra_key``) go into the key namespace (``KeySpace``), so tenants never share chunk keys (and cannot
+probe each other's prefixes by timing).
 
 Threads: built and read on the scheduler thread; the objects it holds document their own threading.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from sgl_remote_kv.admission import AdmissionSettings
 from sgl_remote_kv.codec.base import Codec, default_codec, get_codec
 from sgl_remote_kv.config import RemoteKVConfig
-from sgl_remote_kv.kvpool import KVWriter
 from sgl_remote_kv.policy.estimator import Policy, PolicyConfig
 from sgl_remote_kv.sglang_glue import metrics as metrics_mod
-from sgl_remote_kv.sglang_glue.fetch import FetchBackend, InProcessFetchBackend
+from sgl_remote_kv.sglang_glue.fetch import FetchBackend
 from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.store.client import ClientConfig, StoreClient, open_client
-from sgl_remote_kv.types import ModelFingerprint
+from sgl_remote_kv.types import ModelFingerprint, PathName
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class GlueSettings:
-    """Tunables of the glue that are not user flags (yet)."""
-
-    lookup_timeout_s: float = 2.0  # a lookup slower than this is a miss (the request is released)
-    # Upper cap of a fetch's life (and of a dedup follower's wait). Fetches are normally cancelled much
-    # earlier by the policy: when they lose against recompute, or past a byte-scaled hang guard
-    # (``policy.estimator``: abandon/timeout rules).
-    fetch_timeout_s: float = 120.0
-    writeback_queue: int = 64  # pending write-back jobs; more are dropped (never blocks serving)
-    idle_wait_s: float = 0.005  # how long an otherwise idle scheduler waits for a fetch to finish
-    use_dpu: bool = True  # --remote-kv dpu|auto: spawn the DPU data plane (in-process path if it fails)
+WRITEBACK_QUEUE = 64  # pending write-back jobs; more are dropped (never blocks serving)
 
 
 @dataclass(frozen=True)
@@ -51,10 +39,15 @@ class FetchPath:
     """One way to get a prefix into the pool: a backend plus the codec it decodes. A path's chunks
     live under its codec's namespace (codec id + params are part of every key)."""
 
-    name: str  # dpu | nvdec | inproc
+    name: PathName
     backend: FetchBackend
     codec: Codec
     closers: tuple = field(default=())  # extra resources to close with the backend (e.g. a pool)
+
+    def close(self) -> None:
+        self.backend.close()
+        for c in self.closers:
+            c.close()
 
 
 def resolve_codec(name: str) -> Codec:
@@ -68,67 +61,12 @@ def resolve_codec(name: str) -> Codec:
     return get_codec(name)
 
 
-def tenant_salt(cache_salt: str | None, extra_key: str | None) -> str | None:
-    if cache_salt is None and extra_key is None:
-        return None
-    return json.dumps([cache_salt, extra_key])
+class KeySpace:
+    """Chunk keys of one deployment: namespace per (tenant salt, codec), memoised."""
 
-
-class RemoteKVRuntime:
-    def __init__(
-        self,
-        config: RemoteKVConfig,
-        fingerprint: ModelFingerprint,
-        codec: Codec,
-        client: StoreClient,
-        settings: GlueSettings | None = None,
-        fetch_backend: FetchBackend | None = None,
-        kv_writer: KVWriter | None = None,
-    ) -> None:
-        self.config = config
-        self.settings = settings or GlueSettings()
-        self.fingerprint = fingerprint
-        self.codec = codec
-        self.client = client
-        self.metrics = metrics_mod.get()
-        self.wakeup = threading.Event()  # set by workers when something completes
+    def __init__(self, fingerprint: ModelFingerprint, codec: Codec, chunk_size: int) -> None:
+        self.fingerprint, self.codec, self.chunk_size = fingerprint, codec, chunk_size
         self._namespaces: dict[tuple[str | None, str, bytes], bytes] = {}
-        self.kv_writer = kv_writer  # the pool's one KVWriter (kvpool); every fetched write goes through it
-        self.writer = None  # set by radix_cache.build (needs the pool)
-        if fetch_backend is not None:
-            self.set_paths([FetchPath("dpu", fetch_backend, codec)])
-        else:
-            self.set_paths([self.inproc_path()])
-
-    def inproc_path(self) -> FetchPath:
-        keep_codes = self.kv_writer is not None and self.kv_writer.device_dequant  # GPU dequant at install
-        be = InProcessFetchBackend(
-            self.client,
-            self.codec,
-            self.fingerprint,
-            self.config.chunk_size,
-            on_done=self.wakeup.set,
-            keep_codes=keep_codes,
-        )
-        return FetchPath("inproc", be, self.codec)
-
-    def set_paths(self, paths: list[FetchPath]) -> None:
-        """Install the fetch paths (first = primary: the one whose codec write-back uses)."""
-        old = getattr(self, "paths", {})
-        self.paths = {p.name: p for p in paths}
-        for name, p in old.items():
-            if self.paths.get(name) is not p:
-                _close_path(p)
-        self.fetch_path = paths[0].name
-        self.fetcher = paths[0].backend
-        pcfg = PolicyConfig(
-            mode=self.config.mode, margin=self.config.policy_margin, timeout_cap_s=self.settings.fetch_timeout_s
-        )
-        self.policy = Policy(pcfg, available=tuple(self.paths))
-
-    @property
-    def chunk_size(self) -> int:
-        return self.config.chunk_size
 
     def namespace(self, salt: str | None, codec: Codec | None = None) -> bytes:
         codec = codec or self.codec
@@ -144,29 +82,94 @@ class RemoteKVRuntime:
         c = self.chunk_size
         return keys_mod.chunk_keys(self.namespace(salt, codec), list(token_ids[: n_chunks * c]), c)
 
+
+@dataclass(frozen=True)
+class RemoteKVRuntime:
+    """Everything the hooks need, decided before construction (see module docstring)."""
+
+    config: RemoteKVConfig
+    fingerprint: ModelFingerprint
+    codec: Codec  # the codec the write-back writes (and the primary path reads)
+    client: StoreClient
+    paths: Mapping[PathName, FetchPath]  # first = primary
+    policy: Policy
+    admission: AdmissionSettings
+    keys: KeySpace
+    wakeup: threading.Event  # set by workers when something completes
+    metrics: object  # metrics.RemoteKVMetrics (the process's)
+    kv_writer: object = None  # the pool's one KVWriter (kvpool); every fetched write goes through it
+    writeback: object = None  # writeback.WriteBack, or None (tests of the read path)
+    layerwise: object = None  # layerwise.LayerwiseInstalls (--remote-kv-layerwise), or None
+
+    @property
+    def chunk_size(self) -> int:
+        return self.config.chunk_size
+
+    @property
+    def primary(self) -> FetchPath:
+        return next(iter(self.paths.values()))
+
+    def namespace(self, salt: str | None, codec: Codec | None = None) -> bytes:
+        return self.keys.namespace(salt, codec)
+
+    def keys_for(self, token_ids, n_chunks: int, salt: str | None, codec: Codec | None = None) -> list[bytes]:
+        return self.keys.keys_for(token_ids, n_chunks, salt, codec)
+
     def close(self) -> None:
         for p in self.paths.values():
-            _close_path(p)
-        if self.writer is not None:
-            self.writer.close()
+            p.close()
+        if self.writeback is not None:
+            self.writeback.close()
         self.client.close()
 
 
-def _close_path(p: FetchPath) -> None:
-    p.backend.close()
-    for c in p.closers:
-        c.close()
+def build(
+    config: RemoteKVConfig,
+    fingerprint: ModelFingerprint,
+    codec: Codec,
+    client: StoreClient,
+    paths: list[FetchPath],
+    wakeup: threading.Event,
+    *,
+    kv_writer=None,
+    keys: KeySpace | None = None,
+    writeback=None,
+    layerwise=None,
+    admission: AdmissionSettings | None = None,
+) -> RemoteKVRuntime:
+    """The runtime over decided parts; the policy is built here from the paths and the config."""
+    if not paths:
+        raise ValueError("a runtime needs at least one fetch path")
+    admission = admission or AdmissionSettings(chunk_size=config.chunk_size)
+    pcfg = PolicyConfig(mode=config.mode, margin=config.policy_margin, timeout_cap_s=admission.fetch_timeout_s)
+    by_name = {p.name: p for p in paths}
+    return RemoteKVRuntime(
+        config=config,
+        fingerprint=fingerprint,
+        codec=codec,
+        client=client,
+        paths=by_name,
+        policy=Policy(pcfg, available=tuple(p.value for p in by_name)),
+        admission=admission,
+        keys=keys or KeySpace(fingerprint, codec, config.chunk_size),
+        wakeup=wakeup,
+        metrics=metrics_mod.get(),
+        kv_writer=kv_writer,
+        writeback=writeback,
+        layerwise=layerwise,
+    )
 
 
 _RUNTIME: RemoteKVRuntime | None = None
 
 
-def install(rt: RemoteKVRuntime) -> None:
+def publish(rt: RemoteKVRuntime) -> None:
     global _RUNTIME
     _RUNTIME = rt
 
 
 def get() -> RemoteKVRuntime | None:
+    """The process's runtime (None while the tier is off): the hooks' one accessor."""
     return _RUNTIME
 
 

@@ -17,8 +17,10 @@ unless ``--remote-kv`` is on and the ``remote_kv`` radix cache built the runtime
   scheduler a batch's time includes waiting for the previous one, a slight over-estimate of
   recompute cost (it biases towards fetching).
 
-All hooks run on the scheduler thread. The queue object lives on the scheduler instance
-(``scheduler._srkv_queue``), created on first use.
+All hooks run on the scheduler thread. The queue object (``admission.WaitingForKV``) lives on the
+scheduler instance (``scheduler._srkv_queue``), created on first use with its collaborators from the
+process's runtime and the SGLang seam. A released request goes back through ``_add_request_to_queue``
+(``SchedulerHost.release``), which this hook passes through while ``host.releasing`` is set.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from __future__ import annotations
 import logging
 import time
 
-from sgl_remote_kv.sglang_glue import runtime
+from sgl_remote_kv.admission import Agreement, Collaborators, WaitingForKV
+from sgl_remote_kv.sglang_glue import runtime, seam
 from sgl_remote_kv.types import FailureKind
 
 logger = logging.getLogger(__name__)
@@ -35,42 +38,51 @@ _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 _ATTR = "_srkv_queue"
 
 
-def _queue(scheduler):
+def _queue(scheduler) -> WaitingForKV | None:
     """The scheduler's WaitingForKV, or None when the tier is off on this process."""
     q = scheduler.__dict__.get(_ATTR, False)
-    if q is not False:
-        return q
-    rt = runtime.get()
-    q = None
-    if rt is not None and getattr(scheduler, "disaggregation_mode", None) is not None:
-        from sglang.srt.disaggregation.utils import DisaggregationMode
-
-        if scheduler.disaggregation_mode == DisaggregationMode.NULL:
-            from sgl_remote_kv.sglang_glue.waiting_queue import WaitingForKV
-
-            q = WaitingForKV(scheduler, rt, release=lambda req: _enqueue_original(scheduler, req))
-            logger.info("remote KV waiting_for_KV queue active")
-    scheduler.__dict__[_ATTR] = q
+    if q is False:
+        rt = runtime.get()
+        q = _build_queue(scheduler, rt) if rt is not None and seam.plain_scheduler(scheduler) else None
+        scheduler.__dict__[_ATTR] = q
     return q
 
 
-_ORIGINAL_ENQUEUE = {}
-
-
-def _enqueue_original(scheduler, req) -> None:
-    _ORIGINAL_ENQUEUE["fn"](scheduler, req)
+def _build_queue(scheduler, rt: runtime.RemoteKVRuntime) -> WaitingForKV | None:
+    tree = seam.scheduler_tree(scheduler)
+    why = seam.SGLangTree.supported(tree, rt.chunk_size)
+    if why is not None:
+        logger.warning("remote KV reads disabled: %s", why)
+        return None
+    c = Collaborators(
+        tree=seam.SGLangTree(tree, rt.kv_writer),
+        host=seam.SchedulerHost(scheduler),
+        paths=rt.paths,
+        policy=rt.policy,
+        metrics=rt.metrics,
+        lookup=rt.client.lookup_prefix,
+        delete=rt.client.delete_many,
+        keys=rt.keys_for,
+        agreement=Agreement.over(seam.tp_cpu_group(scheduler)),
+        bytes_per_token=rt.fingerprint.layout.bytes_per_token(),
+        wakeup=rt.wakeup,
+        layerwise=rt.layerwise,
+        on_installed=rt.writeback.note_present if rt.writeback is not None else None,
+        write_codec=rt.codec,
+    )
+    logger.info("remote KV waiting_for_KV queue active")
+    return WaitingForKV(c, rt.admission)
 
 
 def around_add_request_to_queue(original, self, req, is_retracted: bool = False, *args, **kwargs):
-    _ORIGINAL_ENQUEUE.setdefault("fn", original)
     q = _queue(self)
-    if q is None or is_retracted or args or kwargs:
+    if q is None or is_retracted or args or kwargs or q.c.host.releasing:
         return original(self, req, is_retracted, *args, **kwargs)
     try:
         parked = q.park(req)
     except Exception as e:  # boundary: the tier must never lose a request
-        q.rt.metrics.failure(FailureKind.PARK)
-        logger.warning("remote KV park failed for %s: %r", req.rid, e)
+        q.c.metrics.failure(FailureKind.PARK)
+        logger.warning("remote KV park failed for %s: %r", seam.SchedulerHost.rid(req), e)
         parked = False
     if not parked:
         return original(self, req, is_retracted)
@@ -94,25 +106,24 @@ def after_is_fully_idle(result, self, *args, **kwargs):
 def before_on_idle(self, *args, **kwargs):
     q = self.__dict__.get(_ATTR)
     if q is not None and q.busy():
-        q.wait(q.rt.settings.idle_wait_s)
+        q.wait()
 
 
 def before_abort_request(self, recv_req, *args, **kwargs):
     q = self.__dict__.get(_ATTR)
     if q is not None:
-        q.abort(recv_req.rid or "", bool(recv_req.abort_all))
+        q.abort(*seam.abort_target(recv_req))
 
 
 def around_run_batch(original, self, batch, *args, **kwargs):
     """Time pure prefill batches to fit the policy's prefill-time model (the recompute estimate)."""
     q = self.__dict__.get(_ATTR)
-    mode = getattr(batch, "forward_mode", None)
-    if q is None or mode is None or not mode.is_extend():
+    tokens = seam.prefill_tokens(batch) if q is not None else None
+    if tokens is None:
         return original(self, batch, *args, **kwargs)
     t0 = time.perf_counter()
     result = original(self, batch, *args, **kwargs)
-    tokens = int(getattr(batch, "extend_num_tokens", 0) or 0)
-    q.rt.policy.observe_prefill(tokens, time.perf_counter() - t0)
+    q.c.policy.observe_prefill(tokens, time.perf_counter() - t0)
     return result
 
 

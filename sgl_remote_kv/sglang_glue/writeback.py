@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sgl_remote_kv.sglang_glue import seam
 from sgl_remote_kv.types import FailureKind
 
 logger = logging.getLogger(__name__)
@@ -39,8 +40,13 @@ class _Job:
 
 
 class WriteBack:
-    def __init__(self, runtime, kv_writer, req_to_token_pool, max_queue: int) -> None:
-        self.rt = runtime
+    """``keys``: the deployment's ``runtime.KeySpace`` (write codec); ``req_to_token_pool``: SGLang's,
+    read through the seam."""
+
+    def __init__(self, codec, fingerprint, client, keys, metrics, kv_writer, req_to_token_pool,
+                 max_queue: int) -> None:  # fmt: skip
+        self.codec, self.fingerprint, self.client, self.keys, self.metrics = codec, fingerprint, client, keys, metrics
+        self.chunk_size = keys.chunk_size
         self.kv_writer = kv_writer  # reads the KV of finished chunks (scheduler thread)
         self.req_to_token_pool = req_to_token_pool
         self._q: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queue)
@@ -66,23 +72,26 @@ class WriteBack:
     def forget(self, rid: str) -> None:
         self._progress.pop(rid, None)
 
-    def offer(self, req, token_ids, up_to: int) -> None:
-        """Queue the full chunks of ``token_ids[:up_to]`` not offered yet (see module docstring)."""
-        c = self.rt.chunk_size
+    def offer(self, req, up_to: int) -> None:
+        """Queue the full chunks of the request's first ``up_to`` tokens not offered yet (see module
+        docstring)."""
+        c = self.chunk_size
         last = up_to // c
-        first = self._progress.get(req.rid, 0)
-        if last <= first or req.kv.req_pool_idx is None:
+        rid = seam.SchedulerHost.rid(req)
+        first = self._progress.get(rid, 0)
+        if last <= first:
             return
-        salt = _salt_of(req)
-        keys = self.rt.keys_for(token_ids, last, salt)
-        idx = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, first * c : last * c]
+        idx = seam.req_kv_indices(self.req_to_token_pool, req, first * c, last * c)
+        if idx is None:
+            return
+        keys = self.keys.keys_for(seam.req_fill_ids(req), last, seam.req_salt(req))
         k, v = self.kv_writer.read(idx)
-        self._set_progress(req.rid, last)
+        self._set_progress(rid, last)
         try:
             self._q.put_nowait(_Job(keys, first, k, v))
             self._idle.clear()
         except queue.Full:
-            self.rt.metrics.writeback_skipped("queue_full", last - first)
+            self.metrics.writeback_skipped("queue_full", last - first)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued job is written (tests, shutdown)."""
@@ -104,7 +113,7 @@ class WriteBack:
                 self._write(job)
             except Exception as e:  # thread boundary: a failed write-back is only a lost cache entry
                 kind = type(e).__name__
-                self.rt.metrics.failure(FailureKind.WRITEBACK)
+                self.metrics.failure(FailureKind.WRITEBACK)
                 if kind not in self._errors_logged:
                     self._errors_logged.add(kind)
                     logger.warning("remote-kv write-back failed (%s): %s", kind, e)
@@ -114,30 +123,25 @@ class WriteBack:
                     self._idle.set()
 
     def _write(self, job: _Job) -> None:
-        c = self.rt.chunk_size
+        c = self.chunk_size
         last = len(job.keys)
-        present = self.rt.client.count_prefix(job.keys)
+        present = self.client.count_prefix(job.keys)
         start = max(present, job.first_chunk)
         if present > job.first_chunk:
-            self.rt.metrics.writeback_skipped("present", min(present, last) - job.first_chunk)
+            self.metrics.writeback_skipped("present", min(present, last) - job.first_chunk)
         items = []
         for i in range(start, last):
             lo, hi = (i - job.first_chunk) * c, (i - job.first_chunk + 1) * c
-            blob = self.rt.codec.encode(
+            blob = self.codec.encode(
                 np.ascontiguousarray(job.k[:, lo:hi]),
                 np.ascontiguousarray(job.v[:, lo:hi]),
-                self.rt.fingerprint,
+                self.fingerprint,
             )
             items.append((job.keys[i], blob))
         if not items:
             return
-        stored = self.rt.client.put_many(items)
-        self.rt.metrics.writeback(stored, sum(len(b) for _, b in items[:stored]))
+        stored = self.client.put_many(items)
+        self.metrics.writeback(stored, sum(len(b) for _, b in items[:stored]))
         if stored < len(items):
-            self.rt.metrics.failure("writeback:store")
+            self.metrics.failure("writeback:store")
 
-
-def _salt_of(req) -> str | None:
-    from sgl_remote_kv.sglang_glue.runtime import tenant_salt
-
-    return tenant_salt(req.cache_salt, req.extra_key)

@@ -15,6 +15,7 @@ optional tenant salt, so two tenants never share keys.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,6 +27,14 @@ _NS_TAG = b"sgl-remote-kv/namespace/v1"
 
 def _field(data: bytes) -> bytes:
     return len(data).to_bytes(8, "little") + data
+
+
+def tenant_salt(cache_salt: str | None, extra_key: str | None) -> str | None:
+    """The tenant salt of a request's cache salt and extra key (SGLang folds the LoRA id into the
+    latter); None for the shared namespace. Injective: JSON of the pair."""
+    if cache_salt is None and extra_key is None:
+        return None
+    return json.dumps([cache_salt, extra_key])
 
 
 def namespace(

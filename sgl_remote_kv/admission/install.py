@@ -1,0 +1,124 @@
+"""A finished (or, layer-wise, a verified) fetch becomes device nodes in the radix tree.
+
+``Installer`` is the admission queue's collaborator for the last step of a FETCH record. It never
+releases a request itself: it returns the tree lock to hold until the request is admitted, or None.
+
+Threads: scheduler thread only. KV slots: a record's reserved ``kv_slots`` stay the queue's until the
+tree takes them (``insert``); ``complete`` frees whatever the tree did not take, on every outcome.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+
+from sgl_remote_kv.admission.parked import ParkedRequest
+from sgl_remote_kv.admission.ports import Collaborators
+from sgl_remote_kv.kvpool import KVWriteError
+from sgl_remote_kv.types import FailureKind, PathName
+
+logger = logging.getLogger(__name__)
+
+
+def _undecodable(failure) -> bool:
+    kind = failure.value if isinstance(failure, FailureKind) else str(failure or "")
+    return kind.startswith("decode:") or kind in (FailureKind.CORRUPT.value, FailureKind.FOREIGN.value)
+
+
+class Installer:
+    def __init__(self, c: Collaborators, chunk_size: int, io: cf.Executor) -> None:
+        self.c, self.chunk, self.io = c, chunk_size, io
+
+    def complete(self, p: ParkedRequest, agreed: int) -> tuple[object, int] | None:
+        """The fetch is done: count it, install its leading intact chunks (at most ``agreed``, the TP
+        ranks' common count), free the rest. Returns (tree lock, tokens) of the installed hit, or None."""
+        h, c = p.handle, self.c
+        c.policy.fetch_ended(p.rid)
+        if h.failure is not None:
+            c.metrics.failure(h.failure)
+            self._drop_undecodable(p)  # this rank's own first bad chunk
+        h.ok_chunks = min(h.ok_chunks, agreed)  # the worker is done with the handle
+        c.policy.observe_fetch(p.path, h.fetched_bytes, h.fetch_s, h.decoded_bytes, h.decode_s)
+        ready = h.finished_at if h.finished_at is not None else p.since
+        decode_s = h.decode_s if h.decoded_here else None
+        c.metrics.fetched(h.fetched_bytes, h.decoded_bytes, h.fetch_s, decode_s, ready - p.parked_at)
+        try:
+            return self._install(p)
+        except Exception as e:  # boundary: a failed install is a miss, never a crash
+            c.metrics.failure(FailureKind.INSTALL)
+            # with TP > 1 a one-rank install failure is a bug the agreement cannot repair (docs)
+            log = logger.error if c.agreement.active else logger.warning
+            log("installing fetched KV for %s failed: %r", p.rid, e)
+            return None
+        finally:
+            c.tree.free(p.kv_slots)  # whatever the tree did not take
+            c.tree.unlock(p.prefix_lock)
+            p.kv_slots = p.prefix_lock = None
+
+    def admit_early(self, p: ParkedRequest, now: float) -> tuple[object, int] | None:
+        """Layer-wise: every chunk is fetched and verified; insert the reserved slots now and let the
+        forward pass wait per layer (``layerwise.py``). Direct backends keep writing the slots until
+        ``layerwise`` saw every layer (or cancelled the handle to decode the rest itself). None: not
+        admitted (the record stays in FETCH and completes normally)."""
+        h, c, slots = p.handle, self.c, p.kv_slots
+        try:
+            lock = self._insert_hit(p, slots)
+        except Exception as e:  # boundary: keep waiting on the normal completion path instead
+            c.metrics.failure(FailureKind.INSTALL)
+            logger.warning("layer-wise install for %s failed: %r", p.rid, e)
+            return None
+        p.kv_slots = None  # tree-owned now
+        on_demand = p.path is PathName.INPROC  # decode in the forward thread: no GIL convoy with a worker
+        if on_demand:
+            h.cancel()
+        c.layerwise.add(h, slots, c.paths[p.path].codec, on_demand=on_demand)
+        c.policy.fetch_ended(p.rid)
+        c.policy.observe_fetch(p.path, h.fetched_bytes, h.fetch_s, 0, 0.0)
+        tokens = len(slots)
+        c.metrics.fetched(h.fetched_bytes, tokens * c.bytes_per_token, h.fetch_s, None, now - p.parked_at)
+        c.metrics.layerwise_admission()
+        logger.debug("layer-wise: admitted %s before its KV is in the pool", p.rid)
+        c.tree.unlock(p.prefix_lock)
+        p.prefix_lock = None
+        return lock, tokens
+
+    def _install(self, p: ParkedRequest) -> tuple[object, int] | None:
+        h = p.handle
+        ok = h.ok_tokens
+        if ok <= 0:
+            return None
+        slots = p.kv_slots[:ok]
+        if not h.direct:  # a direct backend already wrote the KV into the reserved slots
+            if not h.has_staged():
+                return None
+            try:
+                self.c.tree.write(slots, h)
+            except KVWriteError as e:  # a failed write is a miss: the request recomputes
+                self.c.metrics.failure(FailureKind.WRITE)
+                logger.warning("writing fetched KV for %s failed; recomputing: %s", p.rid, e)
+                return None
+        lock = self._insert_hit(p, slots)  # if it raises, ``complete`` frees every reserved slot
+        p.kv_slots = p.kv_slots[ok:]  # tree-owned (or freed by the insert as duplicates); the rest freed
+        return lock, ok
+
+    def _insert_hit(self, p: ParkedRequest, slots):
+        c = self.c
+        ok, start = len(slots), p.handle.start_token
+        lock = c.tree.insert(p.req, p.prefix_node, start, slots)
+        c.host.mark_hit(p.req, start, ok)
+        c.metrics.hit(ok, ok // self.chunk)
+        if c.on_installed is not None and c.paths[p.path].codec is c.write_codec:
+            # Only the chunks that were installed are known good; the write-back re-offers the rest.
+            c.on_installed(p.rid, p.local_chunks + ok // self.chunk)
+        logger.debug("remote KV hit for %s: tokens [%d, %d)", p.rid, start, start + ok)
+        return lock
+
+    def _drop_undecodable(self, p: ParkedRequest) -> None:
+        """A well-framed chunk that failed to decode (corrupt / foreign) would stay in the store and cut
+        every later hit short; delete it (on a worker thread: store I/O) so the write-back of this
+        request's recompute replaces it."""
+        h = p.handle
+        bad, keys = h.ok_chunks, p.keys[p.path]
+        if bad < len(keys) and _undecodable(h.failure):
+            self.c.metrics.failure(FailureKind.REPAIR_UNDECODABLE)
+            self.io.submit(self.c.delete, [keys[bad]])

@@ -1,0 +1,62 @@
+"""A request waiting for its remote KV: one record, one explicit phase.
+
+::
+
+    park ──> LOOKUP ──miss/error/timeout──────────────────────────────> released (recompute)
+               │ hit, policy chose a path
+               ├──same chunks already being fetched──> FOLLOW ──leader gone──> re-parked (local hit)
+               v
+            RESERVE ──no KV slots within slot_wait_s──────────────────> released (recompute)
+               │ slots reserved (FIFO: only the oldest RESERVE request tries)
+               v
+             FETCH ──done──> installed into the tree ─────────────────> released (device hit)
+               │  └─verified (layer-wise)──> admitted early ──────────> released (KV per layer)
+               └──losing / hung / aborted──> ZOMBIE ──backend stopped──> slots freed
+
+Words: *KV slots* are token slots of SGLang's KV pool (``kv_slots``: reserved by this queue, owned by it
+until the tree takes them at install); the DPU's destination-region slots and staging buffers belong to
+the fetch backends and never appear here.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from dataclasses import dataclass
+from enum import Enum
+
+from sgl_remote_kv.types import PathName
+
+
+class Phase(Enum):
+    LOOKUP = "lookup"  # counting the request's chunks in the store (worker thread)
+    FOLLOW = "follow"  # waiting on another parked request fetching the same chunks
+    RESERVE = "reserve"  # the policy chose a path; waiting (FIFO, bounded) for KV slots
+    FETCH = "fetch"  # fetching into the reserved KV slots
+    ZOMBIE = "zombie"  # dropped; the backend may still write its KV slots (freed once it stopped)
+
+
+@dataclass(eq=False)
+class ParkedRequest:
+    req: object  # SGLang's request (read only through the seam)
+    rid: str
+    keys: dict[PathName, list[bytes]]  # per fetch path: keys of chunks [local_chunks, usable)
+    local_chunks: int  # chunks already in the local tree when parked
+    parked_at: float  # monotonic time of the first park (kept when a follower re-parks)
+    since: float  # monotonic time the current phase began
+    lookup: cf.Future | None = None  # LOOKUP: path -> chunks found
+    phase: Phase = Phase.LOOKUP
+    path: PathName | None = None  # RESERVE/FOLLOW/FETCH: the path the policy (rank 0) chose
+    remote_chunks: int = 0  # chunks to fetch, starting at ``local_chunks``
+    choice: int | None = None  # this rank's policy choice for the agreement (agreement.choice_of)
+    decision: object = None  # the policy's Decision (estimates), None when another rank's choice won
+    wire_bytes: int = 0
+    leader: str | None = None  # FOLLOW: rid of the request fetching the same chunks
+    prefix_node: object = None  # FETCH: tree node ending where the fetched span starts (locked)
+    prefix_lock: object = None
+    kv_slots: object = None  # FETCH/ZOMBIE: reserved KV slots the tree does not own (torch int64)
+    handle: object = None  # FETCH/ZOMBIE: the backend's FetchHandle
+    miss_reason: str | None = None  # this rank's own reason for a miss (metrics), set by observe
+
+    def enter(self, phase: Phase, now: float) -> None:
+        self.phase, self.since = phase, now
+
