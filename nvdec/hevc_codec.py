@@ -117,7 +117,7 @@ class HevcCodec(Codec):
     def encode_layer(self, k, v, layer, fingerprint):
         raise NotImplementedError("hevc codes three layers per video; use encode()")
 
-    def encode(self, k, v, fingerprint: ModelFingerprint, *, mac_key=None, bind=b"") -> bytes:
+    def encode(self, k, v, fingerprint: ModelFingerprint) -> bytes:
         """Encode a chunk (``[L, T, H, D]`` storage dtype). Called by the encoding thread."""
         from sgl_remote_kv.codec.format import pack
 
@@ -129,7 +129,7 @@ class HevcCodec(Codec):
             sections.append(self._encode_group(k, v, layers, lay.dtype))
             sections += [b""] * (len(layers) - 1)
         return pack(
-            self.codec_id, self.params_bytes(), fingerprint, k.shape[1], sections, mac_key=mac_key, bind=bind
+            self.codec_id, self.params_bytes(), fingerprint, k.shape[1], sections
         )
 
     def _encode_group(self, k, v, layers: range, dtype: str) -> bytes:
@@ -289,11 +289,11 @@ class HevcCodec(Codec):
                                  lay.num_kv_heads, lay.head_dim)  # fmt: skip
         quant.dequant_layer(view, lay.dtype, out_k, out_v)
 
-    def decode(self, blob, fingerprint, limits=None, *, mac_key=None, bind=b"", decoder=None):
+    def decode(self, blob, fingerprint, limits=None, *, decoder=None):
         """Whole-chunk decode (tests, benchmarks); each group's videos are decoded once."""
         from sgl_remote_kv.codec.format import DEFAULT_LIMITS
 
-        hdr = self.parse(blob, fingerprint, limits or DEFAULT_LIMITS, mac_key=mac_key, bind=bind)
+        hdr = self.parse(blob, fingerprint, limits or DEFAULT_LIMITS)
         lay = hdr.layout
         dt = numpy_storage_dtype(lay.dtype)
         shape = (lay.num_layers, hdr.num_tokens, lay.num_kv_heads, lay.head_dim)
@@ -306,8 +306,8 @@ class HevcCodec(Codec):
                 self.dequant_stage(hdr, i, scratch[:n], k[i], v[i])
         return k, v
 
-    def decode_layers(self, blob, fingerprint, limits=None, *, mac_key=None, bind=b""):
-        k, v = self.decode(blob, fingerprint, limits, mac_key=mac_key, bind=bind)
+    def decode_layers(self, blob, fingerprint, limits=None):
+        k, v = self.decode(blob, fingerprint, limits)
         for i in range(k.shape[0]):
             yield i, k[i], v[i]
 

@@ -39,7 +39,7 @@ container ``NVIDIA_DRIVER_CAPABILITIES`` must include ``video``), no GPU or no H
 :class:`NvdecUnavailable` (a configuration problem, not the chunk's). Anything the decoder raises on a
 video, a frame of the wrong size/format, or a video NVDEC cannot take -> ``CorruptChunk``. Like the
 software decoder, NVDEC has no checksum: a forged residual bit can decode to wrong codes (the blob's
-CRC/MAC is the integrity guarantee); NVDEC also conceals errors instead of failing, which only the
+CRCs are the integrity guarantee); NVDEC also conceals errors instead of failing, which only the
 frame count can catch.
 
 Threading: one :class:`NvdecDecoder` (one NVDEC session at a time) per thread, as for PyAV; run about

@@ -71,8 +71,6 @@ class _Job:
     sink: FrameSink
     future: Future
     chunk_id: object
-    mac_key: bytes | None
-    bind: bytes
     enqueued: float
 
 
@@ -143,15 +141,14 @@ class DecoderPool:
             t.start()
 
     # ---- caller side --------------------------------------------------------------------------
-    def submit(self, blob, fingerprint: ModelFingerprint, sink: FrameSink, *, chunk_id=None,
-               mac_key: bytes | None = None, bind: bytes = b"") -> Future:  # fmt: skip
+    def submit(self, blob, fingerprint: ModelFingerprint, sink: FrameSink, *, chunk_id=None) -> Future:
         """Queue a chunk; the future resolves to a :class:`ChunkResult` or raises ``ChunkError`` /
         :class:`PoolClosed`. The pool keeps ``blob`` (read-only) until the chunk finishes."""
         fut: Future = Future()
         if self._stop.is_set():
             fut.set_exception(PoolClosed("pool is closed"))
             return fut
-        self._q.put(_Job(blob, fingerprint, sink, fut, chunk_id, mac_key, bind, time.perf_counter()))
+        self._q.put(_Job(blob, fingerprint, sink, fut, chunk_id, time.perf_counter()))
         return fut
 
     def load(self) -> int:
@@ -242,7 +239,7 @@ class DecoderPool:
 
     def _decode(self, job: _Job, decoder: VideoDecoder) -> ChunkResult:
         t0, c0 = time.perf_counter(), time.thread_time()
-        hdr = parse_header(job.blob, job.fingerprint, self.limits, mac_key=job.mac_key, bind=job.bind)
+        hdr = parse_header(job.blob, job.fingerprint, self.limits)
         codec = codec_for_header(hdr)
         if not isinstance(codec, HevcCodec):
             raise ForeignChunk(f"the decoder pool takes hevc chunks, not codec {hdr.codec_id}")

@@ -133,21 +133,19 @@ def test_default_codec_roundtrips():
     assert k2.shape == k.shape
 
 
-def test_mac_roundtrip_and_binding():
+def test_blob_flags_are_refused_authenticity_is_the_stores():
+    """No blob flag is defined (the codec-level MAC is gone: the store frames values with an HMAC bound
+    to their key, ``security.py``); a blob with any flag set is corrupt, not silently accepted."""
     from sgl_remote_kv.codec.errors import CorruptChunk
 
     fp = synthetic.fingerprint(dtype="float16")
     k, v = synthetic.kv(fp.layout, 5, seed=7)
     codec = get_codec("quant_deflate")
-    blob = codec.encode(k, v, fp, mac_key=b"secret", bind=b"key-1")
-    k2, _ = codec.decode(blob, fp, mac_key=b"secret", bind=b"key-1")
-    assert k2.shape == k.shape
-    with pytest.raises(CorruptChunk):
-        codec.decode(blob, fp, mac_key=b"secret", bind=b"key-2")
-    with pytest.raises(CorruptChunk):
-        codec.decode(blob, fp, mac_key=b"other", bind=b"key-1")
-    with pytest.raises(CorruptChunk):
-        codec.decode(codec.encode(k, v, fp), fp, mac_key=b"secret", bind=b"key-1")
+    blob = bytearray(codec.encode(k, v, fp))
+    assert codec.decode(bytes(blob), fp)[0].shape == k.shape
+    blob[6] |= 1  # the flags field (u16 after magic + version)
+    with pytest.raises(CorruptChunk, match="unknown flags"):
+        codec.decode(bytes(blob), fp)
 
 
 @pytest.mark.parametrize("cfg", QUANT_CONFIGS)

@@ -77,9 +77,6 @@ class Codec(ABC):
         k: np.ndarray,
         v: np.ndarray,
         fingerprint: ModelFingerprint,
-        *,
-        mac_key: bytes | None = None,
-        bind: bytes = b"",
     ) -> bytes:
         """Encode a chunk. Raises ``ValueError`` for shapes/dtypes that do not match ``fingerprint``."""
         lay = fingerprint.layout
@@ -92,8 +89,6 @@ class Codec(ABC):
             k.shape[1],
             sections,
             aux_id=self.aux_id(fingerprint),
-            mac_key=mac_key,
-            bind=bind,
         )
 
     # ---- decode, stage-split ----------------------------------------------------------------
@@ -102,12 +97,9 @@ class Codec(ABC):
         blob,
         fingerprint: ModelFingerprint,
         limits: Limits = DEFAULT_LIMITS,
-        *,
-        mac_key: bytes | None = None,
-        bind: bytes = b"",
     ) -> ChunkHeader:
         """``parse_header`` plus: the blob was made by this codec with these params and tables."""
-        hdr = parse_header(blob, fingerprint, limits, mac_key=mac_key, bind=bind)
+        hdr = parse_header(blob, fingerprint, limits)
         if hdr.codec_id != self.codec_id or hdr.params != self.params_bytes():
             raise ForeignChunk(f"chunk of codec {hdr.codec_id} {hdr.params[:80]!r}, not {self!r}")
         self._check_aux(hdr, fingerprint)
@@ -159,12 +151,9 @@ class Codec(ABC):
         blob,
         fingerprint: ModelFingerprint,
         limits: Limits = DEFAULT_LIMITS,
-        *,
-        mac_key: bytes | None = None,
-        bind: bytes = b"",
     ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         """Yield ``(layer, k_layer, v_layer)`` in layer order (fresh arrays each layer)."""
-        hdr = self.parse(blob, fingerprint, limits, mac_key=mac_key, bind=bind)
+        hdr = self.parse(blob, fingerprint, limits)
         lay = hdr.layout
         dt = numpy_storage_dtype(lay.dtype)
         shape = (hdr.num_tokens, lay.num_kv_heads, lay.head_dim)
@@ -179,12 +168,9 @@ class Codec(ABC):
         blob,
         fingerprint: ModelFingerprint,
         limits: Limits = DEFAULT_LIMITS,
-        *,
-        mac_key: bytes | None = None,
-        bind: bytes = b"",
     ) -> tuple[np.ndarray, np.ndarray]:
         """Decode a whole chunk into new ``[L, T, H, D]`` arrays. Raises only ``ChunkError``."""
-        hdr = self.parse(blob, fingerprint, limits, mac_key=mac_key, bind=bind)
+        hdr = self.parse(blob, fingerprint, limits)
         lay = hdr.layout
         dt = numpy_storage_dtype(lay.dtype)
         shape = (lay.num_layers, hdr.num_tokens, lay.num_kv_heads, lay.head_dim)

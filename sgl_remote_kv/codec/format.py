@@ -5,7 +5,7 @@ Layout (all integers little-endian)::
     fixed header  (FIXED, 88 bytes)
       magic        4s   b"SKVC"
       version      u16  FORMAT_VERSION
-      flags        u16  bit 0: a 32-byte HMAC-SHA256 trailer follows the payload
+      flags        u16  0 (no flag is defined; a reader refuses unknown flags)
       codec_id     u16  registry id of the codec
       params_len   u16  length of the canonical codec-parameter bytes
       fingerprint  32s  ModelFingerprint.digest()
@@ -22,18 +22,16 @@ Layout (all integers little-endian)::
                  sections contiguous and in layer order
     header_crc   u32  CRC32 of every header byte before it
     payload      the layer sections (codec-defined; each holds K and V of its layer incl. scales)
-    mac          32 bytes HMAC-SHA256(key, len(bind) || bind || every byte before the mac), if flagged
 
 The header CRC covers the layer table, which holds each section's CRC, so header + payload are covered
 and a streaming consumer can verify layer ``i`` as soon as its section arrived. ``parse_header`` checks
 magic, version, limits, lengths and the header CRC before anything proportional to claimed sizes is
-allocated.
+allocated. Authenticity is the store's job (``security.py``: the value is framed with an HMAC bound
+to its chunk key when ``--remote-kv-auth-key-file`` is set); the blob itself carries checksums only.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
 import struct
@@ -48,11 +46,9 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"SKVC"
 FORMAT_VERSION = 1
-FLAG_MAC = 1
 FIXED = struct.Struct("<4sHHHH32sIIIB3xIIQ16s")
 LAYER_ENTRY = struct.Struct("<QQI")
 CRC = struct.Struct("<I")
-MAC_LEN = 32
 _NO_AUX = bytes(16)
 
 __all__ = [
@@ -119,22 +115,12 @@ class ChunkHeader:
     payload_len: int
     layers: tuple[LayerEntry, ...]
 
-    @property
-    def has_mac(self) -> bool:
-        return bool(self.flags & FLAG_MAC)
-
     def params_dict(self) -> dict:
         return json.loads(self.params)
 
     @property
     def blob_len(self) -> int:
-        return self.header_len + self.payload_len + (MAC_LEN if self.has_mac else 0)
-
-
-def _mac(key: bytes, bind: bytes, data) -> bytes:
-    m = hmac.new(key, struct.pack("<Q", len(bind)) + bind, hashlib.sha256)
-    m.update(data)
-    return m.digest()
+        return self.header_len + self.payload_len
 
 
 def pack(
@@ -145,8 +131,6 @@ def pack(
     sections: list,
     *,
     aux_id: bytes = _NO_AUX,
-    mac_key: bytes | None = None,
-    bind: bytes = b"",
 ) -> bytes:
     """Assemble a blob from per-layer sections (bytes-like, one per layer, in order)."""
     layout = fingerprint.layout
@@ -154,7 +138,7 @@ def pack(
         raise ValueError(f"{len(sections)} sections for {layout.num_layers} layers")
     if len(aux_id) != 16:
         raise ValueError("aux_id must be 16 bytes")
-    flags = FLAG_MAC if mac_key is not None else 0
+    flags = 0
     header_len = FIXED.size + len(params) + layout.num_layers * LAYER_ENTRY.size + CRC.size
     payload_len = sum(len(s) for s in sections)
     parts = [
@@ -185,8 +169,6 @@ def pack(
     out += CRC.pack(crc32(head))
     for s in sections:
         out += s
-    if mac_key is not None:
-        out += _mac(mac_key, bind, out)
     return bytes(out)
 
 
@@ -232,14 +214,11 @@ def parse_header(
     expected: ModelFingerprint | None,
     limits: Limits = DEFAULT_LIMITS,
     *,
-    mac_key: bytes | None = None,
-    bind: bytes = b"",
     verify_payload: bool = True,
 ) -> ChunkHeader:
-    """Parse and verify a blob's header (and, by default, every section's CRC and the MAC).
+    """Parse and verify a blob's header (and, by default, every section's CRC).
 
     Raises only ``ChunkError`` subclasses. ``expected=None`` skips the fingerprint check (tools only).
-    With ``mac_key`` given the blob must carry a valid MAC bound to ``bind``.
     """
     blob = memoryview(blob).cast("B") if not isinstance(blob, bytes | bytearray) else blob
     n = len(blob)
@@ -251,21 +230,16 @@ def parse_header(
         raise CorruptChunk("bad magic")
     if version != FORMAT_VERSION:
         raise UnsupportedVersion(f"format version {version}, this build reads {FORMAT_VERSION}")
-    if flags & ~FLAG_MAC:
+    if flags:
         raise CorruptChunk(f"unknown flags {flags:#x}")
     _check_limits(fields, n, limits)
     (_, _, _, codec_id, params_len, digest, nl, nh, hd, dt, nt, header_len, payload_len, aux) = fields
-    total = header_len + payload_len + (MAC_LEN if flags & FLAG_MAC else 0)
+    total = header_len + payload_len
     if n != total:
         raise CorruptChunk(f"blob is {n} bytes, header claims {total}")
     (hcrc,) = CRC.unpack_from(blob, header_len - CRC.size)
     if crc32(blob[: header_len - CRC.size]) != hcrc:
         raise CorruptChunk("header checksum mismatch")
-    if mac_key is not None:
-        if not flags & FLAG_MAC:
-            raise CorruptChunk("blob carries no MAC but one is required")
-        if not hmac.compare_digest(_mac(mac_key, bind, blob[: n - MAC_LEN]), bytes(blob[n - MAC_LEN :])):
-            raise CorruptChunk("MAC mismatch")
     params = bytes(blob[FIXED.size : FIXED.size + params_len])
     layers = _read_layers(blob, FIXED.size + params_len, nl, header_len, payload_len)
     layout = KVLayout(nl, nh, hd, KV_DTYPES[dt])
