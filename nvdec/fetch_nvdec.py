@@ -1,7 +1,7 @@
 """``FetchBackend`` over the decoder pool: how the SGLang glue uses the NVDEC path.
 
 A *direct* backend, like the DPU one: the waiting_for_KV queue reserves the KV slots before submitting
-(``submit(request_id, keys, start_token, slots)``) and frames go into the pool as they decode. Per
+(``submit(request_id, keys, start_token, kv_slots)``) and frames go into the pool as they decode. Per
 request, one fetch thread gets the chunk blobs from the store, verifies them, and submits every chunk to
 the shared :class:`DecoderPool`; each chunk's frames are restored by a :class:`SlotWriter` into a
 one-chunk host staging buffer, and as soon as a layer group (K and V videos) of a chunk is restored, the
@@ -57,7 +57,7 @@ class _Progress:
                 return
             lo, hi = g * GROUP, min((g + 1) * GROUP, self.n_layers)
             try:
-                self.writer.write(k[lo:hi], v[lo:hi], h.slots[chunk * c : (chunk + 1) * c], lo)
+                self.writer.write(k[lo:hi], v[lo:hi], h.kv_slots[chunk * c : (chunk + 1) * c], lo)
             except KVWriteError as e:
                 logger.warning("NVDEC write of %s chunk %d failed; a miss from there: %s", h.request_id, chunk, e)
                 with self.lock:
@@ -90,7 +90,7 @@ class NvdecFetchBackend(ThreadedFetchBackend):
         if handle.cancelled:
             handle._fail_from(0, "cancelled")
             return
-        if len(handle.slots) < len(keys) * self.chunk_size:
+        if len(handle.kv_slots) < len(keys) * self.chunk_size:
             raise ValueError("the NVDEC backend is direct: submit with one reserved slot per token")
         blobs = self.client.get_many(keys)
         for i, blob in enumerate(blobs):

@@ -115,7 +115,7 @@ class Backend:
 
     def submit(self, rid, keys, start, slots):
         h = FetchHandle(rid, len(keys), start, C)
-        h.direct, h.slots = True, slots
+        h.direct, h.kv_slots = True, slots
         self.handles[rid] = h
         return h
 

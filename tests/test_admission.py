@@ -52,7 +52,7 @@ def test_remote_hit_is_reserved_fetched_installed_and_released(world):
     w.be.finish("a")
     w.q.poll()
     assert w.host.released == ["a"] and w.host.hits["a"] == (0, 5 * C)
-    assert sorted(w.tree.owned) == sorted(w.be.handles["a"].slots.tolist())  # tree-owned, none leaked
+    assert sorted(w.tree.owned) == sorted(w.be.handles["a"].kv_slots.tolist())  # tree-owned, none leaked
     assert len(w.q.held) == 1 and w.tree.locks == 1  # the new node is locked until admission
     w.host.waiting_reqs.clear()  # the engine admitted it
     w.q.poll()

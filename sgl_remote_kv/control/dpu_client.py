@@ -196,8 +196,8 @@ class DpuClient:
         tokens = [chunk_tokens] * len(keys) if isinstance(chunk_tokens, int) else list(chunk_tokens)
         if len(tokens) != len(keys) or not keys:
             raise ValueError("need one token count per key and at least one key")
-        if target is not None and len(target.slots) < sum(tokens):
-            raise ValueError("target.slots shorter than the fetched tokens")
+        if target is not None and len(target.kv_slots) < sum(tokens):
+            raise ValueError("target.kv_slots shorter than the fetched tokens")
         h = FetchHandle(self.cv, request_id, list(keys), tokens, self.layout.num_layers, target)
         with self.cv:
             if target is not None and not any(w is target.writer for w in self._writers):

@@ -28,7 +28,7 @@ class KVTarget:
     [tokens]``, one per token of the fetched prefix, in order)."""
 
     writer: KVWriter
-    slots: torch.Tensor
+    kv_slots: torch.Tensor
 
 
 @dataclass(frozen=True)

@@ -74,8 +74,8 @@ class RoundIO:
     def write_layers(self, r: HostRound, lo: int, hi: int, n_tok: int, target: KVTarget) -> None:
         """Layers ``lo..hi`` of the round's first ``n_tok`` tokens into the pool (raises ``KVWriteError``)."""
         k, v = self.round_view(r)
-        slots = target.slots[r.token_lo : r.token_lo + n_tok]
-        target.writer.write(k[lo:hi, :n_tok], v[lo:hi, :n_tok], slots, lo)
+        kv_slots = target.kv_slots[r.token_lo : r.token_lo + n_tok]
+        target.writer.write(k[lo:hi, :n_tok], v[lo:hi, :n_tok], kv_slots, lo)
 
     def close(self) -> None:
         self.dest = None

@@ -26,8 +26,7 @@ def flush_denormals() -> None:
     thread) inherit the floating-point environment. Called when the platform is resolved, before
     any forward pass. Why: SGLang's ``torch_native`` extend attention pads queries with
     ``torch.empty`` and runs SDPA over the padding; when that memory holds bytes that read as
-    denormal floats, attention is ~60x slower on x86 (TTFT 1.5 s -> 40 s measured, see the
-    layer-wise section of docs/INTEGRATION.md). The padding rows are discarded; real values change
+    denormal floats, attention is far slower on x86 (docs/results/INTEGRATION_NOTES.md). The padding rows are discarded; real values change
     only where they fall below float32's normal range (~1.2e-38), which the dev platform accepts."""
     import torch
 

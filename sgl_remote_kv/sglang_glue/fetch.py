@@ -2,9 +2,9 @@
 
 The SGLang glue talks to a small interface so the decode path can be swapped:
 
-- ``FetchBackend.submit(request_id, keys, start_token[, slots]) -> FetchHandle`` starts fetching ``keys``
+- ``FetchBackend.submit(request_id, keys, start_token, kv_slots) -> FetchHandle`` starts fetching ``keys``
   (consecutive chunk keys of one prompt, the first one starting at token ``start_token``); a *direct*
-  backend (``direct = True``: DPU, NVDEC) is given the reserved KV slots and writes the KV there itself
+  backend (``direct = True``: DPU, NVDEC) writes the KV into the reserved KV slots itself
   through the pool's ``KVWriter``, the others stage it for the install;
 - ``FetchHandle`` reports progress: ``layers_ready`` (layers fully decoded for every chunk that is
   still valid), ``done()``, ``ok_chunks`` (leading chunks fetched and decoded; chunks after the first
@@ -49,7 +49,7 @@ class FetchHandle:
     """Progress of one request's fetch. Written by one worker thread, read by the scheduler thread."""
 
     decoded_here = True  # the decode ran in this process (``decode_s`` is its time)
-    direct = False  # the backend writes the KV into ``slots`` itself (nothing staged to install)
+    direct = False  # the backend writes the KV into ``kv_slots`` itself (nothing staged to install)
 
     def __init__(self, request_id: str, n_chunks: int, start_token: int, chunk_size: int) -> None:
         self.request_id = request_id
@@ -59,7 +59,7 @@ class FetchHandle:
         self.k: np.ndarray | None = None
         self.v: np.ndarray | None = None
         self.codes: list[list[quant.LayerView]] | None = None  # [layer][chunk], instead of k/v
-        self.slots = None  # direct backends: the reserved KV slots (host int64), one per token
+        self.kv_slots = None  # direct backends: the reserved KV slots (host int64), one per token
         self.ok_chunks = n_chunks
         self.layers_ready = 0
         self.failure: str | None = None
@@ -71,9 +71,9 @@ class FetchHandle:
         self.finished_at: float | None = None  # monotonic time the KV was ready (or the fetch failed)
         self._done = threading.Event()
         self._cancelled = threading.Event()
-        # Set once every chunk's bytes are fetched and verified (``codec.parse``: header, checksum,
-        # MAC) with ``ok_chunks == n_chunks``; ``blobs``/``headers`` then stay readable (layer-wise
-        # admission and its in-process fallback decode, ``layerwise.py``).
+        # Set once every chunk's bytes are fetched and verified (the store framing's HMAC when on, then
+        # ``codec.parse``: header, checksums) with ``ok_chunks == n_chunks``; ``blobs``/``headers`` then
+        # stay readable (layer-wise admission and its in-process fallback decode, ``layerwise.py``).
         self.verified = threading.Event()
         self.blobs: list | None = None
         self.headers: list | None = None
@@ -131,9 +131,9 @@ class FetchHandle:
 
 
 class FetchBackend(Protocol):
-    direct: bool  # True: submit takes reserved slots and the KV lands there (DPU, NVDEC)
+    direct: bool  # True: the KV lands in the reserved kv_slots (DPU, NVDEC); else it is staged
 
-    def submit(self, request_id: str, keys: list[bytes], start_token: int, slots=None) -> FetchHandle: ...
+    def submit(self, request_id: str, keys: list[bytes], start_token: int, kv_slots) -> FetchHandle: ...
 
     def queue_depth(self) -> int: ...
 
@@ -166,13 +166,13 @@ class ThreadedFetchBackend:
         with self._lock:
             return self._pending
 
-    def submit(self, request_id: str, keys: list[bytes], start_token: int, slots=None) -> FetchHandle:
-        """Queue a fetch; ``slots`` (direct backends only): the reserved KV slots of its tokens."""
+    def submit(self, request_id: str, keys: list[bytes], start_token: int, kv_slots=None) -> FetchHandle:
+        """Queue a fetch; ``kv_slots``: the reserved KV slots of its tokens (used by direct backends)."""
         handle = FetchHandle(request_id, len(keys), start_token, self.chunk_size)
         if self.direct:
-            if slots is None:
-                raise ValueError(f"{self.label} is a direct backend: submit with the reserved slots")
-            handle.slots, handle.direct = slots.to("cpu", torch.int64), True
+            if kv_slots is None:
+                raise ValueError(f"{self.label} is a direct backend: submit with the reserved KV slots")
+            handle.kv_slots, handle.direct = kv_slots.to("cpu", torch.int64), True
         with self._lock:
             self._pending += 1
         self._pool.submit(self._run, handle, list(keys))

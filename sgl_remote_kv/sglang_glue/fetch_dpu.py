@@ -120,11 +120,11 @@ class DpuFetchBackend:
         return int(st.get("pending_rounds", 0)) + int(st.get("inflight_rounds", 0))
 
     def submit(
-        self, request_id: str, keys: list[bytes], start_token: int, slots: torch.Tensor
+        self, request_id: str, keys: list[bytes], start_token: int, kv_slots: torch.Tensor
     ) -> FetchHandle:
         from sgl_remote_kv.control.jobs import KVTarget
 
-        target = KVTarget(self.kv_writer, slots.to("cpu", torch.int64))  # host copy, on this thread
+        target = KVTarget(self.kv_writer, kv_slots.to("cpu", torch.int64))  # host copy, on this thread
         inner = self.client.submit(request_id, list(keys), self.chunk_size, target)
         bpt = self.client.layout.bytes_per_token()
         return DpuFetchHandle(self.client, inner, start_token, self.chunk_size, bpt)

@@ -7,7 +7,7 @@ reads its KV. ``LayerwiseInstalls`` is such a counter (duck-typed ``LayerDoneCou
 the pool only when nothing else (HiCache) uses that slot.
 
 Safety rule: a fetched request is admitted before its KV is in the pool only when **every chunk's bytes
-were fetched and verified** (the codec's ``parse`` checked header, checksum and MAC: the handle's
+were fetched and verified** (the codec's ``parse`` checked header and checksums: the handle's
 ``verified`` event, with ``ok_chunks == n_chunks``). The remaining work is deterministic (decode +
 dequant + scatter). ``wait_until(layer)`` then, for every pending install and every layer up to
 ``layer``: waits for the backend's per-layer completion and scatters that layer from staging into the
@@ -24,9 +24,9 @@ data plane made before signalling verified (``fetch_dpu.py``), and falling back 
 handle first (under the client's lock), after which the receiver never writes the slots again. The
 in-process path is decoded *on demand* (``on_demand``): its worker is cancelled at admission and each
 layer is decoded from the verified blobs in the forward thread when first needed — a Python decode
-thread running next to the forward pass suffered a GIL convoy (36 s instead of 0.4 s, measured). That
+thread running next to the forward pass suffers a GIL convoy (docs/results/INTEGRATION_NOTES.md). That
 decode frees no buffer inside the forward pass (``_DecodeBuffers``): freed codec bytes were handed to
-attention's ``torch.empty`` padding and read as denormal floats (~60x slower attention, measured).
+attention's ``torch.empty`` padding and read as denormal floats (much slower attention, same notes).
 
 Before a layer is handed to attention, the reading stream waits on that layer's completion event
 (``KVWriter.wait_layer``: a no-op on CPU pools). A write of a staged layer that fails is retried once from
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Pending:
     handle: FetchHandle
-    slots: object  # torch int64 tensor, one slot per fetched token
+    kv_slots: object  # torch int64 tensor, one KV slot per fetched token
     codec: object
     next_layer: int = 0
     fell_back: bool = False
@@ -110,9 +110,9 @@ class LayerwiseInstalls:
     def busy(self) -> bool:
         return bool(self._pending)
 
-    def add(self, handle: FetchHandle, slots, codec, on_demand: bool = False) -> None:
+    def add(self, handle: FetchHandle, kv_slots, codec, on_demand: bool = False) -> None:
         with self._lock:
-            self._pending.append(_Pending(handle, slots, codec, on_demand=on_demand))
+            self._pending.append(_Pending(handle, kv_slots, codec, on_demand=on_demand))
 
     def finish_all(self) -> None:
         """Complete every pending install (start of each scheduling pass, before any slot reuse)."""
@@ -193,14 +193,14 @@ class LayerwiseInstalls:
                 self.metrics.failure("layerwise_decode_error")
                 raise RuntimeError(f"verified chunk {i} of {h.request_id} failed to decode: {e!r}") from e
             try:
-                self.kv_writer.write_quantized([view], p.slots[i * c : (i + 1) * c], layer)
+                self.kv_writer.write_quantized([view], p.kv_slots[i * c : (i + 1) * c], layer)
             except KVWriteError as e:
                 self.metrics.failure("write")
                 raise RuntimeError(f"layer {layer} of admitted {h.request_id} cannot be written: {e}") from e
         p.decode_s += time.perf_counter() - t0
 
     def _write(self, p: _Pending, layer: int, k, v) -> None:
-        self.kv_writer.write(k, v, p.slots, layer)
+        self.kv_writer.write(k, v, p.kv_slots, layer)
 
 
 class _DecodeBuffers:
@@ -210,7 +210,7 @@ class _DecodeBuffers:
     there go back to the forward thread's malloc arena *with their bytes* (compressed / decoded codec
     bytes), and SGLang's ``torch_native`` extend attention allocates its padded query with
     ``torch.empty`` and runs SDPA over those rows: garbage that reads as denormal float32 made every
-    attention layer ~60x slower (40 s TTFT instead of 3 s, measured). So nothing is freed during a
+    attention layer much slower (docs/results/INTEGRATION_NOTES.md). So nothing is freed during a
     forward pass; a buffer outgrown (rare: a longer hit) is zeroed before it is dropped.
     Called under ``LayerwiseInstalls._lock`` only; the arrays are owned here and only lent out."""
 
