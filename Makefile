@@ -3,7 +3,7 @@ PY := .venv/bin/python
 export PYTHONUNBUFFERED := 1
 
 .PHONY: setup model demo test test-slow lint bench-codec bench-codec-rd bench-store bench-dpu bench-nvdec \
-	bench-cpu-attention bench-e2e bench-e2e-quick projection soak test-faults clean
+	bench-cpu-attention bench-e2e bench-e2e-quick bench-burst bench-tail projection soak test-faults clean
 
 setup:
 	bash scripts/setup_env.sh
@@ -55,6 +55,12 @@ bench-e2e: model
 
 bench-e2e-quick: model
 	$(PY) -m benchmarks.bench_e2e --quick
+
+bench-burst: model
+	$(PY) -m benchmarks.bench_burst
+
+bench-tail: model
+	$(PY) -m benchmarks.bench_tail
 
 projection: setup
 	$(PY) -m benchmarks.projection

@@ -77,6 +77,7 @@ class NvdecFetchBackend(ThreadedFetchBackend):
 
     label = "nvdec-fetch"
     direct = True  # the caller reserves the slots; frames land there as they decode
+    tails = False  # full chunks only: an hevc chunk's frame layout is fixed by the chunk size
 
     def __init__(self, client, pool: DecoderPool, codec, fingerprint: ModelFingerprint, chunk_size: int,
                  kv_writer: KVWriter, fetch_threads: int = 1, on_done=None) -> None:  # fmt: skip

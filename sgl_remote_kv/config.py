@@ -17,6 +17,7 @@ from sgl_remote_kv import env
 MODES = ("off", "dpu", "nvdec", "inproc", "auto")
 MAX_CHUNK_SIZE = 8192
 MAX_CPUS = 4096
+DEFAULT_TAIL_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class RemoteKVConfig:
     mode: str = "off"
     store_url: str = ""  # "" -> the embedded local store under env.cache_dir()/store
     chunk_size: int = 256
+    tail_tokens: int | None = None  # tail sub-chunk size; None = 64 where it divides a larger chunk, 0 = off
     codec: str = "default"
     auth_key_file: str = ""  # "" -> values are not authenticated (see sgl_remote_kv/security.py)
     nvdec_instances: int = 2  # decoder instances of the NVDEC pool (--remote-kv nvdec|auto)
@@ -42,6 +44,12 @@ class RemoteKVConfig:
             raise ValueError(
                 f"--remote-kv-chunk-size must be a multiple of 16 in [16, {MAX_CHUNK_SIZE}], got {self.chunk_size}"
             )
+        t = self.tail_tokens
+        if t is not None and t != 0 and not (16 <= t < self.chunk_size and t % 16 == 0 and self.chunk_size % t == 0):
+            raise ValueError(
+                f"--remote-kv-tail-tokens must be 0 or a multiple of 16 that divides a larger chunk size "
+                f"({self.chunk_size}), got {t}"
+            )
         if not 0.0 <= self.policy_margin <= 1e12:
             raise ValueError(f"--remote-kv-policy-margin must be in [0, 1e12], got {self.policy_margin}")
         if not 1 <= self.nvdec_instances <= 64:
@@ -50,6 +58,14 @@ class RemoteKVConfig:
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
+
+    @property
+    def tail_granule(self) -> int:
+        """Tokens per tail sub-chunk (0: only full chunks are stored). The default is 64 where 64 divides
+        a larger chunk size, else off."""
+        if self.tail_tokens is not None:
+            return self.tail_tokens
+        return DEFAULT_TAIL_TOKENS if self.chunk_size > DEFAULT_TAIL_TOKENS and self.chunk_size % 64 == 0 else 0
 
     def resolved_store_url(self) -> str:
         url = self.store_url or f"file://{env.cache_dir() / 'store'}"
@@ -106,6 +122,15 @@ class RemoteKVConfig:
             default=256,
             metavar="TOKENS",
             help="Tokens per remote KV chunk (multiple of 16; default 256).",
+        )
+        g.add_argument(
+            "--remote-kv-tail-tokens",
+            dest="remote_kv_tail_tokens",
+            type=_tail_tokens,
+            default=None,
+            metavar="TOKENS",
+            help="Store and fetch the last, partial chunk of a prompt in sub-chunks of this many tokens "
+            "(0 = off; default 64 when it divides the chunk size).",
         )
         g.add_argument(
             "--remote-kv-codec",
@@ -179,6 +204,7 @@ class RemoteKVConfig:
             mode=ns.remote_kv,
             store_url=ns.remote_kv_store,
             chunk_size=ns.remote_kv_chunk_size,
+            tail_tokens=getattr(ns, "remote_kv_tail_tokens", None),
             codec=ns.remote_kv_codec,
             auth_key_file=getattr(ns, "remote_kv_auth_key_file", ""),
             nvdec_instances=getattr(ns, "remote_kv_nvdec_instances", 2),
@@ -207,6 +233,7 @@ def _bounded(cast, lo, hi, multiple_of: int | None = None):
 
 
 _chunk_size = _bounded(int, 16, MAX_CHUNK_SIZE, multiple_of=16)
+_tail_tokens = _bounded(int, 0, MAX_CHUNK_SIZE, multiple_of=16)
 _nvdec_instances = _bounded(int, 1, 64)
 _policy_margin = _bounded(float, 0.0, 1e12)
 

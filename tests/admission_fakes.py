@@ -109,12 +109,13 @@ class Backend:
     """A direct backend whose fetches finish when the test calls ``finish``."""
 
     direct = True
+    tails = True
 
     def __init__(self) -> None:
         self.handles: dict[str, FetchHandle] = {}
 
-    def submit(self, rid, keys, start, slots):
-        h = FetchHandle(rid, len(keys), start, C)
+    def submit(self, rid, keys, start, slots, tokens=None):
+        h = FetchHandle(rid, len(keys), start, C, tokens)
         h.direct, h.kv_slots = True, slots
         self.handles[rid] = h
         return h
@@ -150,21 +151,29 @@ def req(rid: str, tokens: int, base: int = 0):
 
 
 def make_queue(capacity: int = 4096, fraction: float = 0.5, slot_wait_s: float = 5.0, layerwise=None,
-               agreement: Agreement | None = None, margin: float | None = None, fp: ModelFingerprint = FP):  # fmt: skip
-    """A queue over fresh doubles; returns a namespace (q, tree, host, be, stored(req, chunks[, codec]), c)."""
+               agreement: Agreement | None = None, margin: float | None = None, fp: ModelFingerprint = FP,
+               tail: int = 0):  # fmt: skip
+    """A queue over fresh doubles (``tail``: tail sub-chunk tokens, 0 = off); returns a namespace
+    (q, tree, host, be, stored(req, chunks[, codec][, subs]), c)."""
     tree, host, be, store = Tree(capacity), Host(), Backend(), Store()
     keys = KeySpace(fp, CODEC, C)
     pcfg = PolicyConfig(mode="dpu") if margin is None else PolicyConfig(mode="dpu", margin=margin)
     c = Collaborators(
         tree=tree, host=host, paths={PathName.DPU: FetchPath(PathName.DPU, be, CODEC)},
         policy=Policy(pcfg, available=("dpu",)), metrics=RemoteKVMetrics(), lookup=store.lookup,
-        delete=lambda ks: None, keys=keys.keys_for, agreement=agreement or Agreement(),
+        delete=lambda ks: None, keys=keys.keys_for, tail_keys=keys.tail_keys, agreement=agreement or Agreement(),
         bytes_per_token=fp.layout.bytes_per_token(), wakeup=threading.Event(), layerwise=layerwise,
     )  # fmt: skip
-    q = WaitingForKV(c, AdmissionSettings(chunk_size=C, slot_wait_s=slot_wait_s, max_pool_fraction=fraction))
+    settings = AdmissionSettings(chunk_size=C, tail_granule=tail, slot_wait_s=slot_wait_s, max_pool_fraction=fraction)
+    q = WaitingForKV(c, settings)
 
-    def stored(r, chunks: int, codec=None) -> None:
-        """The first ``chunks`` chunks of ``r``'s prompt are in the store (under ``codec``'s namespace)."""
-        store.keys.update(keys.keys_for(r.ids, chunks, None, codec))
+    def stored(r, chunks: int, codec=None, subs: int = 0) -> None:
+        """The first ``chunks`` chunks of ``r``'s prompt are in the store (under ``codec``'s namespace), and
+        the first ``subs`` tail sub-chunks of the next chunk's region."""
+        full = keys.keys_for(r.ids, chunks, None, codec)
+        store.keys.update(full)
+        if subs:
+            prev = full[-1] if full else None
+            store.keys.update(keys.tail_keys(r.ids, chunks, prev, None, codec, tail)[:subs])
 
     return types.SimpleNamespace(q=q, tree=tree, host=host, be=be, stored=stored, c=c)

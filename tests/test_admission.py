@@ -142,7 +142,7 @@ def test_fetch_larger_than_the_queue_share_is_trimmed_to_its_leading_chunks(worl
     _park(w, r)
     w.q.poll()
     p = w.q.parked["a"]
-    assert p.phase is Phase.FETCH and p.remote_chunks == 4 and len(p.kv_slots) == 4 * C
+    assert p.phase is Phase.FETCH and p.fetch_tokens == [C] * 4 and len(p.kv_slots) == 4 * C
     w.be.finish("a")
     w.q.poll()
     assert w.host.hits["a"] == (0, 4 * C)  # the other 6 chunks are recomputed

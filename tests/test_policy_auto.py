@@ -99,8 +99,8 @@ def test_queue_decision_picks_the_path_with_the_prefix_and_the_shorter_queue():
         q.parked[r.rid].lookup.result(timeout=10)
     q.poll()
     p_both, p_dpu = q.parked["both"], q.parked["dpu_only"]
-    assert (p_both.path, p_both.remote_chunks, p_both.phase) == (PathName.NVDEC, 4, Phase.FETCH)
-    assert (p_dpu.path, p_dpu.remote_chunks, p_dpu.phase) == (PathName.DPU, 6, Phase.FETCH)
+    assert (p_both.path, len(p_both.fetch_keys), p_both.phase) == (PathName.NVDEC, 4, Phase.FETCH)
+    assert (p_dpu.path, len(p_dpu.fetch_keys), p_dpu.phase) == (PathName.DPU, 6, Phase.FETCH)
     assert "both" in nvdec.handles and "dpu_only" in dpu.handles
     after = c.metrics.snapshot()
     for path in ("nvdec", "dpu"):

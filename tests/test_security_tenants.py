@@ -11,9 +11,10 @@ import itertools
 import pytest
 
 from sgl_remote_kv.codec.base import get_codec
-from sgl_remote_kv.config import RemoteKVConfig
 from sgl_remote_kv.sglang_glue.runtime import KeySpace
+from sgl_remote_kv.store.client import ClientConfig, StoreClient
 from sgl_remote_kv.store.keys import tenant_salt
+from sgl_remote_kv.store.local import LocalStore
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 
 FP = ModelFingerprint("LlamaForCausalLM", KVLayout(30, 3, 64, "float32"), "weights", 0, 1)
@@ -48,9 +49,15 @@ def test_tenant_salt_is_injective_over_tricky_identities():
 
 
 @pytest.fixture
-def rt(tmp_path):
-    cfg = RemoteKVConfig(mode="dpu", store_url=f"file://{tmp_path / 's'}", chunk_size=64, codec="lossless")
-    return KeySpace(FP, get_codec("lossless"), cfg.chunk_size)
+def rt():
+    return KeySpace(FP, get_codec("lossless"), 64)
+
+
+@pytest.fixture
+def client(tmp_path):
+    c = StoreClient(LocalStore(tmp_path / "s"), ClientConfig(negative_ttl_s=0.0))
+    yield c
+    c.close()
 
 
 def test_same_prompt_different_tenants_share_no_key(rt):
@@ -63,15 +70,15 @@ def test_same_prompt_different_tenants_share_no_key(rt):
         assert not key_sets[a] & key_sets[b], (a, b)
 
 
-def test_a_tenant_cannot_observe_another_tenants_prefix_in_the_store(rt):
+def test_a_tenant_cannot_observe_another_tenants_prefix_in_the_store(rt, client):
     alice, bob = tenant_salt("alice", None), tenant_salt("bob", None)
     alice_keys = rt.keys_for(PROMPT, 5, alice)
-    assert rt.client.put_many([(k, b"kv-of-alice") for k in alice_keys]) == 5
-    assert rt.client.count_prefix(alice_keys) == 5
+    assert client.put_many([(k, b"kv-of-alice") for k in alice_keys]) == 5
+    assert client.count_prefix(alice_keys) == 5
     for salt in (bob, None, tenant_salt(None, "alice"), tenant_salt("alice ", None)):
         keys = rt.keys_for(PROMPT, 5, salt)
-        assert rt.client.count_prefix(keys) == 0
-        assert rt.client.get_many(keys) == [None] * 5
+        assert client.count_prefix(keys) == 0
+        assert client.get_many(keys) == [None] * 5
 
 
 def test_namespace_cache_cannot_be_grown_without_bound(rt):

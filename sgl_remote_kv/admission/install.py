@@ -118,7 +118,7 @@ class Installer:
         every later hit short; delete it (on a worker thread: store I/O) so the write-back of this
         request's recompute replaces it."""
         h = p.handle
-        bad, keys = h.ok_chunks, p.keys[p.path]
+        bad, keys = h.ok_chunks, p.fetch_keys
         if bad < len(keys) and _undecodable(h.failure):
             self.c.metrics.failure(FailureKind.REPAIR_UNDECODABLE)
             self.io.submit(self.c.delete, [keys[bad]])

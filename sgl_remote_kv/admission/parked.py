@@ -39,14 +39,15 @@ class Phase(Enum):
 class ParkedRequest:
     req: object  # SGLang's request (read only through the seam)
     rid: str
-    keys: dict[PathName, list[bytes]]  # per fetch path: keys of chunks [local_chunks, usable)
-    local_chunks: int  # chunks already in the local tree when parked
+    chain: dict[PathName, list[bytes]]  # per fetch path: keys of the prompt's full chunks [0, usable)
+    local_chunks: int  # full chunks already in the local tree when parked (the fetch starts after them)
     parked_at: float  # monotonic time of the first park (kept when a follower re-parks)
     since: float  # monotonic time the current phase began
     lookup: cf.Future | None = None  # LOOKUP: path -> chunks found
     phase: Phase = Phase.LOOKUP
     path: PathName | None = None  # RESERVE/FOLLOW/FETCH: the path the policy (rank 0) chose
-    remote_chunks: int = 0  # chunks to fetch, starting at ``local_chunks``
+    fetch_keys: list[bytes] | None = None  # RESERVE/FOLLOW/FETCH: full chunks, then tail sub-chunks
+    fetch_tokens: list[int] | None = None  # tokens of each of them
     choice: int | None = None  # this rank's policy choice for the agreement (agreement.choice_of)
     decision: object = None  # the policy's Decision (estimates), None when another rank's choice won
     wire_bytes: int = 0

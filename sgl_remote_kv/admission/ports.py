@@ -18,6 +18,7 @@ from sgl_remote_kv.types import PathName
 @dataclass(frozen=True)
 class AdmissionSettings:
     chunk_size: int
+    tail_granule: int = 0  # tokens per tail sub-chunk (0: full chunks only)
     lookup_timeout_s: float = 2.0  # a lookup slower than this is a miss (the request is released)
     # Upper cap of a fetch's life (and of a dedup follower's wait). Fetches are normally cancelled much
     # earlier by the policy: when they lose against recompute, or past a byte-scaled hang guard.
@@ -32,6 +33,9 @@ class AdmissionSettings:
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
+        g = self.tail_granule
+        if g < 0 or (g and (g >= self.chunk_size or self.chunk_size % g)):
+            raise ValueError(f"tail_granule must be 0 or divide a larger chunk size, got {g}")
         if not 0.0 < self.max_pool_fraction <= 1.0:
             raise ValueError(f"max_pool_fraction must be in (0, 1], got {self.max_pool_fraction}")
         for name in ("lookup_timeout_s", "fetch_timeout_s", "slot_wait_s", "idle_wait_s"):
@@ -103,6 +107,9 @@ class Collaborators:
     lookup: Callable[[list[bytes]], object]  # StoreClient.lookup_prefix
     delete: Callable[[list[bytes]], object]  # StoreClient.delete_many
     keys: Callable[[list[int], int, str | None, object], list[bytes]]  # (ids, chunks, salt, codec)
+    # (ids, region, key of the chunk before it or None, salt, codec, granule) -> sub-chunk keys of the
+    # region's tokens (``runtime.KeySpace.tail_keys``)
+    tail_keys: Callable[..., list[bytes]]
     agreement: object  # admission.agreement.Agreement
     bytes_per_token: int  # decoded KV bytes of one token (the policy's size estimates)
     wakeup: threading.Event  # set by workers when something completes

@@ -67,42 +67,76 @@ class WaitingForKV:
         if rid in self.parked or not host.eligible(req):
             return False
         ids = host.prompt(req)
-        usable = (len(ids) - 1) // chunk  # always leave the last prompt token to compute
-        if usable <= 0:
-            return False
-        local_chunks = self.c.tree.match(req, len(ids)).prefix_len // chunk
-        if local_chunks >= usable:
-            return False
+        usable_tokens = len(ids) - 1  # always leave the last prompt token to compute
+        usable = usable_tokens // chunk
+        g = max((self._granule(path) for path in self.c.paths.values()), default=0)
+        fetch_end = usable * chunk + ((usable_tokens - usable * chunk) // g * g if g else 0)
+        local = self.c.tree.match(req, len(ids)).prefix_len
+        if fetch_end <= local:
+            return False  # nothing beyond the local hit could come from the store
         salt = host.salt(req)
         by_codec: dict[str, list[bytes]] = {}
-        keys = {}
+        chain = {}
         for name, path in self.c.paths.items():
             if path.codec.name not in by_codec:
-                by_codec[path.codec.name] = self.c.keys(ids, usable, salt, path.codec)[local_chunks:]
-            keys[name] = by_codec[path.codec.name]
+                by_codec[path.codec.name] = self.c.keys(ids, usable, salt, path.codec)
+            chain[name] = by_codec[path.codec.name]
         now = time.monotonic()
         # a re-parked follower keeps its first park time (bounded waits)
-        p = ParkedRequest(req, rid, keys, local_chunks, parked_at if parked_at is not None else now, now)
-        p.lookup = self._io.submit(self._count, keys)
+        p = ParkedRequest(req, rid, chain, local // chunk, parked_at if parked_at is not None else now, now)
+        p.lookup = self._io.submit(self._count, ids, salt, p.local_chunks, chain)
         self.parked[rid] = p
         return True
 
-    def _count(self, keys: dict[PathName, list[bytes]]) -> dict[PathName, int]:
-        """Remote chunk count per path (one store round trip per distinct codec). Raises
-        ``StoreError`` if a store call failed and no path found anything: an error, not a miss."""
+    def _granule(self, path) -> int:
+        """Tail sub-chunk tokens on ``path`` (0: full chunks only; hevc chunks have a fixed frame layout)."""
+        if not self.s.tail_granule or not getattr(path.backend, "tails", False) or path.codec.name == "hevc":
+            return 0
+        return self.s.tail_granule
+
+    def _count(self, ids, salt, local_chunks: int, chain: dict[PathName, list[bytes]]) -> dict[PathName, int]:
+        """Remote *tokens* per path beyond the local full chunks: leading full chunks, then the tail
+        sub-chunks of the first missing chunk's region (one or two store round trips per distinct codec).
+        Raises ``StoreError`` if a store call failed and no path found anything: an error, not a miss."""
         try:
-            seen: dict = {}  # id(keys) -> PrefixLookup
-            out = {}
-            for name, ks in keys.items():
-                if id(ks) not in seen:
-                    seen[id(ks)] = self.c.lookup(ks)
-                out[name] = seen[id(ks)].found
-            errors = [r.error for r in seen.values() if r.error]
+            seen: dict = {}  # (codec, granule) -> tokens
+            out, errors = {}, []
+            for name, path in self.c.paths.items():
+                memo = (path.codec.name, self._granule(path))
+                if memo not in seen:
+                    seen[memo] = self._found(ids, salt, local_chunks, chain[name], path.codec, memo[1], errors)
+                out[name] = seen[memo]
             if errors and not any(out.values()):
                 raise StoreError(f"remote KV lookup failed ({errors[0]})")
             return out
         finally:
             self.c.wakeup.set()
+
+    def _found(self, ids, salt, local_chunks, chain, codec, granule: int, errors: list) -> int:
+        chunk = self.s.chunk_size
+        f = 0
+        if len(chain) > local_chunks:
+            r = self.c.lookup(chain[local_chunks:])
+            f = r.found
+            if r.error:
+                errors.append(r.error)
+        subs = self._tail_room(len(ids), local_chunks + f, granule)
+        if subs <= 0:
+            return f * chunk
+        region = local_chunks + f
+        keys = self.c.tail_keys(ids, region, chain[region - 1] if region else None, salt, codec, granule)
+        r = self.c.lookup(keys[:subs])
+        if r.error:
+            errors.append(r.error)
+        return f * chunk + r.found * granule
+
+    def _tail_room(self, prompt_len: int, region: int, granule: int) -> int:
+        """Tail sub-chunks the prompt has in chunk region ``region`` (fewer than a chunk's worth)."""
+        if not granule:
+            return 0
+        chunk = self.s.chunk_size
+        end = min((region + 1) * chunk, prompt_len - 1)
+        return min(chunk // granule - 1, max(0, end - region * chunk) // granule)
 
     # -- poll: observe -> agree -> act ----------------------------------------------------------------
     def poll(self) -> None:
@@ -212,42 +246,59 @@ class WaitingForKV:
             return
         m.lookup("hit")
         path = v.path
-        n = v.count(path) if path is not None else 0
-        if n <= 0:  # rank 0 chose recompute, or some rank lacks the chosen path's chunks
+        tokens = v.count(path) if path is not None else 0
+        if tokens <= 0:  # rank 0 chose recompute, or some rank lacks the chosen path's chunks
             self._release(p)
             return
         if p.path is not path:  # this rank's own estimate was for another choice
             p.decision = None
-        p.path, p.remote_chunks = path, n
+        p.path = path
+        if not self._plan(p, tokens):
+            m.failure(FailureKind.NO_KV_SLOTS)
+            self._release(p)
+            return
         leader = self._leader(p)
         if leader is not None:  # in-flight dedup: wait for it, then re-match locally
             p.leader = leader.rid
             p.enter(Phase.FOLLOW, now)
             m.dedup()
             return
-        cap = self.budget // self.s.chunk_size
-        if p.remote_chunks > cap:  # could never fit: fetch the leading chunks, recompute the rest
-            p.remote_chunks = cap
-        if p.remote_chunks <= 0:
-            m.failure(FailureKind.NO_KV_SLOTS)
-            self._release(p)
-            return
         p.enter(Phase.RESERVE, now)
         self._reserve(p, now)
 
+    def _plan(self, p: ParkedRequest, tokens: int) -> bool:
+        """The fetch of the agreed ``tokens`` on ``p.path``: its full chunks, then the tail sub-chunks of
+        the next chunk's region (the same list on every rank). A fetch larger than the queue's share of
+        the pool keeps its leading full chunks (the rest is recomputed). False: nothing fits."""
+        chunk, g = self.s.chunk_size, self._granule(self.c.paths[p.path])
+        n, subs = tokens // chunk, (tokens % chunk) // g if g else 0
+        if tokens > self.budget:
+            n, subs = min(n, self.budget // chunk), 0
+        if n + subs <= 0:
+            return False
+        region = p.local_chunks + n
+        chain = p.chain[p.path]
+        keys = chain[p.local_chunks : region]
+        if subs:
+            host, path = self.c.host, self.c.paths[p.path]
+            ids, prev = host.prompt(p.req), chain[region - 1] if region else None
+            keys = keys + self.c.tail_keys(ids, region, prev, host.salt(p.req), path.codec, g)[:subs]
+        p.fetch_keys, p.fetch_tokens = keys, [chunk] * n + [g] * subs
+        return True
+
     # -- decisions ---------------------------------------------------------------------------------
     def _decide(self, p: ParkedRequest, counts: dict[PathName, int]) -> PathName | None:
-        """The policy's choice among the paths that have the prefix (None: recompute). Sets the
-        record's path, chunk count and estimates."""
-        c, chunk = self.c, self.s.chunk_size
+        """The policy's choice among the paths that have the prefix (``counts``: tokens found per path;
+        None: recompute). Sets the record's path and estimates."""
+        c = self.c
         options, depth = {}, {}
-        for name, n in counts.items():
-            if n <= 0:
+        for name, tokens in counts.items():
+            if tokens <= 0:
                 continue
-            raw = n * chunk * c.bytes_per_token
+            raw = tokens * c.bytes_per_token
             # learned wire/decoded ratio of the path; a guess before its first fetch
             guess = 1.0 if c.paths[name].codec.name == "lossless" else 0.5
-            options[name.value] = (n * chunk, c.policy.wire_bytes(name.value, raw, guess), raw)
+            options[name.value] = (tokens, c.policy.wire_bytes(name.value, raw, guess), raw)
             depth[name.value] = c.paths[name].backend.queue_depth()
         decision = c.policy.decide_among(options, depth)
         c.metrics.decision(decision.path)
@@ -257,17 +308,17 @@ class WaitingForKV:
         if decision.path == "recompute":
             return None
         path = PathName(decision.path)
-        p.path, p.remote_chunks = path, counts[path]
+        p.path = path
         p.decision, p.wire_bytes = decision, options[path.value][1]
         return path
 
     def _leader(self, p: ParkedRequest) -> ParkedRequest | None:
         """A record about to fetch or fetching this record's first chunk on the same path. Chunk keys
         chain the whole prefix, so equal first keys mean the same tokens from the same chunk on."""
-        first = p.keys[p.path][:1]
+        first = p.fetch_keys[:1]
         for q in self.parked.values():
             if q is not p and q.phase in (Phase.RESERVE, Phase.FETCH) and q.path is p.path:
-                if q.keys[q.path][:1] == first:
+                if q.fetch_keys[:1] == first:
                     return q
         return None
 
@@ -286,7 +337,7 @@ class WaitingForKV:
         if self._reserve_head() is not p:
             return
         c, chunk = self.c, self.s.chunk_size
-        need = p.remote_chunks * chunk
+        need = sum(p.fetch_tokens)
         if self.held_slots() + need > self.budget:
             return  # back off: the queue's share of the pool is in use
         start = p.local_chunks * chunk
@@ -304,7 +355,7 @@ class WaitingForKV:
         if now - p.since > 0:
             c.metrics.slot_wait(now - p.since)
         try:
-            p.handle = c.paths[p.path].backend.submit(p.rid, p.keys[p.path][: p.remote_chunks], start, slots)
+            p.handle = c.paths[p.path].backend.submit(p.rid, p.fetch_keys, start, slots, p.fetch_tokens)
         except Exception as e:  # boundary: a backend that cannot take the job is a miss
             c.metrics.failure(FailureKind.INTERNAL)
             logger.warning("remote KV fetch submit for %s failed: %r", p.rid, e)

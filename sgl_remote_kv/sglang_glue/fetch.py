@@ -2,8 +2,10 @@
 
 The SGLang glue talks to a small interface so the decode path can be swapped:
 
-- ``FetchBackend.submit(request_id, keys, start_token, kv_slots) -> FetchHandle`` starts fetching ``keys``
-  (consecutive chunk keys of one prompt, the first one starting at token ``start_token``); a *direct*
+- ``FetchBackend.submit(request_id, keys, start_token, kv_slots, tokens) -> FetchHandle`` starts fetching
+  ``keys`` (consecutive chunk keys of one prompt, the first one starting at token ``start_token``;
+  ``tokens``: each chunk's token count — full chunks, then possibly tail sub-chunks; backends with
+  ``tails = False`` take full chunks only); a *direct*
   backend (``direct = True``: DPU, NVDEC) writes the KV into the reserved KV slots itself
   through the pool's ``KVWriter``, the others stage it for the install;
 - ``FetchHandle`` reports progress: ``layers_ready`` (layers fully decoded for every chunk that is
@@ -27,7 +29,9 @@ true (``write_staged``), then drops the handle.
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures as cf
+import itertools
 import logging
 import threading
 import time
@@ -51,11 +55,16 @@ class FetchHandle:
     decoded_here = True  # the decode ran in this process (``decode_s`` is its time)
     direct = False  # the backend writes the KV into ``kv_slots`` itself (nothing staged to install)
 
-    def __init__(self, request_id: str, n_chunks: int, start_token: int, chunk_size: int) -> None:
+    def __init__(self, request_id: str, n_chunks: int, start_token: int, chunk_size: int,
+                 tokens: list[int] | None = None) -> None:  # fmt: skip
         self.request_id = request_id
         self.n_chunks = n_chunks
         self.start_token = start_token
-        self.chunk_size = chunk_size
+        self.chunk_size = chunk_size  # tokens of a full chunk
+        self.tokens = tuple(tokens) if tokens is not None else (chunk_size,) * n_chunks  # per chunk
+        if len(self.tokens) != n_chunks or min(self.tokens, default=1) <= 0:
+            raise ValueError(f"need {n_chunks} positive per-chunk token counts, got {self.tokens}")
+        self.offsets = (0, *itertools.accumulate(self.tokens))  # chunk i = tokens [offsets[i], offsets[i+1])
         self.k: np.ndarray | None = None
         self.v: np.ndarray | None = None
         self.codes: list[list[quant.LayerView]] | None = None  # [layer][chunk], instead of k/v
@@ -97,7 +106,15 @@ class FetchHandle:
 
     @property
     def ok_tokens(self) -> int:
-        return self.ok_chunks * self.chunk_size if self.failure != "cancelled" else 0
+        return self.offsets[self.ok_chunks] if self.failure != "cancelled" else 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.offsets[-1]
+
+    def span(self, chunk: int) -> slice:
+        """Token positions (relative to ``start_token``) of chunk ``chunk``."""
+        return slice(self.offsets[chunk], self.offsets[chunk + 1])
 
     def has_staged(self) -> bool:
         return self.k is not None or self.codes is not None
@@ -106,7 +123,7 @@ class FetchHandle:
         """The first ``tokens`` staged tokens into ``slots`` through ``writer`` (after ``done()``).
         Raises ``KVWriteError``."""
         if self.codes is not None:
-            n = tokens // self.chunk_size
+            n = bisect.bisect_right(self.offsets, tokens) - 1  # chunks that end within ``tokens``
             for layer, views in enumerate(self.codes):
                 writer.write_quantized(views[:n], slots, layer)
         else:
@@ -132,8 +149,10 @@ class FetchHandle:
 
 class FetchBackend(Protocol):
     direct: bool  # True: the KV lands in the reserved kv_slots (DPU, NVDEC); else it is staged
+    tails: bool  # True: ``submit`` takes chunks of different token counts (tail sub-chunks)
 
-    def submit(self, request_id: str, keys: list[bytes], start_token: int, kv_slots) -> FetchHandle: ...
+    def submit(self, request_id: str, keys: list[bytes], start_token: int, kv_slots,
+               tokens: list[int] | None = None) -> FetchHandle: ...  # fmt: skip
 
     def queue_depth(self) -> int: ...
 
@@ -149,6 +168,7 @@ class ThreadedFetchBackend:
     """
 
     direct = False
+    tails = True
     label = "fetch"
 
     def __init__(self, client, codec: Codec, fingerprint: ModelFingerprint, chunk_size: int,
@@ -166,9 +186,13 @@ class ThreadedFetchBackend:
         with self._lock:
             return self._pending
 
-    def submit(self, request_id: str, keys: list[bytes], start_token: int, kv_slots=None) -> FetchHandle:
-        """Queue a fetch; ``kv_slots``: the reserved KV slots of its tokens (used by direct backends)."""
-        handle = FetchHandle(request_id, len(keys), start_token, self.chunk_size)
+    def submit(self, request_id: str, keys: list[bytes], start_token: int, kv_slots=None,
+               tokens: list[int] | None = None) -> FetchHandle:  # fmt: skip
+        """Queue a fetch; ``kv_slots``: the reserved KV slots of its tokens (used by direct backends);
+        ``tokens``: per-chunk token counts (default: full chunks)."""
+        if tokens is not None and not self.tails and set(tokens) != {self.chunk_size}:
+            raise ValueError(f"{self.label} takes full chunks only")
+        handle = FetchHandle(request_id, len(keys), start_token, self.chunk_size, tokens)
         if self.direct:
             if kv_slots is None:
                 raise ValueError(f"{self.label} is a direct backend: submit with the reserved KV slots")
@@ -210,7 +234,7 @@ class ThreadedFetchBackend:
             except ChunkError as e:
                 handle._fail_from(i, f"decode:{type(e).__name__}")
                 break
-            if headers[-1].num_tokens != self.chunk_size:
+            if headers[-1].num_tokens != handle.tokens[i]:
                 handle._fail_from(i, "decode:chunk_size")
                 headers.pop()
                 break
@@ -253,7 +277,7 @@ class InProcessFetchBackend(ThreadedFetchBackend):
 
     def _stage_codes(self, handle: FetchHandle, blobs: list, headers: list) -> None:
         """Lossless stage only, layer-major: ``handle.codes[layer][chunk]`` (views into per-chunk buffers)."""
-        lay, c = self.fingerprint.layout, self.chunk_size
+        lay = self.fingerprint.layout
         t0 = time.perf_counter()
         codes: list[list[quant.LayerView]] = []
         for layer in range(lay.num_layers):
@@ -274,12 +298,11 @@ class InProcessFetchBackend(ThreadedFetchBackend):
         handle.codes = [row[: handle.ok_chunks] for row in codes]
         handle.layers_ready = lay.num_layers
         handle.decode_s = time.perf_counter() - t0
-        handle.decoded_bytes = handle.ok_chunks * c * lay.bytes_per_token()
+        handle.decoded_bytes = handle.ok_tokens * lay.bytes_per_token()
 
     def _decode_layer_major(self, handle: FetchHandle, blobs: list, headers: list) -> None:
         lay = self.fingerprint.layout
-        c = self.chunk_size
-        shape = (lay.num_layers, handle.ok_chunks * c, lay.num_kv_heads, lay.head_dim)
+        shape = (lay.num_layers, handle.offsets[handle.ok_chunks], lay.num_kv_heads, lay.head_dim)
         dt = numpy_storage_dtype(lay.dtype)
         handle.k, handle.v = np.empty(shape, dt), np.empty(shape, dt)
         t0 = time.perf_counter()
@@ -295,8 +318,8 @@ class InProcessFetchBackend(ThreadedFetchBackend):
                         headers[i],
                         layer,
                         scratch,
-                        handle.k[layer, i * c : (i + 1) * c],
-                        handle.v[layer, i * c : (i + 1) * c],
+                        handle.k[layer, handle.span(i)],
+                        handle.v[layer, handle.span(i)],
                     )
                 except ChunkError as e:
                     handle._fail_from(i, f"decode:{type(e).__name__}")
@@ -308,4 +331,4 @@ class InProcessFetchBackend(ThreadedFetchBackend):
                 return
             handle.layers_ready = layer + 1
         handle.decode_s = time.perf_counter() - t0
-        handle.decoded_bytes = handle.k[:, : handle.ok_chunks * c].nbytes * 2
+        handle.decoded_bytes = handle.k[:, : handle.ok_tokens].nbytes * 2

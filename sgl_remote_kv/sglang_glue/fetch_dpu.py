@@ -39,10 +39,11 @@ class DpuFetchHandle(FetchHandle):
     direct = True  # the KV lands in the caller's slots (written by the client's receiver thread)
     decoded_here = False  # the data plane decodes: its time is part of ``fetch_s``
 
-    def __init__(self, client, inner, start_token: int, chunk_size: int, bytes_per_token: int) -> None:
+    def __init__(self, client, inner, start_token: int, chunk_size: int, bytes_per_token: int,
+                 tokens: list[int] | None = None) -> None:  # fmt: skip
         self._client, self._inner = client, inner
         self._fb, self._fs = 0, 0.0  # fetched bytes / seconds, once done
-        super().__init__(inner.request_id, inner.num_chunks, start_token, chunk_size)
+        super().__init__(inner.request_id, inner.num_chunks, start_token, chunk_size, tokens)
         self._bytes_per_token = bytes_per_token
         self.verified = inner.verified  # set by the client's receiver thread
 
@@ -108,6 +109,7 @@ class DpuFetchHandle(FetchHandle):
 
 class DpuFetchBackend:
     direct = True
+    tails = True  # a job's chunks may have different token counts (tail sub-chunks)
 
     def __init__(self, client, kv_writer, chunk_size: int, on_done=None) -> None:
         self.client = client
@@ -120,14 +122,15 @@ class DpuFetchBackend:
         return int(st.get("pending_rounds", 0)) + int(st.get("inflight_rounds", 0))
 
     def submit(
-        self, request_id: str, keys: list[bytes], start_token: int, kv_slots: torch.Tensor
+        self, request_id: str, keys: list[bytes], start_token: int, kv_slots: torch.Tensor,
+        tokens: list[int] | None = None,
     ) -> FetchHandle:
         from sgl_remote_kv.control.jobs import KVTarget
 
         target = KVTarget(self.kv_writer, kv_slots.to("cpu", torch.int64))  # host copy, on this thread
-        inner = self.client.submit(request_id, list(keys), self.chunk_size, target)
+        inner = self.client.submit(request_id, list(keys), list(tokens) if tokens else self.chunk_size, target)
         bpt = self.client.layout.bytes_per_token()
-        return DpuFetchHandle(self.client, inner, start_token, self.chunk_size, bpt)
+        return DpuFetchHandle(self.client, inner, start_token, self.chunk_size, bpt, tokens)
 
     def close(self) -> None:
         self.client.close()

@@ -126,8 +126,8 @@ class LayerwiseInstalls:
                 self._decode_layer(p, layer)
             elif not p.fell_back and self._wait_layer(p.handle, layer):
                 if not getattr(p.handle, "direct", False):  # direct: already in the slots
-                    n = p.handle.n_chunks * p.handle.chunk_size
                     h = p.handle
+                    n = h.total_tokens
                     try:
                         self._write(p, layer, h.k[layer : layer + 1, :n], h.v[layer : layer + 1, :n])
                     except KVWriteError as e:
@@ -160,14 +160,12 @@ class LayerwiseInstalls:
         if self.kv_writer.device_dequant and isinstance(p.codec, quant.QuantCodec):
             return self._decode_layer_on_device(p, layer)
         t0 = time.perf_counter()
-        h, c = p.handle, p.handle.chunk_size
-        k, v = self._bufs.kv(h.n_chunks * c)
+        h = p.handle
+        k, v = self._bufs.kv(h.total_tokens)
         for i, (blob, hdr) in enumerate(zip(h.blobs, h.headers, strict=True)):
             scratch = self._bufs.scratch(p.codec.scratch_bytes(hdr, layer))
             try:
-                p.codec.decode_layer_into(
-                    blob, hdr, layer, scratch, k[i * c : (i + 1) * c], v[i * c : (i + 1) * c]
-                )
+                p.codec.decode_layer_into(blob, hdr, layer, scratch, k[h.span(i)], v[h.span(i)])
             except ChunkError as e:
                 self.metrics.failure("layerwise_decode_error")
                 raise RuntimeError(f"verified chunk {i} of {h.request_id} failed to decode: {e!r}") from e
@@ -184,7 +182,7 @@ class LayerwiseInstalls:
         """Device pools: the lossless stage here, dequantization on the device (``write_quantized``),
         one chunk at a time through the shared scratch."""
         t0 = time.perf_counter()
-        h, c = p.handle, p.handle.chunk_size
+        h = p.handle
         for i, (blob, hdr) in enumerate(zip(h.blobs, h.headers, strict=True)):
             scratch = self._bufs.scratch(p.codec.scratch_bytes(hdr, layer))
             try:
@@ -193,7 +191,7 @@ class LayerwiseInstalls:
                 self.metrics.failure("layerwise_decode_error")
                 raise RuntimeError(f"verified chunk {i} of {h.request_id} failed to decode: {e!r}") from e
             try:
-                self.kv_writer.write_quantized([view], p.kv_slots[i * c : (i + 1) * c], layer)
+                self.kv_writer.write_quantized([view], p.kv_slots[h.span(i)], layer)
             except KVWriteError as e:
                 self.metrics.failure("write")
                 raise RuntimeError(f"layer {layer} of admitted {h.request_id} cannot be written: {e}") from e

@@ -111,7 +111,7 @@ class RemoteKVMetrics:
     def slot_wait(self, seconds: float) -> None:
         """A request that chose to fetch waited ``seconds`` for KV slots before its fetch started."""
         self._inc("slot_waits")
-        self._inc("slot_wait", seconds)
+        self._observe("slot_wait", seconds)
 
     def layerwise_admission(self) -> None:
         self._inc("layerwise_admissions")
@@ -150,7 +150,10 @@ def _build_prometheus() -> dict:
             p + "dedup_followers", "Requests that waited on another request's in-flight fetch"
         ),
         "slot_waits": Counter(p + "slot_waits", "Fetches that waited for KV slots before they started"),
-        "slot_wait": Counter(p + "slot_wait_seconds", "Time fetches waited for KV slots before they started"),
+        "slot_wait": Histogram(
+            p + "slot_wait_seconds", "Time a fetch waited for KV slots before it started (bounded by slot_wait_s)",
+            buckets=_LAT_BUCKETS,
+        ),
         "layerwise_wait": Counter(
             p + "layerwise_wait_seconds", "Time forward passes waited for layer-wise installs"
         ),

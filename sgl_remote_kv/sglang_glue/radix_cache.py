@@ -42,11 +42,11 @@ class RemoteKVRadixCache(UnifiedRadixCache):
         if rt is None or rt.writeback is None:
             return
         try:
-            rt.writeback.offer(req, up_to)
+            rt.writeback.offer(req, up_to, final=seam.req_finished(req))
         except Exception as e:  # boundary: write-back must never break the scheduler
             rt.metrics.failure(FailureKind.WRITEBACK_OFFER)
             logger.warning("write-back offer failed for %s: %r", seam.SchedulerHost.rid(req), e)
-        if req.finished():
+        if seam.req_finished(req):
             rt.writeback.forget(seam.SchedulerHost.rid(req))
 
 
@@ -82,7 +82,9 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
     wakeup = threading.Event()
     parts = paths.PathParts(cfg, fp, codec, client, kv_writer, wakeup, on_store_error=metrics.store_error)
     keys = runtime.KeySpace(fp, codec, cfg.chunk_size)
-    writeback = WriteBack(codec, fp, client, keys, metrics, kv_writer, b.req_to_token_pool, runtime.WRITEBACK_QUEUE)
+    tails = cfg.tail_granule if codec.name != paths.HEVC else 0  # hevc: a frame layout per chunk size
+    writeback = WriteBack(codec, fp, client, keys, metrics, kv_writer, b.req_to_token_pool,
+                          runtime.WRITEBACK_QUEUE, tail_granule=tails)  # fmt: skip
     counter = layerwise.attach(b.kvcache, kv_writer, fp, metrics) if cfg.layerwise else None
     rt = runtime.build(cfg, fp, codec, client, paths.build_paths(parts), wakeup,
                        kv_writer=kv_writer, keys=keys, writeback=writeback, layerwise=counter)  # fmt: skip

@@ -82,6 +82,14 @@ class KeySpace:
         c = self.chunk_size
         return keys_mod.chunk_keys(self.namespace(salt, codec), list(token_ids[: n_chunks * c]), c)
 
+    def tail_keys(self, token_ids, region: int, prev: bytes | None, salt: str | None, codec: Codec | None,
+                  granule: int) -> list[bytes]:  # fmt: skip
+        """Keys of the ``granule``-token sub-chunks of chunk region ``region`` of ``token_ids``; ``prev``
+        is the key of chunk ``region - 1`` (None for region 0: the namespace)."""
+        c = self.chunk_size
+        start = prev if prev is not None else self.namespace(salt, codec)
+        return keys_mod.tail_keys(start, list(token_ids[region * c : (region + 1) * c]), granule)
+
 
 @dataclass(frozen=True)
 class RemoteKVRuntime:
@@ -140,7 +148,7 @@ def build(
     """The runtime over decided parts; the policy is built here from the paths and the config."""
     if not paths:
         raise ValueError("a runtime needs at least one fetch path")
-    admission = admission or AdmissionSettings(chunk_size=config.chunk_size)
+    admission = admission or AdmissionSettings(chunk_size=config.chunk_size, tail_granule=config.tail_granule)
     pcfg = PolicyConfig(mode=config.mode, margin=config.policy_margin, timeout_cap_s=admission.fetch_timeout_s)
     by_name = {p.name: p for p in paths}
     return RemoteKVRuntime(

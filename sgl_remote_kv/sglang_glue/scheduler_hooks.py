@@ -43,7 +43,13 @@ def _queue(scheduler) -> WaitingForKV | None:
     q = scheduler.__dict__.get(_ATTR, False)
     if q is False:
         rt = runtime.get()
-        q = _build_queue(scheduler, rt) if rt is not None and seam.plain_scheduler(scheduler) else None
+        q = None
+        try:
+            if rt is not None and seam.plain_scheduler(scheduler):
+                q = _build_queue(scheduler, rt)
+        except Exception as e:  # boundary: the tier off for this scheduler, never a crashed server
+            rt.metrics.failure(FailureKind.INTERNAL)
+            logger.error("remote KV reads disabled: building the waiting_for_KV queue failed: %r", e)
         scheduler.__dict__[_ATTR] = q
     return q
 
@@ -63,6 +69,7 @@ def _build_queue(scheduler, rt: runtime.RemoteKVRuntime) -> WaitingForKV | None:
         lookup=rt.client.lookup_prefix,
         delete=rt.client.delete_many,
         keys=rt.keys_for,
+        tail_keys=rt.keys.tail_keys,
         agreement=Agreement.over(seam.tp_cpu_group(scheduler)),
         bytes_per_token=rt.fingerprint.layout.bytes_per_token(),
         wakeup=rt.wakeup,

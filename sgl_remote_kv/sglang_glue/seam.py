@@ -77,6 +77,10 @@ def req_salt(req) -> str | None:
     return tenant_salt(req.cache_salt, req.extra_key)
 
 
+def req_finished(req) -> bool:
+    return req.finished()
+
+
 def req_fill_ids(req) -> list[int]:
     return req.full_untruncated_fill_ids
 

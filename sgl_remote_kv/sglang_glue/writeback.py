@@ -37,6 +37,7 @@ class _Job:
     first_chunk: int  # k/v hold chunks [first_chunk, last_chunk)
     k: np.ndarray
     v: np.ndarray
+    tokens: int  # per chunk: a full chunk, or a tail sub-chunk
 
 
 class WriteBack:
@@ -44,9 +45,10 @@ class WriteBack:
     read through the seam."""
 
     def __init__(self, codec, fingerprint, client, keys, metrics, kv_writer, req_to_token_pool,
-                 max_queue: int) -> None:  # fmt: skip
+                 max_queue: int, tail_granule: int = 0) -> None:  # fmt: skip
         self.codec, self.fingerprint, self.client, self.keys, self.metrics = codec, fingerprint, client, keys, metrics
         self.chunk_size = keys.chunk_size
+        self.tail_granule = tail_granule  # tail sub-chunk tokens written at a request's end (0: none)
         self.kv_writer = kv_writer  # reads the KV of finished chunks (scheduler thread)
         self.req_to_token_pool = req_to_token_pool
         self._q: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queue)
@@ -72,26 +74,37 @@ class WriteBack:
     def forget(self, rid: str) -> None:
         self._progress.pop(rid, None)
 
-    def offer(self, req, up_to: int) -> None:
+    def offer(self, req, up_to: int, final: bool = False) -> None:
         """Queue the full chunks of the request's first ``up_to`` tokens not offered yet (see module
-        docstring)."""
-        c = self.chunk_size
+        docstring); ``final`` (the request's last checkpoint): also the tail sub-chunks of the partial
+        chunk after them."""
+        c, g = self.chunk_size, self.tail_granule
         last = up_to // c
         rid = seam.SchedulerHost.rid(req)
         first = self._progress.get(rid, 0)
-        if last <= first:
+        subs = (up_to - last * c) // g if final and g else 0
+        if last <= first and not subs:
             return
-        idx = seam.req_kv_indices(self.req_to_token_pool, req, first * c, last * c)
+        ids, salt = seam.req_fill_ids(req), seam.req_salt(req)
+        keys = self.keys.keys_for(ids, last, salt)
+        if last > first and self._queue(req, keys, first, first * c, last * c, c):
+            self._set_progress(rid, last)
+        if subs:
+            tail = self.keys.tail_keys(ids, last, keys[-1] if last else None, salt, None, g)[:subs]
+            self._queue(req, tail, 0, last * c, last * c + subs * g, g)
+
+    def _queue(self, req, keys: list[bytes], first: int, lo: int, hi: int, tokens: int) -> bool:
+        """Copy tokens ``[lo, hi)`` out of the pool and queue them as chunks ``keys[first:]``."""
+        idx = seam.req_kv_indices(self.req_to_token_pool, req, lo, hi)
         if idx is None:
-            return
-        keys = self.keys.keys_for(seam.req_fill_ids(req), last, seam.req_salt(req))
+            return False
         k, v = self.kv_writer.read(idx)
-        self._set_progress(rid, last)
         try:
-            self._q.put_nowait(_Job(keys, first, k, v))
+            self._q.put_nowait(_Job(keys, first, k, v, tokens))
             self._idle.clear()
         except queue.Full:
-            self.metrics.writeback_skipped("queue_full", last - first)
+            self.metrics.writeback_skipped("queue_full", len(keys) - first)
+        return True
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued job is written (tests, shutdown)."""
@@ -123,7 +136,7 @@ class WriteBack:
                     self._idle.set()
 
     def _write(self, job: _Job) -> None:
-        c = self.chunk_size
+        c = job.tokens
         last = len(job.keys)
         present = self.client.count_prefix(job.keys)
         start = max(present, job.first_chunk)

@@ -23,6 +23,7 @@ import numpy as np
 from ..types import ModelFingerprint
 
 _NS_TAG = b"sgl-remote-kv/namespace/v1"
+_TAIL_TAG = b"sgl-remote-kv/tail/v1"
 
 
 def _field(data: bytes) -> bytes:
@@ -63,6 +64,23 @@ def namespace(
 
 def chunk_keys(namespace: bytes, token_ids: Sequence[int] | np.ndarray, chunk_size: int) -> list[bytes]:
     """Keys of the full ``chunk_size``-token chunks of ``token_ids`` (a trailing partial chunk has none)."""
+    return _chain(namespace, token_ids, chunk_size)
+
+
+def tail_keys(prev: bytes, token_ids: Sequence[int] | np.ndarray, granule: int) -> list[bytes]:
+    """Keys of the tail *sub-chunks* of one chunk's region: ``token_ids`` are the region's tokens (fewer
+    than a chunk's), ``prev`` the key of the chunk before the region (the namespace for region 0). The
+    chain starts at ``sha256(TAIL_TAG || prev || granule)``, so sub-chunk keys never equal chunk keys and
+    each one still identifies the whole prefix it ends."""
+    if len(prev) != 32:
+        raise ValueError(f"prev must be a 32-byte key, got {len(prev)} bytes")
+    if granule <= 0:
+        raise ValueError(f"granule must be positive, got {granule}")
+    start = hashlib.sha256(_TAIL_TAG + prev + granule.to_bytes(4, "little")).digest()
+    return _chain(start, token_ids, granule)
+
+
+def _chain(namespace: bytes, token_ids: Sequence[int] | np.ndarray, chunk_size: int) -> list[bytes]:
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if len(namespace) != 32:
