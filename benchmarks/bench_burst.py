@@ -75,7 +75,10 @@ def main() -> None:
         "ttft_p50_ms_cold": first.get("median_ttft_ms"),
         "ttft_p50_ms_burst": burst.get("median_ttft_ms"),
         "ttft_p99_ms_burst": burst.get("p99_ttft_ms"),
-        "e2e_max_s_burst": max(burst.get("e2e_latencies", [0.0]) or [0.0]),
+        "ttft_max_s_burst": max([t for t in burst.get("ttfts", []) if t] or [0.0]),
+        "e2e_p99_ms_burst": burst.get("p99_e2e_latency_ms"),
+        "storage_tokens_burst": sum(int((d or {}).get("storage", 0) or 0) for d in burst.get("cached_tokens_details", [])),
+        "errors_burst": sum(1 for e in burst.get("errors", []) if e),
         "duration_s_cold": first.get("duration"),
         "duration_s_burst": burst.get("duration"),
     }  # fmt: skip

@@ -44,9 +44,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sgl_remote_kv.types import PathName
+
 logger = logging.getLogger(__name__)
 
-PATHS = ("dpu", "nvdec", "inproc")
+PATHS = tuple(p.value for p in PathName)  # the fetch paths, in one order everywhere
 
 
 class Ewma:
@@ -254,7 +256,8 @@ class Policy:
             return self.available
         if mode in self.available:
             return (mode,)
-        return ("inproc",) if "inproc" in self.available else self.available
+        inproc = PathName.INPROC.value
+        return (inproc,) if inproc in self.available else self.available
 
     def _estimate(self, path: str, nbytes: int, decoded: int, depth: int, spb: float) -> tuple[float, float]:
         dec = decoded * self.decode_spb[path].value * (1 + depth)
