@@ -78,3 +78,31 @@ def test_an_sglang_version_the_seam_was_not_written_for_is_refused(monkeypatch):
         seam.check_version()
     monkeypatch.setenv("SRKV_ALLOW_SGLANG_VERSION", "1")
     seam.check_version()  # the operator's override: a warning only
+
+
+def test_a_cache_without_kv_allocator_runs_without_the_tier(monkeypatch, caplog):
+    """SGLang's own disabled-cache kit case (``sglang/test/kits/unified_radix_cache/core.py``: no KV
+    allocator) through our factory with the tier on: the cache is built, the tier stays off with one
+    warning, no crash (it raised ``'NoneType' object has no attribute 'get_kvcache'``)."""
+    import logging
+    import types
+
+    from sglang.srt.mem_cache import registry
+    from sglang.test.kits.unified_radix_cache.core import DisabledUnifiedRadixCacheFixtures
+
+    from sgl_remote_kv.config import RemoteKVConfig
+    from sgl_remote_kv.sglang_glue import radix_cache, runtime, seam
+
+    params = DisabledUnifiedRadixCacheFixtures()._params(disable=False)  # the kit's own parameters
+    ctx = types.SimpleNamespace(params=params, disable_radix_cache=False)
+    built = object()
+    monkeypatch.setattr(registry, "create_unified_radix_cache", lambda c, cache_class=None: built)
+    monkeypatch.setattr(RemoteKVConfig, "current", classmethod(lambda cls: RemoteKVConfig(mode="dpu")))
+    monkeypatch.setattr(runtime, "_RUNTIME", None)
+    with caplog.at_level(logging.WARNING, logger=radix_cache.__name__):
+        assert radix_cache.build(ctx) is built
+    assert runtime.get() is None
+    assert [r.getMessage() for r in caplog.records] == ["remote KV tier off: the cache has no KV allocator"]
+    assert seam.tier_unsupported(types.SimpleNamespace(params=params, disable_radix_cache=True)) == (
+        "the radix cache is disabled"
+    )

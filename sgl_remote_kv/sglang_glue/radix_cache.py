@@ -58,6 +58,10 @@ def build(ctx):
     cfg = RemoteKVConfig.current()
     if not cfg.enabled:
         return cache
+    why = seam.tier_unsupported(ctx)
+    if why is not None:  # a configuration SGLang accepts: the server runs, without the tier
+        logger.warning("remote KV tier off: %s", why)
+        return cache
     seam.check_version()
     try:
         runtime.publish(build_runtime(seam.build_context(ctx), cfg))

@@ -311,6 +311,16 @@ def weights_id_for(model_path: str) -> str:
     return hashlib.sha256(f"model-name:{model_path}".encode()).hexdigest()
 
 
+def tier_unsupported(ctx) -> str | None:
+    """Why the remote tier cannot run on the cache this factory context builds (None: it can). A cache
+    SGLang builds disabled (``--disable-radix-cache``, or no KV allocator) has no tree to install into."""
+    if getattr(ctx, "disable_radix_cache", False) or getattr(ctx.params, "disable", False):
+        return "the radix cache is disabled"
+    if getattr(ctx.params, "token_to_kv_pool_allocator", None) is None:
+        return "the cache has no KV allocator"
+    return None
+
+
 def build_context(ctx) -> BuildContext:
     """Raises ``UnsupportedPool`` for pools the tier cannot address."""
     params = ctx.params
