@@ -4,8 +4,9 @@ engine's waiting queue, while their chunks are looked up, fetched and decoded. S
 Three operations, all on the scheduler thread (store I/O and decoding run on worker threads):
 
 - ``park(req)`` (a new request): match the prompt against the local tree (no I/O). If it has full chunks
-  beyond the local hit (always leaving the last prompt token to compute), park it in LOOKUP and count
-  those chunks in the store on a worker. Otherwise the caller enqueues it normally.
+  (or tail sub-chunks) beyond the local hit (always leaving the last prompt token to compute), park it in
+  LOOKUP and count, on a worker, the tokens the store holds: leading full chunks, then the tail sub-chunks
+  of the first chunk region it lacks. Otherwise the caller enqueues it normally.
 - ``poll()`` (every scheduling pass): **observe → agree → act**. Every record is observed on local facts
   only (lookup answered? slots waited too long? fetch done, verified, losing against recompute?), the TP
   ranks agree on every observation (``agreement.py``; the identity with one rank) and every record acts
