@@ -29,3 +29,9 @@ def test_metric_labels_are_closed_sets_and_preregistered():
     assert value("sglang:remote_kv_store_errors_total", op="put", kind="io") == io + 1
     assert value("sglang:remote_kv_store_errors_total", op="put", kind="io:EROFS") is None
     assert FailureKind.of("store_io:ENOSPC") is FailureKind.STORE_OTHER
+    # the store breaker gauge: both circuits exist at 0 (closed); a state sets its rank
+    assert value("sglang:remote_kv_store_breaker_state", circuit="write") is not None
+    m.store_breaker("write", "open")
+    assert value("sglang:remote_kv_store_breaker_state", circuit="write") == 2
+    m.store_breaker("write", "closed")
+    assert value("sglang:remote_kv_store_breaker_state", circuit="write") == 0

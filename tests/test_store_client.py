@@ -298,3 +298,32 @@ def test_lookup_errors_are_not_misses_and_reach_the_listener(inner) -> None:
     faulty.set_faults(FaultConfig(down=True))
     assert client.lookup_prefix(ks) == PrefixLookup(0, "unavailable")
     assert client.stats().errors["ZeroDivisionError"] == 1
+
+
+def test_breaker_state_changes_reach_the_metrics_gauge(inner) -> None:
+    """Every read-breaker transition is reported once (open, then the half-open probe, then closed) and
+    lands in the metrics' ``store_breaker_state{circuit}`` gauge (0 closed, 1 half-open, 2 open)."""
+    from sgl_remote_kv.sglang_glue.metrics import RemoteKVMetrics
+
+    client, faulty = make(inner)
+    metrics, seen = RemoteKVMetrics(), []
+
+    def listener(circuit: str, state: str) -> None:
+        seen.append((circuit, state))
+        metrics.store_breaker(circuit, state)
+
+    client.on_breaker = listener
+    ks = keys(2)
+    faulty.set_faults(FaultConfig(down=True))
+    for _ in range(4):
+        client.get_many(ks)
+    assert seen == [("read", "open")] and metrics.snapshot()["store_breaker|circuit=read"] == 2
+    faulty.set_faults(FaultConfig())
+    time.sleep(0.35)  # breaker_reset_s: the next call is the half-open probe
+    assert client.count_prefix(ks) == 0
+    assert seen == [("read", "open"), ("read", "half_open"), ("read", "closed")]
+    assert metrics.snapshot()["store_breaker|circuit=read"] == 0
+    client.on_breaker = lambda *a: 1 / 0  # a broken listener never fails a store call
+    faulty.set_faults(FaultConfig(down=True))
+    for _ in range(4):
+        assert client.get_many(ks) == [None, None]

@@ -32,6 +32,8 @@ from sgl_remote_kv.types import (
 
 logger = logging.getLogger(__name__)
 
+BREAKER_CIRCUITS = ("read", "write")
+
 _LAT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -74,6 +76,17 @@ class RemoteKVMetrics:
         if label.value != kind:
             self._fold(f"store error {kind!r}", label.value)
         self._inc("store_errors", n, op=op if op in STORE_OPS else "other", kind=label.value)
+
+    def store_breaker(self, circuit: str, state: str) -> None:
+        """The scheduler's store client's ``circuit`` (read / write) breaker entered ``state``
+        (gauge: 0 closed, 1 half-open, 2 open)."""
+        from sgl_remote_kv.store.breaker import rank
+
+        circuit = circuit if circuit in BREAKER_CIRCUITS else "read"
+        with self._lock:
+            self._tally[f"store_breaker|circuit={circuit}"] = rank(state)
+        if self._prom is not None:
+            self._prom["store_breaker"].labels(circuit=circuit).set(rank(state))
 
     def hit(self, tokens: int, chunks: int) -> None:
         self._inc("hit_tokens", tokens)
@@ -132,7 +145,7 @@ class RemoteKVMetrics:
 
 
 def _build_prometheus() -> dict:
-    from prometheus_client import Counter, Histogram
+    from prometheus_client import Counter, Gauge, Histogram
 
     p = "sglang:remote_kv_"
     metrics = {
@@ -148,6 +161,10 @@ def _build_prometheus() -> dict:
         "decisions": Counter(p + "decisions", "Policy decisions by path", ["path"]),
         "dedup_followers": Counter(
             p + "dedup_followers", "Requests that waited on another request's in-flight fetch"
+        ),
+        "store_breaker": Gauge(
+            p + "store_breaker_state", "Store client circuit breaker: 0 closed, 1 half-open, 2 open (worst rank)",
+            ["circuit"], multiprocess_mode="livemax",
         ),
         "slot_waits": Counter(p + "slot_waits", "Fetches that waited for KV slots before they started"),
         "slot_wait": Histogram(
@@ -190,6 +207,8 @@ def _build_prometheus() -> dict:
         metrics["decisions"].labels(path=path)
     for reason in WRITEBACK_SKIPS:
         metrics["writeback_skipped"].labels(reason=reason)
+    for circuit in BREAKER_CIRCUITS:
+        metrics["store_breaker"].labels(circuit=circuit).set(0)
     return metrics
 
 

@@ -83,6 +83,7 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
     kv_writer = seam.pool_writer(b.kvcache, fp.layout)
     client = runtime.open_store_client(cfg)
     client.on_error = metrics.store_error  # store_errors_total{op,kind}
+    client.on_breaker = metrics.store_breaker  # store_breaker_state{circuit}
     wakeup = threading.Event()
     parts = paths.PathParts(cfg, fp, codec, client, kv_writer, wakeup, on_store_error=metrics.store_error)
     keys = runtime.KeySpace(fp, codec, cfg.chunk_size)

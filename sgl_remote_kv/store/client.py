@@ -130,8 +130,10 @@ class StoreClient:
         else:
             self._store = store  # type: ignore[assignment]
         self._counters = Counters(f"client:{name}")
-        self._read_breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s, "store read")
-        self._write_breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s, "store write")
+        self._read_breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s, "store read",
+                                            lambda state: self._notify_breaker("read", state))  # fmt: skip
+        self._write_breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s, "store write",
+                                             lambda state: self._notify_breaker("write", state))  # fmt: skip
         self._pool = cf.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="srkv-store")
         self._neg: OrderedDict[bytes, float] = OrderedDict()
         self._neg_lock = threading.Lock()
@@ -140,6 +142,7 @@ class StoreClient:
         self._open_lock = threading.Lock()
         self._avg_blob = 0.0
         self.on_error = on_error
+        self.on_breaker: Callable[[str, str], None] | None = None  # (circuit read|write, state): a gauge
 
     # -- plumbing --------------------------------------------------------------------------------
     def _backend(self) -> KVStore:
@@ -168,6 +171,16 @@ class StoreClient:
             listener(OPS.get(method, method), kind, n)
         except Exception as e:  # the listener is the caller's code: count it, never fail a store call
             self._note_error("on_error", type(e).__name__, e)
+
+    def _notify_breaker(self, circuit: str, state: str) -> None:
+        """Tell the breaker listener (metrics) about a state change. Never raises."""
+        listener = self.on_breaker
+        if listener is None:
+            return
+        try:
+            listener(circuit, state)
+        except Exception as e:  # the listener is the caller's code: count it, never fail a store call
+            self._note_error("on_breaker", type(e).__name__, e)
 
     def _deadline(self, nbytes: float) -> float:
         return self.config.timeout_s + nbytes / (self.config.min_mb_s * 1024 * 1024)
