@@ -89,6 +89,7 @@ class HevcCodec(Codec):
 
     name = "hevc"
     codec_id = CODEC_ID
+    sub_chunks = False  # the frame layout is fixed by the chunk size
 
     def __init__(self, k_bins="256", v_bins="256", granularity="head", k_channel_scale=False,
                  tiling="1x3/8x8", tokens_per_frame=0, grid_cols=0, min_side=lo.NVENC_MIN_SIDE,

@@ -36,8 +36,8 @@ import time
 from sgl_remote_kv.admission.agreement import MISS, NEUTRAL, PENDING, Verdict, choice_of, ready, row
 from sgl_remote_kv.admission.install import Installer
 from sgl_remote_kv.admission.parked import ParkedRequest, Phase
+from sgl_remote_kv.admission.plan import FetchPlanner
 from sgl_remote_kv.admission.ports import AdmissionSettings, Collaborators
-from sgl_remote_kv.store.base import StoreError
 from sgl_remote_kv.types import LOOKUP_RESULTS, FailureKind, PathName
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class WaitingForKV:
         self._io = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="srkv-lookup")
         self.installer = Installer(c, settings.chunk_size, self._io)
         self.budget = int(c.tree.capacity() * settings.max_pool_fraction)  # KV slots this queue may hold
+        self.planner = FetchPlanner(c, settings, self.budget)
 
     # -- park --------------------------------------------------------------------------------------
     def busy(self) -> bool:
@@ -68,76 +69,17 @@ class WaitingForKV:
         if rid in self.parked or not host.eligible(req):
             return False
         ids = host.prompt(req)
-        usable_tokens = len(ids) - 1  # always leave the last prompt token to compute
-        usable = usable_tokens // chunk
-        g = max((self._granule(path) for path in self.c.paths.values()), default=0)
-        fetch_end = usable * chunk + ((usable_tokens - usable * chunk) // g * g if g else 0)
         local = self.c.tree.match(req, len(ids)).prefix_len
-        if fetch_end <= local:
+        if self.planner.fetch_end(len(ids)) <= local:
             return False  # nothing beyond the local hit could come from the store
         salt = host.salt(req)
-        by_codec: dict[str, list[bytes]] = {}
-        chain = {}
-        for name, path in self.c.paths.items():
-            if path.codec.name not in by_codec:
-                by_codec[path.codec.name] = self.c.keys(ids, usable, salt, path.codec)
-            chain[name] = by_codec[path.codec.name]
+        chain = self.planner.chains(ids, salt)
         now = time.monotonic()
         # a re-parked follower keeps its first park time (bounded waits)
         p = ParkedRequest(req, rid, chain, local // chunk, parked_at if parked_at is not None else now, now)
-        p.lookup = self._io.submit(self._count, ids, salt, p.local_chunks, chain)
+        p.lookup = self._io.submit(self.planner.count, ids, salt, p.local_chunks, chain)
         self.parked[rid] = p
         return True
-
-    def _granule(self, path) -> int:
-        """Tail sub-chunk tokens on ``path`` (0: full chunks only; hevc chunks have a fixed frame layout)."""
-        if not self.s.tail_granule or not getattr(path.backend, "tails", False) or path.codec.name == "hevc":
-            return 0
-        return self.s.tail_granule
-
-    def _count(self, ids, salt, local_chunks: int, chain: dict[PathName, list[bytes]]) -> dict[PathName, int]:
-        """Remote *tokens* per path beyond the local full chunks: leading full chunks, then the tail
-        sub-chunks of the first missing chunk's region (one or two store round trips per distinct codec).
-        Raises ``StoreError`` if a store call failed and no path found anything: an error, not a miss."""
-        try:
-            seen: dict = {}  # (codec, granule) -> tokens
-            out, errors = {}, []
-            for name, path in self.c.paths.items():
-                memo = (path.codec.name, self._granule(path))
-                if memo not in seen:
-                    seen[memo] = self._found(ids, salt, local_chunks, chain[name], path.codec, memo[1], errors)
-                out[name] = seen[memo]
-            if errors and not any(out.values()):
-                raise StoreError(f"remote KV lookup failed ({errors[0]})")
-            return out
-        finally:
-            self.c.wakeup.set()
-
-    def _found(self, ids, salt, local_chunks, chain, codec, granule: int, errors: list) -> int:
-        chunk = self.s.chunk_size
-        f = 0
-        if len(chain) > local_chunks:
-            r = self.c.lookup(chain[local_chunks:])
-            f = r.found
-            if r.error:
-                errors.append(r.error)
-        subs = self._tail_room(len(ids), local_chunks + f, granule)
-        if subs <= 0:
-            return f * chunk
-        region = local_chunks + f
-        keys = self.c.tail_keys(ids, region, chain[region - 1] if region else None, salt, codec, granule)
-        r = self.c.lookup(keys[:subs])
-        if r.error:
-            errors.append(r.error)
-        return f * chunk + r.found * granule
-
-    def _tail_room(self, prompt_len: int, region: int, granule: int) -> int:
-        """Tail sub-chunks the prompt has in chunk region ``region`` (fewer than a chunk's worth)."""
-        if not granule:
-            return 0
-        chunk = self.s.chunk_size
-        end = min((region + 1) * chunk, prompt_len - 1)
-        return min(chunk // granule - 1, max(0, end - region * chunk) // granule)
 
     # -- poll: observe -> agree -> act ----------------------------------------------------------------
     def poll(self) -> None:
@@ -254,7 +196,7 @@ class WaitingForKV:
         if p.path is not path:  # this rank's own estimate was for another choice
             p.decision = None
         p.path = path
-        if not self._plan(p, tokens):
+        if not self.planner.plan(p, tokens):
             m.failure(FailureKind.NO_KV_SLOTS)
             self._release(p)
             return
@@ -266,26 +208,6 @@ class WaitingForKV:
             return
         p.enter(Phase.RESERVE, now)
         self._reserve(p, now)
-
-    def _plan(self, p: ParkedRequest, tokens: int) -> bool:
-        """The fetch of the agreed ``tokens`` on ``p.path``: its full chunks, then the tail sub-chunks of
-        the next chunk's region (the same list on every rank). A fetch larger than the queue's share of
-        the pool keeps its leading full chunks (the rest is recomputed). False: nothing fits."""
-        chunk, g = self.s.chunk_size, self._granule(self.c.paths[p.path])
-        n, subs = tokens // chunk, (tokens % chunk) // g if g else 0
-        if tokens > self.budget:
-            n, subs = min(n, self.budget // chunk), 0
-        if n + subs <= 0:
-            return False
-        region = p.local_chunks + n
-        chain = p.chain[p.path]
-        keys = chain[p.local_chunks : region]
-        if subs:
-            host, path = self.c.host, self.c.paths[p.path]
-            ids, prev = host.prompt(p.req), chain[region - 1] if region else None
-            keys = keys + self.c.tail_keys(ids, region, prev, host.salt(p.req), path.codec, g)[:subs]
-        p.fetch_keys, p.fetch_tokens = keys, [chunk] * n + [g] * subs
-        return True
 
     # -- decisions ---------------------------------------------------------------------------------
     def _decide(self, p: ParkedRequest, counts: dict[PathName, int]) -> PathName | None:

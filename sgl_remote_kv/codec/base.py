@@ -51,6 +51,9 @@ class Codec(ABC):
 
     name: ClassVar[str]
     codec_id: ClassVar[int]
+    # Chunks of any token count decode alike (tail sub-chunks are stored with this codec); False where
+    # the chunk size fixes the encoding (hevc: its frame layout).
+    sub_chunks: ClassVar[bool] = True
 
     # ---- parameters -------------------------------------------------------------------------
     @abstractmethod

@@ -21,6 +21,7 @@ import logging
 import threading
 from collections import Counter as _Tally
 
+from sgl_remote_kv.store.breaker import rank
 from sgl_remote_kv.types import (
     DECISIONS,
     LOOKUP_RESULTS,
@@ -80,8 +81,6 @@ class RemoteKVMetrics:
     def store_breaker(self, circuit: str, state: str) -> None:
         """The scheduler's store client's ``circuit`` (read / write) breaker entered ``state``
         (gauge: 0 closed, 1 half-open, 2 open)."""
-        from sgl_remote_kv.store.breaker import rank
-
         circuit = circuit if circuit in BREAKER_CIRCUITS else "read"
         with self._lock:
             self._tally[f"store_breaker|circuit={circuit}"] = rank(state)

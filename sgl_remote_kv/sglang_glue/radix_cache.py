@@ -87,7 +87,7 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
     wakeup = threading.Event()
     parts = paths.PathParts(cfg, fp, codec, client, kv_writer, wakeup, on_store_error=metrics.store_error)
     keys = runtime.KeySpace(fp, codec, cfg.chunk_size)
-    tails = cfg.tail_granule if codec.name != paths.HEVC else 0  # hevc: a frame layout per chunk size
+    tails = cfg.tail_granule if codec.sub_chunks else 0  # hevc: a frame layout per chunk size
     writeback = WriteBack(codec, fp, client, keys, metrics, kv_writer, b.req_to_token_pool,
                           runtime.WRITEBACK_QUEUE, tail_granule=tails)  # fmt: skip
     counter = layerwise.attach(b.kvcache, kv_writer, fp, metrics) if cfg.layerwise else None

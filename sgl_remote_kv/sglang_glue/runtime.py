@@ -117,12 +117,6 @@ class RemoteKVRuntime:
     def primary(self) -> FetchPath:
         return next(iter(self.paths.values()))
 
-    def namespace(self, salt: str | None, codec: Codec | None = None) -> bytes:
-        return self.keys.namespace(salt, codec)
-
-    def keys_for(self, token_ids, n_chunks: int, salt: str | None, codec: Codec | None = None) -> list[bytes]:
-        return self.keys.keys_for(token_ids, n_chunks, salt, codec)
-
     def close(self) -> None:
         for p in self.paths.values():
             p.close()

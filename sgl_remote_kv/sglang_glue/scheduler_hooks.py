@@ -68,7 +68,7 @@ def _build_queue(scheduler, rt: runtime.RemoteKVRuntime) -> WaitingForKV | None:
         metrics=rt.metrics,
         lookup=rt.client.lookup_prefix,
         delete=rt.client.delete_many,
-        keys=rt.keys_for,
+        keys=rt.keys.keys_for,
         tail_keys=rt.keys.tail_keys,
         agreement=Agreement.over(seam.tp_cpu_group(scheduler)),
         bytes_per_token=rt.fingerprint.layout.bytes_per_token(),

@@ -17,8 +17,7 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
-_RANK = {"closed": 0, "half_open": 1, "open": 2}
-STATES = tuple(_RANK)  # closed, half_open, open: the gauge's values are their ranks
+_RANK = {"closed": 0, "half_open": 1, "open": 2}  # also the breaker gauge's values
 
 
 def rank(state: str) -> int:
