@@ -1,20 +1,22 @@
-"""Soak: mixed multi-turn traffic against one real CPU SGLang server while faults are injected at
+"""Soak: mixed multi-turn traffic against real CPU SGLang servers while faults are injected at
 random; every answer is compared token by token with a cold recompute. Writes docs/results/soak.json.
 
-Setup: real redis-server behind ``tests.fixtures.faults.TcpProxy`` (network faults), the server with
-``--remote-kv dpu`` (lossless codec, float32: answers must be identical), store values corrupted
-directly in Redis, the data plane signalled by PID.
+Setup: real redis-server behind ``tests.fixtures.faults.TcpProxy`` (network faults), shared by every
+leg; each leg is one server with ``--remote-kv dpu`` (lossless codec, float32: answers must be
+identical) in its own configuration (``--legs``: TP 1 or 3, layer-wise on or off); store values
+corrupted directly in Redis, the data plane signalled by PID, KV-pool writes made to fail
+(``tests/fixtures/kv_write_fault``, switched by a flag file).
 
-Phases:
+Phases, per leg:
 1. references: with the store unreachable (proxy down: nothing fetched, nothing written) and the local
    cache flushed before each, every (conversation, turn) prompt is computed once: the recompute answer;
-2. soak: ``--requests`` requests (bounded by ``--max-minutes``) picking a random conversation turn;
-   half of them after a local cache flush (forcing remote fetches); a fault episode starts with
-   probability ``--fault-prob`` when none is active and lasts 1-4 requests;
+2. soak: the leg's share of ``--requests`` (bounded by ``--max-minutes`` overall) picking a random
+   conversation turn; half of them after a local cache flush (forcing remote fetches); a fault episode
+   starts with probability ``--fault-prob`` when none is active and lasts 1-4 requests;
 3. end: RSS of the server's process tree and used KV slots (``sglang:num_used_tokens`` after a cache
    flush, so anything left is a leak) are compared with the values after warm-up.
 
-Usage: ``python -m benchmarks.soak [--requests 120] [--max-minutes 25] [--seed 0]``.
+Usage: ``python -m benchmarks.soak [--requests 200] [--legs tp1,tp3-lw,tp3,tp1-lw] [--seed 0]``.
 """
 
 from __future__ import annotations
@@ -52,7 +54,16 @@ FAULT_KINDS = (
     "dpu_sigkill",
     "dpu_sigstop",
     "dpu_sigterm",
+    "kv_write_fail",
 )
+LEGS = {  # name -> (tp size, layer-wise). SmolLM2-135M has 9 attention / 3 KV heads: TP 3 is its only TP > 1
+    "tp1": (1, False),
+    "tp1-lw": (1, True),
+    "tp3": (3, False),
+    "tp3-lw": (3, True),
+}
+TP_BIND = {3: "0|1|0-1"}  # SGLANG_CPU_OMP_THREADS_BIND: one entry per rank (more ranks than cores here)
+KV_WRITE_FAULT_DIR = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "kv_write_fault"
 TOPICS = ["tides", "bread", "glaciers", "bridges", "owls", "volcanoes", "compilers", "orchards"]
 
 
@@ -109,8 +120,8 @@ def rss_split_mb(srv) -> dict[str, float]:
 class Injector:
     """Starts and clears one fault episode at a time (see module docstring)."""
 
-    def __init__(self, srv, proxy: TcpProxy, rdb, rng: random.Random) -> None:
-        self.srv, self.proxy, self.rdb, self.rng = srv, proxy, rdb, rng
+    def __init__(self, srv, proxy: TcpProxy, rdb, rng: random.Random, write_flag: Path) -> None:
+        self.srv, self.proxy, self.rdb, self.rng, self.write_flag = srv, proxy, rdb, rng, write_flag
         self.counts = {k: 0 for k in FAULT_KINDS}
         self.active: str | None = None
         self.signal_on_next: int | None = None
@@ -131,6 +142,8 @@ class Injector:
             p.arm_cut(self.rng.randint(1, 6) << 20)
         elif kind == "corrupt_blob":
             self._corrupt_some()
+        elif kind == "kv_write_fail":
+            self.write_flag.touch()  # every KV-pool write of every rank raises until cleared
         else:
             p.delay_s = 0.3  # keep fetches in flight when the signal lands
             self.signal_on_next = {
@@ -168,6 +181,7 @@ class Injector:
                 threading.Timer(30.0, _cont, args=(p.pid,)).start()
 
     def clear(self) -> None:
+        self.write_flag.unlink(missing_ok=True)
         self.proxy.clear()
         self.proxy.set_down(False)
         if self.active == "hung_store":
@@ -190,23 +204,68 @@ def run(args) -> dict:
     tok = AutoTokenizer.from_pretrained(model)
     convs = conversations(tok, args.conversations, args.turns)
     rng = random.Random(args.seed)
+    legs = [leg for leg in args.legs.split(",") if leg]
+    unknown = [leg for leg in legs if leg not in LEGS]
+    if unknown or not legs:
+        raise SystemExit(f"--legs: unknown {unknown}; choose from {sorted(LEGS)}")
+    t_start = time.monotonic()
+    deadline = t_start + args.max_minutes * 60
     with tempfile.TemporaryDirectory(prefix="srkv-soak-") as tmp:
         rs = RedisServer(Path(tmp) / "redis", free_port()).start()
         proxy = TcpProxy("127.0.0.1", rs.port, seed=args.seed)
         rdb = redis.Redis(port=rs.port)
-        extra = ("--enable-metrics", "--enable-cache-report", "--attention-backend", "torch_native")
-        extra += ("--remote-kv", "dpu", "--remote-kv-store", f"redis://{proxy.address}/0?timeout=1")
-        extra += ("--remote-kv-chunk-size", str(CHUNK), "--remote-kv-codec", "lossless")
-        spec = ServerSpec(
-            model_path=model, extra_args=extra, max_total_tokens=8192, log_path=f"{tmp}/server.log"
-        )
+        write_flag = Path(tmp) / "kv-write-fault"
+        results = []
         try:
-            with SGLangServer(spec) as srv:
-                return soak(srv, proxy, rdb, convs, rng, args)
+            for i, leg in enumerate(legs):
+                share = args.requests // len(legs) + (1 if i < args.requests % len(legs) else 0)
+                spec = leg_spec(model, leg, proxy.address, write_flag, f"{tmp}/server-{leg}.log")
+                with SGLangServer(spec) as srv:
+                    out = soak(srv, proxy, rdb, convs, rng, share, deadline, write_flag, args.fault_prob)
+                results.append({"leg": leg, **out})
+                logger.info("leg %s: %s", leg, {k: v for k, v in out.items() if not isinstance(v, dict)})
+                if not out["server_alive"] or out["wrong_tokens"]:
+                    break
         finally:
+            write_flag.unlink(missing_ok=True)
             proxy.close()
             rdb.close()
             rs.stop(kill=True)
+    total = {
+        k: sum(r[k] for r in results)
+        for k in ("requests", "tokens_compared", "wrong_tokens", "remote_hit_tokens", "recoveries",
+                  "fault_episodes", "dataplane_restarts")
+    }  # fmt: skip
+    faults = {k: sum(r["faults"][k] for r in results) for k in FAULT_KINDS}
+    return {
+        **total,
+        "faults": faults,
+        "server_restarts": 0,  # no SGLang server process restarted within a leg (a death ends the run)
+        "server_alive": all(r["server_alive"] for r in results),
+        "legs": results,
+        "elapsed_s": round(time.monotonic() - t_start, 1),
+        "config": vars(args),
+    }
+
+
+def leg_spec(model: str, leg: str, store_addr: str, write_flag: Path, log: str) -> ServerSpec:
+    tp, layerwise = LEGS[leg]
+    extra = ("--enable-metrics", "--enable-cache-report", "--attention-backend", "torch_native")
+    extra += ("--remote-kv", "dpu", "--remote-kv-store", f"redis://{store_addr}/0?timeout=1")
+    extra += ("--remote-kv-chunk-size", str(CHUNK), "--remote-kv-codec", "lossless")
+    extra += ("--remote-kv-policy-margin", "1e9")  # fetch whenever the store has it: exercise the fetch path
+    extra += ("--remote-kv-layerwise",) if layerwise else ()
+    extra += ("--tp", str(tp)) if tp > 1 else ()
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(KV_WRITE_FAULT_DIR), os.environ.get("PYTHONPATH", "")]),
+        "SRKV_TEST_FAULT_KV_WRITE": f"file:{write_flag}",
+    }
+    if tp > 1:
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = TP_BIND[tp]
+    return ServerSpec(
+        model_path=model, extra_args=extra, max_total_tokens=8192, log_path=log, env=env,
+        startup_timeout_s=600,
+    )  # fmt: skip
 
 
 def references(srv, proxy: TcpProxy, convs) -> dict[tuple[int, int], list[int]]:
@@ -220,7 +279,9 @@ def references(srv, proxy: TcpProxy, convs) -> dict[tuple[int, int], list[int]]:
     return refs
 
 
-def soak(srv, proxy, rdb, convs, rng, args) -> dict:
+def soak(
+    srv, proxy, rdb, convs, rng, n_requests: int, deadline: float, write_flag: Path, fault_prob: float
+) -> dict:
     t_start = time.monotonic()
     refs = references(srv, proxy, convs)
     for prompts in convs:  # warm-up: populate the store under the soak tenant
@@ -228,13 +289,12 @@ def soak(srv, proxy, rdb, convs, rng, args) -> dict:
     time.sleep(3)
     flush_cache(srv)
     rss_start, kv_start, split_start = tree_rss_mb(srv.proc.pid), used_kv_tokens(srv), rss_split_mb(srv)
-    inj = Injector(srv, proxy, rdb, rng)
+    inj = Injector(srv, proxy, rdb, rng, write_flag)
     stats = {"requests": 0, "tokens_compared": 0, "wrong_tokens": 0, "remote_hit_tokens": 0}
     stats["recoveries"] = 0  # fault episodes followed by a remote hit before the next fault
     remaining, awaiting_recovery = 0, False
-    deadline = t_start + args.max_minutes * 60
-    while stats["requests"] < args.requests and time.monotonic() < deadline:
-        if inj.active is None and rng.random() < args.fault_prob:
+    while stats["requests"] < n_requests and time.monotonic() < deadline:
+        if inj.active is None and rng.random() < fault_prob:
             inj.start(rng.choice(FAULT_KINDS))
             remaining = rng.randint(1, 4)
         if rng.random() < 0.5:
@@ -271,7 +331,6 @@ def soak(srv, proxy, rdb, convs, rng, args) -> dict:
         **stats,
         "faults": inj.counts,
         "fault_episodes": sum(inj.counts.values()),
-        "server_restarts": 0,  # the SGLang server process never restarted (a death aborts the run)
         "server_alive": srv.proc.poll() is None,
         "dataplane_restarts": len(re.findall(r"restarting data plane", log)),
         "rss_mb_start": round(rss_start, 1),
@@ -281,14 +340,14 @@ def soak(srv, proxy, rdb, convs, rng, args) -> dict:
         "kv_used_tokens_start": kv_start,
         "kv_used_tokens_end": used_kv_tokens(srv),
         "elapsed_s": round(time.monotonic() - t_start, 1),
-        "config": vars(args),
     }
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=120)
-    ap.add_argument("--max-minutes", type=float, default=25.0)
+    ap.add_argument("--requests", type=int, default=200, help="over all legs")
+    ap.add_argument("--legs", default="tp1,tp3-lw,tp3,tp1-lw", help=f"comma list of {sorted(LEGS)}")
+    ap.add_argument("--max-minutes", type=float, default=60.0)
     ap.add_argument("--fault-prob", type=float, default=0.3)
     ap.add_argument("--conversations", type=int, default=5)
     ap.add_argument("--turns", type=int, default=3)

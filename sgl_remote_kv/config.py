@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from sgl_remote_kv import env
 
 MODES = ("off", "dpu", "nvdec", "inproc", "auto")
+FLUSH_SCOPES = ("local", "tier")
 MAX_CHUNK_SIZE = 8192
 MAX_CPUS = 4096
 DEFAULT_TAIL_TOKENS = 64
@@ -33,6 +34,7 @@ class RemoteKVConfig:
     policy_margin: float = 1.0  # fetch when est. fetch time <= margin x est. recompute time
     dpu_cpus: tuple[int, ...] = ()  # cores the DPU data plane pins itself to; () = automatic
     dpu_args: str = ""  # extra data-plane command-line flags (tests, benchmarks; shlex-split)
+    flush: str = "local"  # what /flush_cache drops: "local" (this server's cache) or also the "tier"'s chunks
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dpu_cpus", tuple(self.dpu_cpus))  # JSON round trip gives a list
@@ -45,13 +47,19 @@ class RemoteKVConfig:
                 f"--remote-kv-chunk-size must be a multiple of 16 in [16, {MAX_CHUNK_SIZE}], got {self.chunk_size}"
             )
         t = self.tail_tokens
-        if t is not None and t != 0 and not (16 <= t < self.chunk_size and t % 16 == 0 and self.chunk_size % t == 0):
+        if (
+            t is not None
+            and t != 0
+            and not (16 <= t < self.chunk_size and t % 16 == 0 and self.chunk_size % t == 0)
+        ):
             raise ValueError(
                 f"--remote-kv-tail-tokens must be 0 or a multiple of 16 that divides a larger chunk size "
                 f"({self.chunk_size}), got {t}"
             )
         if not 0.0 <= self.policy_margin <= 1e12:
             raise ValueError(f"--remote-kv-policy-margin must be in [0, 1e12], got {self.policy_margin}")
+        if self.flush not in FLUSH_SCOPES:
+            raise ValueError(f"--remote-kv-flush must be one of {FLUSH_SCOPES}, got {self.flush!r}")
         if not 1 <= self.nvdec_instances <= 64:
             raise ValueError(f"--remote-kv-nvdec-instances must be in [1, 64], got {self.nvdec_instances}")
 
@@ -65,7 +73,9 @@ class RemoteKVConfig:
         a larger chunk size, else off."""
         if self.tail_tokens is not None:
             return self.tail_tokens
-        return DEFAULT_TAIL_TOKENS if self.chunk_size > DEFAULT_TAIL_TOKENS and self.chunk_size % 64 == 0 else 0
+        return (
+            DEFAULT_TAIL_TOKENS if self.chunk_size > DEFAULT_TAIL_TOKENS and self.chunk_size % 64 == 0 else 0
+        )
 
     def resolved_store_url(self) -> str:
         url = self.store_url or f"file://{env.cache_dir() / 'store'}"
@@ -189,6 +199,17 @@ class RemoteKVConfig:
             "e.g. '--layer-group 2' or the fault injection '--dma-delay-s 0.05' (tests, benchmarks).",
         )
 
+        g.add_argument(
+            "--remote-kv-flush",
+            dest="remote_kv_flush",
+            choices=FLUSH_SCOPES,
+            default="local",
+            help="What /flush_cache drops. local (default): this server's radix cache only; the remote tier "
+            "keeps its chunks (shared with other servers, it survives restarts), so the next request may be "
+            "a remote hit, as with SGLang's HiCache L3. tier: also retire every chunk this model has in the "
+            "store (a new store generation), so the next request misses everywhere (docs/CONFORMANCE.md).",
+        )
+
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> RemoteKVConfig:
         cfg = cls._from_namespace(ns)
@@ -212,6 +233,7 @@ class RemoteKVConfig:
             policy_margin=getattr(ns, "remote_kv_policy_margin", 1.0),
             dpu_cpus=getattr(ns, "remote_kv_dpu_cpus", ()),
             dpu_args=getattr(ns, "remote_kv_dpu_args", ""),
+            flush=getattr(ns, "remote_kv_flush", "local"),
         )
 
 

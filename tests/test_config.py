@@ -38,6 +38,7 @@ def test_flags_parse_into_frozen_config():
         ["--remote-kv-chunk-size", "100"],
         ["--remote-kv-chunk-size", "abc"],
         ["--remote-kv-chunk-size", "0"],
+        ["--remote-kv-flush", "everything"],
     ],
 )
 def test_bad_values_are_argparse_errors_naming_the_flag(argv, capsys):
@@ -58,5 +59,13 @@ def test_json_round_trip_and_export(monkeypatch):
 def test_json_rejects_unknown_keys_and_bad_values():
     with pytest.raises(ValueError, match="unknown"):
         RemoteKVConfig.from_json(json.dumps({"mode": "dpu", "evil": 1}))
+    with pytest.raises(ValueError, match="--remote-kv-flush"):
+        RemoteKVConfig.from_json(json.dumps({"mode": "dpu", "flush": "all"}))
+
+
+def test_flush_scope_flag():
+    assert RemoteKVConfig.from_namespace(_parser().parse_args(["--remote-kv", "dpu"])).flush == "local"
+    ns = _parser().parse_args(["--remote-kv", "dpu", "--remote-kv-flush", "tier", "--remote-kv-store", "file:///x"])
+    assert RemoteKVConfig.from_namespace(ns).flush == "tier"
     with pytest.raises(ValueError, match="--remote-kv"):
         RemoteKVConfig.from_json(json.dumps({"mode": "nope"}))

@@ -76,13 +76,25 @@ def test_namespace_separates_everything_that_makes_kv_incompatible() -> None:
         "weights": namespace(ModelFingerprint(FP.architecture, FP.layout, "cd" * 32), "int8-zstd", "level=3"),
         # field boundaries are length-prefixed: moving bytes between codec id and params changes the key
         "boundary": namespace(FP, "int8-zstdl", "evel=3"),
+        # a --remote-kv-flush tier flush: a new store generation retires every earlier key
+        "generation": namespace(FP, "int8-zstd", "level=3", None, b"\x01" * 16),
+        "generation2": namespace(FP, "int8-zstd", "level=3", None, b"\x02" * 16),
     }
+    assert namespace(FP, "int8-zstd", "level=3", None, b"") == variants["base"]  # generation 0: old keys
     assert variants["params"] == variants["params-bytes"]  # str and bytes params are the same params
     del variants["params-bytes"]
     assert len(set(variants.values())) == len(variants)
     assert variants["base"] == NS
     ids = list(range(64))
     assert chunk_keys(variants["tenant"], ids, 32) != chunk_keys(variants["tenant2"], ids, 32)
+
+
+def test_generation_key_is_per_fingerprint_and_never_a_namespace() -> None:
+    from sgl_remote_kv.store.keys import generation_key
+
+    other = ModelFingerprint(FP.architecture, FP.layout, FP.weights_id, 1, 2)
+    assert generation_key(FP) == generation_key(FP) != generation_key(other)
+    assert len(generation_key(FP)) == 32 and generation_key(FP) != namespace(FP, "int8-zstd", "level=3")
 
 
 def test_keys_are_stable_across_processes_with_different_hash_seeds() -> None:

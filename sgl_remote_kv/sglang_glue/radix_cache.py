@@ -36,6 +36,15 @@ BACKEND_NAME = "remote_kv"
 
 
 class RemoteKVRadixCache(UnifiedRadixCache):
+    tier_attached = False  # set by ``build`` once this cache's runtime is published
+
+    def reset(self) -> None:
+        """``/flush_cache`` (and SGLang's own resets): the local tree, then the tier's flush scope."""
+        super().reset()
+        rt = runtime.get()
+        if self.tier_attached and rt is not None:
+            rt.on_flush()
+
     def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
         super().checkpoint(req, up_to=up_to, **kwargs)
         rt = runtime.get()
@@ -65,6 +74,7 @@ def build(ctx):
     seam.check_version()
     try:
         runtime.publish(build_runtime(seam.build_context(ctx), cfg))
+        cache.tier_attached = True
     except seam.UnsupportedPool as e:
         logger.warning("remote KV tier disabled: %s", e)
     except preflight.StartupError as e:  # impossible sizes: the server must not start (docs/RELIABILITY.md)
@@ -86,7 +96,7 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
     client.on_breaker = metrics.store_breaker  # store_breaker_state{circuit}
     wakeup = threading.Event()
     parts = paths.PathParts(cfg, fp, codec, client, kv_writer, wakeup, on_store_error=metrics.store_error)
-    keys = runtime.KeySpace(fp, codec, cfg.chunk_size)
+    keys = runtime.KeySpace(fp, codec, cfg.chunk_size, runtime.read_generation(client, fp))
     tails = cfg.tail_granule if codec.sub_chunks else 0  # hevc: a frame layout per chunk size
     writeback = WriteBack(codec, fp, client, keys, metrics, kv_writer, b.req_to_token_pool,
                           runtime.WRITEBACK_QUEUE, tail_granule=tails)  # fmt: skip

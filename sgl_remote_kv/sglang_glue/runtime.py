@@ -15,6 +15,7 @@ Threads: built and read on the scheduler thread; the objects it holds document t
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -62,18 +63,26 @@ def resolve_codec(name: str) -> Codec:
 
 
 class KeySpace:
-    """Chunk keys of one deployment: namespace per (tenant salt, codec), memoised."""
+    """Chunk keys of one deployment: namespace per (tenant salt, codec) within the store's current
+    generation of the fingerprint (``keys.generation_key``), memoised. Scheduler thread only."""
 
-    def __init__(self, fingerprint: ModelFingerprint, codec: Codec, chunk_size: int) -> None:
+    def __init__(
+        self, fingerprint: ModelFingerprint, codec: Codec, chunk_size: int, generation: bytes = b""
+    ) -> None:
         self.fingerprint, self.codec, self.chunk_size = fingerprint, codec, chunk_size
+        self.generation = generation
         self._namespaces: dict[tuple[str | None, str, bytes], bytes] = {}
+
+    def set_generation(self, generation: bytes) -> None:
+        self.generation = generation
+        self._namespaces.clear()
 
     def namespace(self, salt: str | None, codec: Codec | None = None) -> bytes:
         codec = codec or self.codec
         memo = (salt, codec.name, codec.params_bytes())
         ns = self._namespaces.get(memo)
         if ns is None:
-            ns = keys_mod.namespace(self.fingerprint, codec.name, codec.params_bytes(), salt)
+            ns = keys_mod.namespace(self.fingerprint, codec.name, codec.params_bytes(), salt, self.generation)
             if len(self._namespaces) < 4096:
                 self._namespaces[memo] = ns
         return ns
@@ -117,6 +126,22 @@ class RemoteKVRuntime:
     def primary(self) -> FetchPath:
         return next(iter(self.paths.values()))
 
+    def on_flush(self) -> None:
+        """``/flush_cache`` emptied the local cache (scheduler thread; SGLang flushes only when idle).
+        ``--remote-kv-flush tier``: write a new store generation, so every chunk stored before it is
+        unreachable — on this server at once, on others sharing the store from their next start."""
+        if self.config.flush != "tier":
+            return
+        generation = os.urandom(16)
+        stored = self.client.put_many([(keys_mod.generation_key(self.fingerprint), generation)])
+        self.keys.set_generation(generation)
+        if stored:
+            logger.info("flush: remote tier retired (new store generation %s)", generation.hex()[:8])
+        else:
+            logger.warning(
+                "flush: the store did not take the new generation; only this server retired its chunks"
+            )
+
     def close(self) -> None:
         for p in self.paths.values():
             p.close()
@@ -143,7 +168,9 @@ def build(
     if not paths:
         raise ValueError("a runtime needs at least one fetch path")
     admission = admission or AdmissionSettings(chunk_size=config.chunk_size, tail_granule=config.tail_granule)
-    pcfg = PolicyConfig(mode=config.mode, margin=config.policy_margin, timeout_cap_s=admission.fetch_timeout_s)
+    pcfg = PolicyConfig(
+        mode=config.mode, margin=config.policy_margin, timeout_cap_s=admission.fetch_timeout_s
+    )
     by_name = {p.name: p for p in paths}
     return RemoteKVRuntime(
         config=config,
@@ -173,6 +200,12 @@ def publish(rt: RemoteKVRuntime) -> None:
 def get() -> RemoteKVRuntime | None:
     """The process's runtime (None while the tier is off): the hooks' one accessor."""
     return _RUNTIME
+
+
+def read_generation(client: StoreClient, fingerprint: ModelFingerprint) -> bytes:
+    """The store's generation of ``fingerprint`` (``b""``: never flushed with ``tier`` scope, or the
+    store cannot say now; a store error is counted by the client and never stops the server)."""
+    return client.get_many([keys_mod.generation_key(fingerprint)])[0] or b""
 
 
 def open_store_client(config: RemoteKVConfig) -> StoreClient:

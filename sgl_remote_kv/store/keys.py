@@ -24,6 +24,7 @@ from ..types import ModelFingerprint
 
 _NS_TAG = b"sgl-remote-kv/namespace/v1"
 _TAIL_TAG = b"sgl-remote-kv/tail/v1"
+_GENERATION_TAG = b"sgl-remote-kv/generation/v1"
 
 
 def _field(data: bytes) -> bytes:
@@ -43,10 +44,14 @@ def namespace(
     codec_id: str,
     codec_params: str | bytes,
     tenant_salt: str | None = None,
+    generation: bytes = b"",
 ) -> bytes:
     """32-byte namespace digest. Fields are length-prefixed, so no two field tuples collide.
 
-    ``tenant_salt=None`` (shared cache) and ``tenant_salt=""`` are distinct namespaces.
+    ``tenant_salt=None`` (shared cache) and ``tenant_salt=""`` are distinct namespaces. ``generation``
+    (the store's current generation of this fingerprint, see ``generation_key``; empty until a
+    ``--remote-kv-flush tier`` flush) is folded in only when non-empty, so generation 0 keeps the keys of
+    earlier releases.
     """
     if not codec_id:
         raise ValueError("codec_id must be non-empty")
@@ -59,7 +64,16 @@ def namespace(
         h.update(b"\x00")
     else:
         h.update(b"\x01" + _field(tenant_salt.encode()))
+    if generation:
+        h.update(b"\x02" + _field(generation))
     return h.digest()
+
+
+def generation_key(fingerprint: ModelFingerprint) -> bytes:
+    """Store key of the fingerprint's generation: a random token written by a ``tier`` flush; every key
+    namespace of the fingerprint folds it in, so a new generation retires all chunks stored before it
+    (they age out of the store like any unused value)."""
+    return hashlib.sha256(_GENERATION_TAG + _field(fingerprint.digest())).digest()
 
 
 def chunk_keys(namespace: bytes, token_ids: Sequence[int] | np.ndarray, chunk_size: int) -> list[bytes]:
