@@ -3,7 +3,8 @@ PY := .venv/bin/python
 export PYTHONUNBUFFERED := 1
 
 .PHONY: setup model demo test test-slow lint bench-codec bench-codec-rd bench-store bench-dpu bench-nvdec \
-	bench-cpu-attention bench-e2e bench-e2e-quick bench-burst bench-tail projection soak test-faults clean
+	bench-cpu-attention bench-e2e bench-e2e-quick bench-burst bench-tail projection soak test-faults \
+	test-conformance clean
 
 setup:
 	bash scripts/setup_env.sh
@@ -30,6 +31,13 @@ test-faults: model
 	$(PY) -m pytest -q -m "not gpu" tests/test_faults_server.py tests/test_faults_store_server.py \
 		tests/test_faults_cluster_server.py tests/test_faults_decoder_pool.py tests/test_security_auth.py \
 		tests/test_security_config.py
+
+# SGLang's own test kits against the tier (plain SGLang, tier on, after a restart), slow kits included;
+# writes docs/results/conformance.json and renders docs/CONFORMANCE.md. Its cheap part is in `make test`.
+test-conformance: model
+	$(PY) -m pytest -q -m "not gpu" tests/test_conformance_unit.py tests/test_conformance_server.py \
+		--conformance-report docs/results/conformance.json; rc=$$?; \
+		$(PY) scripts/conformance_table.py > /dev/null; exit $$rc
 
 # Benchmarks print tables and write docs/results/*.json (+ PNG plots). None of them is a test.
 bench-codec-rd: model

@@ -62,6 +62,9 @@ LEGS = {  # name -> (tp size, layer-wise). SmolLM2-135M has 9 attention / 3 KV h
     "tp3": (3, False),
     "tp3-lw": (3, True),
 }
+# A KV-pool write that fails after a layer-wise request was admitted cannot become a recompute (the
+# request is in its forward pass; docs/INTEGRATION.md "What is not done yet"): not injected there.
+LAYERWISE_EXCLUDED = ("kv_write_fail",)
 TP_BIND = {3: "0|1|0-1"}  # SGLANG_CPU_OMP_THREADS_BIND: one entry per rank (more ranks than cores here)
 KV_WRITE_FAULT_DIR = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "kv_write_fault"
 TOPICS = ["tides", "bread", "glaciers", "bridges", "owls", "volcanoes", "compilers", "orchards"]
@@ -221,7 +224,18 @@ def run(args) -> dict:
                 share = args.requests // len(legs) + (1 if i < args.requests % len(legs) else 0)
                 spec = leg_spec(model, leg, proxy.address, write_flag, f"{tmp}/server-{leg}.log")
                 with SGLangServer(spec) as srv:
-                    out = soak(srv, proxy, rdb, convs, rng, share, deadline, write_flag, args.fault_prob)
+                    out = soak(
+                        srv,
+                        proxy,
+                        rdb,
+                        convs,
+                        rng,
+                        share,
+                        deadline,
+                        write_flag,
+                        args.fault_prob,
+                        LEGS[leg][1],
+                    )
                 results.append({"leg": leg, **out})
                 logger.info("leg %s: %s", leg, {k: v for k, v in out.items() if not isinstance(v, dict)})
                 if not out["server_alive"] or out["wrong_tokens"]:
@@ -280,7 +294,16 @@ def references(srv, proxy: TcpProxy, convs) -> dict[tuple[int, int], list[int]]:
 
 
 def soak(
-    srv, proxy, rdb, convs, rng, n_requests: int, deadline: float, write_flag: Path, fault_prob: float
+    srv,
+    proxy,
+    rdb,
+    convs,
+    rng,
+    n_requests: int,
+    deadline: float,
+    write_flag: Path,
+    fault_prob: float,
+    layerwise: bool = False,
 ) -> dict:
     t_start = time.monotonic()
     refs = references(srv, proxy, convs)
@@ -292,10 +315,11 @@ def soak(
     inj = Injector(srv, proxy, rdb, rng, write_flag)
     stats = {"requests": 0, "tokens_compared": 0, "wrong_tokens": 0, "remote_hit_tokens": 0}
     stats["recoveries"] = 0  # fault episodes followed by a remote hit before the next fault
+    kinds = [k for k in FAULT_KINDS if not (layerwise and k in LAYERWISE_EXCLUDED)]
     remaining, awaiting_recovery = 0, False
     while stats["requests"] < n_requests and time.monotonic() < deadline:
         if inj.active is None and rng.random() < fault_prob:
-            inj.start(rng.choice(FAULT_KINDS))
+            inj.start(rng.choice(kinds))
             remaining = rng.randint(1, 4)
         if rng.random() < 0.5:
             flush_cache(srv)

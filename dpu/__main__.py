@@ -25,7 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--endpoint", required=True, help="ZeroMQ endpoint to bind (ipc:///path or tcp://host:port)"
     )
-    p.add_argument("--store", required=True, help="store URL (file:///dir, redis://host:port/db, ...)")
+    p.add_argument(
+        "--store",
+        required=True,
+        help="store URL (file:///dir, redis://host:port/db, ...); '-' reads it from the first line of stdin, "
+        "so a password in it never shows in the process list (the host's way)",
+    )
     p.add_argument("--dest-shm", required=True, help="name of the host's shared-memory destination region")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process (the host) goes away")
     p.add_argument("--settings-json", help="every tunable as DataPlaneSettings JSON (the host's way)")
@@ -38,9 +43,12 @@ def config_from_args(ns: argparse.Namespace) -> DataPlaneConfig:
         settings = DataPlaneSettings.from_json(ns.settings_json) if ns.settings_json else from_namespace(ns)
     except (ValueError, TypeError, KeyError) as e:
         raise SystemExit(f"bad data-plane settings: {e}") from None
+    store_url = sys.stdin.readline().strip() if ns.store == "-" else ns.store
+    if not store_url:
+        raise SystemExit("--store -: no store URL on stdin")
     return DataPlaneConfig(
         endpoint=ns.endpoint,
-        store_url=ns.store,
+        store_url=store_url,
         dest_name=ns.dest_shm,
         settings=settings,
         parent_pid=ns.parent_pid,

@@ -211,6 +211,30 @@ class RemoteKVConfig:
         )
 
     @classmethod
+    def from_kwargs(cls, kwargs: dict) -> RemoteKVConfig:
+        """``sglang.Engine(remote_kv="dpu", remote_kv_store=...)``: the keyword arguments named like the
+        flags' destinations, parsed by the same argparse rules as the CLI (same validation, same errors,
+        as ``ValueError``). ``True`` stands for a flag without a value; ``False`` / ``None`` for absent."""
+        parser = argparse.ArgumentParser(prog="sglang.Engine", add_help=False, exit_on_error=False)
+        cls.add_cli_args(parser)
+        flags = {a.dest: a for a in parser._actions if a.dest.startswith("remote_kv")}
+        argv: list[str] = []
+        for key, value in kwargs.items():
+            action = flags.get(key)
+            if action is None:
+                raise ValueError(f"unknown remote-kv option {key}=...; known: {sorted(flags)}")
+            if value is None or value is False:
+                continue
+            argv.append(action.option_strings[0])
+            if action.nargs != 0:  # not a store_true flag
+                argv.append(",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value))
+        try:
+            ns = parser.parse_args(argv)
+        except argparse.ArgumentError as e:
+            raise ValueError(str(e)) from None
+        return cls.from_namespace(ns)
+
+    @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> RemoteKVConfig:
         cfg = cls._from_namespace(ns)
         if cfg.enabled and getattr(ns, "remote_kv_probe_store", True):

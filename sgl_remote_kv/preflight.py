@@ -24,6 +24,7 @@ import threading
 from urllib.parse import urlsplit
 
 from sgl_remote_kv.store import base
+from sgl_remote_kv.store.base import redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -52,28 +53,28 @@ def check_store_url(url: str) -> str:
     inner = _unwrap(text)
     if "://" not in inner:
         if inner.startswith(("-", "?")):
-            raise ValueError(f"store URL {url!r}: not a URL or a path")
+            raise ValueError(f"store URL {redact_url(url)!r}: not a URL or a path")
         return url  # a plain filesystem path
     scheme = inner.split("://", 1)[0].lower()
     if scheme not in base._REGISTRY or scheme in ("auth", "faulty"):
         known = ", ".join(f"{s}://" for s in ("file", "redis", "redis+cluster"))
-        raise ValueError(f"store URL {url!r}: unknown scheme {scheme!r} (known: {known}, or a plain path)")
+        raise ValueError(f"store URL {redact_url(url)!r}: unknown scheme {scheme!r} (known: {known}, or a plain path)")
     try:
         parts = urlsplit(inner)
     except ValueError as e:
-        raise ValueError(f"store URL {url!r}: {e}") from None
+        raise ValueError(f"store URL {redact_url(url)!r}: {e}") from None
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
-            raise ValueError(f"store URL {url!r}: file URLs need an absolute path (file:///dir)")
+            raise ValueError(f"store URL {redact_url(url)!r}: file URLs need an absolute path (file:///dir)")
         if not parts.path.startswith("/"):
-            raise ValueError(f"store URL {url!r}: file URLs need an absolute path (file:///dir)")
+            raise ValueError(f"store URL {redact_url(url)!r}: file URLs need an absolute path (file:///dir)")
         return url
     if not parts.netloc:
-        raise ValueError(f"store URL {url!r}: missing host")
+        raise ValueError(f"store URL {redact_url(url)!r}: missing host")
     base.parse_host_ports(parts.netloc, url)  # ValueError on a missing host or a bad port
     db = parts.path.strip("/")
     if scheme == "redis" and db and not db.isdigit():
-        raise ValueError(f"store URL {url!r}: database must be a number, got {db!r}")
+        raise ValueError(f"store URL {redact_url(url)!r}: database must be a number, got {db!r}")
     return url
 
 
@@ -146,17 +147,9 @@ def _probe(url: str, timeout_s: float) -> None:
         logger.warning(
             "remote KV store %s is unreachable at start (%s: %s); serving continues, every lookup is a "
             "miss until the store answers",
-            _redact(url),
+            redact_url(url),
             type(error[0]).__name__,
             error[0],
         )
     else:
-        logger.info("remote KV store %s reachable", _redact(url))
-
-
-def _redact(url: str) -> str:
-    """Hide a password in ``scheme://:pw@host``."""
-    head, sep, rest = url.partition("://")
-    if "@" in rest.split("/", 1)[0]:
-        rest = "***@" + rest.split("@", 1)[1]
-    return head + sep + rest
+        logger.info("remote KV store %s reachable", redact_url(url))

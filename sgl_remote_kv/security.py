@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode
 
-from sgl_remote_kv.store.base import KVStore, StoreStats, open_store
+from sgl_remote_kv.store.base import KVStore, StoreStats, open_store, redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -173,12 +173,12 @@ def split_auth_url(url: str) -> tuple[str, str]:
     Plain string surgery (not ``urlsplit``/``urlunsplit``, which would drop the ``//`` of an empty
     authority in ``faulty+file:///x``)."""
     if not url.lower().startswith(AUTH_PREFIX):
-        raise ValueError(f"store URL {url!r} does not start with {AUTH_PREFIX!r}")
+        raise ValueError(f"store URL {redact_url(url)!r} does not start with {AUTH_PREFIX!r}")
     base, _, query = url[len(AUTH_PREFIX) :].partition("?")
     pairs = parse_qsl(query, keep_blank_values=True)
     key_files = [v for k, v in pairs if k == KEY_FILE_OPTION]
     if len(key_files) != 1 or not key_files[0]:
-        raise ValueError(f"store URL {url!r}: needs exactly one {KEY_FILE_OPTION}=PATH option")
+        raise ValueError(f"store URL {redact_url(url)!r}: needs exactly one {KEY_FILE_OPTION}=PATH option")
     rest = urlencode([(k, v) for k, v in pairs if k != KEY_FILE_OPTION])
     return base + ("?" + rest if rest else ""), key_files[0]
 

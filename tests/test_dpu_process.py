@@ -165,7 +165,9 @@ def _closed_port() -> int:
 def test_store_down_is_all_misses(tmp_path, make_client):
     codec = codecs()["lossless"]
     keys, _ = put_chunks(f"file://{tmp_path}/store", codec, random_chunks(3, seed=2))
-    c = make_client(f"redis://127.0.0.1:{_closed_port()}/0", codec, process=_spec(store_timeout_s=0.5))
+    c = make_client(f"redis://:hunter2@127.0.0.1:{_closed_port()}/0", codec, process=_spec(store_timeout_s=0.5))
+    # the store URL reaches the data plane on stdin: its password is not in the process list
+    assert "hunter2" not in Path(f"/proc/{c._proc.pid}/cmdline").read_text()
     errors: list[tuple[str, str, int]] = []
     c.on_store_error = lambda op, kind, n: errors.append((op, kind, n))
     t0 = time.monotonic()

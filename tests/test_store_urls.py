@@ -69,3 +69,28 @@ def test_faulty_url_splits_fault_and_inner_options(tmp_path) -> None:
 )
 def test_parse_size(text: str, n: int) -> None:
     assert parse_size(text) == n
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:hunter2@h:1/0", "redis://:***@h:1/0"),
+        ("redis://tenant:hunter2@h:1/0?timeout=1", "redis://tenant:***@h:1/0?timeout=1"),
+        ("redis+cluster://u:hunter2@h1:1,h2:2", "redis+cluster://u:***@h1:1,h2:2"),
+        ("auth+redis://:hunter2@h/0?key_file=/k", "auth+redis://:***@h/0?key_file=/k"),
+        ("file:///x", "file:///x"),
+    ],
+)
+def test_store_url_passwords_never_shown(url: str, shown: str) -> None:
+    from sgl_remote_kv.store.base import redact_url
+
+    assert redact_url(url) == shown
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://:hunter2@h:99999/0", "redis://u:hunter2@h:1/x", "redis://:hunter2@h:1/0?bogus=1"]
+)
+def test_bad_url_errors_hide_the_password(url: str) -> None:
+    with pytest.raises(ValueError) as e:
+        open_store(url)
+    assert "hunter2" not in str(e.value) and "***" in str(e.value)

@@ -33,10 +33,11 @@ def auto_cpus() -> tuple[int, ...]:
     return tuple(avail[-max(1, len(avail) // 4) :])
 
 
-def command(settings: DataPlaneSettings, endpoint: str, store_url: str, dest_name: str) -> list[str]:
+def command(settings: DataPlaneSettings, endpoint: str, dest_name: str) -> list[str]:
+    """The data plane's command line; the store URL (it may hold a password) goes to its stdin."""
     if settings.cpus is None:  # auto: away from the serving process when the machine has the cores
         settings = dataclasses.replace(settings, cpus=auto_cpus())
-    cmd = [sys.executable, "-m", "sgl_remote_kv.dpu", "--endpoint", endpoint, "--store", store_url]
+    cmd = [sys.executable, "-m", "sgl_remote_kv.dpu", "--endpoint", endpoint, "--store", "-"]
     cmd += ["--dest-shm", dest_name, "--parent-pid", str(os.getpid())]  # exits if the host dies
     return cmd + ["--settings-json", settings.to_json()]
 
@@ -66,9 +67,14 @@ class DataPlaneProcess:
         self.generation += 1
         endpoint = f"ipc://{self.tmp}/dp-{self.generation}.sock"
         self.log_path = self.tmp / f"dp-{self.generation}.log"
-        cmd = command(self.spec, endpoint, self.store_url, self.dest_name)
+        cmd = command(self.spec, endpoint, self.dest_name)
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=log)
+        try:
+            self.proc.stdin.write(self.store_url.encode() + b"\n")
+            self.proc.stdin.close()
+        except OSError:  # it died at once: the supervisor sees the exit and restarts it
+            pass
         if self.sock is not None:
             self.sock.close(0)
         self.sock = self.ctx.socket(zmq.DEALER)

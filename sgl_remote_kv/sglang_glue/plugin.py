@@ -6,6 +6,10 @@ HookRegistry hooks; SGLang applies them right after all plugins ran.
 - Launcher: an AFTER hook on ``ServerArgs.add_cli_args`` adds our flags; an AFTER hook on
   ``ServerArgs.from_cli_args`` parses them into ``RemoteKVConfig`` once and exports it as JSON so every
   child process sees the same config.
+- Offline engine: a BEFORE hook on ``ServerArgs.__init__`` takes our options as keyword arguments
+  (``sglang.Engine(model_path=..., remote_kv="dpu", remote_kv_store=...)``, named like the flags'
+  destinations), parses them with the CLI's rules, exports the config the same way and selects our radix
+  cache backend; ``ServerArgs`` never sees them.
 - Scheduler processes: ``RemoteKVConfig.current()`` reads it back.
 """
 
@@ -16,6 +20,7 @@ import logging
 
 from sgl_remote_kv import env
 from sgl_remote_kv.config import RemoteKVConfig
+from sgl_remote_kv.store.base import redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -31,16 +36,30 @@ def _after_from_cli_args(server_args, *args, **kwargs):
     ns = args[-1] if args else kwargs.get("args")
     if ns is None or not hasattr(ns, "remote_kv"):
         return server_args  # built from a namespace without our flags (e.g. Engine(**kwargs))
-    cfg = RemoteKVConfig.from_namespace(ns)
+    _publish(RemoteKVConfig.from_namespace(ns))
+    return server_args
+
+
+def _publish(cfg: RemoteKVConfig) -> None:
     env.publish_config_json(cfg.to_json())
     logger.info(
         "sgl-remote-kv: --remote-kv %s (store %s, chunk %d tokens, codec %s)",
-        cfg.mode,
-        cfg.resolved_store_url(),
-        cfg.chunk_size,
-        cfg.codec,
-    )
-    return server_args
+        cfg.mode, redact_url(cfg.resolved_store_url()), cfg.chunk_size, cfg.codec,
+    )  # fmt: skip
+
+
+def _before_server_args_init(*args, **kwargs):
+    """``ServerArgs(**kwargs)`` from ``sglang.Engine``: take out and apply our ``remote_kv*`` options."""
+    ours = {k: kwargs.pop(k) for k in [k for k in kwargs if k.startswith("remote_kv")]}
+    if not ours:
+        return None
+    cfg = RemoteKVConfig.from_kwargs(ours)
+    _publish(cfg)
+    if cfg.enabled and kwargs.get("radix_cache_backend") is None:
+        from sgl_remote_kv.sglang_glue.radix_cache import BACKEND_NAME
+
+        kwargs["radix_cache_backend"] = BACKEND_NAME
+    return args, kwargs
 
 
 def _before_from_cli_args(*args, **kwargs):
@@ -71,6 +90,7 @@ def load() -> None:
 
     HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", _after_add_cli_args, HookType.AFTER)
     HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", _after_from_cli_args, HookType.AFTER)
+    HookRegistry.register(f"{_SERVER_ARGS}.__init__", _before_server_args_init, HookType.BEFORE)
     _register_remote_kv()
     if env.cpu_platform_enabled():
         from sgl_remote_kv.sglang_glue import cpu_attention

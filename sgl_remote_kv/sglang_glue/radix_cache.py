@@ -28,6 +28,7 @@ from sgl_remote_kv.config import RemoteKVConfig
 from sgl_remote_kv.sglang_glue import layerwise, paths, runtime, seam
 from sgl_remote_kv.sglang_glue import metrics as metrics_mod
 from sgl_remote_kv.sglang_glue.writeback import WriteBack
+from sgl_remote_kv.store.base import redact_url
 from sgl_remote_kv.types import FailureKind
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
                        kv_writer=kv_writer, keys=keys, writeback=writeback, layerwise=counter)  # fmt: skip
     logger.info(
         "remote KV tier ready: store %s, fetch paths %s, codec %r, chunk %d, layout %s",
-        cfg.resolved_store_url(), [p.value for p in rt.paths], codec, cfg.chunk_size, fp.layout,
+        redact_url(cfg.resolved_store_url()), [p.value for p in rt.paths], codec, cfg.chunk_size, fp.layout,
     )  # fmt: skip
     return rt
 

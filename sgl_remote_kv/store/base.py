@@ -25,6 +25,7 @@ Query parameters (``?timeout=2&prefix=srkv:``) are passed to the backend as opti
 from __future__ import annotations
 
 import importlib
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -213,6 +214,15 @@ def default_store_url() -> str:
     return (env.cache_dir() / "store").resolve().as_uri()
 
 
+_USERINFO_SECRET = re.compile(r"(://[^/@?#]*?:)[^/@?#]*@")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password of its userinfo replaced by ``***``: the only form of a store URL that
+    may appear in a log line, an error message or a metric."""
+    return _USERINFO_SECRET.sub(r"\1***@", url)
+
+
 def url_options(url: str) -> dict[str, str]:
     """The query parameters of ``url`` as a dict (last value wins)."""
     return dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
@@ -227,12 +237,12 @@ def parse_host_ports(netloc: str, url: str, default_port: int = 6379) -> list[tu
         host, sep, port_s = part.strip().rpartition(":") if ":" in part else (part.strip(), "", "")
         host = host.strip("[]")
         if not host:
-            raise ValueError(f"store URL {url!r}: missing host")
+            raise ValueError(f"store URL {redact_url(url)!r}: missing host")
         if not sep:
             out.append((host, default_port))
             continue
         if not port_s.isdigit() or not 0 < int(port_s) < 65536:
-            raise ValueError(f"store URL {url!r}: bad port {port_s!r}")
+            raise ValueError(f"store URL {redact_url(url)!r}: bad port {port_s!r}")
         out.append((host, int(port_s)))
     return out
 
@@ -258,7 +268,7 @@ def open_store(url: str | None = None) -> KVStore:
     target = _REGISTRY.get(scheme)
     if target is None:
         known = ", ".join(sorted(f"{s}://" for s in _REGISTRY))
-        raise ValueError(f"store URL {url!r}: unknown scheme {scheme!r} (known: {known}, or a plain path)")
+        raise ValueError(f"store URL {redact_url(url)!r}: unknown scheme {scheme!r} (known: {known}, or a plain path)")
     module_name, func_name = target.split(":")
     factory: Callable[[str], KVStore] = getattr(importlib.import_module(module_name), func_name)
     return factory(url)

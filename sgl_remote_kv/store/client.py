@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .base import Counters, KVStore, StoreError, StoreStats, open_store
+from .base import Counters, KVStore, StoreError, StoreStats, open_store, redact_url
 from .breaker import CircuitBreaker, worst
 
 log = logging.getLogger(__name__)
@@ -384,8 +384,9 @@ def open_client(
 ) -> StoreClient:
     """A ``StoreClient`` for ``url``. Bad URLs raise ``ValueError``; an unreachable store does not
     (the client keeps trying to open it lazily, behind the breaker)."""
+    name = redact_url(url) if url else "default"
     try:
-        return StoreClient(open_store(url), config, name=url or "default", on_error=on_error)
+        return StoreClient(open_store(url), config, name=name, on_error=on_error)
     except StoreError as e:
-        log.warning("store %s not reachable yet (%s); will retry lazily", url, e)
-        return StoreClient(lambda: open_store(url), config, name=url or "default", on_error=on_error)
+        log.warning("store %s not reachable yet (%s); will retry lazily", name, e)
+        return StoreClient(lambda: open_store(url), config, name=name, on_error=on_error)

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from .base import KVStore, StoreStats, StoreTimeout, StoreUnavailable, open_store
+from .base import KVStore, StoreStats, StoreTimeout, StoreUnavailable, open_store, redact_url
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ def open_faulty(url: str) -> FaultyStore:
             try:
                 fault_kw[k] = float(v)
             except ValueError:
-                raise ValueError(f"store URL {url!r}: bad value for {k}: {v!r}") from None
+                raise ValueError(f"store URL {redact_url(url)!r}: bad value for {k}: {v!r}") from None
     if parts:
         inner_url = urlunsplit(parts._replace(query=urlencode(rest)))
     else:

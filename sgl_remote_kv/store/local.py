@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from .base import Counters, StoreStats, check_keys, url_options
+from .base import Counters, StoreStats, check_keys, redact_url, url_options
 
 log = logging.getLogger(__name__)
 
@@ -253,16 +253,16 @@ def open_local(url: str) -> LocalStore:
     if "://" in url:
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost"):
-            raise ValueError(f"store URL {url!r}: file:// URLs must be local (file:///abs/path)")
+            raise ValueError(f"store URL {redact_url(url)!r}: file:// URLs must be local (file:///abs/path)")
         path = unquote(parts.path)
     else:
         path = url.split("?", 1)[0]
     if not path:
-        raise ValueError(f"store URL {url!r}: missing path")
+        raise ValueError(f"store URL {redact_url(url)!r}: missing path")
     known = {"max_bytes", "low_water", "rescan_s", "fsync"}
     unknown = set(opts) - known
     if unknown:
-        raise ValueError(f"store URL {url!r}: unknown options {sorted(unknown)} (known: {sorted(known)})")
+        raise ValueError(f"store URL {redact_url(url)!r}: unknown options {sorted(unknown)} (known: {sorted(known)})")
     return LocalStore(
         Path(path).expanduser(),
         max_bytes=parse_size(opts["max_bytes"]) if "max_bytes" in opts else DEFAULT_MAX_BYTES,

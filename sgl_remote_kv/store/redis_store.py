@@ -39,6 +39,7 @@ from .base import (
     StoreUnavailable,
     check_keys,
     parse_host_ports,
+    redact_url,
     url_options,
 )
 
@@ -195,9 +196,9 @@ def split_url(url: str, usage: str) -> tuple[SplitResult, dict[str, str]]:
     opts = url_options(url)
     unknown = set(opts) - COMMON_OPTIONS
     if unknown:
-        raise ValueError(f"store URL {url!r}: unknown options {sorted(unknown)}")
+        raise ValueError(f"store URL {redact_url(url)!r}: unknown options {sorted(unknown)}")
     if not parts.netloc:
-        raise ValueError(f"store URL {url!r}: missing host ({usage})")
+        raise ValueError(f"store URL {redact_url(url)!r}: missing host ({usage})")
     return parts, opts
 
 
@@ -211,17 +212,17 @@ def common_kwargs(url: str, opts: dict[str, str]) -> dict[str, Any]:
             "batch": int(opts.get("batch", 32)),
         }
     except ValueError as e:
-        raise ValueError(f"store URL {url!r}: bad option ({e})") from None
+        raise ValueError(f"store URL {redact_url(url)!r}: bad option ({e})") from None
 
 
 def open_redis(url: str) -> RedisStore:
     """Factory for ``redis://host:port/db``."""
     parts, opts = split_url(url, "redis://host:port/db")
     if "," in parts.netloc:
-        raise ValueError(f"store URL {url!r}: expected redis://host:port/db (one host)")
+        raise ValueError(f"store URL {redact_url(url)!r}: expected redis://host:port/db (one host)")
     ((host, port),) = parse_host_ports(parts.netloc, url)
     db_s = parts.path.strip("/") or "0"
     if not db_s.isdigit():
-        raise ValueError(f"store URL {url!r}: bad database number {db_s!r}")
+        raise ValueError(f"store URL {redact_url(url)!r}: bad database number {db_s!r}")
     password = unquote(parts.password) if parts.password else None
     return RedisStore(host, port, int(db_s), password, **common_kwargs(url, opts))
