@@ -1,14 +1,14 @@
-"""The offline ``sglang.Engine`` with the tier: our options as Engine keyword arguments (named like the
-flags' destinations: ``remote_kv="dpu"``, ``remote_kv_store=...``), the CLI's validation and errors.
+"""The offline ``sglang.Engine`` with the tier: ``sgl_remote_kv.configure(remote_kv="dpu", ...)`` (the
+flags' destinations as keywords) before constructing the Engine; the CLI's validation and errors.
 
-Each engine runs in its own Python process (an Engine owns scheduler subprocesses and process-wide
-state), with the CPU platform plugin on, float32 and the lossless codec:
-
-1. a bad option (``remote_kv="gpu"``, an unknown ``remote_kv_bogus``) is a ``ValueError`` naming the flag,
-   raised before any subprocess starts;
+1. a bad option (``remote_kv="gpu"``, a bad chunk size, an unknown ``remote_kv_bogus``) is a
+   ``ValueError`` naming the flag, and nothing is exported;
 2. engine A computes a prompt cold and writes its chunks back to an embedded store;
 3. engine B (a new process: nothing local) serves the prompt's whole usable prefix from the store,
    token-identical to A.
+
+Each engine runs in its own Python process (an Engine owns scheduler subprocesses and process-wide
+state), with the CPU platform plugin on, float32 and the lossless codec.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ SCRIPT = textwrap.dedent(
     import json, sys, time
     from pathlib import Path
     import sglang as sgl
+    import sgl_remote_kv
 
     model, store, mode, ids = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     cpu = dict(device="cpu", dtype="float32", max_total_tokens=4096, attention_backend="torch_native",
@@ -38,14 +39,8 @@ SCRIPT = textwrap.dedent(
                enable_cache_report=True, log_level="warning")
     tier = dict(remote_kv="dpu", remote_kv_store=f"file://{store}", remote_kv_chunk_size=%(chunk)d,
                 remote_kv_codec="lossless", remote_kv_policy_margin=1e9)
-    if mode.startswith("bad:"):
-        bad = json.loads(mode[4:])
-        try:
-            sgl.Engine(model_path=model, **cpu, **{**tier, **bad})
-        except ValueError as e:
-            print(json.dumps({"error": str(e)}))
-        sys.exit(0)
-    engine = sgl.Engine(model_path=model, **cpu, **tier)
+    sgl_remote_kv.configure(**tier)
+    engine = sgl.Engine(model_path=model, **cpu)
     out = engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 8})
     want = (len(ids) - 1) // %(chunk)d
     deadline = time.monotonic() + 60
@@ -66,17 +61,35 @@ def _run(model_dir: str, store: str, mode: str, ids: list[int]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_engine_keyword_arguments_restart_hit(model_dir, tmp_path):
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [({"remote_kv": "gpu"}, "--remote-kv"), ({"remote_kv": "dpu", "remote_kv_chunk_size": 100}, "--remote-kv-chunk-size"),
+     ({"remote_kv_bogus": 1}, "remote_kv_bogus"), ({"remote_kv": "dpu", "remote_kv_flush": "all"}, "--remote-kv-flush")],
+)  # fmt: skip
+def test_configure_validates_like_the_cli(monkeypatch, options, named):
+    import sgl_remote_kv
+
+    monkeypatch.setenv(env.CONFIG_JSON, "")  # restored after the test, whatever configure exports
+    with pytest.raises(ValueError, match=named):
+        sgl_remote_kv.configure(**options)
+    assert env.config_json() is None  # nothing exported
+
+
+def test_configure_exports_the_config(monkeypatch):
+    import sgl_remote_kv
+    from sgl_remote_kv.config import RemoteKVConfig
+
+    monkeypatch.setenv(env.CONFIG_JSON, "")  # restored after the test, whatever configure exports
+    cfg = sgl_remote_kv.configure(remote_kv="dpu", remote_kv_store="file:///tmp/x", remote_kv_layerwise=True)
+    assert RemoteKVConfig.current() == cfg and cfg.layerwise and cfg.mode == "dpu"
+
+
+def test_engine_restart_hit(model_dir, tmp_path):
     from transformers import AutoTokenizer
 
     from tests.fixtures.faults import make_case
 
     store = str(tmp_path / "store")
-    bad = _run(model_dir, store, 'bad:{"remote_kv": "gpu"}', [1, 2])
-    assert "--remote-kv" in bad["error"] and "gpu" in bad["error"]
-    bad = _run(model_dir, store, 'bad:{"remote_kv_bogus": 1}', [1, 2])
-    assert "remote_kv_bogus" in bad["error"]
-
     case = make_case(AutoTokenizer.from_pretrained(model_dir), "engine-api", n_chunks=3)
     a = _run(model_dir, store, "write", case.ids)
     assert a["cached"] == 0

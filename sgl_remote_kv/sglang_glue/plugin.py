@@ -6,16 +6,15 @@ HookRegistry hooks; SGLang applies them right after all plugins ran.
 - Launcher: an AFTER hook on ``ServerArgs.add_cli_args`` adds our flags; an AFTER hook on
   ``ServerArgs.from_cli_args`` parses them into ``RemoteKVConfig`` once and exports it as JSON so every
   child process sees the same config.
-- Offline engine: a BEFORE hook on ``ServerArgs.__init__`` takes our options as keyword arguments
-  (``sglang.Engine(model_path=..., remote_kv="dpu", remote_kv_store=...)``, named like the flags'
-  destinations), parses them with the CLI's rules, exports the config the same way and selects our radix
-  cache backend; ``ServerArgs`` never sees them.
+- Offline engine: ``sgl_remote_kv.configure(remote_kv="dpu", ...)`` before ``sglang.Engine(...)``
+  parses the options with the CLI's rules and exports the config the same way (``configure``).
+- Both: a BEFORE hook on ``ServerArgs.resolve_once`` selects our radix cache backend when the tier is on
+  and the user picked none.
 - Scheduler processes: ``RemoteKVConfig.current()`` reads it back.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 
 from sgl_remote_kv import env
@@ -48,29 +47,13 @@ def _publish(cfg: RemoteKVConfig) -> None:
     )  # fmt: skip
 
 
-def _before_server_args_init(*args, **kwargs):
-    """``ServerArgs(**kwargs)`` from ``sglang.Engine``: take out and apply our ``remote_kv*`` options."""
-    ours = {k: kwargs.pop(k) for k in [k for k in kwargs if k.startswith("remote_kv")]}
-    if not ours:
-        return None
-    cfg = RemoteKVConfig.from_kwargs(ours)
-    _publish(cfg)
-    if cfg.enabled and kwargs.get("radix_cache_backend") is None:
+def _before_resolve(server_args, *args, **kwargs):
+    """``ServerArgs.resolve_once`` (launch_server and ``sglang.Engine`` alike): select our radix cache
+    backend when the tier is on and the user picked none."""
+    if RemoteKVConfig.current().enabled and getattr(server_args, "radix_cache_backend", None) is None:
         from sgl_remote_kv.sglang_glue.radix_cache import BACKEND_NAME
 
-        kwargs["radix_cache_backend"] = BACKEND_NAME
-    return args, kwargs
-
-
-def _before_from_cli_args(*args, **kwargs):
-    """Select our radix cache backend when the tier is on and the user picked none."""
-    ns = next((a for a in args if isinstance(a, argparse.Namespace)), kwargs.get("args"))
-    if ns is None or getattr(ns, "remote_kv", "off") == "off":
-        return None
-    if getattr(ns, "radix_cache_backend", None) is None:
-        from sgl_remote_kv.sglang_glue.radix_cache import BACKEND_NAME
-
-        ns.radix_cache_backend = BACKEND_NAME
+        server_args.radix_cache_backend = BACKEND_NAME
     return None
 
 
@@ -80,7 +63,7 @@ def _register_remote_kv() -> None:
 
     from sgl_remote_kv.sglang_glue import radix_cache, scheduler_hooks
 
-    HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", _before_from_cli_args, HookType.BEFORE)
+    HookRegistry.register(f"{_SERVER_ARGS}.resolve_once", _before_resolve, HookType.BEFORE)
     radix_cache.register()
     scheduler_hooks.register()
 
@@ -90,7 +73,6 @@ def load() -> None:
 
     HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", _after_add_cli_args, HookType.AFTER)
     HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", _after_from_cli_args, HookType.AFTER)
-    HookRegistry.register(f"{_SERVER_ARGS}.__init__", _before_server_args_init, HookType.BEFORE)
     _register_remote_kv()
     if env.cpu_platform_enabled():
         from sgl_remote_kv.sglang_glue import cpu_attention
@@ -99,3 +81,13 @@ def load() -> None:
     cfg = RemoteKVConfig.current()
     if cfg.enabled:
         logger.info("sgl-remote-kv active in this process: mode=%s", cfg.mode)
+
+
+def configure(**options) -> RemoteKVConfig:
+    """The offline ``sglang.Engine``'s way to turn the tier on: call before constructing the Engine, with
+    the flags' destinations as keywords (``remote_kv="dpu"``, ``remote_kv_store="redis://..."``,
+    ``remote_kv_chunk_size=256``, ...). Same validation and errors as the CLI (``ValueError``); the
+    config applies to every Engine this process starts afterwards (``remote_kv="off"`` turns it off)."""
+    cfg = RemoteKVConfig.from_kwargs(options)
+    _publish(cfg)
+    return cfg
