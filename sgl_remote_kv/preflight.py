@@ -57,7 +57,7 @@ def check_store_url(url: str) -> str:
         return url  # a plain filesystem path
     scheme = inner.split("://", 1)[0].lower()
     if scheme not in base._REGISTRY or scheme in ("auth", "faulty"):
-        known = ", ".join(f"{s}://" for s in ("file", "redis", "redis+cluster"))
+        known = ", ".join(f"{s}://" for s in ("file", "redis", "rediss", "redis+cluster", "rediss+cluster"))
         raise ValueError(f"store URL {redact_url(url)!r}: unknown scheme {scheme!r} (known: {known}, or a plain path)")
     try:
         parts = urlsplit(inner)
@@ -73,7 +73,7 @@ def check_store_url(url: str) -> str:
         raise ValueError(f"store URL {redact_url(url)!r}: missing host")
     base.parse_host_ports(parts.netloc, url)  # ValueError on a missing host or a bad port
     db = parts.path.strip("/")
-    if scheme == "redis" and db and not db.isdigit():
+    if scheme in ("redis", "rediss") and db and not db.isdigit():
         raise ValueError(f"store URL {redact_url(url)!r}: database must be a number, got {db!r}")
     return url
 

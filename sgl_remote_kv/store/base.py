@@ -199,6 +199,8 @@ _REGISTRY: dict[str, str] = {
     "file": "sgl_remote_kv.store.local:open_local",
     "redis": "sgl_remote_kv.store.redis_store:open_redis",
     "redis+cluster": "sgl_remote_kv.store.redis_cluster:open_redis_cluster",
+    "rediss": "sgl_remote_kv.store.redis_store:open_redis",
+    "rediss+cluster": "sgl_remote_kv.store.redis_cluster:open_redis_cluster",
     "faulty": "sgl_remote_kv.store.faulty:open_faulty",
     "auth": "sgl_remote_kv.security:open_auth_store",
 }

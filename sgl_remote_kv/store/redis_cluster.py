@@ -1,7 +1,8 @@
 """Redis Cluster backend (redis-py ``RedisCluster`` + hiredis), pipelined per shard.
 
-URL: ``redis+cluster://host:port[,host:port...]?timeout=2&prefix=srkv:&ttl=0&batch=32``. Any
-reachable subset of nodes is enough to discover the cluster.
+URL: ``redis+cluster://[[user]:password@]host:port[,host:port...]?timeout=2&prefix=srkv:&ttl=0&batch=32``
+(``rediss+cluster://`` over TLS, with the options of ``redis_store``). Any reachable subset of nodes is
+enough to discover the cluster.
 
 Keys are ``prefix + hex digest`` (``redis_store.redis_key``) without hash tags, so chunks spread evenly
 over all shards; a
@@ -23,6 +24,7 @@ from .redis_store import (
     RedisKV,
     common_kwargs,
     connection_kwargs,
+    password_of,
     split_url,
     translate_errors,
 )
@@ -38,10 +40,14 @@ class RedisClusterStore(RedisKV):
         prefix: bytes = DEFAULT_PREFIX,
         ttl_s: int = 0,
         batch: int = 32,
+        password: str | None = None,
+        auth: dict | None = None,
     ) -> None:
         with translate_errors():
             client = RedisCluster(
                 startup_nodes=[ClusterNode(h, p) for h, p in nodes],
+                password=password,
+                **(auth or {}),
                 **connection_kwargs(timeout_s),
                 require_full_coverage=False,  # serve the live shards when one is down
             )
@@ -52,4 +58,6 @@ class RedisClusterStore(RedisKV):
 def open_redis_cluster(url: str) -> RedisClusterStore:
     """Factory for ``redis+cluster://h1:p1,h2:p2``."""
     parts, opts = split_url(url, "redis+cluster://host:port[,host:port...]")
-    return RedisClusterStore(parse_host_ports(parts.netloc, url), **common_kwargs(url, opts))
+    return RedisClusterStore(
+        parse_host_ports(parts.netloc, url), password=password_of(url), **common_kwargs(url, opts)
+    )

@@ -1,6 +1,11 @@
 """Standalone Redis backend (redis-py + hiredis), pipelined.
 
-URL: ``redis://[:password@]host:port/db?timeout=2&prefix=srkv:&ttl=0&batch=32``.
+URL: ``redis://[[user]:password@]host:port/db?timeout=2&prefix=srkv:&ttl=0&batch=32``; ``rediss://`` is the
+same over TLS, with ``ca=PATH`` (the CA bundle that signed the server's certificate; default: the system's),
+``cert=PATH&key=PATH`` (a client certificate, for servers that require one) and ``verify=none`` (skip
+server verification: never in production). ``user`` is a Redis 6 ACL user (``AUTH user password``); without
+it the password is the ``default`` user's (``requirepass``). The password never appears in logs or errors
+(``base.redact_url``).
 
 Keys are printable: the prefix then the digest in hex, ``srkv:<64 hex digits>`` (``redis_key``), so
 ``redis-cli --scan --pattern 'srkv:*'`` pipelines work (raw digests contained newlines). Capacity and
@@ -24,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 from urllib.parse import SplitResult, unquote, urlsplit
 
@@ -47,11 +53,14 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = b"srkv:"
 COMMON_OPTIONS = {"timeout", "prefix", "ttl", "batch"}
+TLS_OPTIONS = {"ca", "cert", "key", "verify"}
 
 
 def redis_key(key: bytes, prefix: bytes = DEFAULT_PREFIX) -> bytes:
     """The Redis key of a chunk key: ``prefix`` + hex digest (printable, one line, scan-friendly)."""
     return prefix + key.hex().encode()
+
+
 _READ_SIZE = 1 << 20
 
 
@@ -168,13 +177,10 @@ class RedisStore(RedisKV):
         prefix: bytes = DEFAULT_PREFIX,
         ttl_s: int = 0,
         batch: int = 32,
+        auth: dict[str, Any] | None = None,
     ) -> None:
         client = redis.Redis(
-            host=host,
-            port=port,
-            db=db,
-            password=password,
-            **connection_kwargs(timeout_s),
+            host=host, port=port, db=db, password=password, **(auth or {}), **connection_kwargs(timeout_s)
         )
         super().__init__(client, "redis", prefix, ttl_s, batch)
         self.address = (host, port)
@@ -194,7 +200,8 @@ def split_url(url: str, usage: str) -> tuple[SplitResult, dict[str, str]]:
     """``(parts, options)`` of a Redis store URL; ``ValueError`` on unknown options or a missing host."""
     parts = urlsplit(url)
     opts = url_options(url)
-    unknown = set(opts) - COMMON_OPTIONS
+    tls = parts.scheme.lower().startswith("rediss")
+    unknown = set(opts) - COMMON_OPTIONS - (TLS_OPTIONS if tls else set())
     if unknown:
         raise ValueError(f"store URL {redact_url(url)!r}: unknown options {sorted(unknown)}")
     if not parts.netloc:
@@ -203,9 +210,9 @@ def split_url(url: str, usage: str) -> tuple[SplitResult, dict[str, str]]:
 
 
 def common_kwargs(url: str, opts: dict[str, str]) -> dict[str, Any]:
-    """Parse the options shared by both Redis backends."""
+    """Parse the options shared by both Redis backends (``auth``: redis-py's credential and TLS keywords)."""
     try:
-        return {
+        kw: dict[str, Any] = {
             "timeout_s": float(opts.get("timeout", 2.0)),
             "prefix": opts.get("prefix", DEFAULT_PREFIX.decode()).encode(),
             "ttl_s": int(opts.get("ttl", 0)),
@@ -213,10 +220,43 @@ def common_kwargs(url: str, opts: dict[str, str]) -> dict[str, Any]:
         }
     except ValueError as e:
         raise ValueError(f"store URL {redact_url(url)!r}: bad option ({e})") from None
+    kw["auth"] = auth_kwargs(url, opts)
+    return kw
+
+
+def auth_kwargs(url: str, opts: dict[str, str]) -> dict[str, Any]:
+    """ACL user and TLS settings of a Redis URL as redis-py keywords (the password is passed apart)."""
+    parts = urlsplit(url)
+    out: dict[str, Any] = {}
+    if parts.username:
+        out["username"] = unquote(parts.username)
+    if not parts.scheme.lower().startswith("rediss"):
+        return out
+    verify = opts.get("verify", "required")
+    if verify not in ("required", "none"):
+        raise ValueError(
+            f"store URL {redact_url(url)!r}: verify must be 'required' or 'none', got {verify!r}"
+        )
+    if ("cert" in opts) != ("key" in opts):
+        raise ValueError(f"store URL {redact_url(url)!r}: a client certificate needs both cert= and key=")
+    for name in ("ca", "cert", "key"):
+        if name in opts and not Path(opts[name]).is_file():
+            raise ValueError(f"store URL {redact_url(url)!r}: {name}={opts[name]!r} is not a readable file")
+    out.update(ssl=True, ssl_cert_reqs=verify, ssl_check_hostname=verify == "required")
+    if "ca" in opts:
+        out["ssl_ca_certs"] = opts["ca"]
+    if "cert" in opts:
+        out.update(ssl_certfile=opts["cert"], ssl_keyfile=opts["key"])
+    return out
+
+
+def password_of(url: str) -> str | None:
+    parts = urlsplit(url)
+    return unquote(parts.password) if parts.password else None
 
 
 def open_redis(url: str) -> RedisStore:
-    """Factory for ``redis://host:port/db``."""
+    """Factory for ``redis://host:port/db`` and ``rediss://`` (TLS)."""
     parts, opts = split_url(url, "redis://host:port/db")
     if "," in parts.netloc:
         raise ValueError(f"store URL {redact_url(url)!r}: expected redis://host:port/db (one host)")
@@ -224,5 +264,4 @@ def open_redis(url: str) -> RedisStore:
     db_s = parts.path.strip("/") or "0"
     if not db_s.isdigit():
         raise ValueError(f"store URL {redact_url(url)!r}: bad database number {db_s!r}")
-    password = unquote(parts.password) if parts.password else None
-    return RedisStore(host, port, int(db_s), password, **common_kwargs(url, opts))
+    return RedisStore(host, port, int(db_s), password_of(url), **common_kwargs(url, opts))
