@@ -207,3 +207,47 @@ def test_queue_passes_agree_on_every_rank(size, tmp_path):
     assert [z for _, z, _ in passes] == [1] * (size - 1) + [0] * (6 - size)  # reaped when all stopped
     assert [c for _, _, c in passes] == [1, 2, 3, 3, 3]  # one per pass while anything is queued; none after
     assert [r[2] for r in per_rank][-1] == 1  # the rank whose clock expired counted a timeout
+
+
+def _scenario_fetch_fails_on_one_rank(rank: int, ag: Agreement) -> list:
+    """A fetch that fails at once on rank 0 (its data plane died: done, nothing fetched) while the other
+    ranks' fetches still run and end at different passes. Found by the soak (TP 3): rank 0 released the
+    request without a zombie, the others kept one for the reserved slots, and from the next pass on rank
+    0 skipped the collective the others were waiting in (a hang)."""
+    from sgl_remote_kv.types import KVLayout, ModelFingerprint
+    from tests.admission_fakes import C, make_queue, req
+
+    fp = ModelFingerprint("LlamaForCausalLM", KVLayout(2, 1, 8, "float32"), "w", rank, ag.size)
+    w = make_queue(agreement=ag, margin=1e9, fp=fp)
+    r = req("f", 3 * C + 1)
+    w.stored(r, 3)
+    assert w.q.park(r)
+    w.q.parked["f"].lookup.result(timeout=10)
+    out, released_at = [], None
+    for step in range(6):
+        if "f" in w.be.handles:
+            if rank == 0 and step == 2:
+                w.be.finish("f", ok_chunks=0)  # rank 0: dead at once
+            elif rank > 0 and step == 2 + rank:
+                w.be.finish("f")  # the others end later, each at its own pass
+        w.q.poll()
+        if released_at is None and "f" in w.host.released:
+            released_at = step
+        out.append((sorted(w.q.parked), len(w.q.zombies), ag.collectives))
+    return [released_at, out, len(w.tree.free_slots), w.tree.locks]
+
+
+SCENARIOS["_scenario_fetch_fails_on_one_rank"] = _scenario_fetch_fails_on_one_rank
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_fetch_failing_on_one_rank_keeps_every_rank_in_step(size, tmp_path):
+    per_rank = _run("_scenario_fetch_fails_on_one_rank", size, tmp_path)
+    released, passes = per_rank[0][:2]
+    assert all(r[:2] == [released, passes] for r in per_rank), per_rank  # same passes, same collectives
+    assert released == 2  # the miss on rank 0 releases the request everywhere in the same pass
+    zombies = [z for _, z, _ in passes]
+    assert zombies[2] == 1 and zombies[-1] == 0  # every rank keeps the slots until all backends stopped
+    assert {(r[2], r[3]) for r in per_rank} == {
+        (per_rank[0][2], 0)
+    }  # then every rank freed them, no lock held

@@ -29,19 +29,26 @@ class Installer:
     def __init__(self, c: Collaborators, chunk_size: int, io: cf.Executor) -> None:
         self.c, self.chunk, self.io = c, chunk_size, io
 
-    def complete(self, p: ParkedRequest, agreed: int) -> tuple[object, int] | None:
-        """The fetch is done: count it, install its leading intact chunks (at most ``agreed``, the TP
-        ranks' common count), free the rest. Returns (tree lock, tokens) of the installed hit, or None."""
+    def account(self, p: ParkedRequest) -> None:
+        """Count a fetch that ended on this rank: its failure (and the repair of an undecodable chunk),
+        the policy's estimates, the fetch metrics. No effect on the tree or the pool."""
         h, c = p.handle, self.c
         c.policy.fetch_ended(p.rid)
         if h.failure is not None:
             c.metrics.failure(h.failure)
             self._drop_undecodable(p)  # this rank's own first bad chunk
-        h.ok_chunks = min(h.ok_chunks, agreed)  # the worker is done with the handle
         c.policy.observe_fetch(p.path, h.fetched_bytes, h.fetch_s, h.decoded_bytes, h.decode_s)
         ready = h.finished_at if h.finished_at is not None else p.since
         decode_s = h.decode_s if h.decoded_here else None
         c.metrics.fetched(h.fetched_bytes, h.decoded_bytes, h.fetch_s, decode_s, ready - p.parked_at)
+
+    def complete(self, p: ParkedRequest, agreed: int) -> tuple[object, int] | None:
+        """The fetch is done on every rank: count it, install its leading intact chunks (at most
+        ``agreed``, the TP ranks' common count), free the rest. Returns (tree lock, tokens) of the
+        installed hit, or None."""
+        h, c = p.handle, self.c
+        self.account(p)
+        h.ok_chunks = min(h.ok_chunks, agreed)  # the worker is done with the handle
         try:
             return self._install(p)
         except Exception as e:  # boundary: a failed install is a miss, never a crash

@@ -162,13 +162,16 @@ class WaitingForKV:
             else:
                 self._reserve(p, now)
         elif v.miss:  # FETCH
-            if p.handle.done():  # done here with nothing usable (counted by ``complete``), or a peer missed
+            # The same steps on every rank, whatever its own fetch's state: a rank whose fetch already
+            # ended must still keep a zombie for the reserved slots, or the ranks' zombie lists (and
+            # with them the collectives of the next passes) would differ.
+            if p.handle.done():  # nothing usable here (counted by ``account``), or a peer missed
+                self.installer.account(p)
                 if why == FailureKind.TP_PEER_MISS.value:
                     self.c.metrics.failure(why)
-                self._finish(p, self.installer.complete(p, 0))
-                return
-            self.c.metrics.failure(why)
-            self.c.policy.fetch_ended(p.rid, censored=why in _CENSORED, now=now)
+            else:
+                self.c.metrics.failure(why)
+                self.c.policy.fetch_ended(p.rid, censored=why in _CENSORED, now=now)
             self._drop(p)
             self._release(p)
         elif v.pending:  # every rank verified every chunk: layer-wise admission everywhere
