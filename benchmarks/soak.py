@@ -16,7 +16,8 @@ Phases, per leg:
 3. end: RSS of the server's process tree and used KV slots (``sglang:num_used_tokens`` after a cache
    flush, so anything left is a leak) are compared with the values after warm-up.
 
-Usage: ``python -m benchmarks.soak [--requests 200] [--legs tp1,tp3-lw,tp3,tp1-lw] [--seed 0]``.
+Usage: ``python -m benchmarks.soak [--legs tp1:60,tp3-lw:40,tp3:40,tp1-lw:60] [--seed 0]`` (``--requests N``
+shares N evenly over legs given without counts).
 """
 
 from __future__ import annotations
@@ -207,10 +208,7 @@ def run(args) -> dict:
     tok = AutoTokenizer.from_pretrained(model)
     convs = conversations(tok, args.conversations, args.turns)
     rng = random.Random(args.seed)
-    legs = [leg for leg in args.legs.split(",") if leg]
-    unknown = [leg for leg in legs if leg not in LEGS]
-    if unknown or not legs:
-        raise SystemExit(f"--legs: unknown {unknown}; choose from {sorted(LEGS)}")
+    legs = parse_legs(args.legs, args.requests)
     t_start = time.monotonic()
     deadline = t_start + args.max_minutes * 60
     with tempfile.TemporaryDirectory(prefix="srkv-soak-") as tmp:
@@ -220,8 +218,7 @@ def run(args) -> dict:
         write_flag = Path(tmp) / "kv-write-fault"
         results = []
         try:
-            for i, leg in enumerate(legs):
-                share = args.requests // len(legs) + (1 if i < args.requests % len(legs) else 0)
+            for leg, share in legs:
                 spec = leg_spec(model, leg, proxy.address, write_flag, f"{tmp}/server-{leg}.log")
                 with SGLangServer(spec) as srv:
                     out = soak(
@@ -260,6 +257,20 @@ def run(args) -> dict:
         "elapsed_s": round(time.monotonic() - t_start, 1),
         "config": vars(args),
     }
+
+
+def parse_legs(text: str, requests: int) -> list[tuple[str, int]]:
+    """``tp1,tp3-lw`` (``requests`` shared evenly) or ``tp1:80,tp3-lw:40`` (explicit counts)."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    names = [t.partition(":")[0] for t in items]
+    unknown = [n for n in names if n not in LEGS]
+    if unknown or not items:
+        raise SystemExit(f"--legs: unknown {unknown}; choose from {sorted(LEGS)}")
+    if all(":" in t for t in items):
+        return [(n, int(t.partition(":")[2])) for n, t in zip(names, items, strict=True)]
+    return [
+        (n, requests // len(names) + (1 if i < requests % len(names) else 0)) for i, n in enumerate(names)
+    ]
 
 
 def leg_spec(model: str, leg: str, store_addr: str, write_flag: Path, log: str) -> ServerSpec:
@@ -370,7 +381,11 @@ def soak(
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=200, help="over all legs")
-    ap.add_argument("--legs", default="tp1,tp3-lw,tp3,tp1-lw", help=f"comma list of {sorted(LEGS)}")
+    ap.add_argument(
+        "--legs",
+        default="tp1:60,tp3-lw:40,tp3:40,tp1-lw:60",
+        help=f"comma list of {sorted(LEGS)}, each optionally :N requests (else --requests shared evenly)",
+    )
     ap.add_argument("--max-minutes", type=float, default=60.0)
     ap.add_argument("--fault-prob", type=float, default=0.3)
     ap.add_argument("--conversations", type=int, default=5)

@@ -230,6 +230,8 @@ def test_sigkill_mid_fetch_restarts_and_serves(tmp_path, make_client):
     codec = codecs()["quant"]
     keys, blobs = put_chunks(f"file://{tmp_path}/store", codec, random_chunks(8, seed=6))
     c = make_client(_slow_url(tmp_path, 0.2), codec)
+    restarts: list[str] = []
+    c.on_restart = restarts.append  # sglang:remote_kv_dataplane_restarts_total{reason}
     old_pid = c.pid
     h = c.submit("k", keys, CHUNK, make_pool(LAYOUT, 1024, 8 * CHUNK))
     time.sleep(0.5)
@@ -239,6 +241,7 @@ def test_sigkill_mid_fetch_restarts_and_serves(tmp_path, make_client):
     target = make_pool(LAYOUT, 1024, 3 * CHUNK, seed=3)
     res2 = c.fetch("next", keys[:3], CHUNK, target, timeout=60)
     assert res2.hit_chunks == 3 and c.pid != old_pid and c.stats()["restarts"] == 1
+    assert restarts == ["exited"]
     _assert_pool_equals_decode(target, blobs, 3)
 
 
@@ -246,12 +249,15 @@ def test_hung_data_plane_is_replaced(tmp_path, make_client):
     codec = codecs()["lossless"]
     keys, _ = put_chunks(f"file://{tmp_path}/store", codec, random_chunks(2, seed=7))
     c = make_client(f"file://{tmp_path}/store", codec, heartbeat_s=0.2, heartbeat_timeout_s=1.5)
+    restarts: list[str] = []
+    c.on_restart = restarts.append
     old_pid = c.pid
     os.kill(old_pid, signal.SIGSTOP)  # alive but silent
     h = c.submit("h", keys, CHUNK, None)
     res = h.wait(timeout=30)
     assert res.hit_chunks == 0 and res.failures[0] == "dataplane_lost"
     assert c.fetch("h2", keys, CHUNK, None, timeout=60).hit_chunks == 2 and c.pid != old_pid
+    assert restarts == ["hung"]
 
 
 def test_hostile_frames_do_not_hurt_the_data_plane(tmp_path, make_client):

@@ -80,6 +80,7 @@ class DpuClient:
         codec,
         on_event: Callable[[], None] | None = None,
         on_store_error: Callable[[str, str, int], None] | None = None,
+        on_restart: Callable[[str], None] | None = None,
     ) -> None:
         self.cfg, self.fingerprint, self.layout = cfg, fingerprint, fingerprint.layout
         self.codec, self.codec_name, self.codec_params = codec, codec.name, codec.params_bytes()
@@ -99,6 +100,7 @@ class DpuClient:
         self._proc: DataPlaneProcess | None = None
         self._tmp = shm_names.run_dir()  # endpoint + log; swept by a later client if we die unclosed
         self.on_store_error = on_store_error  # (op, kind, n): the data plane's store client failures
+        self.on_restart = on_restart  # (reason: "exited" | "hung"): the data plane was replaced
         self.book: RoundBook | None = None  # created in ``start`` (needs the region)
         self._thread: threading.Thread | None = None
         self._running = False
@@ -272,8 +274,9 @@ class DpuClient:
                 if now - last_hb >= self.cfg.heartbeat_s:
                     last_hb = now
                     sock.send(P.encode(P.Heartbeat(self._proc.next_seq(), time.time_ns())), zmq.NOBLOCK)
-                if self._unhealthy(now):
-                    self._restart()
+                why = self._unhealthy(now)
+                if why is not None:
+                    self._restart(why)
             except Exception:  # thread boundary: never let the receiver die while serving
                 self.counters["receiver_errors"] += 1
                 logger.exception("DPU receiver error")
@@ -333,26 +336,29 @@ class DpuClient:
                     self._on_event_cb()
             self.cv.notify_all()
 
-    def _unhealthy(self, now: float) -> bool:
+    def _unhealthy(self, now: float) -> str | None:
+        """Why the data plane must be replaced (``exited`` / ``hung``), or None."""
         if not self._proc.alive():
             logger.error("data plane exited (rc=%s)", self._proc.returncode())
-            return True
+            return "exited"
         if now - self._proc.last_pong_at > self.cfg.heartbeat_timeout_s:
             logger.error("data plane missed heartbeats for %.1f s", now - self._proc.last_pong_at)
-            return True
+            return "hung"
         with self.cv:
             stale = self.book.stale(now, self.cfg.job_timeout_s)
         if stale:
             logger.error("data plane made no progress on %d rounds for %.1f s", stale, self.cfg.job_timeout_s)
-        return bool(stale)
+        return "hung" if stale else None
 
-    def _restart(self) -> None:
+    def _restart(self, why: str) -> None:
         """Kill and replace the data plane; its in-flight rounds become misses."""
         with self.cv:
             lost = self.book.lose_inflight("dataplane_lost")
             self.counters["restarts"] += 1
             self.cv.notify_all()
         logger.warning("restarting data plane (%d rounds lost)", lost)
+        if self.on_restart is not None:
+            self.on_restart(why)
         self._proc.stop(kill=True)
         self._proc.spawn()
         if not self._proc.wait_ready(self.cfg.start_timeout_s):

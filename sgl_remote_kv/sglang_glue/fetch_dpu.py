@@ -137,10 +137,11 @@ class DpuFetchBackend:
 
 
 def start_dpu_backend(
-    config, fingerprint, codec, kv_writer, on_done=None, on_store_error=None
+    config, fingerprint, codec, kv_writer, on_done=None, on_store_error=None, on_restart=None
 ) -> DpuFetchBackend | None:
     """Spawn the data plane; ``None`` (with a warning) if it cannot start — the caller falls back.
-    ``on_store_error(op, kind, n)``: the data plane's store client failures (per failed chunk)."""
+    ``on_store_error(op, kind, n)``: the data plane's store client failures (per failed chunk);
+    ``on_restart(reason)``: the data plane was replaced (``exited`` / ``hung``)."""
     try:
         from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
         from sgl_remote_kv.dpu.settings import DataPlaneSettings
@@ -151,7 +152,9 @@ def start_dpu_backend(
         cfg = DpuClientConfig(store_url=config.resolved_store_url(), process=spec)
         if config.layerwise:  # host copies of verified blobs: compressed size <= decoded size here
             cfg = dataclasses.replace(cfg, blob_slot_bytes=cfg.dest_slot_bytes)
-        client = DpuClient(cfg, fingerprint, codec, on_event=on_done, on_store_error=on_store_error)
+        client = DpuClient(
+            cfg, fingerprint, codec, on_event=on_done, on_store_error=on_store_error, on_restart=on_restart
+        )
         client.start()
     except Exception as e:  # boundary: a missing/broken data plane means the in-process path
         logger.warning("DPU data plane unavailable (%r); using the in-process fetch path", e)

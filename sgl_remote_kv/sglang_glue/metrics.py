@@ -34,6 +34,7 @@ from sgl_remote_kv.types import (
 logger = logging.getLogger(__name__)
 
 BREAKER_CIRCUITS = ("read", "write")
+RESTART_REASONS = ("exited", "hung")
 
 _LAT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -86,6 +87,10 @@ class RemoteKVMetrics:
             self._tally[f"store_breaker|circuit={circuit}"] = rank(state)
         if self._prom is not None:
             self._prom["store_breaker"].labels(circuit=circuit).set(rank(state))
+
+    def dataplane_restart(self, reason: str) -> None:
+        """A DPU data plane was replaced (the DPU client's receiver thread): ``exited`` or ``hung``."""
+        self._inc("dataplane_restarts", reason=reason if reason in RESTART_REASONS else "hung")
 
     def hit(self, tokens: int, chunks: int) -> None:
         self._inc("hit_tokens", tokens)
@@ -166,6 +171,7 @@ def _build_prometheus() -> dict:
             ["circuit"], multiprocess_mode="livemax",
         ),
         "slot_waits": Counter(p + "slot_waits", "Fetches that waited for KV slots before they started"),
+        "dataplane_restarts": Counter(p + "dataplane_restarts", "DPU data plane processes replaced", ["reason"]),
         "slot_wait": Histogram(
             p + "slot_wait_seconds", "Time a fetch waited for KV slots before it started (bounded by slot_wait_s)",
             buckets=_LAT_BUCKETS,
@@ -208,6 +214,8 @@ def _build_prometheus() -> dict:
         metrics["writeback_skipped"].labels(reason=reason)
     for circuit in BREAKER_CIRCUITS:
         metrics["store_breaker"].labels(circuit=circuit).set(0)
+    for reason in RESTART_REASONS:
+        metrics["dataplane_restarts"].labels(reason=reason)
     return metrics
 
 

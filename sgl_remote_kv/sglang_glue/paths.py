@@ -58,6 +58,7 @@ class PathParts:
     kv_writer: object  # the pool's KVWriter (None: a CPU-only test without a pool)
     wakeup: threading.Event
     on_store_error: object = None  # (op, kind, n): the data plane's own store client's failures
+    on_restart: object = None  # (reason): the data plane was replaced
 
 
 def inproc_path(parts: PathParts) -> FetchPath:
@@ -108,7 +109,8 @@ def _dpu_or_inproc(parts: PathParts) -> FetchPath:
         from sgl_remote_kv.sglang_glue.fetch_dpu import start_dpu_backend
 
         be = start_dpu_backend(
-            parts.config, parts.fingerprint, parts.codec, parts.kv_writer, parts.wakeup.set, parts.on_store_error
+            parts.config, parts.fingerprint, parts.codec, parts.kv_writer, parts.wakeup.set, parts.on_store_error,
+            parts.on_restart,
         )
         if be is not None:
             return FetchPath(PathName.DPU, be, parts.codec)

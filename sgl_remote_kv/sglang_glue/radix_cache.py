@@ -96,7 +96,8 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
     client.on_error = metrics.store_error  # store_errors_total{op,kind}
     client.on_breaker = metrics.store_breaker  # store_breaker_state{circuit}
     wakeup = threading.Event()
-    parts = paths.PathParts(cfg, fp, codec, client, kv_writer, wakeup, on_store_error=metrics.store_error)
+    parts = paths.PathParts(cfg, fp, codec, client, kv_writer, wakeup, on_store_error=metrics.store_error,
+                            on_restart=metrics.dataplane_restart)  # fmt: skip
     keys = runtime.KeySpace(fp, codec, cfg.chunk_size, runtime.read_generation(client, fp))
     tails = cfg.tail_granule if codec.sub_chunks else 0  # hevc: a frame layout per chunk size
     writeback = WriteBack(codec, fp, client, keys, metrics, kv_writer, b.req_to_token_pool,
