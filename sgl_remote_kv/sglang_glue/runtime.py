@@ -33,6 +33,7 @@ from sgl_remote_kv.types import ModelFingerprint, PathName
 logger = logging.getLogger(__name__)
 
 WRITEBACK_QUEUE = 64  # pending write-back jobs; more are dropped (never blocks serving)
+FLUSH_DRAIN_S = 10.0  # /flush_cache waits at most this long for queued write-backs
 
 
 @dataclass(frozen=True)
@@ -128,8 +129,15 @@ class RemoteKVRuntime:
 
     def on_flush(self) -> None:
         """``/flush_cache`` emptied the local cache (scheduler thread; SGLang flushes only when idle).
-        ``--remote-kv-flush tier``: write a new store generation, so every chunk stored before it is
-        unreachable — on this server at once, on others sharing the store from their next start."""
+        First the write-back finishes what it queued (at most ``FLUSH_DRAIN_S``), so a prompt served
+        before the flush is in the store right after it. ``--remote-kv-flush tier``: then write a new
+        store generation, so every chunk stored before it is unreachable — on this server at once, on
+        others sharing the store from their next start."""
+        if self.writeback is not None and not self.writeback.flush(FLUSH_DRAIN_S):
+            logger.warning(
+                "flush: the write-back did not drain in %.0f s; its remaining chunks land later",
+                FLUSH_DRAIN_S,
+            )
         if self.config.flush != "tier":
             return
         generation = os.urandom(16)

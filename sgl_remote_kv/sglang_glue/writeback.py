@@ -107,7 +107,7 @@ class WriteBack:
         return True
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until every queued job is written (tests, shutdown)."""
+        """Wait until every queued job is written (``/flush_cache``, tests); False on timeout."""
         return self._idle.wait(timeout) if self._q.unfinished_tasks else True
 
     def close(self) -> None:
