@@ -37,7 +37,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         if report.outcome == "skipped" and not detail and isinstance(report.longrepr, tuple):
             detail = str(report.longrepr[2])
         elif report.outcome == "failed":
-            detail = report.longreprtext.strip().splitlines()[-1][:400] if report.longreprtext else ""
+            lines = report.longreprtext.strip().splitlines() if report.longreprtext else [""]
+            detail = next((ln[1:].strip() for ln in lines if ln.startswith("E ")), lines[-1])[:400]
         _CONFORMANCE.append({"nodeid": report.nodeid, "outcome": outcome, "detail": detail})
 
 

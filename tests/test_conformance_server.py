@@ -99,10 +99,19 @@ NOT_APPLICABLE = {
         "written for hybrid (Mamba) models whose cache lands on chunk boundaries only; a full-attention "
         "radix cache hits the shared prefix on the second request",
     "decode_correctness.test_basic_math": "SmolLM2-135M cannot multiply (model quality, not the cache)",
+    "decode_correctness.test_color_completion":
+        "SmolLM2-135M lists red, blue, green, never 'yellow' (model quality, not the cache)",
+    "scheduler_stress.test_concurrent_requests":
+        "SmolLM2-135M names none of the 8 capitals in one word (0/8 on plain SGLang too: model quality)",
 }  # fmt: skip
 
 # Differences we chose, with the test of the behaviour we chose instead.
-DELIBERATE: dict[str, str] = {}
+DELIBERATE = {
+    "multiturn_kl.test_multiturn_prefill_cache_hit_branching":
+        "after a restart the tier still holds the previous run's full prompts (a flush keeps the tier, "
+        "--remote-kv-flush local), so more than the kit's seeded 512-token prefix is cached; the kit's default "
+        "assertion is equality, for a radix cache without L3 (both flush scopes: tests/test_flush_scope_server.py)",
+}  # fmt: skip
 
 
 class _Pool:
