@@ -70,6 +70,13 @@ def _grafana_unit(unit: str) -> str:
     return {"bytes/s": "Bps", "s": "s", "ratio": "percentunit"}.get(unit, "short")
 
 
+# Prometheus 2.x negotiates OpenMetrics, and prometheus_client then escapes the ':' of SGLang's metric names
+# to '_' (sglang_prompt_tokens_total); Prometheus 3 keeps them. This relabelling restores SGLang's names, so
+# the same queries work on both (examples/monitoring/prometheus.yml carries it too).
+SGLANG_NAMES = [{"source_labels": ["__name__"], "regex": "sglang_(.*)", "target_label": "__name__",
+                 "replacement": "sglang:$1"}]  # fmt: skip
+
+
 @contextlib.contextmanager
 def prometheus(target: str, workdir: Path, scrape_s: float = 1.0) -> Iterator[str]:
     """Debian's ``prometheus`` scraping ``target`` (host:port) every ``scrape_s``, with our rules
@@ -82,9 +89,12 @@ def prometheus(target: str, workdir: Path, scrape_s: float = 1.0) -> Iterator[st
     port = free_port()
     cfg = workdir / "prometheus.yml"
     cfg.write_text(json.dumps({  # JSON is YAML
-        "global": {"scrape_interval": f"{scrape_s}s", "evaluation_interval": f"{scrape_s}s"},
+        "global": {"scrape_interval": f"{scrape_s:g}s", "evaluation_interval": f"{scrape_s:g}s"},
         "rule_files": [str(KIT / "remote_kv.rules.yml")],
-        "scrape_configs": [{"job_name": "sglang", "static_configs": [{"targets": [target]}]}],
+        "scrape_configs": [{
+            "job_name": "sglang", "static_configs": [{"targets": [target]}],
+            "metric_relabel_configs": SGLANG_NAMES,
+        }],
     }))  # fmt: skip
     log = open(workdir / "prometheus.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
@@ -172,7 +182,7 @@ def render(url: str, start: float, end: float, path: Path) -> None:
                 xs = [float(t) - start for t, _ in s["values"]]
                 ys = [float(v) for _, v in s["values"]]
                 label = ",".join(f"{v}" for k, v in s["metric"].items() if k != "__name__") or name
-                if max(ys, default=0) > 0:
+                if any(y > 0 for y in ys if y == y):  # skip all-zero and all-NaN series
                     ax.plot(xs, ys, label=label[:30])
         ax.set_title(p["title"], fontsize=9)
         ax.set_xlabel("s", fontsize=8)
@@ -180,6 +190,8 @@ def render(url: str, start: float, end: float, path: Path) -> None:
         ax.tick_params(labelsize=7)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6)
+        else:
+            ax.text(0.5, 0.5, "all series 0 in this window", ha="center", transform=ax.transAxes, fontsize=8)
     fig.suptitle(
         "sgl-remote-kv dashboard, rendered from Prometheus after a short workload (CPU, SmolLM2-135M)"
     )

@@ -32,6 +32,11 @@ def test_rules_pass_promtool_check_and_their_unit_tests():
     assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
 
 
+def test_example_prometheus_config_is_valid():
+    r = _promtool("check", "config", "prometheus.yml")
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+
+
 def test_every_panel_query_is_valid_promql(tmp_path):
     exprs = [e for p in dashboard.panels() for e in p["exprs"].values()]
     rules = {
