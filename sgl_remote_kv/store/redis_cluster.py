@@ -24,7 +24,6 @@ from .redis_store import (
     RedisKV,
     common_kwargs,
     connection_kwargs,
-    password_of,
     split_url,
     translate_errors,
 )
@@ -40,13 +39,11 @@ class RedisClusterStore(RedisKV):
         prefix: bytes = DEFAULT_PREFIX,
         ttl_s: int = 0,
         batch: int = 32,
-        password: str | None = None,
         auth: dict | None = None,
     ) -> None:
         with translate_errors():
             client = RedisCluster(
                 startup_nodes=[ClusterNode(h, p) for h, p in nodes],
-                password=password,
                 **(auth or {}),
                 **connection_kwargs(timeout_s),
                 require_full_coverage=False,  # serve the live shards when one is down
@@ -58,6 +55,4 @@ class RedisClusterStore(RedisKV):
 def open_redis_cluster(url: str) -> RedisClusterStore:
     """Factory for ``redis+cluster://h1:p1,h2:p2``."""
     parts, opts = split_url(url, "redis+cluster://host:port[,host:port...]")
-    return RedisClusterStore(
-        parse_host_ports(parts.netloc, url), password=password_of(url), **common_kwargs(url, opts)
-    )
+    return RedisClusterStore(parse_host_ports(parts.netloc, url), **common_kwargs(url, opts))

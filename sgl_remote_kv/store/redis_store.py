@@ -172,7 +172,6 @@ class RedisStore(RedisKV):
         host: str,
         port: int,
         db: int = 0,
-        password: str | None = None,
         timeout_s: float = 2.0,
         prefix: bytes = DEFAULT_PREFIX,
         ttl_s: int = 0,
@@ -180,7 +179,7 @@ class RedisStore(RedisKV):
         auth: dict[str, Any] | None = None,
     ) -> None:
         client = redis.Redis(
-            host=host, port=port, db=db, password=password, **(auth or {}), **connection_kwargs(timeout_s)
+            host=host, port=port, db=db, **(auth or {}), **connection_kwargs(timeout_s)
         )
         super().__init__(client, "redis", prefix, ttl_s, batch)
         self.address = (host, port)
@@ -225,11 +224,13 @@ def common_kwargs(url: str, opts: dict[str, str]) -> dict[str, Any]:
 
 
 def auth_kwargs(url: str, opts: dict[str, str]) -> dict[str, Any]:
-    """ACL user and TLS settings of a Redis URL as redis-py keywords (the password is passed apart)."""
+    """Credentials (ACL user, password) and TLS settings of a Redis URL as redis-py keywords."""
     parts = urlsplit(url)
     out: dict[str, Any] = {}
     if parts.username:
         out["username"] = unquote(parts.username)
+    if parts.password:
+        out["password"] = unquote(parts.password)
     if not parts.scheme.lower().startswith("rediss"):
         return out
     verify = opts.get("verify", "required")
@@ -250,10 +251,6 @@ def auth_kwargs(url: str, opts: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-def password_of(url: str) -> str | None:
-    parts = urlsplit(url)
-    return unquote(parts.password) if parts.password else None
-
 
 def open_redis(url: str) -> RedisStore:
     """Factory for ``redis://host:port/db`` and ``rediss://`` (TLS)."""
@@ -264,4 +261,4 @@ def open_redis(url: str) -> RedisStore:
     db_s = parts.path.strip("/") or "0"
     if not db_s.isdigit():
         raise ValueError(f"store URL {redact_url(url)!r}: bad database number {db_s!r}")
-    return RedisStore(host, port, int(db_s), password_of(url), **common_kwargs(url, opts))
+    return RedisStore(host, port, int(db_s), **common_kwargs(url, opts))
