@@ -156,6 +156,34 @@ class StoreErrorLabel(str, Enum):
             return cls.OTHER
 
 
+class KVFidelity(str, Enum):
+    """What KV a request accepts from the remote tier: its ``custom_params`` entry ``"remote_kv"``
+    (``REQUEST_PARAM``), through ``/generate``'s ``sampling_params`` or the OpenAI API's ``extra_body``.
+
+    ``ANY`` (the default): chunks of the deployment's codec, lossy or not. ``EXACT``: only KV equal to
+    what the model computes: chunks of an exact codec (``Codec.exact``) or a recompute, never KV decoded
+    from quantized chunks, neither from the store nor from the local radix tree."""
+
+    ANY = "any"
+    EXACT = "exact"
+
+    @classmethod
+    def of_params(cls, custom_params) -> KVFidelity:
+        """The fidelity a request's ``custom_params`` ask for; ``ValueError`` for a value we do not know."""
+        if not isinstance(custom_params, dict) or custom_params.get(REQUEST_PARAM) is None:
+            return cls.ANY
+        value = custom_params[REQUEST_PARAM]
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"custom_params[{REQUEST_PARAM!r}] must be one of {allowed}, got {value!r}") from None
+
+
+REQUEST_PARAM = "remote_kv"  # the custom_params key of KVFidelity
+EXACT_OUTCOMES = ("exact_path", "recompute")  # exact_requests_total{outcome}: served how
+
+
 STORE_OPS = ("lookup", "get", "put", "delete")
 LOOKUP_RESULTS = ("hit", "miss", "error", "timeout")
 DECISIONS = (*(p.value for p in PathName), "recompute", "probe")

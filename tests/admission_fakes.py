@@ -15,7 +15,7 @@ from sgl_remote_kv.policy.estimator import Policy, PolicyConfig
 from sgl_remote_kv.sglang_glue.fetch import FetchHandle
 from sgl_remote_kv.sglang_glue.metrics import RemoteKVMetrics
 from sgl_remote_kv.sglang_glue.runtime import FetchPath, KeySpace
-from sgl_remote_kv.types import KVLayout, ModelFingerprint, PathName
+from sgl_remote_kv.types import KVFidelity, KVLayout, ModelFingerprint, PathName
 
 C = 16  # chunk size
 FP = ModelFingerprint("LlamaForCausalLM", KVLayout(2, 1, 8, "float32"), "w")
@@ -90,6 +90,11 @@ class Host:
     prompt = staticmethod(lambda req: req.ids)
     salt = staticmethod(lambda req: None)
     eligible = staticmethod(lambda req: True)
+    fidelity = staticmethod(lambda req: getattr(req, "fidelity", KVFidelity.ANY))
+
+    @staticmethod
+    def isolate_exact(req) -> None:
+        req.isolated = True
 
     def mark_hit(self, req, start: int, tokens: int) -> None:
         self.hits[req.rid] = (start, tokens)

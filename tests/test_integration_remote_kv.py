@@ -35,6 +35,7 @@ from tests.fixtures.remote_kv_server import (
     metrics,
     remote_kv_server,
     storage_tokens,
+    total,
 )
 
 pytestmark = pytest.mark.e2e
@@ -110,7 +111,7 @@ def test_restart_multi_turn_fidelity_partial_chunked(model_dir, tmp_path, tok):
         out, _ = generate(s2, doc_ids + q2_ids)
         after = metrics(s2)
         doc_chunks = len(doc_ids) // CHUNK
-        got = after["sglang:remote_kv_hit_chunks_total"] - before.get("sglang:remote_kv_hit_chunks_total", 0)
+        got = total(after, "hit_chunks") - total(before, "hit_chunks")
         assert got == doc_chunks, (got, doc_chunks)
         assert storage_tokens(out) == doc_chunks * CHUNK
         decoded = (

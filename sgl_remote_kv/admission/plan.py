@@ -1,6 +1,6 @@
 """What a parked request could fetch, and what it will: the queue's collaborator for keys and counts.
 
-- ``chains``: the prompt's full-chunk keys per path (one hashing per distinct codec);
+- ``chains``: the prompt's full-chunk keys per path the request may use (one hashing per distinct codec);
 - ``count`` (lookup worker thread): the *tokens* the store holds per path beyond the local full chunks —
   leading full chunks, then the tail sub-chunks of the first chunk region the store lacks (one or two
   store round trips per distinct codec and granule);
@@ -37,24 +37,26 @@ class FetchPlanner:
         g = max((self.granule(path) for path in self.c.paths.values()), default=0)
         return usable * chunk + ((usable_tokens - usable * chunk) // g * g if g else 0)
 
-    def chains(self, ids, salt) -> dict[PathName, list[bytes]]:
-        """Keys of the prompt's full chunks ``[0, usable)`` per path."""
+    def chains(self, ids, salt, paths) -> dict[PathName, list[bytes]]:
+        """Keys of the prompt's full chunks ``[0, usable)`` per path of ``paths`` (the request may use
+        these; ``count`` and the policy consider them only)."""
         usable = (len(ids) - 1) // self.s.chunk_size
         by_codec: dict[str, list[bytes]] = {}
         chain = {}
-        for name, path in self.c.paths.items():
+        for name, path in paths.items():
             if path.codec.name not in by_codec:
                 by_codec[path.codec.name] = self.c.keys(ids, usable, salt, path.codec)
             chain[name] = by_codec[path.codec.name]
         return chain
 
     def count(self, ids, salt, local_chunks: int, chain: dict[PathName, list[bytes]]) -> dict[PathName, int]:
-        """Remote tokens per path (see module docstring). Raises ``StoreError`` if a store call failed
+        """Remote tokens per path of ``chain`` (see module docstring). Raises ``StoreError`` if a store call failed
         and no path found anything: an error, not a miss."""
         try:
             seen: dict = {}  # (codec, granule) -> tokens
             out, errors = {}, []
-            for name, path in self.c.paths.items():
+            for name in chain:
+                path = self.c.paths[name]
                 memo = (path.codec.name, self.granule(path))
                 if memo not in seen:
                     seen[memo] = self._found(ids, salt, local_chunks, chain[name], path.codec, memo[1], errors)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from sgl_remote_kv.types import PathName
+from sgl_remote_kv.types import KVFidelity, PathName
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,10 @@ class HostOps(Protocol):
     def salt(self, req) -> str | None: ...  # tenant namespace (cache salt, LoRA / extra key)
 
     def eligible(self, req) -> bool: ...  # token prompts only (no embeddings, no streaming session)
+
+    def fidelity(self, req) -> KVFidelity: ...  # what KV the request accepts (its custom_params)
+
+    def isolate_exact(self, req) -> None: ...  # an EXACT request's own local radix namespace (idempotent)
 
     def mark_hit(self, req, start: int, tokens: int) -> None: ...  # what the request's metrics report
 

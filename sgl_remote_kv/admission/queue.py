@@ -38,7 +38,7 @@ from sgl_remote_kv.admission.install import Installer
 from sgl_remote_kv.admission.parked import ParkedRequest, Phase
 from sgl_remote_kv.admission.plan import FetchPlanner
 from sgl_remote_kv.admission.ports import AdmissionSettings, Collaborators
-from sgl_remote_kv.types import LOOKUP_RESULTS, FailureKind, PathName
+from sgl_remote_kv.types import LOOKUP_RESULTS, FailureKind, KVFidelity, PathName
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,10 @@ class WaitingForKV:
         self.installer = Installer(c, settings.chunk_size, self._io)
         self.budget = int(c.tree.capacity() * settings.max_pool_fraction)  # KV slots this queue may hold
         self.planner = FetchPlanner(c, settings, self.budget)
+        # KVFidelity.EXACT requests fetch on these paths only; while any path installs lossy KV into the
+        # local tree, they also get a radix namespace of their own (``HostOps.isolate_exact``)
+        self.exact_paths = {name: path for name, path in c.paths.items() if path.codec.exact}
+        self.lossy_installs = len(self.exact_paths) < len(c.paths)
 
     # -- park --------------------------------------------------------------------------------------
     def busy(self) -> bool:
@@ -65,6 +69,15 @@ class WaitingForKV:
     def park(self, req, parked_at: float | None = None) -> bool:
         """True if ``req`` was parked (the caller must not enqueue it)."""
         host, chunk = self.c.host, self.s.chunk_size
+        paths = self.c.paths
+        if host.fidelity(req) is KVFidelity.EXACT:
+            paths = self.exact_paths
+            if self.lossy_installs:  # before any match: the request's radix keys change
+                host.isolate_exact(req)
+            if parked_at is None:  # not again for a re-parked follower
+                self.c.metrics.exact_request("exact_path" if paths else "recompute")
+            if not paths:
+                return False
         rid = host.rid(req)
         if rid in self.parked or not host.eligible(req):
             return False
@@ -73,7 +86,7 @@ class WaitingForKV:
         if self.planner.fetch_end(len(ids)) <= local:
             return False  # nothing beyond the local hit could come from the store
         salt = host.salt(req)
-        chain = self.planner.chains(ids, salt)
+        chain = self.planner.chains(ids, salt, paths)
         now = time.monotonic()
         # a re-parked follower keeps its first park time (bounded waits)
         p = ParkedRequest(req, rid, chain, local // chunk, parked_at if parked_at is not None else now, now)

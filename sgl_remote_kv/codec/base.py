@@ -54,6 +54,9 @@ class Codec(ABC):
     # Chunks of any token count decode alike (tail sub-chunks are stored with this codec); False where
     # the chunk size fixes the encoding (hevc: its frame layout).
     sub_chunks: ClassVar[bool] = True
+    # Decoding gives back exactly the KV that was encoded (bit for bit): what ``KVFidelity.EXACT``
+    # requests accept. False for every quantizing codec.
+    exact: ClassVar[bool] = False
 
     # ---- parameters -------------------------------------------------------------------------
     @abstractmethod

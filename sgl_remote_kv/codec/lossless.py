@@ -27,6 +27,7 @@ SUB = struct.Struct("<BBHI")
 class LosslessCodec(Codec):
     name = "lossless"
     codec_id = 1
+    exact = True
 
     def __init__(self, method: str = "zstd", level: int = 3, shuffle: bool = True):
         if method not in ("deflate", "zstd"):

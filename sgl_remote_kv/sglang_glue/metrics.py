@@ -8,7 +8,7 @@ no further plumbing. Without ``--enable-metrics`` the metrics still exist in-pro
 ``snapshot()``), they are just not exported.
 
 Label values are closed sets (``types.FailureKind``, ``StoreErrorLabel``, ``LOOKUP_RESULTS``,
-``DECISIONS``, ...): anything else is folded into ``internal``/``other`` and its raw text logged once.
+``DECISIONS``, the codec registry's names, ...): anything else is folded into ``internal``/``other`` and its raw text logged once.
 Every labelled series is created at 0 when the metrics are built, so alerts see 0, not "no data".
 
 Threads: any thread may update (prometheus_client metrics are thread-safe); ``snapshot()`` is for
@@ -21,9 +21,11 @@ import logging
 import threading
 from collections import Counter as _Tally
 
+from sgl_remote_kv.codec.base import codec_names
 from sgl_remote_kv.store.breaker import rank
 from sgl_remote_kv.types import (
     DECISIONS,
+    EXACT_OUTCOMES,
     LOOKUP_RESULTS,
     STORE_OPS,
     WRITEBACK_SKIPS,
@@ -35,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 BREAKER_CIRCUITS = ("read", "write")
 RESTART_REASONS = ("exited", "hung")
+CODECS = tuple(codec_names())  # hit_tokens/hit_chunks{codec}: which codec's chunks served a hit
 
 _LAT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -92,9 +95,18 @@ class RemoteKVMetrics:
         """A DPU data plane was replaced (the DPU client's receiver thread): ``exited`` or ``hung``."""
         self._inc("dataplane_restarts", reason=reason if reason in RESTART_REASONS else "hung")
 
-    def hit(self, tokens: int, chunks: int) -> None:
-        self._inc("hit_tokens", tokens)
-        self._inc("hit_chunks", chunks)
+    def hit(self, tokens: int, chunks: int, codec: str) -> None:
+        """A remote hit installed ``tokens`` (``chunks`` chunks) decoded by ``codec`` (a registry name)."""
+        label = codec if codec in CODECS else "other"
+        if label != codec:
+            self._fold(f"codec {codec!r}", label)
+        self._inc("hit_tokens", tokens, codec=label)
+        self._inc("hit_chunks", chunks, codec=label)
+
+    def exact_request(self, outcome: str) -> None:
+        """A ``KVFidelity.EXACT`` request arrived: ``exact_path`` (it may fetch, from exact codecs only) or
+        ``recompute`` (no exact path: its prefix beyond the local exact cache is computed)."""
+        self._inc("exact_requests", outcome=outcome if outcome in EXACT_OUTCOMES else "recompute")
 
     def fetched(
         self, nbytes: int, decoded_bytes: int, fetch_s: float, decode_s: float | None, wait_s: float
@@ -157,8 +169,11 @@ def _build_prometheus() -> dict:
         "store_errors": Counter(
             p + "store_errors", "Failed store calls (each became a miss or a dropped write)", ["op", "kind"]
         ),
-        "hit_tokens": Counter(p + "hit_tokens", "Prompt tokens served from the remote KV tier"),
-        "hit_chunks": Counter(p + "hit_chunks", "Chunks served from the remote KV tier"),
+        "hit_tokens": Counter(p + "hit_tokens", "Prompt tokens served from the remote KV tier, by codec", ["codec"]),
+        "hit_chunks": Counter(p + "hit_chunks", "Chunks served from the remote KV tier, by codec", ["codec"]),
+        "exact_requests": Counter(
+            p + "exact_requests", "Requests that demanded exact KV (custom_params remote_kv=exact)", ["outcome"]
+        ),
         "fetched_bytes": Counter(p + "fetched_bytes", "Compressed bytes fetched from the store"),
         "decoded_bytes": Counter(p + "decoded_bytes", "KV bytes produced by decoding fetched chunks"),
         "failures": Counter(p + "failures", "Remote KV failures (each became a miss)", ["kind"]),
@@ -212,6 +227,11 @@ def _build_prometheus() -> dict:
         metrics["decisions"].labels(path=path)
     for reason in WRITEBACK_SKIPS:
         metrics["writeback_skipped"].labels(reason=reason)
+    for codec in (*CODECS, "other"):
+        metrics["hit_tokens"].labels(codec=codec)
+        metrics["hit_chunks"].labels(codec=codec)
+    for outcome in EXACT_OUTCOMES:
+        metrics["exact_requests"].labels(outcome=outcome)
     for circuit in BREAKER_CIRCUITS:
         metrics["store_breaker"].labels(circuit=circuit).set(0)
     for reason in RESTART_REASONS:

@@ -11,6 +11,8 @@ HookRegistry hooks; SGLang applies them right after all plugins ran.
 - Both: a BEFORE hook on ``ServerArgs.resolve_once`` selects our radix cache backend when the tier is on
   and the user picked none.
 - Scheduler processes: ``RemoteKVConfig.current()`` reads it back.
+- Tokenizer process: an AFTER hook on ``SamplingParams.verify`` refuses unknown per-request
+  ``custom_params["remote_kv"]`` values (``types.KVFidelity``) with SGLang's HTTP 400.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from sgl_remote_kv.store.base import redact_url
 logger = logging.getLogger(__name__)
 
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+_VERIFY = "sglang.srt.sampling.sampling_params.SamplingParams.verify"
 
 
 def _after_add_cli_args(result, parser, *args, **kwargs):
@@ -57,6 +60,15 @@ def _before_resolve(server_args, *args, **kwargs):
     return None
 
 
+def _after_verify(result, sampling_params, *args, **kwargs):
+    """``SamplingParams.verify`` (tokenizer process): a request's ``custom_params["remote_kv"]`` must be a
+    ``KVFidelity`` value (``ValueError``: SGLang answers HTTP 400 with the message)."""
+    from sgl_remote_kv.sglang_glue import seam
+
+    seam.check_sampling_params(sampling_params)
+    return result
+
+
 def _register_remote_kv() -> None:
     """Radix cache backend ``remote_kv`` and the scheduler hooks (waiting_for_KV queue)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -64,6 +76,7 @@ def _register_remote_kv() -> None:
     from sgl_remote_kv.sglang_glue import radix_cache, scheduler_hooks
 
     HookRegistry.register(f"{_SERVER_ARGS}.resolve_once", _before_resolve, HookType.BEFORE)
+    HookRegistry.register(_VERIFY, _after_verify, HookType.AFTER)
     radix_cache.register()
     scheduler_hooks.register()
 

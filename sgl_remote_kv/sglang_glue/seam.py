@@ -12,7 +12,8 @@ Internals used, and why no public seam covers them (0.5.23):
   ``tree_cache``; ``dp_tp_cpu_group`` (the TP CPU group the agreement all-reduces over);
   ``disaggregation_mode`` (the queue runs only without PD disaggregation).
 - ``Req``: ``rid``, ``origin_input_ids``, ``cache_salt``, ``extra_key`` (the radix key and the tenant
-  namespace), ``input_embeds``/``session`` (not eligible), ``storage_hit_length``/``storage_hit_start``
+  namespace; an EXACT request's gets ``EXACT_SUFFIX``), ``sampling_params.custom_params``
+  (``KVFidelity``), ``input_embeds``/``session`` (not eligible), ``storage_hit_length``/``storage_hit_start``
   (HiCache's storage-hit fields, which SGLang's metrics report as storage-cached tokens),
   ``full_untruncated_fill_ids`` and ``kv.req_pool_idx`` (the write-back reads computed KV).
 - Radix tree (``UnifiedRadixCache``): ``match_prefix``/``insert`` with ``MatchPrefixParams``/``InsertParams``
@@ -26,6 +27,7 @@ Internals used, and why no public seam covers them (0.5.23):
 - KV pool: ``k_buffer``/``v_buffer`` (the KV writer's targets), ``dtype``/``store_dtype``, ``size``,
   ``register_layer_transfer_counter`` (layer-wise admission: HiCache's layer-done counter slot).
 - ``ReqToTokenPool.req_to_token`` (the write-back's slot indices of a request).
+- ``SamplingParams.verify`` (hooked: ``check_sampling_params`` refuses unknown ``remote_kv`` values).
 - ``ScheduleBatch``: ``forward_mode.is_extend()``, ``extend_num_tokens`` (prefill timing for the policy).
 - The radix-cache factory's ``TreeCacheBuildContext``: ``params.token_to_kv_pool_allocator``,
   ``params.req_to_token_pool``, ``model_config.hf_config.architectures``, ``server_args.model_path``,
@@ -47,7 +49,7 @@ import torch
 from sgl_remote_kv import env
 from sgl_remote_kv.kvpool import KVWriter, PoolTensors, writer_for
 from sgl_remote_kv.store.keys import tenant_salt
-from sgl_remote_kv.types import KVLayout, ModelFingerprint
+from sgl_remote_kv.types import KVFidelity, KVLayout, ModelFingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +75,40 @@ def check_version() -> None:
 
 
 # -- requests -----------------------------------------------------------------------------------------
+# An EXACT request whose KV may come from a lossy codec gets its own local radix namespace: this suffix on
+# ``Req.extra_key`` (SGLang folds ``extra_key`` into every radix key, as it does for LoRA ids and elastic
+# EP namespaces), so it never matches tree nodes installed from quantized chunks. The tenant salt of the
+# remote keys is taken without it: the store is shared by both kinds of request.
+EXACT_SUFFIX = "\x1fsrkv:exact"
+
+
 def req_salt(req) -> str | None:
-    return tenant_salt(req.cache_salt, req.extra_key)
+    key = req.extra_key
+    if key is not None and key.endswith(EXACT_SUFFIX):
+        key = key[: -len(EXACT_SUFFIX)] or None
+    return tenant_salt(req.cache_salt, key)
+
+
+def req_fidelity(req) -> KVFidelity:
+    """The request's ``custom_params["remote_kv"]`` (validated at the API by ``check_sampling_params``;
+    a value that slipped past it counts as EXACT: the safe reading)."""
+    try:
+        return KVFidelity.of_params(getattr(req.sampling_params, "custom_params", None))
+    except ValueError:
+        return KVFidelity.EXACT
+
+
+def isolate_exact(req) -> None:
+    """Give an EXACT request its own local radix namespace (idempotent: retracted requests come back)."""
+    key = req.extra_key or ""
+    if not key.endswith(EXACT_SUFFIX):
+        req.extra_key = key + EXACT_SUFFIX
+
+
+def check_sampling_params(sampling_params) -> None:
+    """``SamplingParams.verify`` (tokenizer process): refuse a ``remote_kv`` value we do not know with
+    SGLang's own error path for bad sampling parameters (``ValueError`` -> HTTP 400)."""
+    KVFidelity.of_params(getattr(sampling_params, "custom_params", None))
 
 
 def req_finished(req) -> bool:
@@ -196,6 +230,14 @@ class SchedulerHost:
 
     def salt(self, req) -> str | None:
         return req_salt(req)
+
+    @staticmethod
+    def fidelity(req) -> KVFidelity:
+        return req_fidelity(req)
+
+    @staticmethod
+    def isolate_exact(req) -> None:
+        isolate_exact(req)
 
     def eligible(self, req) -> bool:
         # embeddings have no token keys; streaming sessions own their KV row

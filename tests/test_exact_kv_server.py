@@ -1,0 +1,76 @@
+"""Exact KV on demand against a real server with the quantized default codec.
+
+One ``--remote-kv dpu`` server (file store, the default codec, fetch always preferred): a prompt is
+computed cold, written back, the local cache flushed; then
+
+- a default request is a remote hit (storage tokens, ``hit_tokens_total{codec=<the default>}``);
+- an EXACT request (``custom_params: {"remote_kv": "exact"}``) of the same prompt neither fetches nor
+  matches the lossy nodes that hit installed: no cached tokens at all, and the cold request's tokens;
+- asked again it is a local hit on its own exact nodes, same tokens;
+- the same flag through the OpenAI API (``extra_body``) is accepted, an unknown value is HTTP 400 with
+  a message that names the parameter; ``exact_requests_total{outcome="recompute"}`` counts them.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+from transformers import AutoTokenizer
+
+from sgl_remote_kv.sglang_glue.runtime import resolve_codec
+from tests.fixtures.faults import gen, make_case, metric, wait_written
+from tests.fixtures.remote_kv_server import flush_cache, remote_kv_server, storage_tokens
+
+pytestmark = [pytest.mark.e2e]
+EXACT = {"custom_params": {"remote_kv": "exact"}}
+
+
+def _exact(srv, ids):
+    payload = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 8, **EXACT}}
+    req = urllib.request.Request(srv.base_url + "/generate", data=json.dumps(payload).encode(),
+                                 headers={"content-type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def test_exact_requests_never_get_quantized_kv(model_dir, tmp_path):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    case = make_case(tok, "exact-kv", n_chunks=4)
+    codec = resolve_codec("default").name
+    with remote_kv_server(model_dir, f"file://{tmp_path / 'store'}", "--remote-kv-policy-margin", "1e9",
+                          codec="default") as srv:  # fmt: skip
+        cold = gen(srv, case.ids)
+        wait_written(srv, 0, case.chunks)
+        flush_cache(srv)
+
+        hit = gen(srv, case.ids)
+        assert storage_tokens(hit) == case.chunks * 64
+        assert metric(srv, "hit_tokens", codec=codec) == case.chunks * 64
+
+        exact = _exact(srv, case.ids)  # the lossy nodes the hit installed are in the tree now
+        assert exact["meta_info"]["cached_tokens"] == 0, exact["meta_info"]
+        assert exact["output_ids"] == cold["output_ids"]
+        again = _exact(srv, case.ids)
+        assert again["meta_info"]["cached_tokens"] > 0 and storage_tokens(again) == 0
+        assert again["output_ids"] == cold["output_ids"]
+
+        from openai import BadRequestError, OpenAI
+
+        client = OpenAI(base_url=srv.base_url + "/v1", api_key="EMPTY")
+        model = client.models.list().data[0].id
+        out = client.completions.create(model=model, prompt=tok.decode(case.ids), max_tokens=4, temperature=0,
+                                        extra_body=EXACT)  # fmt: skip
+        assert out.choices[0].text
+        with pytest.raises(BadRequestError, match="remote_kv"):
+            client.completions.create(model=model, prompt="hi", max_tokens=2,
+                                      extra_body={"custom_params": {"remote_kv": "mostly"}})  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(
+                srv.base_url + "/generate", headers={"content-type": "application/json"},
+                data=json.dumps({"text": "hi", "sampling_params": {"custom_params": {"remote_kv": 1}}}).encode()))  # fmt: skip
+        assert e.value.code == 400 and b"remote_kv" in e.value.read()
+        assert metric(srv, "exact_requests", outcome="recompute") == 3
+        assert metric(srv, "hit_tokens") == case.chunks * 64  # the exact requests fetched nothing
