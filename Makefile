@@ -4,7 +4,7 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: setup model demo test test-slow lint bench-codec bench-codec-rd bench-store bench-dpu bench-nvdec \
 	bench-cpu-attention bench-e2e bench-e2e-quick bench-burst bench-tail projection soak test-faults \
-	test-conformance dashboard clean
+	test-conformance dashboard bench-exactness clean
 
 setup:
 	bash scripts/setup_env.sh
@@ -45,6 +45,10 @@ bench-codec-rd: model
 
 bench-codec: model
 	$(PY) -m benchmarks.bench_codec
+
+# Greedy divergence of remote vs local hits per codec, and of exact-KV requests (real servers)
+bench-exactness: model
+	$(PY) -m benchmarks.bench_exactness
 
 bench-store: setup
 	$(PY) -m benchmarks.bench_store

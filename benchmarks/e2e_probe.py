@@ -55,10 +55,12 @@ def probe_prompts(model_path: str, n: int, chunks: int, chunk_size: int = 256) -
     return out
 
 
-def generate(base_url: str, input_ids: list[int], max_new_tokens: int = 1, timeout: float = 600) -> dict:
+def generate(base_url: str, input_ids: list[int], max_new_tokens: int = 1, timeout: float = 600,
+             **sampling) -> dict:  # fmt: skip
+    """Greedy ``/generate`` of ``max_new_tokens`` (EOS ignored); ``sampling``: more sampling params."""
     body = {
         "input_ids": input_ids,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, **sampling},
     }
     req = urllib.request.Request(
         base_url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
