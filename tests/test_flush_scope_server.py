@@ -7,14 +7,18 @@ request miss".
    chunks are stored again under the new generation.
 2. A second server with the default (``local``) over the same store reads that generation when it
    starts: the prompt is a full remote hit on its first request, and still after a (local) flush.
+3. A server already running when another one flushes with ``tier`` scope follows the new generation.
 """
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from transformers import AutoTokenizer
 
-from tests.fixtures.faults import ask, gen, make_case, metric, prime, wait_written
+from sgl_remote_kv.sglang_glue import generation
+from tests.fixtures.faults import ask, gen, make_case, metric, prime, wait_for, wait_written
 from tests.fixtures.remote_kv_server import CHUNK, flush_cache, remote_kv_server, storage_tokens
 
 pytestmark = [pytest.mark.e2e]
@@ -40,3 +44,23 @@ def test_flush_scope_tier_then_local(model_dir, tmp_path):
         out = gen(srv, case.ids)
         assert out["output_ids"] == case.ref
         assert storage_tokens(out) == case.chunks * CHUNK, "a local flush keeps the remote tier"
+
+
+def test_a_running_server_follows_another_servers_tier_flush(model_dir, tmp_path):
+    """3. A server that is already running when another one flushes with ``tier`` scope stops serving the
+    retired chunks within ``generation.POLL_S`` of activity: the stored prompt then misses, same tokens."""
+    store = f"file://{tmp_path / 'store'}"
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    case, other = make_case(tok, "follow", n_chunks=3), make_case(tok, "follow-other", n_chunks=1)
+    margin = ("--remote-kv-policy-margin", "1e9")
+    with remote_kv_server(model_dir, store, *margin) as b:
+        prime(b, case)
+        _, hit = ask(b, case)
+        assert hit == case.chunks * CHUNK  # served from the tier before the other server's flush
+        with remote_kv_server(model_dir, store, "--remote-kv-flush", "tier", *margin) as a:
+            flush_cache(a)
+        time.sleep(generation.POLL_S + 0.5)
+        gen(b, other.ids)  # scheduler passes: the watch reads the new generation and applies it
+        wait_for(lambda: "store generation changed" in b.log_text(), 30, what="the generation change")
+        _, hit = ask(b, case)
+        assert hit == 0, f"the retired chunks must not be served, got {hit} storage tokens"

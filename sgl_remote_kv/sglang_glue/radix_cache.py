@@ -25,7 +25,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sgl_remote_kv import preflight
 from sgl_remote_kv.config import RemoteKVConfig
-from sgl_remote_kv.sglang_glue import layerwise, paths, runtime, seam
+from sgl_remote_kv.sglang_glue import generation, layerwise, paths, runtime, seam
 from sgl_remote_kv.sglang_glue import metrics as metrics_mod
 from sgl_remote_kv.sglang_glue.writeback import WriteBack
 from sgl_remote_kv.store.base import redact_url
@@ -98,13 +98,14 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
     wakeup = threading.Event()
     parts = paths.PathParts(cfg, fp, codec, client, kv_writer, wakeup, on_store_error=metrics.store_error,
                             on_restart=metrics.dataplane_restart)  # fmt: skip
-    keys = runtime.KeySpace(fp, codec, cfg.chunk_size, runtime.read_generation(client, fp))
+    keys = runtime.KeySpace(fp, codec, cfg.chunk_size, generation.read(client, fp) or b"")
     tails = cfg.tail_granule if codec.sub_chunks else 0  # hevc: a frame layout per chunk size
     writeback = WriteBack(codec, fp, client, keys, metrics, kv_writer, b.req_to_token_pool,
                           runtime.WRITEBACK_QUEUE, tail_granule=tails)  # fmt: skip
     counter = layerwise.attach(b.kvcache, kv_writer, fp, metrics) if cfg.layerwise else None
     rt = runtime.build(cfg, fp, codec, client, paths.build_paths(parts), wakeup,
-                       kv_writer=kv_writer, keys=keys, writeback=writeback, layerwise=counter)  # fmt: skip
+                       kv_writer=kv_writer, keys=keys, writeback=writeback, layerwise=counter,
+                       generation=generation.GenerationWatch(client, fp, keys))  # fmt: skip
     logger.info(
         "remote KV tier ready: store %s, fetch paths %s, codec %r, chunk %d, layout %s",
         redact_url(cfg.resolved_store_url()), [p.value for p in rt.paths], codec, cfg.chunk_size, fp.layout,

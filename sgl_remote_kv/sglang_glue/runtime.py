@@ -118,6 +118,7 @@ class RemoteKVRuntime:
     kv_writer: object = None  # the pool's one KVWriter (kvpool); every fetched write goes through it
     writeback: object = None  # writeback.WriteBack, or None (tests of the read path)
     layerwise: object = None  # layerwise.LayerwiseInstalls (--remote-kv-layerwise), or None
+    generation: object = None  # generation.GenerationWatch (follows other servers' tier flushes), or None
 
     @property
     def chunk_size(self) -> int:
@@ -132,7 +133,7 @@ class RemoteKVRuntime:
         First the write-back finishes what it queued (at most ``FLUSH_DRAIN_S``), so a prompt served
         before the flush is in the store right after it. ``--remote-kv-flush tier``: then write a new
         store generation, so every chunk stored before it is unreachable — on this server at once, on
-        others sharing the store from their next start."""
+        others sharing the store within their ``generation.POLL_S`` (``generation.GenerationWatch``)."""
         if self.writeback is not None and not self.writeback.flush(FLUSH_DRAIN_S):
             logger.warning(
                 "flush: the write-back did not drain in %.0f s; its remaining chunks land later",
@@ -143,6 +144,8 @@ class RemoteKVRuntime:
         generation = os.urandom(16)
         stored = self.client.put_many([(keys_mod.generation_key(self.fingerprint), generation)])
         self.keys.set_generation(generation)
+        if self.generation is not None:
+            self.generation.forget_pending()
         if stored:
             logger.info("flush: remote tier retired (new store generation %s)", generation.hex()[:8])
         else:
@@ -151,6 +154,8 @@ class RemoteKVRuntime:
             )
 
     def close(self) -> None:
+        if self.generation is not None:
+            self.generation.close()
         for p in self.paths.values():
             p.close()
         if self.writeback is not None:
@@ -170,6 +175,7 @@ def build(
     keys: KeySpace | None = None,
     writeback=None,
     layerwise=None,
+    generation=None,
     admission: AdmissionSettings | None = None,
 ) -> RemoteKVRuntime:
     """The runtime over decided parts; the policy is built here from the paths and the config."""
@@ -194,6 +200,7 @@ def build(
         kv_writer=kv_writer,
         writeback=writeback,
         layerwise=layerwise,
+        generation=generation,
     )
 
 
@@ -208,12 +215,6 @@ def publish(rt: RemoteKVRuntime) -> None:
 def get() -> RemoteKVRuntime | None:
     """The process's runtime (None while the tier is off): the hooks' one accessor."""
     return _RUNTIME
-
-
-def read_generation(client: StoreClient, fingerprint: ModelFingerprint) -> bytes:
-    """The store's generation of ``fingerprint`` (``b""``: never flushed with ``tier`` scope, or the
-    store cannot say now; a store error is counted by the client and never stops the server)."""
-    return client.get_many([keys_mod.generation_key(fingerprint)])[0] or b""
 
 
 def open_store_client(config: RemoteKVConfig) -> StoreClient:

@@ -5,8 +5,9 @@ unless ``--remote-kv`` is on and the ``remote_kv`` radix cache built the runtime
 
 - AROUND ``_add_request_to_queue``: a new request whose prompt may hit the remote tier is parked in
   the waiting_for_KV queue instead of SGLang's waiting queue (retracted requests pass through).
-- BEFORE ``_process_hicache_events`` (first thing of every ``get_next_batch_to_run``): poll the
-  queue; requests whose KV is installed (or that missed) are released into SGLang's waiting queue in
+- BEFORE ``_process_hicache_events`` (first thing of every ``get_next_batch_to_run``): follow the store
+  generation (``generation.GenerationWatch``), poll the queue; requests whose KV is installed (or that
+  missed) are released into SGLang's waiting queue in
   time for this very scheduling pass.
 - AFTER ``is_fully_idle``: not idle while requests are parked (keeps ``--sleep-on-idle`` and the idle
   leak checks away from in-flight fetches).
@@ -99,6 +100,9 @@ def around_add_request_to_queue(original, self, req, is_retracted: bool = False,
 def before_process_hicache_events(self, *args, **kwargs):
     q = _queue(self)
     if q is not None:
+        rt = runtime.get()
+        if rt.generation is not None:
+            rt.generation.poll()  # other servers' tier flushes (never blocks: the read is on a worker)
         q.poll()
 
 
