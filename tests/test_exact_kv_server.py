@@ -7,7 +7,7 @@ computed cold, written back, the local cache flushed; then
 - an EXACT request (``custom_params: {"remote_kv": "exact"}``) of the same prompt neither fetches nor
   matches the lossy nodes that hit installed: no cached tokens at all, and the cold request's tokens;
 - asked again it is a local hit on its own exact nodes, same tokens;
-- the same flag through the OpenAI API (``extra_body``) is accepted, an unknown value is HTTP 400 with
+- the same flag through the OpenAI API (``extra_body``, completions and chat) is accepted, an unknown value is HTTP 400 with
   a message that names the parameter; ``exact_requests_total{outcome="recompute"}`` counts them.
 """
 
@@ -64,6 +64,9 @@ def test_exact_requests_never_get_quantized_kv(model_dir, tmp_path):
         out = client.completions.create(model=model, prompt=tok.decode(case.ids), max_tokens=4, temperature=0,
                                         extra_body=EXACT)  # fmt: skip
         assert out.choices[0].text
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
+                                              max_tokens=4, temperature=0, extra_body=EXACT)  # fmt: skip
+        assert chat.choices[0].message.content is not None
         with pytest.raises(BadRequestError, match="remote_kv"):
             client.completions.create(model=model, prompt="hi", max_tokens=2,
                                       extra_body={"custom_params": {"remote_kv": "mostly"}})  # fmt: skip
@@ -72,5 +75,5 @@ def test_exact_requests_never_get_quantized_kv(model_dir, tmp_path):
                 srv.base_url + "/generate", headers={"content-type": "application/json"},
                 data=json.dumps({"text": "hi", "sampling_params": {"custom_params": {"remote_kv": 1}}}).encode()))  # fmt: skip
         assert e.value.code == 400 and b"remote_kv" in e.value.read()
-        assert metric(srv, "exact_requests", outcome="recompute") == 3
+        assert metric(srv, "exact_requests", outcome="recompute") == 4  # generate x2, completion, chat
         assert metric(srv, "hit_tokens") == case.chunks * 64  # the exact requests fetched nothing
