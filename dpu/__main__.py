@@ -1,7 +1,7 @@
 """``python -m sgl_remote_kv.dpu``: run the data plane (started by the host control plane, or standalone).
 
-The host passes where to serve (``--endpoint``/``--store``/``--dest-shm``/``--parent-pid``) and every
-tunable as one ``--settings-json`` (``settings.DataPlaneSettings``); a standalone run may give the same
+The host passes where to serve (``--endpoint``/``--store``/``--dest-shm``/``--parent-pid``), what to warm up
+(``--warm``: its codec and model) and every tunable as one ``--settings-json`` (``settings.DataPlaneSettings``); a standalone run may give the same
 tunables as flags instead. Parsed here, once, into a frozen ``DataPlaneConfig``; nothing below reads the
 environment.
 """
@@ -12,6 +12,7 @@ import argparse
 import logging
 import sys
 
+from .protocol import decode_warmup
 from .server import DataPlaneConfig, DataPlaneServer
 from .settings import DataPlaneSettings, add_flags, from_namespace
 
@@ -34,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dest-shm", required=True, help="name of the host's shared-memory destination region")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process (the host) goes away")
     p.add_argument("--settings-json", help="every tunable as DataPlaneSettings JSON (the host's way)")
+    p.add_argument("--warm", help="protocol.Warmup JSON: decode one synthetic chunk of this codec and model "
+                   "before serving (the host's way; first jobs then do not load kernels)")  # fmt: skip
     add_flags(p)
     return p
 
@@ -43,6 +46,10 @@ def config_from_args(ns: argparse.Namespace) -> DataPlaneConfig:
         settings = DataPlaneSettings.from_json(ns.settings_json) if ns.settings_json else from_namespace(ns)
     except (ValueError, TypeError, KeyError) as e:
         raise SystemExit(f"bad data-plane settings: {e}") from None
+    try:
+        warm = decode_warmup(ns.warm) if ns.warm else None
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     store_url = sys.stdin.readline().strip() if ns.store == "-" else ns.store
     if not store_url:
         raise SystemExit("--store -: no store URL on stdin")
@@ -52,6 +59,7 @@ def config_from_args(ns: argparse.Namespace) -> DataPlaneConfig:
         dest_name=ns.dest_shm,
         settings=settings,
         parent_pid=ns.parent_pid,
+        warm=warm,
     )
 
 

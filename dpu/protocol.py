@@ -79,6 +79,27 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     digest: Key
 
 
+class Warmup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the data plane decodes once at start (``--warm``, JSON): the codec and model of the jobs it
+    will get, so its first real job does not pay for kernels loaded on first use (``Codec.warm_up``)."""
+
+    codec: Name
+    codec_params: Annotated[str, msgspec.Meta(max_length=4096)]  # canonical JSON
+    fingerprint: Fingerprint
+
+
+def encode_warmup(w: Warmup) -> str:
+    return msgspec.json.encode(w).decode()
+
+
+def decode_warmup(text: str) -> Warmup:
+    """Parse ``--warm``; ``ValueError`` with the reason when it is not a valid ``Warmup``."""
+    try:
+        return msgspec.json.decode(text, type=Warmup)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ValueError(f"bad --warm: {e}") from None
+
+
 class ChunkDest(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """Where one chunk's decoded KV goes in the destination region (byte offsets).
 

@@ -50,6 +50,7 @@ class DataPlaneConfig:
     max_jobs: int = 1024
     max_active_chunks: int = 1 << 16  # over all active jobs: bounds the job table's memory
     parent_pid: int = 0  # when set, exit as soon as this process is no longer our parent
+    warm: P.Warmup | None = None  # decoded once before serving (``DataPlaneServer.warm_up``)
 
 
 class DataPlaneServer:
@@ -114,6 +115,7 @@ class DataPlaneServer:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.events, zmq.POLLIN)
+        self.warm_up()
         logger.info("data plane pid %d serving on %s", os.getpid(), self.cfg.endpoint)
         try:
             while not self._stop:
@@ -205,11 +207,8 @@ class DataPlaneServer:
             raise ValueError(f"unknown destination {msg.dest_name!r}")
         if msg.blob_off + msg.blob_cap > self.dest.size:
             raise ValueError("blob area outside the destination region")
-        w = msg.fingerprint
-        layout = KVLayout(w.layout.num_layers, w.layout.num_kv_heads, w.layout.head_dim, w.layout.dtype)
-        fp = ModelFingerprint(w.architecture, layout, w.weights_id, w.tp_rank, w.tp_size)
-        if fp.digest() != w.digest:
-            raise ValueError("fingerprint digest does not match its fields")
+        fp = _fingerprint(msg.fingerprint)
+        layout = fp.layout
         for c in msg.chunks:
             end = layer_bytes(layout, c.tokens) + (layout.num_layers - 1) * c.layer_stride
             if max(c.k_off, c.v_off) + end > self.dest.size or c.layer_stride < layer_bytes(layout, c.tokens):
@@ -219,6 +218,21 @@ class DataPlaneServer:
         ratio = self.cfg.settings.inflate_ratio
         rounds = plan_rounds([c.tokens for c in msg.chunks], layout, self.cfg.settings.slot_bytes, ratio)
         return job, rounds
+
+    def warm_up(self) -> None:
+        """Decode one synthetic chunk of ``cfg.warm``'s codec and model (before ``run`` answers its first
+        ping, so the host's ``wait_ready`` covers it). A failure is logged and costs only the first job's
+        latency: the data plane serves all the same."""
+        w = self.cfg.warm
+        if w is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._codec(w.codec, w.codec_params.encode()).warm_up(_fingerprint(w.fingerprint))
+        except (ValueError, KeyError, ChunkError) as e:  # unknown codec, bad params, no tables, ...
+            logger.warning("warm-up of codec %s failed (%r); the first job loads its kernels", w.codec, e)
+            return
+        logger.info("warmed up codec %s in %.0f ms", w.codec, (time.perf_counter() - t0) * 1000)
 
     def _codec(self, name: str, params: bytes):
         key = (name, params)
@@ -291,3 +305,12 @@ class DataPlaneServer:
         if os.getppid() != pid:
             logger.warning("host %d is gone; unlinking its destination region %s", pid, self.dest.name)
             self.dest.unlink()
+
+
+def _fingerprint(w: P.Fingerprint) -> ModelFingerprint:
+    """The model fingerprint a wire ``Fingerprint`` names; ``ValueError`` if its digest does not match."""
+    layout = KVLayout(w.layout.num_layers, w.layout.num_kv_heads, w.layout.head_dim, w.layout.dtype)
+    fp = ModelFingerprint(w.architecture, layout, w.weights_id, w.tp_rank, w.tp_size)
+    if fp.digest() != w.digest:
+        raise ValueError("fingerprint digest does not match its fields")
+    return fp

@@ -169,6 +169,17 @@ class Codec(ABC):
             self.decode_layer_into(blob, hdr, i, scratch, k, v)
             yield i, k, v
 
+    def warm_up(self, fingerprint: ModelFingerprint, tokens: int = 16) -> None:
+        """Encode and decode one small synthetic chunk of ``fingerprint``'s layout, every layer through
+        both stages, so the kernels a first real chunk would compile or load (numba, even from its disk
+        cache) are ready. For a process that decodes on a latency path, at its start. Raises what
+        ``encode``/``decode`` raise (e.g. a codec whose tables are missing for this model)."""
+        lay = fingerprint.layout
+        shape = (lay.num_layers, tokens, lay.num_kv_heads, lay.head_dim)
+        rng = np.random.default_rng(0)
+        k, v = (_synthetic(rng.standard_normal(shape, dtype=np.float32), lay.dtype) for _ in range(2))
+        self.decode(self.encode(k, v, fingerprint), fingerprint)
+
     def decode(
         self,
         blob,
@@ -185,6 +196,13 @@ class Codec(ABC):
         for i in range(lay.num_layers):
             self.decode_layer_into(blob, hdr, i, scratch, k[i], v[i])
         return k, v
+
+
+def _synthetic(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values in ``dtype``'s storage form (bfloat16 as its uint16 bits)."""
+    if dtype == "bfloat16":
+        return (x.view(np.uint32) >> 16).astype(np.uint16)
+    return x.astype(numpy_storage_dtype(dtype))
 
 
 def check_chunk_arrays(k: np.ndarray, v: np.ndarray, lay: KVLayout) -> None:

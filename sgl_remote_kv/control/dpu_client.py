@@ -136,8 +136,9 @@ class DpuClient:
         self._wake_rx.bind(f"inproc://srkv-wake-{id(self)}")
         self._wake_tx = self._ctx.socket(zmq.PAIR)
         self._wake_tx.connect(f"inproc://srkv-wake-{id(self)}")
+        warm = P.encode_warmup(P.Warmup(self.codec_name, self.codec_params.decode(), self._wire_fp))
         self._proc = DataPlaneProcess(
-            self._ctx, cfg.process, cfg.store_url, self.dest.name.lstrip("/"), self._tmp
+            self._ctx, cfg.process, cfg.store_url, self.dest.name.lstrip("/"), self._tmp, warm
         )
         self._proc.spawn()
         if not self._proc.wait_ready(cfg.start_timeout_s):

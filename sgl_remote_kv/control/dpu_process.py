@@ -33,20 +33,24 @@ def auto_cpus() -> tuple[int, ...]:
     return tuple(avail[-max(1, len(avail) // 4) :])
 
 
-def command(settings: DataPlaneSettings, endpoint: str, dest_name: str) -> list[str]:
-    """The data plane's command line; the store URL (it may hold a password) goes to its stdin."""
+def command(settings: DataPlaneSettings, endpoint: str, dest_name: str, warm: str | None = None) -> list[str]:
+    """The data plane's command line; the store URL (it may hold a password) goes to its stdin. ``warm``:
+    ``protocol.Warmup`` JSON (the codec and model it will decode; it warms up before serving)."""
     if settings.cpus is None:  # auto: away from the serving process when the machine has the cores
         settings = dataclasses.replace(settings, cpus=auto_cpus())
     cmd = [sys.executable, "-m", "sgl_remote_kv.dpu", "--endpoint", endpoint, "--store", "-"]
     cmd += ["--dest-shm", dest_name, "--parent-pid", str(os.getpid())]  # exits if the host dies
+    cmd += ["--warm", warm] if warm else []
     return cmd + ["--settings-json", settings.to_json()]
 
 
 class DataPlaneProcess:
     def __init__(
-        self, ctx: zmq.Context, spec: DataPlaneSettings, store_url: str, dest_name: str, tmp: str
-    ) -> None:
+        self, ctx: zmq.Context, spec: DataPlaneSettings, store_url: str, dest_name: str, tmp: str,
+        warm: str | None = None,
+    ) -> None:  # fmt: skip
         self.ctx, self.spec, self.store_url, self.dest_name = ctx, spec, store_url, dest_name
+        self.warm = warm
         self.tmp = Path(tmp)
         self.generation = 0
         self.proc: subprocess.Popen | None = None
@@ -67,7 +71,7 @@ class DataPlaneProcess:
         self.generation += 1
         endpoint = f"ipc://{self.tmp}/dp-{self.generation}.sock"
         self.log_path = self.tmp / f"dp-{self.generation}.log"
-        cmd = command(self.spec, endpoint, self.dest_name)
+        cmd = command(self.spec, endpoint, self.dest_name, self.warm)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=log)
         try:

@@ -29,6 +29,7 @@ import threading
 from dataclasses import dataclass
 
 from sgl_remote_kv.codec.base import Codec, get_codec
+from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.config import RemoteKVConfig
 from sgl_remote_kv.sglang_glue.fetch import InProcessFetchBackend
 from sgl_remote_kv.sglang_glue.runtime import FetchPath, resolve_codec
@@ -63,6 +64,10 @@ class PathParts:
 
 def inproc_path(parts: PathParts) -> FetchPath:
     w = parts.kv_writer
+    try:  # the serving process decodes: load the codec's kernels now, not on the first remote hit
+        parts.codec.warm_up(parts.fingerprint)
+    except (ValueError, KeyError, ChunkError) as e:
+        logger.warning("codec warm-up failed (%r); the first in-process decode loads its kernels", e)
     be = InProcessFetchBackend(
         parts.client,
         parts.codec,
