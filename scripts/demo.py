@@ -1,11 +1,18 @@
-"""`make demo`: start a real CPU SGLang server with --remote-kv dpu on SmolLM2, run a 3-turn chat, stop."""
+"""`make demo`: real CPU SGLang servers with --remote-kv dpu on SmolLM2.
+
+Part 1: a 3-turn chat, then the same chat on a restarted server (its prefix comes back from the tier).
+Part 2: a 2.2K-token document read by server A and asked about on server B (two servers, one store):
+recompute vs local hit vs remote hit, side by side (``examples/long_document.py``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from sgl_remote_kv.launcher import ServerSpec, SGLangServer
@@ -23,6 +30,8 @@ def main() -> int:
         action="store_true",
         help="run the chat twice with a server restart between (shows remote-tier hits)",
     )
+    ap.add_argument("--json", help="write the long-document rows to this file")
+    ap.add_argument("--part", choices=("all", "chat", "document"), default="all")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="[demo] %(message)s")
     model = ensure_model("float32")
@@ -30,6 +39,15 @@ def main() -> int:
         model_path=str(model),
         extra_args=("--remote-kv", args.remote_kv, "--enable-metrics", "--enable-cache-report"),
     )
+    if args.part != "document":
+        rc = chat(spec, args)
+        if rc != 0 or args.part == "chat":
+            return rc
+    logging.info("part 2: one long document, server A reads it, server B (same store) is asked about it")
+    return long_document(model, args.remote_kv, args.json)
+
+
+def chat(spec: ServerSpec, args) -> int:
     rounds = 2 if args.restart else 1
     for i in range(rounds):
         what = (
@@ -58,7 +76,22 @@ def main() -> int:
             if rc != 0:
                 logging.error("chat failed (round %d); server log tail:\n%s", i + 1, srv.log_tail())
                 return rc
-    logging.info("server stopped; demo done")
+    return 0
+
+
+def long_document(model: Path, mode: str, json_path: str | None) -> int:
+    with tempfile.TemporaryDirectory(prefix="srkv-demo-store-") as store, contextlib.ExitStack() as stack:
+        extra = ("--remote-kv", mode, "--remote-kv-store", f"file://{store}", "--enable-metrics",
+                 "--enable-cache-report")  # fmt: skip
+        a, b = (stack.enter_context(SGLangServer(ServerSpec(model_path=str(model), extra_args=extra)))
+                for _ in range(2))  # fmt: skip
+        cmd = [sys.executable, str(ROOT / "examples" / "long_document.py"), "--server-a", a.base_url,
+               "--server-b", b.base_url] + (["--json", json_path] if json_path else [])  # fmt: skip
+        rc = subprocess.call(cmd)
+        if rc != 0:
+            logging.error("long-document part failed; server B log tail:\n%s", b.log_tail())
+            return rc
+    logging.info("servers stopped; demo done")
     return 0
 
 

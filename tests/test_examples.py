@@ -13,15 +13,41 @@ from sgl_remote_kv.launcher import ServerSpec, SGLangServer
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
+import long_document  # noqa: E402
 import shared_document_qa as qa  # noqa: E402
 
 
+def _extra(store) -> tuple[str, ...]:
+    return ("--remote-kv", "dpu", "--remote-kv-store", f"file://{store}", "--enable-cache-report", "--enable-metrics")
+
+
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    store = tmp_path_factory.mktemp("store")
-    extra = ("--remote-kv", "dpu", "--remote-kv-store", f"file://{store}", "--enable-cache-report")
-    with SGLangServer(ServerSpec(model_path=model_dir, extra_args=extra, max_total_tokens=8192)) as srv:
+def store(tmp_path_factory):
+    return tmp_path_factory.mktemp("store")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, store):
+    with SGLangServer(ServerSpec(model_path=model_dir, extra_args=_extra(store), max_total_tokens=8192)) as srv:
         yield srv
+
+
+@pytest.mark.e2e
+def test_long_document_recompute_local_hit_remote_hit(server, model_dir, store):
+    """``make demo``'s part 2: server A (the module's server) reads the document, server B on the same
+    store is asked about it. Which tier served which row is checked, not how fast (a benchmark's job)."""
+    with SGLangServer(ServerSpec(model_path=model_dir, extra_args=_extra(store), max_total_tokens=8192)) as b:
+        rows = long_document.run(server.base_url, b.base_url, max_tokens=8)
+    by_path = {r.path: r for r in rows}
+    recompute, local, remote = by_path["recompute"], by_path["local hit"], by_path["remote hit"]
+    first = by_path["first remote hit (fresh server)"]
+    assert recompute.prompt_tokens > 2000 and recompute.cached_storage == 0
+    assert local.cached_device >= recompute.prompt_tokens - 1 and local.cached_storage == 0
+    # B computed nothing of the document: all but the tail's partial chunk came from the tier
+    assert remote.cached_device == 0 and remote.cached_storage >= remote.prompt_tokens - 256
+    assert first.cached_storage >= first.prompt_tokens - 256
+    assert all(r.answer for r in rows)
+    assert "first remote hit" in long_document.table(rows)
 
 
 @pytest.mark.e2e
