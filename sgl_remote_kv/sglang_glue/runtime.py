@@ -141,7 +141,7 @@ class RemoteKVRuntime:
             )
         if self.config.flush != "tier":
             return
-        generation = os.urandom(16)
+        generation = keys_mod.GENERATION_MAGIC + os.urandom(16)
         stored = self.client.put_many([(keys_mod.generation_key(self.fingerprint), generation)])
         self.keys.set_generation(generation)
         if self.generation is not None:

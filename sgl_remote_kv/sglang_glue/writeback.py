@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sgl_remote_kv.sglang_glue import seam
+from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.types import FailureKind
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class _Job:
     k: np.ndarray
     v: np.ndarray
     tokens: int  # per chunk: a full chunk, or a tail sub-chunk
+    tenant_tag: bytes  # keys.tenant_tag of the request's salt, framed with each value (admin stats)
 
 
 class WriteBack:
@@ -87,20 +89,21 @@ class WriteBack:
             return
         ids, salt = seam.req_fill_ids(req), seam.req_salt(req)
         keys = self.keys.keys_for(ids, last, salt)
-        if last > first and self._queue(req, keys, first, first * c, last * c, c):
+        tag = keys_mod.tenant_tag(salt)
+        if last > first and self._queue(req, keys, first, first * c, last * c, c, tag):
             self._set_progress(rid, last)
         if subs:
             tail = self.keys.tail_keys(ids, last, keys[-1] if last else None, salt, None, g)[:subs]
-            self._queue(req, tail, 0, last * c, last * c + subs * g, g)
+            self._queue(req, tail, 0, last * c, last * c + subs * g, g, tag)
 
-    def _queue(self, req, keys: list[bytes], first: int, lo: int, hi: int, tokens: int) -> bool:
+    def _queue(self, req, keys: list[bytes], first: int, lo: int, hi: int, tokens: int, tag: bytes) -> bool:
         """Copy tokens ``[lo, hi)`` out of the pool and queue them as chunks ``keys[first:]``."""
         idx = seam.req_kv_indices(self.req_to_token_pool, req, lo, hi)
         if idx is None:
             return False
         k, v = self.kv_writer.read(idx)
         try:
-            self._q.put_nowait(_Job(keys, first, k, v, tokens))
+            self._q.put_nowait(_Job(keys, first, k, v, tokens, tag))
             self._idle.clear()
         except queue.Full:
             self.metrics.writeback_skipped("queue_full", len(keys) - first)
@@ -153,7 +156,7 @@ class WriteBack:
             items.append((job.keys[i], blob))
         if not items:
             return
-        stored = self.client.put_many(items)
+        stored = self.client.put_many(items, job.tenant_tag)
         self.metrics.writeback(stored, sum(len(b) for _, b in items[:stored]))
         if stored < len(items):
             self.metrics.failure("writeback:store")

@@ -132,6 +132,9 @@ class FaultyStore:
         self._before(keys)
         self.inner.delete_many(keys)
 
+    def scan(self, batch: int = 512):
+        return self.inner.scan(batch)
+
     def stats(self) -> StoreStats:
         """The inner store's stats; ``extra`` adds ``injected_<kind>`` counts of injected faults."""
         inner = self.inner.stats()

@@ -69,6 +69,20 @@ def namespace(
     return h.digest()
 
 
+TENANT_TAG_BYTES = 8
+SHARED_TAG = bytes(TENANT_TAG_BYTES)  # the shared namespace (no tenant salt)
+GENERATION_MAGIC = b"SKVG"  # a generation value is this magic + 16 random bytes (never a chunk blob)
+
+
+def tenant_tag(salt: str | None) -> bytes:
+    """8-byte tag of a tenant salt, stored beside each chunk value (store framing v2) so an operator can
+    count and evict per tenant: one-way (the salt is not recoverable from it), zeros for the shared
+    namespace. Computing it needs the salt, i.e. the tenant's ``cache_salt`` / ``extra_key``."""
+    if salt is None:
+        return SHARED_TAG
+    return hashlib.sha256(b"sgl-remote-kv/tenant-tag/v1" + salt.encode()).digest()[:TENANT_TAG_BYTES]
+
+
 def generation_key(fingerprint: ModelFingerprint) -> bytes:
     """Store key of the fingerprint's generation: a random token written by a ``tier`` flush; every key
     namespace of the fingerprint folds it in, so a new generation retires all chunks stored before it

@@ -31,11 +31,11 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from .base import Counters, StoreStats, check_keys, redact_url, url_options
+from .base import KEY_BYTES, Counters, StoreStats, check_keys, redact_url, url_options
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +171,23 @@ class LocalStore:
             except FileNotFoundError:
                 pass
         self._counters.add(keys_deleted=n)
+
+    def scan(self, batch: int = 512) -> Iterator[list[bytes]]:
+        """Every stored key, in batches (admin walks; not the serving path). Keys written meanwhile may
+        or may not appear; no key appears twice."""
+        out: list[bytes] = []
+        for sub in sorted(os.scandir(self._objects), key=lambda e: e.name):
+            if not sub.is_dir():
+                continue
+            for e in os.scandir(sub.path):
+                name = e.name
+                if len(name) == 2 * KEY_BYTES and all(ch in "0123456789abcdef" for ch in name):
+                    out.append(bytes.fromhex(name))
+                    if len(out) >= batch:
+                        yield out
+                        out = []
+        if out:
+            yield out
 
     def stats(self) -> StoreStats:
         with self._lock:

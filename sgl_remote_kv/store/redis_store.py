@@ -38,6 +38,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .base import (
+    KEY_BYTES,
     Counters,
     StoreError,
     StoreStats,
@@ -156,6 +157,26 @@ class RedisKV:
         for chunk in self._batches(keys):
             n += sum(int(x) for x in self._run("delete", chunk))
         self._counters.add(keys_deleted=n)
+
+    def scan(self, batch: int = 512) -> Iterator[list[bytes]]:
+        """Every chunk key under this store's prefix, in batches (``SCAN``, on every primary of a cluster;
+        admin walks, not the serving path). Keys written meanwhile may or may not appear."""
+        out: list[bytes] = []
+        n = len(self._prefix)
+        with translate_errors():
+            for rkey in self._r.scan_iter(match=self._prefix + b"*", count=batch):
+                hexkey = rkey[n:]
+                if len(hexkey) != 2 * KEY_BYTES:
+                    continue
+                try:
+                    out.append(bytes.fromhex(hexkey.decode("ascii")))
+                except (ValueError, UnicodeDecodeError):
+                    continue  # not one of ours
+                if len(out) >= batch:
+                    yield out
+                    out = []
+        if out:
+            yield out
 
     def stats(self) -> StoreStats:
         return self._counters.snapshot()
