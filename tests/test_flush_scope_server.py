@@ -46,6 +46,7 @@ def test_flush_scope_tier_then_local(model_dir, tmp_path):
         assert storage_tokens(out) == case.chunks * CHUNK, "a local flush keeps the remote tier"
 
 
+@pytest.mark.slow  # two servers at once and a 10 s poll interval (~80 s); the logic: tests/test_generation_watch.py
 def test_a_running_server_follows_another_servers_tier_flush(model_dir, tmp_path):
     """3. A server that is already running when another one flushes with ``tier`` scope stops serving the
     retired chunks within ``generation.POLL_S`` of activity: the stored prompt then misses, same tokens."""
