@@ -126,8 +126,8 @@ def cmd_verify(args) -> int:
 def selector(args, now: float):
     """The evict predicate of the flags (all given criteria must hold); chunks only."""
     tags = []
-    if args.tenant is not None or args.extra_key is not None:
-        tags.append(tenant_tag(tenant_salt(args.tenant, args.extra_key)))
+    if args.tenant is not None or args.tenant_key is not None:
+        tags.append(tenant_tag(tenant_salt(args.tenant, args.tenant_key)))
     if args.shared:
         tags.append(tenant_tag(None))
     cutoff = now - parse_age(args.older_than) if args.older_than else None
@@ -183,8 +183,7 @@ def cmd_warm(args) -> int:
             print(f"{r.document}: {r.prompt_tokens} prompt tokens, {r.chunks_written} chunks written, "
                   f"{r.chunks_present} already stored")  # fmt: skip
 
-    results = warm(args.server, docs, chat=args.chat, cache_salt=args.cache_salt, extra_key=args.extra_key,
-                   on_done=show)  # fmt: skip
+    results = warm(args.server, docs, args.chat, args.tenant_salt, args.tenant_key, on_done=show)
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=1))
     return 0
@@ -205,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "evict":
             p.add_argument("--fingerprint", help="model fingerprint (hex prefix, as `stats` prints it)")
             p.add_argument("--tenant", metavar="CACHE_SALT", help="the tenant's cache_salt")
-            p.add_argument("--extra-key", help="the tenant's extra_key (with or without --tenant)")
+            p.add_argument("--extra-key", dest="tenant_key", help="the tenant's extra_key (with or without --tenant)")
             p.add_argument("--shared", action="store_true", help="chunks of requests without a tenant salt")
             p.add_argument("--older-than", metavar="AGE", help="written longer ago than AGE (30m, 12h, 7d)")
             p.add_argument("--dry-run", action="store_true", help="say what would be deleted")
@@ -214,8 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--file", action="append", help="a document (repeatable)")
     p.add_argument("--dir", help="every file in this directory is a document")
     p.add_argument("--chat", action="store_true", help="send each document as a chat's system message")
-    p.add_argument("--cache-salt", help="tenant: the requests' cache_salt")
-    p.add_argument("--extra-key", help="tenant: the requests' extra_key")
+    p.add_argument("--cache-salt", dest="tenant_salt", help="tenant: the requests' cache_salt")
+    p.add_argument("--extra-key", dest="tenant_key", help="tenant: the requests' extra_key")
     p.add_argument("--json", action="store_true", help="machine output")
     p.set_defaults(fn=cmd_warm)
     return ap
