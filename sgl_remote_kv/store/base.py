@@ -7,6 +7,9 @@ operation is batch-first: the serving path asks "how many leading chunks of this
 Publish after full write: every backend makes a value visible only once it is completely written,
 so a reader never sees a partial or failed blob (see each backend's ``put_many`` docstring).
 
+Every backend here also lists its keys (``scan(batch)``: batches of keys, for ``sgl-remote-kv-admin``,
+never on the serving path); it is not part of the ``KVStore`` protocol the serving path relies on.
+
 Backends raise on failure (``StoreError`` subclasses, or ``ValueError`` for misuse). They are *not*
 meant to be called directly from the serving path: wrap them in ``client.StoreClient``, which adds
 timeouts, retries, a negative cache and a circuit breaker, and turns every failure into a miss.
