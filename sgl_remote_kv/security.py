@@ -146,6 +146,10 @@ class AuthenticatedStore:
     def delete_many(self, keys: Sequence[bytes]) -> None:
         self.inner.delete_many(keys)
 
+    def scan(self, batch: int = 512):
+        """The inner store's keys (admin walks; values are not checked here: ``admin.scan`` does)."""
+        return self.inner.scan(batch)
+
     def stats(self) -> StoreStats:
         inner = self.inner.stats()
         with self._lock:

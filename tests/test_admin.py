@@ -3,8 +3,10 @@ real chunk blobs and every kind of bad value; one warm-up through a real server.
 
 What must hold: ``stats`` counts chunks, tokens, bytes and ages per model / codec / tenant exactly;
 ``verify`` finds exactly the bad values (corrupt frame, truncated, bad header, bad layer CRC, foreign,
-bad MAC), never flags a generation marker, and ``--delete`` removes only them; ``evict`` selects by
-fingerprint, tenant, shared namespace and age (AND); ``--json`` parses; errors are one line, exit 2,
+bad MAC), never flags a generation marker (current or legacy) or a version-1 chunk, and ``--delete``
+removes only them; ``evict`` selects by fingerprint, tenant, shared namespace and age (AND), and never
+takes an untagged version-1 chunk for a shared or timed one; every backend lists its keys (file, auth+,
+redis, redis cluster); ``--json`` parses; errors are one line, exit 2,
 the password redacted; ``warm`` makes the first request of a restarted server a remote hit.
 """
 
@@ -37,6 +39,7 @@ FP_B = ModelFingerprint("B", LAYOUT, "b" * 16)
 T = 16  # tokens per chunk
 NOW = time.time()
 DAY = 86400
+N = 15  # values that ``fill`` stores
 
 
 def _blob(codec: str, fp: ModelFingerprint, seed: int) -> bytes:
@@ -85,6 +88,7 @@ def fill(store, seal_with: bytes | None = None) -> dict[str, list[bytes]]:
     blob[10] ^= 1  # in the fixed header: the header CRC fails
     put(12, frame(_key(12), bytes(blob)), "bad")
     put(13, frame(_key(99), _blob("lossless", FP_A, 13)), "bad")  # another key's value
+    put(14, _v1(_key(14), os.urandom(16)), "generation")  # as releases before the SKVG magic wrote it
     if seal_with is not None:
         items = [(k, seal(seal_with, k, v)) for k, v in items]
     store.put_many(items)
@@ -111,21 +115,24 @@ def _entries(url: str, deep: bool = True):
 def test_every_value_is_classified(file_store):
     url, kinds = file_store
     e = _entries(url)
-    assert len(e) == 14
-    assert {e[k].kind for k in kinds["good"]} == {ValueKind.CHUNK}
-    assert e[_key(7)].kind is ValueKind.GENERATION
+    assert len(e) == N
+    assert {e[k].kind for k in kinds["good"]} == {ValueKind.CHUNK, ValueKind.V1_CHUNK}
+    assert e[_key(7)].kind is ValueKind.GENERATION and e[_key(14)].kind is ValueKind.GENERATION
     assert [e[_key(i)].kind for i in (8, 9, 10, 11, 12, 13)] == [
         ValueKind.CORRUPT_FRAME, ValueKind.CORRUPT_FRAME, ValueKind.FOREIGN, ValueKind.BAD_LAYER_CRC,
         ValueKind.BAD_HEADER, ValueKind.CORRUPT_FRAME]  # fmt: skip
     assert e[_key(3)].tenant == tenant_tag(tenant_salt("t1", None)).hex() and e[_key(0)].tenant == "shared"
-    assert e[_key(6)].written_at is None  # a version-1 frame carries no time
+    v1 = e[_key(6)]  # a version-1 frame carries no time and no tenant tag
+    assert v1.kind is ValueKind.V1_CHUNK and v1.written_at is None and v1.tenant == "untagged"
 
 
 def test_stats_counts_exactly(file_store):
     url, _ = file_store
     report = cli.stats(list(_entries(url, deep=False).values()), NOW)
     # stats reads headers only: the value with a bad layer CRC counts as a chunk here (verify finds it)
-    assert report["by_kind"] == {"chunk": 8, "generation": 1, "corrupt_frame": 3, "foreign": 1, "bad_header": 1}
+    assert report["values"] == N
+    assert report["by_kind"] == {"chunk": 7, "v1_chunk": 1, "generation": 2, "corrupt_frame": 3, "foreign": 1,
+                                 "bad_header": 1}  # fmt: skip
     groups = {(g["fingerprint"], g["codec"], g["tenant"]): g for g in report["groups"]}
     a = FP_A.digest().hex()[:16]
     shared_a = groups[(a, "lossless", "shared")]
@@ -134,7 +141,10 @@ def test_stats_counts_exactly(file_store):
     assert shared_a["ratio"] == pytest.approx(shared_a["raw_bytes"] / shared_a["stored_bytes"], abs=1e-3)
     t1 = groups[(a, "quant_deflate", tenant_tag(tenant_salt("t1", None)).hex())]
     assert t1["chunks"] == 2 and t1["oldest_s"] == pytest.approx(10 * DAY, abs=5) and t1["ratio"] > 1.5
-    assert groups[(FP_B.digest().hex()[:16], "lossless", "shared")]["chunks"] == 2
+    b_shared, b_v1 = (groups[(FP_B.digest().hex()[:16], "lossless", t)] for t in ("shared", "untagged"))
+    assert b_shared["chunks"] == 1 and b_shared["oldest_s"] == pytest.approx(2 * DAY, abs=5)
+    assert b_v1["chunks"] == 1 and b_v1["oldest_s"] is None and b_v1["tokens"] == T
+    assert len(groups) == 4
 
 
 def test_verify_finds_and_deletes_exactly_the_bad_values(file_store, capsys):
@@ -152,6 +162,9 @@ def test_verify_finds_and_deletes_exactly_the_bad_values(file_store, capsys):
     ("flags", "expect"),
     [
         (["--tenant", "t1"], {3, 4}),
+        (["--tenant", "t2"], set()),
+        (["--shared"], {0, 1, 2, 5, 11}),  # 6 is untagged (version 1): its tenant is unknown
+        (["--older-than", "1d"], {3, 4, 5}),
         (["--shared", "--older-than", "1d"], {5}),  # 6 has no time: never evicted by age
         (["--fingerprint", FP_A.digest().hex()[:10]], {0, 1, 2, 3, 4, 11}),  # 11: a chunk by its header
         (["--fingerprint", FP_A.digest().hex()[:10], "--older-than", "7d"], {3, 4}),
@@ -161,10 +174,19 @@ def test_evict_selects_by_model_tenant_and_age(file_store, flags, expect, capsys
     url, kinds = file_store
     assert cli.main(["evict", "--store", url, *flags, "--dry-run", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["matched"] == len(expect)
-    assert len(_entries(url)) == 14  # dry run
+    assert len(_entries(url)) == N  # dry run
     assert cli.main(["evict", "--store", url, *flags]) == 0
-    gone = {i for i in range(14) if _key(i) not in _entries(url)}
+    gone = {i for i in range(N) if _key(i) not in _entries(url)}
     assert gone == expect
+
+
+def test_verify_delete_spares_a_value_rewritten_since_the_walk(file_store):
+    url, kinds = file_store
+    s = open_store(url)
+    s.put_many([(_key(8), frame(_key(8), _blob("lossless", FP_A, 8)))])  # a server rewrote it meanwhile
+    s.close()
+    cli._delete(url, kinds["bad"], recheck=True)
+    assert set(_entries(url)) == set(kinds["good"]) | set(kinds["generation"]) | {_key(8)}
 
 
 def test_bad_mac_values_on_an_authenticated_store(tmp_path):
@@ -177,7 +199,10 @@ def test_bad_mac_values_on_an_authenticated_store(tmp_path):
     s.close()
     e = _entries(url)
     assert e[_key(50)].kind is ValueKind.BAD_MAC
-    assert {e[k].kind for k in kinds["good"]} == {ValueKind.CHUNK}
+    assert {e[k].kind for k in kinds["good"]} == {ValueKind.CHUNK, ValueKind.V1_CHUNK}
+    auth = open_store(url)  # the wrapper lists its inner store's keys
+    assert sorted(k for batch in auth.scan(4) for k in batch) == sorted(e)
+    auth.close()
 
 
 def test_redis_store_and_the_console_script(redis_server):
@@ -189,9 +214,19 @@ def test_redis_store_and_the_console_script(redis_server):
     out = subprocess.run([str(script), "stats", "--store", url, "--json"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert report["values"] == 14 and report["by_kind"]["chunk"] == len(kinds["good"]) + 1  # + 11
+    assert report["values"] == N
+    assert report["by_kind"]["chunk"] + report["by_kind"]["v1_chunk"] == len(kinds["good"]) + 1  # + 11
     assert cli.main(["verify", "--store", url, "--delete"]) == 0
-    assert len(_entries(url)) == len(kinds["good"]) + 1
+    assert set(_entries(url)) == set(kinds["good"]) | set(kinds["generation"])
+
+
+def test_redis_cluster_lists_the_keys_of_every_primary(redis_cluster):
+    url = redis_cluster.url + "?prefix=admintest:"
+    s = open_store(url)
+    kinds = fill(s)
+    s.close()
+    e = _entries(url)
+    assert len(e) == N and {e[k].kind for k in kinds["bad"]} <= {k for k in ValueKind if k.failed}
 
 
 def test_errors_are_one_line_with_the_password_redacted(tmp_path, capsys):

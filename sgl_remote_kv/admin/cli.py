@@ -24,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from sgl_remote_kv.admin import scan
-from sgl_remote_kv.admin.scan import Entry, ValueKind
+from sgl_remote_kv.admin.scan import Entry
 from sgl_remote_kv.store.base import StoreError, redact_url
 from sgl_remote_kv.store.keys import tenant_salt, tenant_tag
 
@@ -62,7 +62,7 @@ def stats(entries: list[Entry], now: float) -> dict:
     )
     kinds = Counter(e.kind.value for e in entries)
     for e in entries:
-        if e.kind is not ValueKind.CHUNK:
+        if not e.kind.is_chunk:
             continue
         g = groups[(e.fingerprint[:16], e.codec, e.tenant)]
         g["chunks"] += 1
@@ -108,7 +108,7 @@ def cmd_verify(args) -> int:
     entries = _walk(args, deep=True)
     bad = [e for e in entries if e.kind.failed]
     if bad and args.delete:
-        _delete(args.store, [e.key for e in bad])
+        _delete(args.store, [e.key for e in bad], recheck=True)
     report = {"values": len(entries), "failed": dict(Counter(e.kind.value for e in bad)), "deleted": len(bad) if args.delete else 0,
               "failures": [{"key": e.key.hex(), "kind": e.kind.value, "detail": e.detail} for e in bad]}  # fmt: skip
     if args.json:
@@ -136,7 +136,7 @@ def selector(args, now: float):
         raise ValueError("evict needs at least one of --fingerprint, --tenant/--extra-key, --shared, --older-than")
 
     def pick(e: Entry) -> bool:
-        return (e.kind is ValueKind.CHUNK and (fp is None or e.fingerprint.startswith(fp))
+        return (e.kind.is_chunk and (fp is None or e.fingerprint.startswith(fp))
                 and (not tags or e.tenant_tag in tags)
                 and (cutoff is None or (e.written_at is not None and e.written_at < cutoff)))  # fmt: skip
 
@@ -158,11 +158,18 @@ def cmd_evict(args) -> int:
     return 0
 
 
-def _delete(url: str, keys: list[bytes]) -> None:
+def _delete(url: str, keys: list[bytes], recheck: bool = False) -> None:
+    """Delete ``keys``; ``recheck``: only those whose value still fails (a server may have rewritten a
+    bad value with a good one since the walk read it)."""
     adm = scan.open_admin(url)
     try:
         for i in range(0, len(keys), 256):
-            adm.store.delete_many(keys[i : i + 256])
+            batch = keys[i : i + 256]
+            if recheck:
+                values = adm.store.get_many(batch)
+                batch = [k for k, v in zip(batch, values, strict=True)
+                         if v is not None and scan.classify(k, v, adm.secret).kind.failed]  # fmt: skip
+            adm.store.delete_many(batch)
     finally:
         adm.close()
 

@@ -3,7 +3,10 @@
 Every value is classified without trusting it: the MAC (when the URL is ``auth+...``), the store framing
 (length, CRC over key and metadata, version 1 or 2: ``store.client.read_frame``), then the payload — a
 chunk blob (``codec.format``: header CRC, limits, and with ``deep`` every layer's CRC), a store
-generation marker (``keys.GENERATION_MAGIC``), or something foreign. Nothing here deletes; ``cli`` does.
+generation marker (``keys.GENERATION_MAGIC`` + 16 random bytes, or the 16 bare random bytes that releases
+before the magic wrote), or something foreign. A chunk in a version-1 frame (``V1_CHUNK``) has no write
+time and no tenant tag: its tenant is unknown ("untagged"), never taken for the shared namespace. Nothing
+here deletes; ``cli`` does.
 
 Threads: single-threaded; the store is opened for this walk only (``open_admin``) and closed by the caller.
 """
@@ -24,9 +27,14 @@ from sgl_remote_kv.store.base import open_store, redact_url
 from sgl_remote_kv.store.client import read_frame
 from sgl_remote_kv.store.keys import GENERATION_MAGIC, SHARED_TAG
 
+# Releases before ``GENERATION_MAGIC`` wrote a generation as 16 bare random bytes; no chunk blob is that
+# short (its fixed header alone is longer), and only our client frames values (CRC bound to the key).
+LEGACY_GENERATION_BYTES = 16
+
 
 class ValueKind(str, Enum):
     CHUNK = "chunk"  # a valid chunk blob
+    V1_CHUNK = "v1_chunk"  # a valid chunk blob in a version-1 frame: no write time, no tenant tag
     GENERATION = "generation"  # a --remote-kv-flush tier generation marker (never deleted by verify/evict)
     BAD_MAC = "bad_mac"  # auth+ store: the value's MAC does not verify under the given key
     CORRUPT_FRAME = "corrupt_frame"  # truncated, CRC mismatch, unknown framing version, other key's value
@@ -36,20 +44,26 @@ class ValueKind(str, Enum):
 
     @property
     def failed(self) -> bool:
-        return self not in (ValueKind.CHUNK, ValueKind.GENERATION)
+        """What ``verify`` reports (and ``--delete`` removes)."""
+        return self not in (ValueKind.CHUNK, ValueKind.V1_CHUNK, ValueKind.GENERATION)
+
+    @property
+    def is_chunk(self) -> bool:
+        """A valid chunk (what ``stats`` groups and ``evict`` may select)."""
+        return self in (ValueKind.CHUNK, ValueKind.V1_CHUNK)
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One stored value. Chunk fields are set for ``CHUNK`` only; ``written_at`` is None when unknown
+    """One stored value. Chunk fields are set for chunks only; ``written_at`` is None when unknown
     (version-1 frames; a file's modification time is no substitute: the embedded store touches values
-    it serves, for its LRU)."""
+    it serves, for its LRU); ``tenant_tag`` is None when unknown (version-1 frames, unreadable values)."""
 
     key: bytes
     kind: ValueKind
     size: int  # bytes stored (framing and MAC included)
     written_at: float | None = None
-    tenant_tag: bytes = SHARED_TAG
+    tenant_tag: bytes | None = None
     fingerprint: str = ""  # hex digest of the model fingerprint
     codec: str = ""
     tokens: int = 0
@@ -58,6 +72,8 @@ class Entry:
 
     @property
     def tenant(self) -> str:
+        if self.tenant_tag is None:
+            return "untagged"
         return "shared" if self.tenant_tag == SHARED_TAG else self.tenant_tag.hex()
 
 
@@ -111,27 +127,28 @@ def classify(key: bytes, raw: bytes, secret: bytes | None, deep: bool = True) ->
     framed = read_frame(key, raw)
     if framed is None:
         return Entry(key, ValueKind.CORRUPT_FRAME, size)
-    when = framed.written_at or None  # version-1 frames carry no time
+    v1 = framed.version == 1  # no time, no tenant tag
+    when, tag = (None, None) if v1 else (framed.written_at, framed.tenant_tag)
     payload = framed.payload
-    if payload[:4] == GENERATION_MAGIC:
+    if payload[:4] == GENERATION_MAGIC or len(payload) == LEGACY_GENERATION_BYTES:
         return Entry(key, ValueKind.GENERATION, size, when)
     if payload[:4] != MAGIC:
-        return Entry(key, ValueKind.FOREIGN, size, when, framed.tenant_tag)
+        return Entry(key, ValueKind.FOREIGN, size, when, tag)
     try:
         hdr = parse_header(payload, None, verify_payload=False)
     except ChunkError as e:
-        return Entry(key, ValueKind.BAD_HEADER, size, when, framed.tenant_tag, detail=str(e)[:200])
+        return Entry(key, ValueKind.BAD_HEADER, size, when, tag, detail=str(e)[:200])
     try:
         for layer in range(hdr.layout.num_layers if deep else 0):
             layer_section(payload, hdr, layer, verify=True)
     except ChunkError as e:
-        return Entry(key, ValueKind.BAD_LAYER_CRC, size, when, framed.tenant_tag, detail=str(e)[:200])
+        return Entry(key, ValueKind.BAD_LAYER_CRC, size, when, tag, detail=str(e)[:200])
     try:
         codec = codec_class(hdr.codec_id).name
     except KeyError:
         codec = f"unknown:{hdr.codec_id}"
-    return Entry(key, ValueKind.CHUNK, size, when, framed.tenant_tag, hdr.fingerprint_digest.hex(), codec,
-                 hdr.num_tokens, hdr.num_tokens * hdr.layout.bytes_per_token())  # fmt: skip
+    return Entry(key, ValueKind.V1_CHUNK if v1 else ValueKind.CHUNK, size, when, tag, hdr.fingerprint_digest.hex(),
+                 codec, hdr.num_tokens, hdr.num_tokens * hdr.layout.bytes_per_token())  # fmt: skip
 
 
 def walk(adm: AdminStore, deep: bool = True, batch: int = 256,

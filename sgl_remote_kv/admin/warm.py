@@ -64,16 +64,16 @@ def warm(server: str, documents: list[tuple[str, str]], chat: bool = False, cach
     server = server.rstrip("/")
     tenancy = {k: v for k, v in (("cache_salt", cache_salt), ("extra_key", extra_key)) if v is not None}
     before = _settle(server, quiet_s, timeout_s)
+    model = _field(_get(server + "/v1/models"), "data", 0, "id") if chat else None
     out = []
     for name, text in documents:
         if chat:
-            model = _get(server + "/v1/models")["data"][0]["id"]
             body = {"model": model, "messages": [{"role": "system", "content": text}], "max_tokens": 1,
                     "temperature": 0, **tenancy}  # fmt: skip
-            tokens = _post(server + "/v1/chat/completions", body, timeout_s)["usage"]["prompt_tokens"]
+            tokens = _field(_post(server + "/v1/chat/completions", body, timeout_s), "usage", "prompt_tokens")
         else:
             body = {"text": text, "sampling_params": {"max_new_tokens": 1, "temperature": 0}, **tenancy}
-            tokens = _post(server + "/generate", body, timeout_s)["meta_info"]["prompt_tokens"]
+            tokens = _field(_post(server + "/generate", body, timeout_s), "meta_info", "prompt_tokens")
         after = _settle(server, quiet_s, timeout_s)
         result = WarmResult(name, int(tokens), int(after[0] - before[0]), int(after[1] - before[1]))
         out.append(result)
@@ -81,6 +81,16 @@ def warm(server: str, documents: list[tuple[str, str]], chat: bool = False, cach
             on_done(result)
         before = after
     return out
+
+
+def _field(answer, *path):
+    """``answer[path[0]][path[1]]...``; ``RuntimeError`` naming the path when the server answered otherwise."""
+    try:
+        for step in path:
+            answer = answer[step]
+    except (KeyError, IndexError, TypeError) as e:
+        raise RuntimeError(f"unexpected server answer (no {'.'.join(map(str, path))})") from e
+    return answer
 
 
 def _get(url: str) -> dict:
