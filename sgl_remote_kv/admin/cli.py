@@ -132,6 +132,8 @@ def selector(args, now: float):
         tags.append(tenant_tag(None))
     cutoff = now - parse_age(args.older_than) if args.older_than else None
     fp = args.fingerprint.lower() if args.fingerprint else None
+    if fp is not None and (not fp or fp.strip("0123456789abcdef")):
+        raise ValueError(f"--fingerprint must be a hex prefix (as `stats` prints it), got {args.fingerprint!r}")
     if not (tags or cutoff is not None or fp):
         raise ValueError("evict needs at least one of --fingerprint, --tenant/--extra-key, --shared, --older-than")
 
