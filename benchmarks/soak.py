@@ -169,9 +169,10 @@ class Injector:
                 bad = bytearray(raw)
                 bad[self.rng.randrange(len(bad))] ^= 0xFF
             else:  # well-framed, codec-level corruption
-                payload = bytearray(unframe(rkey[5:], raw) or b"\x00" * 64)
+                key = bytes.fromhex(rkey[5:].decode())  # Redis keys are prefix + the digest in hex
+                payload = bytearray(unframe(key, raw) or b"\x00" * 64)
                 payload[self.rng.randrange(len(payload))] ^= 0x01
-                bad = frame(rkey[5:], bytes(payload))
+                bad = frame(key, bytes(payload))
             self.rdb.set(rkey, bytes(bad))
 
     def fire_signal(self) -> None:
