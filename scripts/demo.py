@@ -1,20 +1,22 @@
 """`make demo`: real CPU SGLang servers with --remote-kv dpu on SmolLM2.
 
 Part 1: a 3-turn chat, then the same chat on a restarted server (its prefix comes back from the tier).
-Part 2: a 2.2K-token document read by server A and asked about on server B (two servers, one store):
-recompute vs local hit vs remote hit, side by side (``examples/long_document.py``).
+Part 2: a 2.2K-token document read by server A, then asked about on server B (A restarted on the same
+store): recompute vs local hit vs remote hit, side by side (``examples/long_document.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
+import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+from sgl_remote_kv.config import RemoteKVConfig
 from sgl_remote_kv.launcher import ServerSpec, SGLangServer
 from sgl_remote_kv.model import ensure_model
 
@@ -43,7 +45,9 @@ def main() -> int:
         rc = chat(spec, args)
         if rc != 0 or args.part == "chat":
             return rc
-    logging.info("part 2: one long document, server A reads it, server B (same store) is asked about it")
+    logging.info(
+        "part 2: one long document; server A reads it, then server B (A restarted, same store) is asked about it"
+    )
     return long_document(model, args.remote_kv, args.json)
 
 
@@ -80,19 +84,31 @@ def chat(spec: ServerSpec, args) -> int:
 
 
 def long_document(model: Path, mode: str, json_path: str | None) -> int:
-    with tempfile.TemporaryDirectory(prefix="srkv-demo-store-") as store, contextlib.ExitStack() as stack:
+    """Server A reads the document and is stopped; server B (A restarted: a fresh process on the same
+    file store) is asked about it. One server at a time."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import long_document as ld  # examples/long_document.py
+
+    with tempfile.TemporaryDirectory(prefix="srkv-demo-store-") as store:
         extra = ("--remote-kv", mode, "--remote-kv-store", f"file://{store}", "--enable-metrics",
                  "--enable-cache-report")  # fmt: skip
-        a, b = (stack.enter_context(SGLangServer(ServerSpec(model_path=str(model), extra_args=extra)))
-                for _ in range(2))  # fmt: skip
-        cmd = [sys.executable, str(ROOT / "examples" / "long_document.py"), "--server-a", a.base_url,
-               "--server-b", b.base_url] + (["--json", json_path] if json_path else [])  # fmt: skip
-        rc = subprocess.call(cmd)
-        if rc != 0:
-            logging.error("long-document part failed; server B log tail:\n%s", b.log_tail())
-            return rc
+        spec = ServerSpec(model_path=str(model), extra_args=extra)
+        rows = []
+        for name, phase in (("A", ld.phase_a), ("B", ld.phase_b)):
+            with SGLangServer(spec) as srv:
+                logging.info("server %s up at %s (store %s)", name, srv.base_url, store)
+                try:
+                    rows += phase(srv.base_url)
+                except Exception:
+                    logging.exception(
+                        "long-document part failed; server %s log tail:\n%s", name, srv.log_tail()
+                    )
+                    return 1
+    cfg = RemoteKVConfig(mode=mode)
+    ld.report(rows, json_path, measured=time.strftime("%Y-%m-%d"), remote_kv=mode, store="file",
+              chunk_size=cfg.chunk_size, codec_flag=cfg.codec, cpus=os.cpu_count())  # fmt: skip
     logging.info("servers stopped; demo done")
-    return 0
+    return 0 if all(r.answer for r in rows) else 1
 
 
 if __name__ == "__main__":
