@@ -125,14 +125,16 @@ def wait_written(base_url: str, quiet_s: float = 2.0, timeout_s: float = 120.0) 
 
 
 def phase_a(server_a: str, max_tokens: int = 40) -> list[Row]:
-    """Server A: warm up, read the second document (for B), then question 1 (recompute) and question 2
-    (local hit) about the document; returns when A's write-back is in the store."""
+    """Server A: warm up, read the second document (for B), then question 1 (recompute) and, once its
+    write-back is in the store, question 2 (local hit) about the document; returns when A's write-back
+    is in the store."""
     warm_up(server_a)
     chat(server_a, load(*SECOND_DOCUMENT), QUESTIONS[1], 1)  # computed here, written back for B's first hit
-    rows = [ask(server_a, "A", "recompute", DOCUMENT, 1, max_tokens),
-            ask(server_a, "A", "local hit", DOCUMENT, 2, max_tokens)]  # fmt: skip
+    recompute = ask(server_a, "A", "recompute", DOCUMENT, 1, max_tokens)
+    wait_written(server_a)  # its write-back's encode would compete with the local hit for the CPU
+    local = ask(server_a, "A", "local hit", DOCUMENT, 2, max_tokens)
     wait_written(server_a)
-    return rows
+    return [recompute, local]
 
 
 def phase_b(server_b: str, max_tokens: int = 40) -> list[Row]:
