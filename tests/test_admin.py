@@ -185,7 +185,11 @@ def test_verify_delete_spares_a_value_rewritten_since_the_walk(file_store):
     s = open_store(url)
     s.put_many([(_key(8), frame(_key(8), _blob("lossless", FP_A, 8)))])  # a server rewrote it meanwhile
     s.close()
-    cli._delete(url, kinds["bad"], recheck=True)
+    adm = scan.open_admin(url)
+    try:
+        cli._delete(adm, kinds["bad"], recheck=True)
+    finally:
+        adm.close()
     assert set(_entries(url)) == set(kinds["good"]) | set(kinds["generation"]) | {_key(8)}
 
 

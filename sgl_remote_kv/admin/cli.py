@@ -15,11 +15,13 @@ no traceback, the URL's password redacted).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -46,13 +48,19 @@ def _progress(args, what: str):
     return tqdm(desc=what, unit=" values", file=sys.stderr, disable=args.json or not sys.stderr.isatty())
 
 
-def _walk(args, deep: bool) -> list[Entry]:
+@contextlib.contextmanager
+def _opened(args) -> Iterator[scan.AdminStore]:
+    """The store of ``--store``, open for one command (its walk and its deletes)."""
     adm = scan.open_admin(args.store)
     try:
-        with _progress(args, f"scanning {adm.url}") as bar:
-            return list(scan.walk(adm, deep=deep, progress=bar.update))
+        yield adm
     finally:
         adm.close()
+
+
+def _walk(args, adm: scan.AdminStore, deep: bool) -> list[Entry]:
+    with _progress(args, f"scanning {adm.url}") as bar:
+        return list(scan.walk(adm, deep=deep, progress=bar.update))
 
 
 # -- stats ------------------------------------------------------------------------------------------
@@ -98,23 +106,24 @@ def _print_stats(report: dict) -> None:
 
 
 def cmd_stats(args) -> int:
-    report = stats(_walk(args, deep=False), time.time())
+    with _opened(args) as adm:
+        report = stats(_walk(args, adm, deep=False), time.time())
     print(json.dumps(report, indent=1)) if args.json else _print_stats(report)
     return 0
 
 
 # -- verify -----------------------------------------------------------------------------------------
 def cmd_verify(args) -> int:
-    entries = _walk(args, deep=True)
-    bad = [e for e in entries if e.kind.failed]
-    if bad and args.delete:
-        _delete(args.store, [e.key for e in bad], recheck=True)
-    report = {"values": len(entries), "failed": dict(Counter(e.kind.value for e in bad)), "deleted": len(bad) if args.delete else 0,
+    with _opened(args) as adm:
+        entries = _walk(args, adm, deep=True)
+        bad = [e for e in entries if e.kind.failed]
+        deleted = _delete(adm, [e.key for e in bad], recheck=True) if bad and args.delete else 0
+    report = {"values": len(entries), "failed": dict(Counter(e.kind.value for e in bad)), "deleted": deleted,
               "failures": [{"key": e.key.hex(), "kind": e.kind.value, "detail": e.detail} for e in bad]}  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        print(f"{len(entries)} values checked, {len(bad)} failed" + (f", {len(bad)} deleted" if args.delete else ""))
+        print(f"{len(entries)} values checked, {len(bad)} failed" + (f", {deleted} deleted" if args.delete else ""))
         for e in bad[:50]:
             print(f"  {e.key.hex()}  {e.kind.value}  {e.detail}")
         if len(bad) > 50:
@@ -146,10 +155,11 @@ def selector(args, now: float):
 
 
 def cmd_evict(args) -> int:
-    pick = selector(args, time.time())
-    chosen = [e for e in _walk(args, deep=False) if pick(e)]
-    if chosen and not args.dry_run:
-        _delete(args.store, [e.key for e in chosen])
+    pick = selector(args, time.time())  # bad arguments before any store I/O
+    with _opened(args) as adm:
+        chosen = [e for e in _walk(args, adm, deep=False) if pick(e)]
+        if chosen and not args.dry_run:
+            _delete(adm, [e.key for e in chosen])
     report = {"matched": len(chosen), "deleted": 0 if args.dry_run else len(chosen),
               "bytes": sum(e.size for e in chosen), "tokens": sum(e.tokens for e in chosen)}  # fmt: skip
     if args.json:
@@ -160,20 +170,19 @@ def cmd_evict(args) -> int:
     return 0
 
 
-def _delete(url: str, keys: list[bytes], recheck: bool = False) -> None:
-    """Delete ``keys``; ``recheck``: only those whose value still fails (a server may have rewritten a
-    bad value with a good one since the walk read it)."""
-    adm = scan.open_admin(url)
-    try:
-        for i in range(0, len(keys), 256):
-            batch = keys[i : i + 256]
-            if recheck:
-                values = adm.store.get_many(batch)
-                batch = [k for k, v in zip(batch, values, strict=True)
-                         if v is not None and scan.classify(k, v, adm.secret).kind.failed]  # fmt: skip
-            adm.store.delete_many(batch)
-    finally:
-        adm.close()
+def _delete(adm: scan.AdminStore, keys: list[bytes], recheck: bool = False) -> int:
+    """Delete ``keys``, on the store the walk read; ``recheck``: only those whose value still fails (a
+    server may have rewritten a bad value with a good one since the walk read it). Returns how many."""
+    n = 0
+    for i in range(0, len(keys), 256):
+        batch = keys[i : i + 256]
+        if recheck:
+            values = adm.store.get_many(batch)
+            batch = [k for k, v in zip(batch, values, strict=True)
+                     if v is not None and scan.classify(k, v, adm.secret).kind.failed]  # fmt: skip
+        adm.store.delete_many(batch)
+        n += len(batch)
+    return n
 
 
 # -- warm -------------------------------------------------------------------------------------------
