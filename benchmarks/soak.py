@@ -38,7 +38,7 @@ from pathlib import Path
 from benchmarks.redis_server import RedisServer, free_port
 from sgl_remote_kv.launcher import ServerSpec, SGLangServer
 from sgl_remote_kv.model import ensure_model
-from sgl_remote_kv.store.client import frame, unframe
+from sgl_remote_kv.store.framing import frame, unframe
 from tests.fixtures.faults import TcpProxy, data_plane_procs, tree_rss_mb
 from tests.fixtures.remote_kv_server import CHUNK, flush_cache, post, storage_tokens
 

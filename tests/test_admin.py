@@ -27,7 +27,7 @@ from sgl_remote_kv.admin.scan import ValueKind
 from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.security import seal
 from sgl_remote_kv.store.base import open_store
-from sgl_remote_kv.store.client import frame
+from sgl_remote_kv.store.framing import frame
 from sgl_remote_kv.store.keys import GENERATION_MAGIC, tenant_salt, tenant_tag
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 

@@ -181,7 +181,8 @@ def test_store_down_is_all_misses(tmp_path, make_client):
 def test_store_timeout_and_framing_corruption_keep_their_kind(tmp_path, make_client):
     """A value failing the store framing is ``corrupt`` (not a miss: the waiting queue's repair keys
     off it), a timed-out store call ``store_timeout``; both reach the store error listener."""
-    from sgl_remote_kv.store.client import frame, open_client
+    from sgl_remote_kv.store.client import open_client
+    from sgl_remote_kv.store.framing import frame
 
     codec = codecs()["lossless"]
     url = f"file://{tmp_path}/store"

@@ -21,7 +21,7 @@ from benchmarks.redis_server import RedisServer, free_port
 from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.sglang_glue.seam import weights_id_for
 from sgl_remote_kv.store import keys as keys_mod
-from sgl_remote_kv.store.client import frame, unframe
+from sgl_remote_kv.store.framing import frame, unframe
 from sgl_remote_kv.store.redis_store import redis_key
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 from tests.fixtures.faults import (

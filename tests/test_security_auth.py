@@ -26,7 +26,8 @@ from sgl_remote_kv.security import (
 )
 from sgl_remote_kv.sglang_glue.fetch import InProcessFetchBackend
 from sgl_remote_kv.store.base import open_store
-from sgl_remote_kv.store.client import ClientConfig, StoreClient, frame, unframe
+from sgl_remote_kv.store.client import ClientConfig, StoreClient
+from sgl_remote_kv.store.framing import frame, unframe
 from sgl_remote_kv.store.local import LocalStore
 
 SECRET = bytes(range(32))

@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from sgl_remote_kv.store.client import ClientConfig, PrefixLookup, StoreClient, frame, unframe
+from sgl_remote_kv.store.client import ClientConfig, PrefixLookup, StoreClient
 from sgl_remote_kv.store.faulty import FaultConfig, FaultyStore
+from sgl_remote_kv.store.framing import frame, unframe
 from sgl_remote_kv.store.local import LocalStore
 
 FAST = ClientConfig(timeout_s=0.5, retries=1, retry_backoff_s=0.001, breaker_failures=3, breaker_reset_s=0.3)

@@ -24,7 +24,7 @@ from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.codec.format import MAGIC, layer_section, parse_header
 from sgl_remote_kv.security import AUTH_PREFIX, load_auth_key, split_auth_url, unseal
 from sgl_remote_kv.store.base import open_store, redact_url
-from sgl_remote_kv.store.client import read_frame
+from sgl_remote_kv.store.framing import read_frame
 from sgl_remote_kv.store.keys import GENERATION_MAGIC, SHARED_TAG
 
 # Releases before ``GENERATION_MAGIC`` wrote a generation as 16 bare random bytes; no chunk blob is that

@@ -15,11 +15,9 @@ ever reaches the caller (who then recomputes the KV). On top of the backend it a
   kind a breaker opens and those calls fail fast (a miss / a dropped write) for ``breaker_reset_s``;
   then one probe call is let through (half-open) and its success closes it again. Separate, so a
   store that only refuses writes (read-only, disk full) keeps serving lookups, and vice versa;
-- integrity framing: values are stored as ``header || payload``; the header (v2) holds the payload
-  length, the time the value was written (unix seconds), the writer's tenant tag (``keys.tenant_tag``:
-  what the admin command counts and evicts by) and a CRC32 over key, those fields and the payload. A
-  truncated, corrupt or misplaced blob is a miss (kind ``corrupt``) and is deleted best-effort, so a
-  corrupt value is never served. Version 1 values (no time, no tag) are still read.
+- integrity framing (``framing.py``: payload length, write time, tenant tag, CRC over key and all of
+  it): a truncated, corrupt or misplaced blob is a miss (kind ``corrupt``) and is deleted best-effort,
+  so a corrupt value is never served.
 - counters (hits, misses, bytes, latency per op, errors by kind, circuit state) via ``stats()``;
 - an optional error listener ``on_error(op, kind, n)`` called for every failed call (after its
   retries), every call refused by an open breaker (kind ``breaker_open``) and every corrupt value
@@ -39,10 +37,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import errno
 import logging
-import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,17 +46,12 @@ from typing import Any, TypeVar
 
 from .base import Counters, KVStore, StoreError, StoreStats, open_store, redact_url
 from .breaker import CircuitBreaker, worst
+from .framing import frame, unframe
 from .keys import SHARED_TAG
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_MAGIC = b"SRKV"
-_HEADER_V1 = struct.Struct("<4sBxxxQI")  # magic, version, pad, payload length, crc32(key || payload)
-# v2: + written_at (unix s), tenant tag; crc32(key || written_at || tag || payload)
-_HEADER = struct.Struct("<4sBxxxQIQ8s")
-_META = struct.Struct("<Q8s")
-_VERSION = 2
 _RETRYABLE = frozenset({"timeout", "unavailable"})
 # backend method -> the op label of its errors; _WRITES use the write breaker, the rest the read one
 OPS = {
@@ -99,48 +90,6 @@ class ClientConfig:
     breaker_reset_s: float = 5.0
     batch: int = 8  # keys per backend call in get_many/put_many (each call has its own timeout)
     workers: int = 4
-
-
-@dataclass(frozen=True)
-class Framed:
-    """A verified framed value: its payload and what the frame says about it (v1: no time, shared)."""
-
-    payload: bytes
-    version: int
-    written_at: int  # unix seconds; 0 for version 1 values
-    tenant_tag: bytes  # keys.tenant_tag of the writer's request; zeros: shared (and every v1 value)
-
-
-def frame(key: bytes, payload: bytes | bytearray | memoryview, tenant_tag: bytes = SHARED_TAG,
-          written_at: int | None = None) -> bytes:  # fmt: skip
-    """``header || payload`` (one copy of the payload)."""
-    meta = _META.pack(int(time.time()) if written_at is None else written_at, tenant_tag)
-    crc = zlib.crc32(payload, zlib.crc32(meta, zlib.crc32(key)))
-    return _HEADER.pack(_MAGIC, _VERSION, len(payload), crc, *_META.unpack(meta)) + bytes(payload)
-
-
-def read_frame(key: bytes, blob: bytes) -> Framed | None:
-    """The framed value, or ``None`` if it is truncated, corrupt, of an unknown version or not for ``key``."""
-    if len(blob) < _HEADER_V1.size:
-        return None
-    magic, version, length, crc = _HEADER_V1.unpack_from(blob)
-    if magic != _MAGIC or version not in (1, 2):
-        return None
-    size = _HEADER_V1.size if version == 1 else _HEADER.size
-    if length != len(blob) - size:
-        return None
-    payload = blob[size:]
-    meta = b"" if version == 1 else blob[_HEADER_V1.size : size]
-    if zlib.crc32(payload, zlib.crc32(meta, zlib.crc32(key))) != crc:
-        return None
-    written_at, tag = _META.unpack(meta) if meta else (0, SHARED_TAG)
-    return Framed(payload, version, written_at, tag)
-
-
-def unframe(key: bytes, blob: bytes) -> bytes | None:
-    """The payload of a framed blob, or ``None`` if it is truncated, corrupt or not for ``key``."""
-    f = read_frame(key, blob)
-    return None if f is None else f.payload
 
 
 class StoreClient:
