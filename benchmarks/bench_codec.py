@@ -39,7 +39,7 @@ from benchmarks import kvdata, quality  # noqa: E402
 
 CHUNK = 256
 OUT = kvdata.REPO / "docs" / "results" / "codec.json"
-Encode = Callable[[np.ndarray, np.ndarray], bytes]
+Encode = Callable[[np.ndarray, np.ndarray, int], bytes]  # (k, v, position of the chunk's first token)
 Decode = Callable[[bytes], tuple[np.ndarray, np.ndarray]]
 ROW_PRODUCERS: list[Callable[[EvalContext], list[dict]]] = []
 
@@ -105,7 +105,7 @@ class EvalContext:
 
     def measure_codec(self, label: str, codec, timing: bool = True, **extra) -> dict:
         fp = self.fingerprint
-        row = self.measure(label, lambda k, v: codec.encode(k, v, fp), lambda b: codec.decode(b, fp),
+        row = self.measure(label, lambda k, v, s: codec.encode(k, v, fp, start=s), lambda b: codec.decode(b, fp),
                            timing, **extra)  # fmt: skip
         row["params"] = codec.params()
         row.setdefault("impl", type(codec).__name__)
@@ -132,19 +132,20 @@ def _save_memo(memo: dict) -> None:
     os.replace(tmp, _MEMO_FILE)
 
 
-def _chunks(t: kvdata.TextKV):
+def _chunks(t: kvdata.TextKV, with_start: bool = False):
     n = t.k.shape[1]
     for s in range(0, n, CHUNK):
-        yield np.ascontiguousarray(t.k[:, s : s + CHUNK]), np.ascontiguousarray(t.v[:, s : s + CHUNK])
+        k, v = np.ascontiguousarray(t.k[:, s : s + CHUNK]), np.ascontiguousarray(t.v[:, s : s + CHUNK])
+        yield (k, v, s) if with_start else (k, v)
 
 
 def _roundtrip(t: kvdata.TextKV, encode: Encode, decode: Decode, repeat: int):
     """Encode and decode every chunk of ``t``; best-of-``repeat`` wall times (single thread)."""
-    chunks = list(_chunks(t))
+    chunks = list(_chunks(t, with_start=True))
     enc_best = dec_best = float("inf")
     for _ in range(max(1, repeat)):
         t0 = time.perf_counter()
-        blobs = [encode(k, v) for k, v in chunks]
+        blobs = [encode(k, v, s) for k, v, s in chunks]
         t1 = time.perf_counter()
         dec = [decode(b) for b in blobs]
         t2 = time.perf_counter()
@@ -176,6 +177,8 @@ class Spec:
         params = dict(self.params)
         if self.codec == "quant_rans" and ctx is not None:
             params["tables"] = fit_tables(ctx, params)
+        if self.codec == "transform" and ctx is not None:
+            params["calibration"] = tune_calibration(ctx, params["quality"]).calib_id.hex()
         return get_codec(self.codec, **params)
 
 
@@ -189,6 +192,20 @@ def fit_tables(ctx: EvalContext, params: dict):
     if not samples:
         raise ValueError("no tune texts to fit entropy tables on")
     return tables.fit(spec, ctx.fingerprint, samples)
+
+
+def tune_calibration(ctx: EvalContext, quality: str):
+    """The registered calibration of the benchmark model (``make calibration``), refused unless it was
+    fitted on tune texts only (its report names its texts)."""
+    from sgl_remote_kv.codec import calibration
+
+    fp = ctx.fingerprint
+    cal = calibration.find_for(fp, quality)
+    fitted_on = set(json.loads(cal.report).get("texts", []))
+    tune = {Path(t.path).name for t in ctx.texts if t.role == "tune"}
+    if not fitted_on or not fitted_on <= tune:
+        raise ValueError(f"calibration {cal.calib_id.hex()} was fitted on {sorted(fitted_on)}, not on tune texts only")
+    return cal
 
 
 def quant(label, family, codec, k="256", v="256", gran="token", cs=False, **more) -> Spec:
@@ -240,7 +257,7 @@ def recommended_specs() -> list[Spec]:
 def raw_bf16_row(ctx: EvalContext) -> dict:
     """Reference row: the bf16 bytes as they are (no codec, no header)."""
 
-    def enc(k, v):
+    def enc(k, v, start):
         return k.tobytes() + v.tobytes()
 
     lay = ctx.fingerprint.layout
@@ -255,12 +272,27 @@ def raw_bf16_row(ctx: EvalContext) -> dict:
 
 
 def spec_row(ctx: EvalContext, spec: Spec, timing: bool = True) -> dict | None:
+    if spec.codec == "kvtc":
+        return kvtc_row(ctx, spec, timing)
     try:
         codec = spec.make(ctx)
     except (ImportError, KeyError, TypeError, ValueError) as e:
         print(f"  skip {spec.label}: {type(e).__name__}: {e}", file=sys.stderr)
         return None
     return ctx.measure_codec(spec.label, codec, timing, family=spec.family, codec_name=spec.codec)
+
+
+def kvtc_row(ctx: EvalContext, spec: Spec, timing: bool = True) -> dict:
+    """The KVTC peer (``benchmarks.kvtc_peer``), fitted on the tune texts, at ``bits`` per value."""
+    from benchmarks.kvtc_peer import KVTC
+    from sgl_remote_kv.types import RopeSpec
+
+    params = dict(spec.params)
+    rope = RopeSpec.from_hf_config(json.loads((kvdata.model_dir() / "config.json").read_text()))
+    peer = KVTC([t for t in ctx.texts if t.role == "tune"], rope, float(params["bits"]))
+    row = ctx.measure(spec.label, peer.encode, peer.decode, timing, family=spec.family, codec_name="kvtc")
+    row["params"], row["impl"] = params, "benchmarks.kvtc_peer.KVTC"
+    return row
 
 
 def discovered_producers() -> list[Callable[[EvalContext], list[dict]]]:

@@ -33,7 +33,9 @@ from benchmarks.bench_codec import CACHEGEN_K, CACHEGEN_V, OUT, EvalContext, Spe
 RD_OUT = OUT.with_name("codec_rd.json")
 POINTS_CACHE = kvdata.CACHE.parent / "rd_points.json"
 FLOORS = {"near_lossless": {"kl": 0.001, "top1": 0.98}, "loose": {"kl": 0.01, "top1": 0.0}}
-OURS = ("ours-deflate", "ours-rans")
+OURS = ("ours-deflate", "ours-rans", "transform-deflate", "transform-rans")
+PEERS = ("cachegen", "shadowserve", "int8", "kvtc")
+KVTC_BITS = ("1", "1.5", "2", "2.5", "3", "3.5", "4", "5")
 UNIFORM = ("256", "192", "128", "96", "64", "32")
 
 
@@ -71,6 +73,14 @@ def family_specs(family: str) -> list[Spec]:
             k, v = _scaled_cachegen(f)
             out.append(quant(f"CacheGen bins x{f} ({k} | {v})", family, codec, k, v))
         return out
+    if family in ("transform-deflate", "transform-rans"):
+        from sgl_remote_kv.codec.calibration import LEVELS
+
+        entropy = family.split("-")[1]
+        return [Spec(f"transform {entropy} KL<={lv}", family, "transform", (("entropy", entropy), ("quality", lv)))
+                for lv in LEVELS]  # fmt: skip
+    if family == "kvtc":
+        return [Spec(f"KVTC {b} bits/value", family, "kvtc", (("bits", b),)) for b in KVTC_BITS]
     if family == "int8":
         return [quant("256b/token stored", family, "quant_deflate", method="raw")]
     if family == "lossless":
@@ -78,7 +88,8 @@ def family_specs(family: str) -> list[Spec]:
     raise KeyError(family)
 
 
-FAMILIES = ("lossless", "int8", "shadowserve", "cachegen", "ours-deflate", "ours-rans")
+FAMILIES = ("lossless", "int8", "shadowserve", "cachegen", "kvtc", "ours-deflate", "ours-rans", "transform-deflate",
+            "transform-rans")
 
 
 def _key(spec: Spec, ctx: EvalContext) -> str:
@@ -164,7 +175,7 @@ def peer_comparison(best: dict) -> dict:
     res = {}
     for fname, fams in best.items():
         ours = [v for f, v in fams.items() if f in OURS and v]
-        peers = [v for f, v in fams.items() if f in ("cachegen", "shadowserve", "int8") and v]
+        peers = [v for f, v in fams.items() if f in PEERS and v]
         if ours and peers:
             o = max(ours, key=lambda v: v["heldout"]["ratio"])
             p = max(peers, key=lambda v: v["heldout"]["ratio"])

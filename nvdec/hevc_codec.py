@@ -118,7 +118,7 @@ class HevcCodec(Codec):
     def encode_layer(self, k, v, layer, fingerprint):
         raise NotImplementedError("hevc codes three layers per video; use encode()")
 
-    def encode(self, k, v, fingerprint: ModelFingerprint) -> bytes:
+    def encode(self, k, v, fingerprint: ModelFingerprint, start: int = 0) -> bytes:
         """Encode a chunk (``[L, T, H, D]`` storage dtype). Called by the encoding thread."""
         from sgl_remote_kv.codec.format import pack
 

@@ -73,6 +73,48 @@ class ModelFingerprint:
         return hashlib.sha256(self.canonical()).digest()
 
 
+ROPE_STYLES = ("neox", "gptj")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """The rotary position embedding a model applies to its cached keys (what a codec must undo to see
+    position-free keys, and re-apply after decoding). ``style``: ``neox`` rotates dimension ``i`` with
+    ``i + rotary_dim/2`` (HF Llama's ``rotate_half``), ``gptj`` rotates interleaved pairs. Only unscaled
+    RoPE is described; a model with ``rope_scaling`` has no ``RopeSpec`` (``from_hf_config`` says why)."""
+
+    theta: float
+    rotary_dim: int
+    style: str = "neox"
+
+    def __post_init__(self) -> None:
+        if self.style not in ROPE_STYLES:
+            raise ValueError(f"rope style {self.style!r} not in {ROPE_STYLES}")
+        if not (self.theta > 1.0 and self.rotary_dim > 0 and self.rotary_dim % 2 == 0):
+            raise ValueError(f"bad rope parameters theta={self.theta} rotary_dim={self.rotary_dim}")
+
+    def canonical(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> RopeSpec:
+        """From a transformers config (object or dict). ``ValueError`` naming the reason for RoPE this
+        record cannot describe (scaled variants such as llama3/yarn, partial rotary factors)."""
+        get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+        params = get("rope_parameters") or {}
+        scaling = get("rope_scaling") or {}
+        theta = params.get("rope_theta", get("rope_theta", None))
+        kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        if theta is None:
+            raise ValueError("the model config names no rope_theta")
+        if kind != "default":
+            raise ValueError(f"rope type {kind!r} is not supported (only unscaled RoPE)")
+        if float(get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
+            raise ValueError("partial rotary embeddings are not supported")
+        head_dim = get("head_dim") or get("hidden_size") // get("num_attention_heads")
+        return cls(float(theta), int(head_dim), "neox")
+
+
 class FailureKind(str, Enum):
     """Why (part of) a remote hit became a miss: the closed set of ``failures_total{kind}`` label values.
     Anything else is counted as ``INTERNAL`` (the raw detail goes to the log, never into a label)."""

@@ -83,8 +83,11 @@ class Codec(ABC):
         k: np.ndarray,
         v: np.ndarray,
         fingerprint: ModelFingerprint,
+        start: int = 0,
     ) -> bytes:
-        """Encode a chunk. Raises ``ValueError`` for shapes/dtypes that do not match ``fingerprint``."""
+        """Encode a chunk whose first token is at position ``start`` of its sequence (codecs that undo
+        positional embeddings use it; the others ignore it). Raises ``ValueError`` for shapes/dtypes that
+        do not match ``fingerprint``."""
         lay = fingerprint.layout
         check_chunk_arrays(k, v, lay)
         sections = [self.encode_layer(k[i], v[i], i, fingerprint) for i in range(lay.num_layers)]
@@ -225,6 +228,7 @@ _REGISTRY: dict[str, tuple[int, str]] = {
     "quant_rans": (3, "sgl_remote_kv.codec.quant_rans:QuantRansCodec"),
     "cachegen": (4, "sgl_remote_kv.codec.cachegen:CacheGenCodec"),
     "hevc": (5, "sgl_remote_kv.nvdec.hevc_codec:HevcCodec"),
+    "transform": (6, "sgl_remote_kv.codec.transform:TransformCodec"),
 }
 
 

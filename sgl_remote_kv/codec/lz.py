@@ -7,6 +7,7 @@ only ``CorruptChunk``. isal and zstandard release the GIL while (de)compressing.
 from __future__ import annotations
 
 import logging
+import struct
 
 import numpy as np
 import zstandard
@@ -60,4 +61,48 @@ def decompress_into(method: int, data, out: np.ndarray, raw_len: int) -> int:
     else:
         raise CorruptChunk(f"unknown compression method {method}")
     out[:raw_len] = np.frombuffer(res, np.uint8)
+    return raw_len
+
+
+SUB = struct.Struct("<BBHI")
+STREAM = struct.Struct("<BxxxII")
+MAX_STREAMS = 4
+
+
+def pack_streams(method: int, level: int, parts) -> bytes:
+    """Compress each part as its own stream (own Huffman table); a stream that does not shrink is stored
+    raw. Layout: ``<BBHI`` (0, number of streams, 0, total raw length), per stream ``<BxxxII`` (method,
+    raw length, compressed length), then the bodies in order."""
+    if not 0 < len(parts) <= MAX_STREAMS:
+        raise ValueError(f"1..{MAX_STREAMS} streams")
+    heads, bodies = [], []
+    for part in parts:
+        m, body = method, compress(method, part, level)
+        if len(body) >= len(part):
+            m, body = RAW, bytes(part)
+        heads.append(STREAM.pack(m, len(part), len(body)))
+        bodies.append(body)
+    return b"".join([SUB.pack(0, len(bodies), 0, sum(len(p) for p in parts)), *heads, *bodies])
+
+
+def unpack_streams(section, out: np.ndarray, method: int) -> int:
+    """Inverse of ``pack_streams`` into ``out`` (concatenated parts); returns the bytes written. Streams
+    may only use ``method`` or raw. Raises only ``CorruptChunk``."""
+    if len(section) < SUB.size:
+        raise CorruptChunk("section shorter than its sub-header")
+    _, n_streams, _, raw_len = SUB.unpack_from(section, 0)
+    body = SUB.size + n_streams * STREAM.size
+    if not 0 < n_streams <= MAX_STREAMS or body > len(section):
+        raise CorruptChunk("bad stream table")
+    if raw_len > out.size:
+        raise CorruptChunk(f"section claims {raw_len} decoded bytes, scratch holds {out.size}")
+    streams = [STREAM.unpack_from(section, SUB.size + i * STREAM.size) for i in range(n_streams)]
+    if sum(s[1] for s in streams) != raw_len or body + sum(s[2] for s in streams) != len(section):
+        raise CorruptChunk("stream lengths do not add up")
+    o = 0
+    for m, rl, cl in streams:
+        if m not in (RAW, method):
+            raise CorruptChunk(f"stream method {m} does not match codec params")
+        decompress_into(m, section[body : body + cl], out[o : o + rl], rl)
+        o, body = o + rl, body + cl
     return raw_len

@@ -1,0 +1,282 @@
+"""Calibrate the transform codec for one model: ``python -m sgl_remote_kv.calibrate --model-path DIR``.
+
+Runs the model (transformers, float32, on the CPU) over calibration texts and fits, per (layer, K/V, KV
+head), the mean and PCA basis of position-free KV (RoPE undone on keys; the first ``SINKS`` tokens of
+each text left out of the fit), then chooses the quantization steps of every quality level in
+``codec.calibration.LEVELS`` by measuring the model itself:
+
+1. sensitivity: the next-token KL (against the exact KV) when only one (layer, K/V) is coded at a
+   reference step, for every (layer, K/V);
+2. allocation: with KL roughly additive and proportional to step^2, equal KL shares are the
+   rate-optimal split, so each (layer, K/V) gets ``step = ref * sqrt(share / its KL)``;
+3. a global factor per level, bisected until the KL of everything coded at once is ``MARGIN`` x the
+   level's target on the calibration texts (the floor is judged on texts the calibration never saw);
+4. the rANS frequencies of the symbols those steps produce.
+
+Writes ``<cache>/calibration/<id>.npz`` (``codec.calibration``), which servers of this model load at
+start. Minutes on 2 CPU cores for a 135M model. The texts should resemble what the tier will serve;
+never calibrate on the texts you report quality on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sgl_remote_kv.codec import calibration as calib_mod
+from sgl_remote_kv.codec import rans, transform
+from sgl_remote_kv.types import KVLayout, ModelFingerprint, RopeSpec
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TEXTS = (Path("/usr/share/common-licenses/GPL-3"), Path("/usr/share/doc/dpkg/spec/triggers.txt"))
+PREFIX, CONT, SINKS = 1792, 64, 4
+REF_STEP = 0.15
+MARGIN = 0.6  # calibrate to this fraction of each level's KL target
+STEP_RANGE = (0.004, 2.0)
+BISECT = 5
+
+
+@dataclass
+class Text:
+    name: str
+    prefix: np.ndarray  # [P] int64
+    cont: np.ndarray  # [C] int64
+    k: np.ndarray  # [L, P, H, D] float32 (RoPE applied, as cached)
+    v: np.ndarray
+    base_logp: object  # torch [C, vocab] from the exact KV
+
+
+class Scorer:
+    """The model, and the KL of continuations under a prefix KV against the exact one."""
+
+    def __init__(self, model_path: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.tok = AutoTokenizer.from_pretrained(str(model_path))
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+
+    def text(self, path: Path) -> Text:
+        ids = np.asarray(self.tok(path.read_text(errors="replace"))["input_ids"], np.int64)
+        if len(ids) < 512 + CONT:
+            raise ValueError(f"{path}: {len(ids)} tokens, need >= {512 + CONT}")
+        p = min(PREFIX, (len(ids) - CONT) // 256 * 256)
+        with self.torch.no_grad():
+            out = self.model(input_ids=self.torch.from_numpy(ids[None, : p + CONT]), use_cache=True)
+        logp = self.torch.log_softmax(out.logits[0, p:].float(), -1)
+        layers = out.past_key_values.layers
+        k = np.stack([lay.keys[0, :, :p].permute(1, 0, 2).numpy() for lay in layers])
+        v = np.stack([lay.values[0, :, :p].permute(1, 0, 2).numpy() for lay in layers])
+        return Text(path.name, ids[:p], ids[p : p + CONT], k, v, logp)
+
+    def kl(self, t: Text, k: np.ndarray, v: np.ndarray) -> tuple[float, float]:
+        """(mean KL in nats, top-1 agreement) of the continuation given prefix KV ``k, v`` (float32)."""
+        from transformers import DynamicCache
+
+        torch = self.torch
+        pairs = [(torch.from_numpy(np.ascontiguousarray(k[i].transpose(1, 0, 2)))[None],
+                  torch.from_numpy(np.ascontiguousarray(v[i].transpose(1, 0, 2)))[None]) for i in range(k.shape[0])]  # fmt: skip
+        cache = DynamicCache(ddp_cache_data=pairs, config=self.model.config)
+        n = k.shape[1]
+        with torch.no_grad():
+            out = self.model(input_ids=torch.from_numpy(t.cont[None]), past_key_values=cache,
+                             position_ids=torch.arange(n, n + len(t.cont))[None], use_cache=True)  # fmt: skip
+        logp = torch.log_softmax(out.logits[0].float(), -1)
+        kl = (t.base_logp.exp() * (t.base_logp - logp)).sum(-1).clamp_min(0)
+        top1 = (t.base_logp.argmax(-1) == logp.argmax(-1)).float().mean()
+        return float(kl.mean()), float(top1)
+
+
+def fit_basis(texts: list[Text], rope: RopeSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Mean [L, 2, H, D] and PCA basis [L, 2, H, D, D] (descending variance) of position-free KV."""
+    n_l, _, n_h, d = texts[0].k.shape
+    mean = np.zeros((n_l, 2, n_h, d), np.float32)
+    basis = np.zeros((n_l, 2, n_h, d, d), np.float32)
+    for layer in range(n_l):
+        for kv in range(2):
+            xs = []
+            for t in texts:
+                x = np.array((t.k if kv == 0 else t.v)[layer], np.float32)
+                if kv == 0:
+                    cos, sin = transform.rope_tables(rope, 0, x.shape[0])
+                    transform._rotate(x, cos, sin, 0 if rope.style == "neox" else 1, np.float32(-1.0))
+                xs.append(x[SINKS:])
+            x = np.concatenate(xs).astype(np.float64)  # [N, H, D]
+            mu = x.mean(0)
+            mean[layer, kv] = mu
+            for h in range(n_h):
+                xc = x[:, h] - mu[h]
+                w, vecs = np.linalg.eigh(xc.T @ xc)
+                basis[layer, kv, h] = vecs[:, ::-1]
+    return mean, basis
+
+
+def _uniform_freq(n_l: int, c: int) -> np.ndarray:
+    f = np.full((n_l, 2, c, calib_mod.SYMBOLS), (1 << rans.PROB_BITS) // calib_mod.SYMBOLS, np.uint16)
+    return f
+
+
+class Calibrator:
+    def __init__(self, scorer: Scorer, texts: list[Text], key: bytes, rope: RopeSpec, mean, basis) -> None:
+        self.scorer, self.texts, self.key, self.rope = scorer, texts, key, rope
+        self.mean, self.basis = mean, basis
+        n_l, _, n_h, d = mean.shape
+        self.shape = (n_l, 2, n_h, d)
+        self._freq = _uniform_freq(n_l, n_h * d)
+        self.evals = 0
+
+    def provisional(self, steps: np.ndarray) -> calib_mod.Calibration:
+        return calib_mod.Calibration(self.key, self.rope, self.mean, self.basis, {"0.001": steps}, {"0.001": self._freq})
+
+    def score(self, steps: np.ndarray, only: tuple[int, int] | None = None) -> tuple[float, float]:
+        """Mean (KL, top-1) over the texts with KV coded at ``steps`` (only one (layer, kv) if given)."""
+        cal = self.provisional(steps)
+        kls, tops = [], []
+        for t in self.texts:
+            k, v = t.k, t.v
+            if only is None:
+                k = np.stack([transform.roundtrip(cal, "0.001", i, 0, t.k[i]) for i in range(k.shape[0])])
+                v = np.stack([transform.roundtrip(cal, "0.001", i, 1, t.v[i]) for i in range(v.shape[0])])
+            else:
+                layer, kv = only
+                k, v = t.k.copy(), t.v.copy()
+                dst = k if kv == 0 else v
+                dst[layer] = transform.roundtrip(cal, "0.001", layer, kv, dst[layer])
+            kl, top = self.scorer.kl(t, k, v)
+            kls.append(kl)
+            tops.append(top)
+            self.evals += 1
+        return float(np.mean(kls)), float(np.mean(tops))
+
+    def sensitivity(self) -> np.ndarray:
+        """KL [L, 2] of coding only that (layer, K/V) at ``REF_STEP``."""
+        n_l = self.shape[0]
+        sens = np.zeros((n_l, 2))
+        steps = np.full(self.shape, REF_STEP, np.float32)
+        for layer in range(n_l):
+            for kv in range(2):
+                sens[layer, kv] = max(self.score(steps, (layer, kv))[0], 1e-9)
+        return sens
+
+    def level_steps(self, sens: np.ndarray, target: float) -> tuple[np.ndarray, dict]:
+        share = target * MARGIN / sens.size
+        per = np.clip(REF_STEP * np.sqrt(share / sens), *STEP_RANGE)
+        lo, hi = 0.25, 4.0
+        best = None
+        for _ in range(BISECT):
+            g = float(np.sqrt(lo * hi))
+            steps = np.broadcast_to(np.clip(per * g, *STEP_RANGE)[:, :, None, None], self.shape).astype(np.float32)
+            kl, top = self.score(steps)
+            if kl <= target * MARGIN:
+                lo, best = g, (steps, {"kl": kl, "top1": top, "factor": g})
+            else:
+                hi = g
+        if best is None:  # even the finest factor misses the target: keep it, and say so
+            steps = np.broadcast_to(np.clip(per * lo, *STEP_RANGE)[:, :, None, None], self.shape).astype(np.float32)
+            kl, top = self.score(steps)
+            best = (steps, {"kl": kl, "top1": top, "factor": lo, "missed": True})
+        return best
+
+    def tables(self, steps: np.ndarray, smoothing: float = 0.5) -> np.ndarray:
+        """rANS frequencies [L, 2, C, 256] of the calibration texts' symbols at ``steps``: observed
+        symbols, their neighbours within 2 and the escape stay codable; anything else is escaped."""
+        cal = self.provisional(steps)
+        n_l, _, n_h, d = self.shape
+        c = n_h * d
+        counts = np.zeros((n_l, 2, c, calib_mod.SYMBOLS))
+        offs = (np.arange(c) * calib_mod.SYMBOLS)[:, None]
+        for t in self.texts:
+            for layer in range(n_l):
+                for kv, a in enumerate((t.k, t.v)):
+                    sym = transform.symbols(cal, "0.001", layer, kv, a[layer]).astype(np.int64)
+                    counts[layer, kv] += np.bincount((sym + offs).ravel(), minlength=c * 256).reshape(c, 256)
+        seen = counts > 0
+        near = seen.copy()
+        for s in (1, 2):
+            near[..., s:] |= seen[..., :-s]
+            near[..., :-s] |= seen[..., s:]
+        counts += near * smoothing
+        counts[..., transform.ESC] += 1.0
+        flat = rans.normalize_counts(counts.reshape(-1, calib_mod.SYMBOLS), rans.PROB_BITS)
+        return flat.reshape(counts.shape)
+
+
+def fingerprint_for(model_path: Path, cfg: dict) -> ModelFingerprint:
+    from sgl_remote_kv.model import weights_identity
+
+    n_kv = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    lay = KVLayout(cfg["num_hidden_layers"], n_kv, d, "float32")
+    return ModelFingerprint((cfg.get("architectures") or ["unknown"])[0], lay, weights_identity(model_path))
+
+
+def calibrate(model_path: Path, text_paths: list[Path], levels: tuple[str, ...] = calib_mod.LEVELS,
+              out_dir: Path | None = None, log=print) -> calib_mod.Calibration:  # fmt: skip
+    cfg = json.loads((model_path / "config.json").read_text())
+    rope = RopeSpec.from_hf_config(cfg)
+    fp = fingerprint_for(model_path, cfg)
+    t0 = time.monotonic()
+    scorer = Scorer(model_path)
+    texts = [scorer.text(p) for p in text_paths]
+    log(f"texts: {', '.join(f'{t.name} ({len(t.prefix)}+{len(t.cont)} tokens)' for t in texts)}")
+    mean, basis = fit_basis(texts, rope)
+    cal = Calibrator(scorer, texts, calib_mod.model_key(fp), rope, mean, basis)
+    sens = cal.sensitivity()
+    log(f"sensitivity measured ({cal.evals} evaluations, {time.monotonic() - t0:.0f} s)")
+    steps, freq, rows = {}, {}, []
+    for lv in levels:
+        s, row = cal.level_steps(sens, float(lv))
+        steps[lv], freq[lv] = s, cal.tables(s)
+        rows.append({"level": lv, **row, "mean_step_k": float(s[:, 0].mean()), "mean_step_v": float(s[:, 1].mean())})
+        log(f"level {lv}: KL {row['kl']:.5f} top-1 {row['top1']:.3f} on the calibration texts "
+            f"(mean step K {rows[-1]['mean_step_k']:.3f} V {rows[-1]['mean_step_v']:.3f})")  # fmt: skip
+    report = {"texts": [t.name for t in texts], "prefix": PREFIX, "cont": CONT, "margin": MARGIN,
+              "ref_step": REF_STEP, "levels": rows, "sensitivity": sens.tolist(),
+              "seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
+    result = calib_mod.Calibration(cal.key, rope, mean, basis, steps, freq, json.dumps(report, sort_keys=True))
+    path = result.save(out_dir)
+    calib_mod.register(result)
+    log(f"wrote {path} ({cal.evals} model evaluations, {time.monotonic() - t0:.0f} s)")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-path", type=Path, required=True, help="local HF model directory")
+    ap.add_argument("--text", type=Path, action="append", default=None,
+                    help=f"calibration text file (repeatable; default: {', '.join(map(str, DEFAULT_TEXTS))})")
+    ap.add_argument("--levels", default=",".join(calib_mod.LEVELS), help="quality levels (KL targets) to fit")
+    ap.add_argument("--out", type=Path, default=None, help=f"directory (default {calib_mod.default_dir()})")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    texts = args.text or [p for p in DEFAULT_TEXTS if p.is_file()]
+    levels = tuple(lv.strip() for lv in args.levels.split(",") if lv.strip())
+    bad = [lv for lv in levels if lv not in calib_mod.LEVELS]
+    missing = [p for p in texts if not p.is_file()]
+    if not args.model_path.is_dir() or not (args.model_path / "config.json").is_file():
+        ap.error(f"{args.model_path} is not a model directory with a config.json")
+    if not texts or missing:
+        ap.error(f"no calibration text (missing: {', '.join(map(str, missing)) or 'all defaults'}); pass --text FILE")
+    if bad or not levels:
+        ap.error(f"levels must be among {','.join(calib_mod.LEVELS)}")
+    try:
+        calibrate(args.model_path, texts, levels, args.out)
+    except ValueError as e:  # RoPE this codec cannot undo, texts too short, ...
+        print(f"calibration failed: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

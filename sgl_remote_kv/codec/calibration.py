@@ -1,0 +1,268 @@
+"""The per-model calibration of the ``transform`` codec: what is fitted once and never shipped per chunk.
+
+A ``Calibration`` holds, per (layer, K/V, KV head): the mean and an orthonormal basis (PCA of the
+position-free KV: keys with RoPE undone), and per quality level the quantization step of every component
+(a factor of the token's RMS) plus the rANS frequencies of the symbols those steps produce. It is bound
+to one model (``model_key``: architecture, weights identity, layer count, total KV heads, head dim) and
+records the RoPE it undid. Fitting it needs the model (``sgl_remote_kv.calibrate``); this module only
+stores, verifies and looks it up (numpy only).
+
+Content-addressed: ``calib_id`` is BLAKE2b-128 over every array and field; ``load`` refuses a file whose
+content does not hash to the id it claims. Files are ``.npz`` of plain arrays + a JSON string, loaded
+with ``allow_pickle=False``, named ``<id>.npz`` under ``default_dir()``.
+
+Quality levels are a closed set of KL targets (``LEVELS``, nats of next-token KL against recomputation
+on the calibration texts); a calibration serves the levels it was fitted for.
+
+Thread-safety: ``Calibration`` is immutable (arrays read-only); the registry and the lazily built rANS
+decode tables are lock-protected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from sgl_remote_kv.codec import rans
+from sgl_remote_kv.types import ModelFingerprint, RopeSpec
+
+logger = logging.getLogger(__name__)
+
+# KL targets (nats) a calibration is fitted for, finest first. The default is the near-lossless floor.
+LEVELS = ("0.0005", "0.001", "0.002", "0.005", "0.01")
+DEFAULT_LEVEL = "0.001"
+SYMBOLS = 256
+FORMAT = 1
+
+
+class CalibrationError(ValueError):
+    """A calibration is missing, foreign to this model, corrupt, or lacks the asked-for level."""
+
+
+def model_key(fp: ModelFingerprint) -> bytes:
+    """What a calibration is bound to: the model, not the KV dtype or the TP rank (a rank uses the
+    calibration's slice of KV heads, ``head_slice``)."""
+    lay = fp.layout
+    ident = [FORMAT, fp.architecture, fp.weights_id, lay.num_layers, lay.num_kv_heads * fp.tp_size, lay.head_dim]
+    return hashlib.sha256(b"sgl-remote-kv/calibration\x00" + json.dumps(ident).encode()).digest()
+
+
+def head_slice(fp: ModelFingerprint, total_heads: int) -> int:
+    """First KV head of ``fp``'s rank within a calibration of ``total_heads`` heads."""
+    if fp.layout.num_kv_heads * fp.tp_size != total_heads:
+        raise CalibrationError(
+            f"{fp.layout.num_kv_heads} KV heads x TP {fp.tp_size} != the calibration's {total_heads} heads"
+        )
+    return fp.tp_rank * fp.layout.num_kv_heads
+
+
+@dataclass(frozen=True)
+class Calibration:
+    model_key: bytes
+    rope: RopeSpec
+    mean: np.ndarray  # [L, 2, H, D] float32 (position-free domain)
+    basis: np.ndarray  # [L, 2, H, D, D] float32; basis[l, kv, h][:, c] is component c (descending variance)
+    steps: dict  # level -> [L, 2, H, D] float32 step of each component, in units of the token's RMS
+    freq: dict  # level -> [L, 2, H * D, SYMBOLS] uint16 rANS frequencies (rows sum to 2^PROB_BITS)
+    report: str = "{}"  # JSON: how it was fitted (texts, measured KL per level); covered by the id
+    prob_bits: int = rans.PROB_BITS
+    calib_id: bytes = field(default=b"", compare=False)
+    _decode: dict = field(default_factory=dict, repr=False, compare=False)
+    _encode: dict = field(default_factory=dict, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        mean = np.ascontiguousarray(self.mean, np.float32)
+        basis = np.ascontiguousarray(self.basis, np.float32)
+        if mean.ndim != 4 or mean.shape[1] != 2:
+            raise CalibrationError(f"mean must be [L, 2, H, D], got {mean.shape}")
+        n_l, _, n_h, d = mean.shape
+        if basis.shape != (n_l, 2, n_h, d, d):
+            raise CalibrationError(f"basis {basis.shape} does not match mean {mean.shape}")
+        if len(self.model_key) != 32 or set(self.steps) != set(self.freq) or not self.steps:
+            raise CalibrationError("bad model key or level tables")
+        if not set(self.steps) <= set(LEVELS):
+            raise CalibrationError(f"unknown levels {sorted(set(self.steps) - set(LEVELS))}")
+        if self.rope.rotary_dim != d:
+            raise CalibrationError(f"rotary dim {self.rope.rotary_dim} != head dim {d}")
+        steps, freq = {}, {}
+        for lv in sorted(self.steps):
+            s = np.ascontiguousarray(self.steps[lv], np.float32)
+            f = np.ascontiguousarray(self.freq[lv], np.uint16)
+            if s.shape != mean.shape or not np.all(np.isfinite(s)) or not np.all(s > 0):
+                raise CalibrationError(f"level {lv}: steps must be positive, shaped {mean.shape}")
+            if f.shape != (n_l, 2, n_h * d, SYMBOLS):
+                raise CalibrationError(f"level {lv}: freq {f.shape} != {(n_l, 2, n_h * d, SYMBOLS)}")
+            if np.any(f.reshape(-1, SYMBOLS).astype(np.int64).sum(1) != 1 << self.prob_bits):
+                raise CalibrationError(f"level {lv}: frequencies do not sum to 2^{self.prob_bits}")
+            steps[lv], freq[lv] = s, f
+        for a in (mean, basis, *steps.values(), *freq.values()):
+            a.setflags(write=False)
+        for name, val in (("mean", mean), ("basis", basis), ("steps", steps), ("freq", freq)):
+            object.__setattr__(self, name, val)
+        object.__setattr__(self, "calib_id", self.compute_id())
+
+    @property
+    def num_layers(self) -> int:
+        return self.mean.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.mean.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.mean.shape[3]
+
+    @property
+    def levels(self) -> tuple[str, ...]:
+        return tuple(lv for lv in LEVELS if lv in self.steps)
+
+    def compute_id(self) -> bytes:
+        h = hashlib.blake2b(digest_size=16)
+        h.update(self.model_key + self.rope.canonical().encode() + self.report.encode())
+        h.update(np.int64(self.prob_bits).tobytes())
+        for a in (self.mean, self.basis):
+            h.update(np.asarray(a.shape, np.int64).tobytes() + a.tobytes())
+        for lv in sorted(self.steps):
+            h.update(lv.encode() + self.steps[lv].tobytes() + self.freq[lv].tobytes())
+        return h.digest()
+
+    def check_level(self, level: str) -> None:
+        if level not in self.steps:
+            raise CalibrationError(f"calibration {self.calib_id.hex()} has no level {level} (has {self.levels})")
+
+    def encode_tables(self, level: str) -> tuple[np.ndarray, np.ndarray]:
+        """(freq [N, S], cum [N, S+1]) for ``rans.encode``; context of (layer, kv, channel c of all heads)
+        is ``(layer * 2 + kv) * H * D + c``."""
+        with self._lock:
+            t = self._encode.get(level)
+            if t is None:
+                flat = self.freq[level].reshape(-1, SYMBOLS)
+                cum, ok = rans.build_cum(flat, self.prob_bits)
+                if not ok:
+                    raise CalibrationError("bad frequency table")
+                t = self._encode[level] = (flat, cum)
+            return t
+
+    def decode_tables(self, level: str) -> tuple[np.ndarray, np.ndarray]:
+        """(cum16, bucket) for ``rans.decode``, built on first use per level."""
+        with self._lock:
+            t = self._decode.get(level)
+            if t is None:
+                cum16, bucket, ok = rans.build_decode_tables(self.freq[level].reshape(-1, SYMBOLS), self.prob_bits)
+                if not ok:
+                    raise CalibrationError("bad frequency table")
+                t = self._decode[level] = (cum16, bucket)
+            return t
+
+    def ctx0(self, layer: int, kv: int, head0: int) -> int:
+        return ((layer * 2 + kv) * self.num_heads + head0) * self.head_dim
+
+    # ---- files ------------------------------------------------------------------------------
+    def save(self, directory: str | Path | None = None) -> Path:
+        d = Path(directory) if directory else default_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / f"{self.calib_id.hex()}.npz"
+        meta = {"format": FORMAT, "model_key": self.model_key.hex(), "rope": json.loads(self.rope.canonical()),
+                "report": self.report, "prob_bits": self.prob_bits, "levels": sorted(self.steps),
+                "calib_id": self.calib_id.hex()}  # fmt: skip
+        arrays = {"mean": self.mean, "basis": self.basis}
+        for lv in self.steps:
+            arrays[f"steps_{lv}"], arrays[f"freq_{lv}"] = self.steps[lv], self.freq[lv]
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez_compressed(tmp, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        """``CalibrationError`` for anything but a well-formed calibration whose content matches its id."""
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                meta = json.loads(z["meta"].tobytes())
+                if meta.get("format") != FORMAT:
+                    raise CalibrationError(f"{path}: calibration format {meta.get('format')} != {FORMAT}")
+                levels = [str(lv) for lv in meta["levels"]]
+                c = cls(bytes.fromhex(meta["model_key"]), RopeSpec(**meta["rope"]), z["mean"], z["basis"],
+                        {lv: z[f"steps_{lv}"] for lv in levels}, {lv: z[f"freq_{lv}"] for lv in levels},
+                        str(meta["report"]), int(meta["prob_bits"]))  # fmt: skip
+        except CalibrationError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CalibrationError(f"{path}: not a calibration ({type(e).__name__}: {e})") from None
+        if c.calib_id.hex() != meta["calib_id"]:
+            raise CalibrationError(f"{path}: content does not match its id (corrupted?)")
+        return c
+
+
+# ---- registry -------------------------------------------------------------------------------
+_LOCK = threading.Lock()
+_BY_ID: dict[bytes, Calibration] = {}
+_LOADED_DIRS: set[Path] = set()
+
+
+def default_dir() -> Path:
+    from sgl_remote_kv import env
+
+    return env.cache_dir() / "calibration"
+
+
+def register(c: Calibration) -> bytes:
+    with _LOCK:
+        _BY_ID[c.calib_id] = c
+    return c.calib_id
+
+
+def unregister(calib_id: bytes) -> None:
+    with _LOCK:
+        _BY_ID.pop(calib_id, None)
+
+
+def load_dir(directory: str | Path | None = None, *, force: bool = False) -> int:
+    """Register every valid calibration file of ``directory`` (once per directory unless ``force``);
+    a bad file is logged and skipped. Returns how many were registered."""
+    d = Path(directory) if directory else default_dir()
+    with _LOCK:
+        if d in _LOADED_DIRS and not force:
+            return 0
+        _LOADED_DIRS.add(d)
+    n = 0
+    for p in sorted(d.glob("*.npz")) if d.is_dir() else []:
+        try:
+            register(Calibration.load(p))
+            n += 1
+        except CalibrationError as e:
+            logger.warning("skipping calibration file: %s", e)
+    return n
+
+
+def lookup(calib_id: bytes) -> Calibration | None:
+    """A registered calibration by id (the default directory is read on first use)."""
+    load_dir()
+    with _LOCK:
+        return _BY_ID.get(bytes(calib_id))
+
+
+def find_for(fp: ModelFingerprint, level: str = DEFAULT_LEVEL) -> Calibration:
+    """The newest-registered calibration of ``fp``'s model that serves ``level``; ``CalibrationError``
+    saying what to run when there is none."""
+    load_dir()
+    key = model_key(fp)
+    with _LOCK:
+        hits = [c for c in _BY_ID.values() if c.model_key == key]
+    if not hits:
+        raise CalibrationError(
+            f"no transform-codec calibration for this model in {default_dir()}: run "
+            "`python -m sgl_remote_kv.calibrate --model-path <model>` once"
+        )
+    with_level = [c for c in hits if level in c.steps]
+    if not with_level:
+        raise CalibrationError(f"the calibrations of this model have no level {level} (have {hits[-1].levels})")
+    return with_level[-1]

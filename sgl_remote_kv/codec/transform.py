@@ -1,0 +1,404 @@
+"""Transform codec: RoPE undone on keys, a per-model orthonormal transform, per-component steps, then
+Deflate (what the DPU's engine speaks) or per-component static rANS.
+
+Per layer and K/V separately (``calibration.Calibration`` holds everything fitted once per model)::
+
+    x  = K with RoPE undone at positions start..start+T-1   (V as is)         [T, H, D] float32
+    y  = (x - mean[h]) @ basis[h]          per KV head (orthonormal, PCA)     [H, T, D]
+    s  = RMS of y over the token's H*D components                             fp16 per token
+    q  = rint(y / (step[h, c] * s))        step from the calibration's quality level
+    symbol = q + 128 for |q| <= 127 (and, under rANS, a symbol the table can code), else 0 = escape:
+             q itself goes to the escape list (int16)
+
+Decode inverts it: ``x = (q * step * s) @ basis^T + mean``, RoPE re-applied for K, rounded to the
+storage dtype. A chunk's token offset ``start`` (its position in the sequence) is an encode argument and
+travels in each layer section; the calibration's RoPE must be the model's (the server checks; the id of
+the calibration is in the codec params, hence in every chunk key).
+
+Decoded-layer buffer (lossless stage output, dequant stage input)::
+
+    <IIHBxHHII  start, T, C (= H*D), scale dtype (0 fp16, 1 fp32), layer, first KV head of this rank
+                within the calibration, escapes K, escapes V
+    scales K [T], scales V [T]; escapes K [n] int16, escapes V [n] int16
+    symbols K [C, T] uint8 (component-major: channel h*D + d), symbols V [C, T]
+
+Section: ``deflate``: the three parts (prelude + scales + escapes, K symbols, V symbols) as independent
+raw-Deflate streams (``lz.pack_streams``). ``rans``: ``<III`` (prefix bytes, K words, V words), the
+prefix stored, then the two rANS word streams (one context per (layer, K/V, channel)).
+
+Threads: an instance is immutable; stages only write the caller's buffers (the dequant stage allocates
+one [H, T, D] float32 work array per call). Numba kernels and BLAS matmuls release the GIL.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import struct
+
+import numpy as np
+from numba import njit
+
+from sgl_remote_kv.codec import calibration as calib_mod
+from sgl_remote_kv.codec import lz, quant, rans
+from sgl_remote_kv.codec.base import Codec
+from sgl_remote_kv.codec.errors import CorruptChunk, ForeignChunk
+from sgl_remote_kv.codec.format import ChunkHeader, pack
+from sgl_remote_kv.types import ModelFingerprint, RopeSpec
+
+logger = logging.getLogger(__name__)
+
+PRE = struct.Struct("<IIHBxHHII")
+RANS_SUB = struct.Struct("<III")
+ESC = 0
+ZERO = 128
+MAX_ESCAPE_FRACTION = 4  # at most T*C/4 escapes per K or V of a layer (bounds the scratch size)
+_MODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+_EMPTY32 = np.empty((1, 1, 1), np.float32)
+_EMPTY16 = np.empty((1, 1, 1), np.uint16)
+ENTROPY = ("deflate", "rans")
+
+
+# ---- kernels (numba, GIL released) ----------------------------------------------------------
+@njit(nogil=True, cache=True)
+def _rotate(x, cos, sin, style, sign):
+    """RoPE on ``x`` [T, H, D] float32 in place; ``sign`` +1 applies it, -1 undoes it."""
+    t_n, h_n, d = x.shape
+    half = d // 2
+    for t in range(t_n):
+        for h in range(h_n):
+            for i in range(half):
+                c = cos[t, i]
+                s = sin[t, i] * sign
+                if style == 0:
+                    a, b = x[t, h, i], x[t, h, i + half]
+                    x[t, h, i] = a * c - b * s
+                    x[t, h, i + half] = b * c + a * s
+                else:
+                    a, b = x[t, h, 2 * i], x[t, h, 2 * i + 1]
+                    x[t, h, 2 * i] = a * c - b * s
+                    x[t, h, 2 * i + 1] = b * c + a * s
+
+
+@njit(nogil=True, cache=True)
+def _quantize(y, steps, scale, freq, ctx0, sym, esc):
+    """y [H, T, D], steps [H, D], scale [T] -> sym [H*D, T] uint8 and escapes; returns the escape count,
+    -1 when more than ``esc`` holds, -2 when a value does not fit int16. ``freq`` [N, 256] (rANS: a
+    symbol with zero frequency is escaped) or an empty array (Deflate)."""
+    h_n, t_n, d = y.shape
+    use_freq = freq.shape[0] > 0
+    n = 0
+    for h in range(h_n):
+        for j in range(d):
+            c = h * d + j
+            inv = np.float32(1.0) / steps[h, j]
+            for t in range(t_n):
+                q = np.int64(0)
+                if scale[t] > 0:
+                    q = np.int64(np.rint(y[h, t, j] * inv / scale[t]))
+                s = q + ZERO
+                if s < 1 or s > 255 or (use_freq and freq[ctx0 + c, s] == 0):
+                    if n >= esc.shape[0]:
+                        return -1
+                    if q < -32768 or q > 32767:
+                        return -2
+                    esc[n] = q
+                    n += 1
+                    s = ESC
+                sym[c, t] = s
+    return n
+
+
+@njit(nogil=True, cache=True)
+def _dequantize(sym, esc, steps, scale, y):
+    """Inverse of ``_quantize`` into ``y`` [H, T, D]; returns escapes consumed or -1 if they run out."""
+    h_n, t_n, d = y.shape
+    n = 0
+    for h in range(h_n):
+        for j in range(d):
+            c = h * d + j
+            st = steps[h, j]
+            for t in range(t_n):
+                s = sym[c, t]
+                if s == ESC:
+                    if n >= esc.shape[0]:
+                        return -1
+                    q = np.float32(esc[n])
+                    n += 1
+                else:
+                    q = np.float32(np.int32(s) - ZERO)
+                y[h, t, j] = q * st * scale[t]
+    return n
+
+
+@njit(nogil=True, cache=True)
+def _finish(x, mean, cos, sin, style, rope, mode, out32, out16):
+    """x [H, T, D] float32 (transform inverse) + mean [H, D], RoPE applied when ``rope``, written as
+    [T, H, D] into ``out32`` (mode 0) or as fp16 (1) / bf16 (2) bits into ``out16``."""
+    h_n, t_n, d = x.shape
+    half = d // 2
+    row = np.empty(d, np.float32)
+    rbits = row.view(np.uint32)
+    for t in range(t_n):
+        for h in range(h_n):
+            for j in range(d):
+                row[j] = x[h, t, j] + mean[h, j]
+            if rope:
+                for i in range(half):
+                    c, s = cos[t, i], sin[t, i]
+                    if style == 0:
+                        a, b = row[i], row[i + half]
+                        row[i], row[i + half] = a * c - b * s, b * c + a * s
+                    else:
+                        a, b = row[2 * i], row[2 * i + 1]
+                        row[2 * i], row[2 * i + 1] = a * c - b * s, b * c + a * s
+            if mode == 0:
+                for j in range(d):
+                    out32[t, h, j] = row[j]
+            elif mode == 1:
+                quant._f32_to_f16_bits(row, rbits, out16[t, h])
+            else:
+                quant._f32_to_bf16_bits(rbits, out16[t, h])
+
+
+@functools.lru_cache(maxsize=64)
+def rope_tables(rope: RopeSpec, start: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [tokens, rotary_dim/2] float32 of positions ``start..start+tokens-1`` (angles in float64)."""
+    half = rope.rotary_dim // 2
+    inv_freq = 1.0 / (rope.theta ** (np.arange(half, dtype=np.float64) * 2.0 / rope.rotary_dim))
+    ang = np.arange(start, start + tokens, dtype=np.float64)[:, None] * inv_freq[None, :]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    cos.setflags(write=False)
+    sin.setflags(write=False)
+    return cos, sin
+
+
+def _style(rope: RopeSpec) -> int:
+    return 0 if rope.style == "neox" else 1
+
+
+def forward(cal: calib_mod.Calibration, layer: int, kv: int, head0: int, x: np.ndarray, start: int) -> np.ndarray:
+    """Position-free, centred, transformed ``x`` ([T, H, D] float32, modified in place for K):
+    [H, T, D] coefficients. Shared by the encoder and the calibration."""
+    h_n = x.shape[1]
+    if kv == 0:
+        cos, sin = rope_tables(cal.rope, start, x.shape[0])
+        _rotate(x, cos, sin, _style(cal.rope), np.float32(-1.0))
+    xc = (x - cal.mean[layer, kv, head0 : head0 + h_n]).transpose(1, 0, 2)
+    return np.matmul(xc, cal.basis[layer, kv, head0 : head0 + h_n])
+
+
+def token_scales(y: np.ndarray) -> tuple[np.ndarray, int]:
+    """Per-token RMS of ``y`` [H, T, D] as stored (fp16 when it fits, else fp32) and the dtype flag."""
+    rms = np.sqrt(np.mean(np.square(y, dtype=np.float32), axis=(0, 2)))
+    if np.all(rms <= 65504.0):
+        return rms.astype(np.float16), 0
+    return rms.astype(np.float32), 1
+
+
+class TransformCodec(Codec):
+    name = "transform"
+    codec_id = 6
+
+    def __init__(self, calibration: str, quality: str = calib_mod.DEFAULT_LEVEL, entropy: str = "deflate",
+                 level: int = 1) -> None:  # fmt: skip
+        if entropy not in ENTROPY:
+            raise ValueError(f"entropy must be one of {ENTROPY}")
+        if quality not in calib_mod.LEVELS:
+            raise ValueError(f"quality must be one of {calib_mod.LEVELS}")
+        cal = calib_mod.lookup(bytes.fromhex(calibration)) if len(calibration) == 32 else None
+        if cal is None:
+            raise KeyError(f"calibration {calibration[:40]!r} is not registered here")
+        cal.check_level(quality)
+        self.cal, self.quality, self.entropy, self.level = cal, quality, entropy, int(level)
+
+    @classmethod
+    def for_model(cls, fp: ModelFingerprint, quality: str = calib_mod.DEFAULT_LEVEL, entropy: str = "deflate",
+                  rope: RopeSpec | None = None) -> TransformCodec:  # fmt: skip
+        """The codec of ``fp``'s newest calibration; ``CalibrationError`` when there is none, it lacks
+        ``quality``, or its RoPE is not ``rope`` (the model's)."""
+        cal = calib_mod.find_for(fp, quality)
+        if rope is not None and rope != cal.rope:
+            raise calib_mod.CalibrationError(f"calibration RoPE {cal.rope} != the model's {rope}")
+        calib_mod.head_slice(fp, cal.num_heads)
+        return cls(cal.calib_id.hex(), quality, entropy)
+
+    def params(self) -> dict:
+        p = {"calibration": self.cal.calib_id.hex(), "quality": self.quality, "entropy": self.entropy}
+        if self.entropy == "deflate":
+            p["level"] = self.level
+        return p
+
+    def aux_id(self, fingerprint: ModelFingerprint) -> bytes:
+        return self.cal.calib_id
+
+    def _check_aux(self, header: ChunkHeader, fingerprint: ModelFingerprint) -> None:
+        if header.aux_id != self.cal.calib_id:
+            raise ForeignChunk("chunk references another calibration")
+        if calib_mod.model_key(fingerprint) != self.cal.model_key:
+            raise ForeignChunk("the calibration belongs to another model")
+
+    # ---- encode -----------------------------------------------------------------------------
+    def encode(self, k: np.ndarray, v: np.ndarray, fingerprint: ModelFingerprint, start: int = 0) -> bytes:
+        from sgl_remote_kv.codec.base import check_chunk_arrays
+
+        lay = fingerprint.layout
+        check_chunk_arrays(k, v, lay)
+        if calib_mod.model_key(fingerprint) != self.cal.model_key or lay.head_dim != self.cal.head_dim:
+            raise ValueError("the calibration belongs to another model")
+        if not 0 <= start < 1 << 31:
+            raise ValueError(f"start {start} out of range")
+        head0 = calib_mod.head_slice(fingerprint, self.cal.num_heads)
+        sections = [self.encode_layer(k[i], v[i], i, fingerprint, start, head0) for i in range(lay.num_layers)]
+        return pack(self.codec_id, self.params_bytes(), fingerprint, k.shape[1], sections,
+                    aux_id=self.cal.calib_id)  # fmt: skip
+
+    def encode_layer(self, k, v, layer, fingerprint, start: int = 0, head0: int | None = None) -> bytes:
+        lay = fingerprint.layout
+        head0 = calib_mod.head_slice(fingerprint, self.cal.num_heads) if head0 is None else head0
+        t_n, h_n, d = k.shape
+        c_n = h_n * d
+        cap = max(1, t_n * c_n // MAX_ESCAPE_FRACTION)
+        if self.entropy == "rans":
+            freq, _ = self.cal.encode_tables(self.quality)
+        else:
+            freq = np.empty((0, calib_mod.SYMBOLS), np.uint16)
+        scales, syms, escs, sdt = [], [], [], 0
+        for kv, a in enumerate((k, v)):
+            y = forward(self.cal, layer, kv, head0, quant.to_f32(a, lay.dtype).copy(), start)
+            s, flag = token_scales(y)
+            sdt |= flag
+            scales.append(s)
+            sym = np.empty((c_n, t_n), np.uint8)
+            esc = np.empty(cap, np.int16)
+            steps = self.cal.steps[self.quality][layer, kv, head0 : head0 + h_n]
+            n = _quantize(y, steps, s.astype(np.float32), freq, self.cal.ctx0(layer, kv, head0), sym, esc)
+            if n < 0:
+                raise ValueError(f"layer {layer}: KV too far from the calibration to encode ({n})")
+            syms.append(sym)
+            escs.append(esc[:n])
+        sdtype = np.float32 if sdt else np.float16
+        prefix = b"".join([PRE.pack(start, t_n, c_n, sdt, layer, head0, escs[0].size, escs[1].size),
+                           *(s.astype(sdtype).tobytes() for s in scales), *(e.tobytes() for e in escs)])  # fmt: skip
+        if self.entropy == "deflate":
+            return lz.pack_streams(lz.DEFLATE, self.level, [prefix, syms[0].tobytes(), syms[1].tobytes()])
+        fl, cum = self.cal.encode_tables(self.quality)
+        words = []
+        for kv, sym in enumerate(syms):
+            w, ok = rans.encode(np.ascontiguousarray(sym.T), self.cal.ctx0(layer, kv, head0), fl, cum,
+                                self.cal.prob_bits)  # fmt: skip
+            if not ok:
+                raise ValueError(f"layer {layer}: a symbol has zero probability")
+            words.append(w)
+        head = RANS_SUB.pack(len(prefix), words[0].size, words[1].size)
+        return b"".join([head, prefix, words[0].tobytes(), words[1].tobytes()])
+
+    # ---- decode -----------------------------------------------------------------------------
+    def _check_slice(self, layer: int, head0: int, c_n: int) -> None:
+        d = self.cal.head_dim
+        if layer >= self.cal.num_layers or c_n % d or head0 + c_n // d > self.cal.num_heads:
+            raise CorruptChunk(f"section layer {layer} / heads {head0}+{c_n // d} outside the calibration")
+
+    def scratch_bytes(self, header: ChunkHeader, layer: int) -> int:
+        t_n, c_n = header.num_tokens, header.layout.num_kv_heads * header.layout.head_dim
+        cap = max(1, t_n * c_n // MAX_ESCAPE_FRACTION)
+        return PRE.size + 2 * 4 * t_n + 2 * 2 * cap + 2 * t_n * c_n
+
+    def lossless_stage(self, section: memoryview, out: np.ndarray) -> int:
+        if self.entropy == "deflate":
+            return lz.unpack_streams(section, out, lz.DEFLATE)
+        if len(section) < RANS_SUB.size + PRE.size:
+            raise CorruptChunk("section shorter than its sub-header")
+        prefix_len, kw, vw = RANS_SUB.unpack_from(section, 0)
+        o = RANS_SUB.size
+        if o + prefix_len + 2 * (kw + vw) != len(section) or prefix_len < PRE.size:
+            raise CorruptChunk("section length does not match its streams")
+        _, t_n, c_n, _, layer, head0, _, _ = PRE.unpack_from(section, o)
+        self._check_slice(layer, head0, c_n)
+        raw = prefix_len + 2 * t_n * c_n
+        if raw > out.size or t_n * c_n == 0:
+            raise CorruptChunk(f"section claims {raw} decoded bytes, scratch holds {out.size}")
+        out[:prefix_len] = np.frombuffer(section, np.uint8, prefix_len, o)
+        o += prefix_len
+        cum16, bucket = self.cal.decode_tables(self.quality)
+        n = t_n * c_n
+        for kv, count in enumerate((kw, vw)):
+            dst = np.empty((t_n, c_n), np.uint8)
+            words = np.frombuffer(section, np.uint16, count, o) if count else np.empty(0, np.uint16)
+            rc = rans.decode(words if words.ctypes.data % 2 == 0 else words.copy(),
+                             self.cal.ctx0(layer, kv, head0), cum16, bucket, self.cal.prob_bits, dst)  # fmt: skip
+            if rc != 0:
+                raise CorruptChunk(f"rANS stream {kv} is corrupt ({rc})")
+            out[prefix_len + kv * n : prefix_len + (kv + 1) * n] = dst.T.reshape(-1)
+            o += 2 * count
+        return prefix_len + 2 * n
+
+    def dequant_stage(self, header: ChunkHeader, layer: int, decoded, out_k, out_v) -> None:
+        self._check_out(header, out_k, out_v)
+        lay = header.layout
+        buf = np.asarray(decoded, dtype=np.uint8)
+        if buf.size < PRE.size:
+            raise CorruptChunk("decoded layer shorter than its prelude")
+        start, t_n, c_n, sdt, sec_layer, head0, nk, nv = PRE.unpack_from(buf, 0)
+        h_n, d = lay.num_kv_heads, lay.head_dim
+        if t_n != header.num_tokens or c_n != h_n * d or sdt > 1 or sec_layer != layer:
+            raise CorruptChunk("layer prelude does not match the chunk header")
+        self._check_slice(layer, head0, c_n)
+        ss = 4 if sdt else 2
+        need = PRE.size + 2 * ss * t_n + 2 * (nk + nv) + 2 * t_n * c_n
+        if buf.size != need or start >= 1 << 31:
+            raise CorruptChunk(f"decoded layer holds {buf.size} bytes, its prelude implies {need}")
+        o = PRE.size
+        sc = np.frombuffer(buf, np.float32 if sdt else np.float16, 2 * t_n, o).astype(np.float32)
+        o += 2 * ss * t_n
+        escs = []
+        for n in (nk, nv):
+            escs.append(np.frombuffer(buf, np.int16, n, o) if n else np.empty(0, np.int16))
+            o += 2 * n
+        mode = _MODES[lay.dtype]
+        cos, sin = rope_tables(self.cal.rope, start, t_n)
+        y = np.empty((h_n, t_n, d), np.float32)
+        for kv, out in enumerate((out_k, out_v)):
+            sym = buf[o + kv * t_n * c_n : o + (kv + 1) * t_n * c_n].reshape(c_n, t_n)
+            steps = self.cal.steps[self.quality][layer, kv, head0 : head0 + h_n]
+            used = _dequantize(sym, escs[kv], steps, sc[kv * t_n : (kv + 1) * t_n], y)
+            if used != escs[kv].size:
+                raise CorruptChunk("escape count does not match the symbols")
+            x = np.matmul(y, self.cal.basis[layer, kv, head0 : head0 + h_n].transpose(0, 2, 1))
+            mean = self.cal.mean[layer, kv, head0 : head0 + h_n]
+            if mode == 0:
+                _finish(x, mean, cos, sin, _style(self.cal.rope), kv == 0, 0, out, _EMPTY16)
+            else:
+                _finish(x, mean, cos, sin, _style(self.cal.rope), kv == 0, mode, _EMPTY32, out.view(np.uint16))
+
+
+def roundtrip(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np.ndarray, start: int = 0,
+              head0: int = 0) -> np.ndarray:  # fmt: skip
+    """What encoding then decoding ``x`` ([T, H, D] float32 of one layer's K (kv=0) or V) gives back, in
+    float32 (before the storage dtype's rounding), through the codec's own kernels (escapes unbounded).
+    For the calibration, which scores candidate steps with the model."""
+    t_n, h_n, d = x.shape
+    y = forward(cal, layer, kv, head0, np.array(x, np.float32), start)
+    s = token_scales(y)[0].astype(np.float32)
+    steps = cal.steps[level][layer, kv, head0 : head0 + h_n]
+    sym, esc = np.empty((h_n * d, t_n), np.uint8), np.empty(t_n * h_n * d, np.int16)
+    n = _quantize(y, steps, s, np.empty((0, calib_mod.SYMBOLS), np.uint16), 0, sym, esc)
+    if n < 0:
+        raise ValueError(f"layer {layer}: values do not fit the escape format ({n})")
+    _dequantize(sym, esc[:n], steps, s, y)
+    x = np.matmul(y, cal.basis[layer, kv, head0 : head0 + h_n].transpose(0, 2, 1))
+    out = np.empty((t_n, h_n, d), np.float32)
+    cos, sin = rope_tables(cal.rope, start, t_n)
+    _finish(x, cal.mean[layer, kv, head0 : head0 + h_n], cos, sin, _style(cal.rope), kv == 0, 0, out, _EMPTY16)
+    return out
+
+
+def symbols(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np.ndarray, start: int = 0) -> np.ndarray:
+    """The symbols [C, T] the Deflate variant would code for ``x`` (all heads); for fitting rANS tables."""
+    t_n, h_n, d = x.shape
+    y = forward(cal, layer, kv, 0, np.array(x, np.float32), start)
+    s = token_scales(y)[0].astype(np.float32)
+    sym, esc = np.empty((h_n * d, t_n), np.uint8), np.empty(t_n * h_n * d, np.int16)
+    if _quantize(y, cal.steps[level][layer, kv], s, np.empty((0, calib_mod.SYMBOLS), np.uint16), 0, sym, esc) < 0:
+        raise ValueError(f"layer {layer}: values do not fit the escape format")
+    return sym
