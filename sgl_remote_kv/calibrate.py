@@ -1,10 +1,14 @@
 """Calibrate the transform codec for one model: ``python -m sgl_remote_kv.calibrate --model-path DIR``.
 
-Runs the model (transformers, float32, on the CPU) over calibration texts and fits, per (layer, K/V, KV
-head), the mean and PCA basis of position-free KV (RoPE undone on keys; the first ``SINKS`` tokens of
-each text left out of the fit), then chooses the quantization steps of every quality level in
-``codec.calibration.LEVELS`` by measuring the model itself:
+Runs the model (transformers, float32, on the CPU) over calibration texts and fits, per (layer, K/V, head
+group = the KV heads of one TP rank, ``--tp``), the mean and PCA basis of position-free KV (RoPE undone on
+keys; the first ``FIT_SKIP`` tokens of each text left out of the fit), then chooses the quantization steps
+of every quality level in ``codec.calibration.LEVELS`` by measuring the model itself:
 
+0. within a (layer, K/V), each component's step is shaped by how much the model sees of it: keys by the
+   energy of the queries that read them (per RoPE pair, averaged over rotations), values by the norm
+   their direction gets through the output projection; ``step_c ~ 1/sqrt(weight_c)`` (the rate-optimal
+   shape for a weighted squared error), geometric mean 1;
 1. sensitivity: the next-token KL (against the exact KV) when only one (layer, K/V) is coded at a
    reference step, for every (layer, K/V);
 2. allocation: with KL roughly additive and proportional to step^2, equal KL shares are the
@@ -38,7 +42,8 @@ from sgl_remote_kv.types import KVLayout, ModelFingerprint, RopeSpec
 logger = logging.getLogger(__name__)
 
 DEFAULT_TEXTS = (Path("/usr/share/common-licenses/GPL-3"), Path("/usr/share/doc/dpkg/spec/triggers.txt"))
-PREFIX, CONT, SINKS = 1792, 64, 4
+PREFIX, CONT, FIT_SKIP = 1792, 64, 4
+SINKS = 1  # positions stored exactly (the attention sink); measured: 4 gave the same KL as 1 here
 REF_STEP = 0.15
 MARGIN = 0.6  # calibrate to this fraction of each level's KL target
 STEP_RANGE = (0.004, 2.0)
@@ -53,6 +58,7 @@ class Text:
     k: np.ndarray  # [L, P, H, D] float32 (RoPE applied, as cached)
     v: np.ndarray
     base_logp: object  # torch [C, vocab] from the exact KV
+    q_energy: np.ndarray | None  # [L, query heads, D] mean squared pre-RoPE query (None: not found)
 
 
 class Scorer:
@@ -71,13 +77,31 @@ class Scorer:
         if len(ids) < 512 + CONT:
             raise ValueError(f"{path}: {len(ids)} tokens, need >= {512 + CONT}")
         p = min(PREFIX, (len(ids) - CONT) // 256 * 256)
+        layers_mod = getattr(getattr(self.model, "model", None), "layers", None) or []
+        qs: dict[int, np.ndarray] = {}
+        hooks = [lay.self_attn.q_proj.register_forward_hook(
+                    lambda _m, _i, o, i=i: qs.__setitem__(i, o[0, FIT_SKIP:p].detach().numpy()))
+                 for i, lay in enumerate(layers_mod) if hasattr(getattr(lay, "self_attn", None), "q_proj")]  # fmt: skip
         with self.torch.no_grad():
             out = self.model(input_ids=self.torch.from_numpy(ids[None, : p + CONT]), use_cache=True)
+        for h in hooks:
+            h.remove()
         logp = self.torch.log_softmax(out.logits[0, p:].float(), -1)
         layers = out.past_key_values.layers
         k = np.stack([lay.keys[0, :, :p].permute(1, 0, 2).numpy() for lay in layers])
         v = np.stack([lay.values[0, :, :p].permute(1, 0, 2).numpy() for lay in layers])
-        return Text(path.name, ids[:p], ids[p : p + CONT], k, v, logp)
+        q = None
+        if len(qs) == k.shape[0]:
+            d = k.shape[3]
+            q = np.stack([np.mean(np.square(qs[i].reshape(qs[i].shape[0], -1, d)), axis=0) for i in range(len(qs))])
+        return Text(path.name, ids[:p], ids[p : p + CONT], k, v, logp, q)
+
+    def out_proj(self, layer: int) -> np.ndarray | None:
+        """The output projection [hidden, query heads * D] of ``layer`` (None if not Llama-like)."""
+        try:
+            return self.model.model.layers[layer].self_attn.o_proj.weight.detach().numpy()
+        except AttributeError:
+            return None
 
     def kl(self, t: Text, k: np.ndarray, v: np.ndarray) -> tuple[float, float]:
         """(mean KL in nats, top-1 agreement) of the continuation given prefix KV ``k, v`` (float32)."""
@@ -97,28 +121,72 @@ class Scorer:
         return float(kl.mean()), float(top1)
 
 
-def fit_basis(texts: list[Text], rope: RopeSpec) -> tuple[np.ndarray, np.ndarray]:
-    """Mean [L, 2, H, D] and PCA basis [L, 2, H, D, D] (descending variance) of position-free KV."""
+def position_free(t: Text, layer: int, kv: int, rope: RopeSpec) -> np.ndarray:
+    """[T, H, D] float32 KV of ``layer`` with RoPE undone on keys."""
+    x = np.array((t.k if kv == 0 else t.v)[layer], np.float32)
+    if kv == 0:
+        cos, sin = transform.rope_tables(rope, 0, x.shape[0])
+        transform._rotate(x, cos, sin, 0 if rope.style == "neox" else 1, np.float32(-1.0))
+    return x
+
+
+def fit_basis(texts: list[Text], rope: RopeSpec, groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """Mean [L, 2, G, C] and PCA basis [L, 2, G, C, C] (descending variance) of position-free KV, where
+    each of the ``groups`` groups holds ``H / groups`` consecutive KV heads (C = their channels)."""
     n_l, _, n_h, d = texts[0].k.shape
-    mean = np.zeros((n_l, 2, n_h, d), np.float32)
-    basis = np.zeros((n_l, 2, n_h, d, d), np.float32)
+    c = n_h // groups * d
+    mean = np.zeros((n_l, 2, groups, c), np.float32)
+    basis = np.zeros((n_l, 2, groups, c, c), np.float32)
     for layer in range(n_l):
         for kv in range(2):
-            xs = []
-            for t in texts:
-                x = np.array((t.k if kv == 0 else t.v)[layer], np.float32)
-                if kv == 0:
-                    cos, sin = transform.rope_tables(rope, 0, x.shape[0])
-                    transform._rotate(x, cos, sin, 0 if rope.style == "neox" else 1, np.float32(-1.0))
-                xs.append(x[SINKS:])
-            x = np.concatenate(xs).astype(np.float64)  # [N, H, D]
-            mu = x.mean(0)
-            mean[layer, kv] = mu
-            for h in range(n_h):
-                xc = x[:, h] - mu[h]
+            x = np.concatenate([position_free(t, layer, kv, rope)[FIT_SKIP:] for t in texts]).astype(np.float64)
+            x = x.reshape(x.shape[0], groups, c)
+            for g in range(groups):
+                mu = x[:, g].mean(0)
+                xc = x[:, g] - mu
                 w, vecs = np.linalg.eigh(xc.T @ xc)
-                basis[layer, kv, h] = vecs[:, ::-1]
+                mean[layer, kv, g], basis[layer, kv, g] = mu, vecs[:, ::-1]
     return mean, basis
+
+
+def step_shape(scorer: Scorer, texts: list[Text], basis: np.ndarray, rope: RopeSpec) -> np.ndarray:
+    """Per-component step factors [L, 2, G, C] (geometric mean 1 per (layer, K/V, group)) from how much
+    the model sees of each component; all ones when the model's attention modules are not Llama-like."""
+    n_l, _, groups, c, _ = basis.shape
+    shape = np.ones((n_l, 2, groups, c), np.float32)
+    if any(t.q_energy is None for t in texts):
+        logger.warning("query projections not found: components get equal steps")
+        return shape
+    d = rope.rotary_dim
+    n_kv = groups * c // d
+    for layer in range(n_l):
+        wo = scorer.out_proj(layer)
+        qe = np.mean([t.q_energy[layer] for t in texts], axis=0)  # [query heads, D]
+        per_kv = qe.shape[0] // n_kv
+        w_k = np.empty(n_kv * d)
+        w_v_blocks = []
+        for h in range(n_kv):
+            e = qe[h * per_kv : (h + 1) * per_kv].sum(0)
+            half = d // 2
+            pair = (e[:half] + e[half:]) / 2 if rope.style == "neox" else np.repeat((e[0::2] + e[1::2]) / 2, 2)
+            w_k[h * d : (h + 1) * d] = np.concatenate([pair, pair]) if rope.style == "neox" else pair
+            if wo is not None:
+                cols = [wo[:, qh * d : (qh + 1) * d] for qh in range(h * per_kv, (h + 1) * per_kv)]
+                w_v_blocks.append(sum(m.T @ m for m in cols))
+        for g in range(groups):
+            b_k, b_v = basis[layer, 0, g].astype(np.float64), basis[layer, 1, g].astype(np.float64)
+            wk = (np.square(b_k) * w_k[g * c : (g + 1) * c, None]).sum(0)
+            if w_v_blocks:
+                m_v = np.zeros((c, c))
+                for j in range(c // d):
+                    m_v[j * d : (j + 1) * d, j * d : (j + 1) * d] = w_v_blocks[g * (c // d) + j]
+                wv = np.einsum("dc,de,ec->c", b_v, m_v, b_v)
+            else:
+                wv = np.ones(c)
+            for kv, w in ((0, wk), (1, wv)):
+                f = np.maximum(w, w.max() * 1e-6) ** -0.5
+                shape[layer, kv, g] = f / np.exp(np.log(f).mean())
+    return shape
 
 
 def _uniform_freq(n_l: int, c: int) -> np.ndarray:
@@ -127,16 +195,24 @@ def _uniform_freq(n_l: int, c: int) -> np.ndarray:
 
 
 class Calibrator:
-    def __init__(self, scorer: Scorer, texts: list[Text], key: bytes, rope: RopeSpec, mean, basis) -> None:
-        self.scorer, self.texts, self.key, self.rope = scorer, texts, key, rope
-        self.mean, self.basis = mean, basis
-        n_l, _, n_h, d = mean.shape
-        self.shape = (n_l, 2, n_h, d)
-        self._freq = _uniform_freq(n_l, n_h * d)
+    def __init__(self, scorer: Scorer, texts: list[Text], key: bytes, rope: RopeSpec, mean, basis,
+                 shape: np.ndarray, sinks: int = SINKS) -> None:  # fmt: skip
+        self.scorer, self.texts, self.key, self.rope, self.sinks = scorer, texts, key, rope, sinks
+        self.mean, self.basis, self.step_shape = mean, basis, shape
+        n_l, _, groups, c = mean.shape
+        self.shape = (n_l, 2, groups, c)
+        self._freq = _uniform_freq(n_l, groups * c)
         self.evals = 0
 
     def provisional(self, steps: np.ndarray) -> calib_mod.Calibration:
-        return calib_mod.Calibration(self.key, self.rope, self.mean, self.basis, {"0.001": steps}, {"0.001": self._freq})
+        return calib_mod.Calibration(self.key, self.rope, self.mean, self.basis, {"0.001": steps},
+                                     {"0.001": self._freq}, sinks=self.sinks)  # fmt: skip
+
+    def _code(self, cal: calib_mod.Calibration, a: np.ndarray, layer: int, kv: int) -> np.ndarray:
+        g_n = self.shape[2]
+        hg = a.shape[2] // g_n
+        return np.concatenate([transform.roundtrip(cal, "0.001", layer, kv, a[layer][:, g * hg : (g + 1) * hg],
+                                                   0, g) for g in range(g_n)], axis=1)  # fmt: skip
 
     def score(self, steps: np.ndarray, only: tuple[int, int] | None = None) -> tuple[float, float]:
         """Mean (KL, top-1) over the texts with KV coded at ``steps`` (only one (layer, kv) if given)."""
@@ -145,13 +221,13 @@ class Calibrator:
         for t in self.texts:
             k, v = t.k, t.v
             if only is None:
-                k = np.stack([transform.roundtrip(cal, "0.001", i, 0, t.k[i]) for i in range(k.shape[0])])
-                v = np.stack([transform.roundtrip(cal, "0.001", i, 1, t.v[i]) for i in range(v.shape[0])])
+                k = np.stack([self._code(cal, t.k, i, 0) for i in range(k.shape[0])])
+                v = np.stack([self._code(cal, t.v, i, 1) for i in range(v.shape[0])])
             else:
                 layer, kv = only
                 k, v = t.k.copy(), t.v.copy()
                 dst = k if kv == 0 else v
-                dst[layer] = transform.roundtrip(cal, "0.001", layer, kv, dst[layer])
+                dst[layer] = self._code(cal, dst, layer, kv)
             kl, top = self.scorer.kl(t, k, v)
             kls.append(kl)
             tops.append(top)
@@ -162,7 +238,7 @@ class Calibrator:
         """KL [L, 2] of coding only that (layer, K/V) at ``REF_STEP``."""
         n_l = self.shape[0]
         sens = np.zeros((n_l, 2))
-        steps = np.full(self.shape, REF_STEP, np.float32)
+        steps = (REF_STEP * self.step_shape).astype(np.float32)
         for layer in range(n_l):
             for kv in range(2):
                 sens[layer, kv] = max(self.score(steps, (layer, kv))[0], 1e-9)
@@ -175,31 +251,38 @@ class Calibrator:
         best = None
         for _ in range(BISECT):
             g = float(np.sqrt(lo * hi))
-            steps = np.broadcast_to(np.clip(per * g, *STEP_RANGE)[:, :, None, None], self.shape).astype(np.float32)
+            steps = self._steps(per * g)
             kl, top = self.score(steps)
             if kl <= target * MARGIN:
                 lo, best = g, (steps, {"kl": kl, "top1": top, "factor": g})
             else:
                 hi = g
         if best is None:  # even the finest factor misses the target: keep it, and say so
-            steps = np.broadcast_to(np.clip(per * lo, *STEP_RANGE)[:, :, None, None], self.shape).astype(np.float32)
+            steps = self._steps(per * lo)
             kl, top = self.score(steps)
             best = (steps, {"kl": kl, "top1": top, "factor": lo, "missed": True})
         return best
+
+    def _steps(self, per_layer: np.ndarray) -> np.ndarray:
+        """[L, 2] step factors spread over components by the step shape, clipped to ``STEP_RANGE``."""
+        return np.clip(per_layer[:, :, None, None] * self.step_shape, *STEP_RANGE).astype(np.float32)
 
     def tables(self, steps: np.ndarray, smoothing: float = 0.5) -> np.ndarray:
         """rANS frequencies [L, 2, C, 256] of the calibration texts' symbols at ``steps``: observed
         symbols, their neighbours within 2 and the escape stay codable; anything else is escaped."""
         cal = self.provisional(steps)
-        n_l, _, n_h, d = self.shape
-        c = n_h * d
-        counts = np.zeros((n_l, 2, c, calib_mod.SYMBOLS))
+        n_l, _, g_n, c = self.shape
+        counts = np.zeros((n_l, 2, g_n * c, calib_mod.SYMBOLS))
         offs = (np.arange(c) * calib_mod.SYMBOLS)[:, None]
         for t in self.texts:
+            hg = t.k.shape[2] // g_n
             for layer in range(n_l):
                 for kv, a in enumerate((t.k, t.v)):
-                    sym = transform.symbols(cal, "0.001", layer, kv, a[layer]).astype(np.int64)
-                    counts[layer, kv] += np.bincount((sym + offs).ravel(), minlength=c * 256).reshape(c, 256)
+                    for g in range(g_n):
+                        x = a[layer][:, g * hg : (g + 1) * hg]
+                        sym = transform.symbols(cal, "0.001", layer, kv, x, 0, g).astype(np.int64)
+                        hist = np.bincount((sym + offs).ravel(), minlength=c * 256).reshape(c, 256)
+                        counts[layer, kv, g * c : (g + 1) * c] += hist
         seen = counts > 0
         near = seen.copy()
         for s in (1, 2):
@@ -221,16 +304,18 @@ def fingerprint_for(model_path: Path, cfg: dict) -> ModelFingerprint:
 
 
 def calibrate(model_path: Path, text_paths: list[Path], levels: tuple[str, ...] = calib_mod.LEVELS,
-              out_dir: Path | None = None, log=print) -> calib_mod.Calibration:  # fmt: skip
+              out_dir: Path | None = None, tp: int = 1, log=print) -> calib_mod.Calibration:  # fmt: skip
     cfg = json.loads((model_path / "config.json").read_text())
     rope = RopeSpec.from_hf_config(cfg)
     fp = fingerprint_for(model_path, cfg)
+    if fp.layout.num_kv_heads % tp:
+        raise ValueError(f"{fp.layout.num_kv_heads} KV heads do not split over TP {tp}")
     t0 = time.monotonic()
     scorer = Scorer(model_path)
     texts = [scorer.text(p) for p in text_paths]
     log(f"texts: {', '.join(f'{t.name} ({len(t.prefix)}+{len(t.cont)} tokens)' for t in texts)}")
-    mean, basis = fit_basis(texts, rope)
-    cal = Calibrator(scorer, texts, calib_mod.model_key(fp), rope, mean, basis)
+    mean, basis = fit_basis(texts, rope, tp)
+    cal = Calibrator(scorer, texts, calib_mod.model_key(fp), rope, mean, basis, step_shape(scorer, texts, basis, rope))
     sens = cal.sensitivity()
     log(f"sensitivity measured ({cal.evals} evaluations, {time.monotonic() - t0:.0f} s)")
     steps, freq, rows = {}, {}, []
@@ -240,10 +325,11 @@ def calibrate(model_path: Path, text_paths: list[Path], levels: tuple[str, ...] 
         rows.append({"level": lv, **row, "mean_step_k": float(s[:, 0].mean()), "mean_step_v": float(s[:, 1].mean())})
         log(f"level {lv}: KL {row['kl']:.5f} top-1 {row['top1']:.3f} on the calibration texts "
             f"(mean step K {rows[-1]['mean_step_k']:.3f} V {rows[-1]['mean_step_v']:.3f})")  # fmt: skip
-    report = {"texts": [t.name for t in texts], "prefix": PREFIX, "cont": CONT, "margin": MARGIN,
+    report = {"texts": [t.name for t in texts], "prefix": PREFIX, "cont": CONT, "margin": MARGIN, "tp": tp,
               "ref_step": REF_STEP, "levels": rows, "sensitivity": sens.tolist(),
               "seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
-    result = calib_mod.Calibration(cal.key, rope, mean, basis, steps, freq, json.dumps(report, sort_keys=True))
+    result = calib_mod.Calibration(cal.key, rope, mean, basis, steps, freq, json.dumps(report, sort_keys=True),
+                                   sinks=cal.sinks)  # fmt: skip
     path = result.save(out_dir)
     calib_mod.register(result)
     log(f"wrote {path} ({cal.evals} model evaluations, {time.monotonic() - t0:.0f} s)")
@@ -256,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text", type=Path, action="append", default=None,
                     help=f"calibration text file (repeatable; default: {', '.join(map(str, DEFAULT_TEXTS))})")
     ap.add_argument("--levels", default=",".join(calib_mod.LEVELS), help="quality levels (KL targets) to fit")
+    ap.add_argument("--tp", type=int, default=1, help="TP size the servers run with (one head group per rank)")
     ap.add_argument("--out", type=Path, default=None, help=f"directory (default {calib_mod.default_dir()})")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -271,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad or not levels:
         ap.error(f"levels must be among {','.join(calib_mod.LEVELS)}")
     try:
-        calibrate(args.model_path, texts, levels, args.out)
+        calibrate(args.model_path, texts, levels, args.out, args.tp)
     except ValueError as e:  # RoPE this codec cannot undo, texts too short, ...
         print(f"calibration failed: {e}", file=sys.stderr)
         return 2

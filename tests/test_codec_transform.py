@@ -29,16 +29,19 @@ def _rotate(x, start, sign, rope=ROPE):
     return x
 
 
-def make_calibration(levels=("0.001", "0.01"), step=0.05, seed=0, key_fp=None, rope=ROPE) -> cm.Calibration:
+def make_calibration(levels=("0.001", "0.01"), step=0.05, seed=0, key_fp=None, rope=ROPE, groups=1,
+                     sinks=1) -> cm.Calibration:  # fmt: skip
     rng = np.random.default_rng(seed)
-    basis = np.linalg.qr(rng.standard_normal((L, 2, H, D, D)))[0].astype(np.float32)
-    mean = rng.standard_normal((L, 2, H, D)).astype(np.float32) * 0.1
-    steps = {lv: np.full((L, 2, H, D), step * (1 + i), np.float32) for i, lv in enumerate(levels)}
+    c = H // groups * D
+    basis = np.linalg.qr(rng.standard_normal((L, 2, groups, c, c)))[0].astype(np.float32)
+    mean = rng.standard_normal((L, 2, groups, c)).astype(np.float32) * 0.1
+    steps = {lv: np.full((L, 2, groups, c), step * (1 + i), np.float32) for i, lv in enumerate(levels)}
     flat = np.zeros((L * 2 * H * D, cm.SYMBOLS))
     flat[:, 100:157] = 10.0  # a window around symbol 128 (q = 0); the rest is escaped under rANS
     flat[:, transform.ESC] = 1.0
     freq = rans.normalize_counts(flat, rans.PROB_BITS).reshape(L, 2, H * D, cm.SYMBOLS)
-    cal = cm.Calibration(cm.model_key(key_fp or fp()), rope, mean, basis, steps, {lv: freq for lv in levels})
+    cal = cm.Calibration(cm.model_key(key_fp or fp()), rope, mean, basis, steps, {lv: freq for lv in levels},
+                         sinks=sinks)  # fmt: skip
     cm.register(cal)
     return cal
 
@@ -90,7 +93,7 @@ def test_roundtrip_error_is_bounded_by_the_steps(cal, entropy, dtype):
     assert k2.dtype == k.dtype and k2.shape == k.shape
     for a, b in ((k, k2), (v, v2)):
         x, y = _f32(a), _f32(b)
-        rms = np.sqrt(np.mean(np.square(x - cal.mean[:, 0][:, None]), axis=(2, 3)))  # ~ per-token RMS
+        rms = np.sqrt(np.mean(np.square(x - cal.mean[:, 0].reshape(L, 1, H, D)), axis=(2, 3)))  # ~ token RMS
         # per (token, head): |error| <= sqrt(D) * step/2 * token RMS (+ the storage dtype's rounding)
         err = np.sqrt(np.sum(np.square(x - y), axis=3))
         bound = np.sqrt(D) * 0.05 / 2 * rms[:, :, None] * 1.3 + 0.02 * np.abs(x).max()
@@ -145,17 +148,37 @@ def test_levels_are_distinct_codecs_and_coarser_is_smaller(cal):
         get_codec("transform", calibration=cal.calib_id.hex(), quality="0.005")  # not fitted
 
 
-def test_tp_rank_uses_its_slice_of_heads(cal):
-    rank_fp = fp("float32", tp_rank=1, tp_size=2, heads=1)
-    codec = transform.TransformCodec.for_model(rank_fp, "0.001", rope=ROPE)
-    k, v = kv("float32", 0, heads=1)
-    blob = codec.encode(k, v, rank_fp)
-    k2, v2 = codec.decode(blob, rank_fp)
-    assert np.abs(k2 - k).max() < 0.5 and np.abs(v2 - v).max() < 0.5
-    with pytest.raises(ForeignChunk):  # rank 0's fingerprint: another digest
-        codec.decode(blob, fp("float32", tp_rank=0, tp_size=2, heads=1))
-    with pytest.raises(cm.CalibrationError):  # 1 head x TP 3 != the calibration's 2 heads
-        transform.TransformCodec.for_model(fp("float32", 0, 3, heads=1), "0.001")
+def test_tp_rank_uses_its_head_group():
+    tp2 = make_calibration(groups=2)
+    try:
+        rank_fp = fp("float32", tp_rank=1, tp_size=2, heads=1)
+        codec = transform.TransformCodec.for_model(rank_fp, "0.001", rope=ROPE)
+        assert codec.cal.calib_id == tp2.calib_id  # the TP-1 calibration of the fixture does not fit
+        k, v = kv("float32", 0, heads=1)
+        blob = codec.encode(k, v, rank_fp)
+        k2, v2 = codec.decode(blob, rank_fp)
+        assert np.abs(k2 - k).max() < 0.5 and np.abs(v2 - v).max() < 0.5
+        with pytest.raises(ForeignChunk):  # rank 0's fingerprint: another digest
+            codec.decode(blob, fp("float32", tp_rank=0, tp_size=2, heads=1))
+        with pytest.raises(cm.CalibrationError, match="--tp 3"):  # no calibration for TP 3
+            transform.TransformCodec.for_model(fp("float32", 0, 3, heads=1), "0.001")
+    finally:
+        cm.unregister(tp2.calib_id)
+
+
+def test_sink_positions_are_stored_exactly():
+    c = make_calibration(levels=("0.001",), step=0.3, sinks=2)
+    try:
+        codec = get_codec("transform", calibration=c.calib_id.hex(), entropy="rans")
+        k, v = kv("bfloat16", 0)
+        k[:, 0] = 0x4480  # 1024.0: an outsized sink
+        k2, v2 = codec.decode(codec.encode(k, v, fp("bfloat16"), start=0), fp("bfloat16"))
+        assert np.array_equal(k2[:, :2], k[:, :2]) and np.array_equal(v2[:, :2], v[:, :2])
+        assert not np.array_equal(k2[:, 2:], k[:, 2:])  # the rest is quantized
+        k3, _ = codec.decode(codec.encode(k, v, fp("bfloat16"), start=1), fp("bfloat16"))
+        assert np.array_equal(k3[:, :1], k[:, :1]) and not np.array_equal(k3[:, 1], k[:, 1])
+    finally:
+        cm.unregister(c.calib_id)
 
 
 def test_for_model_refuses_another_rope_and_a_missing_calibration(cal):
@@ -257,7 +280,7 @@ def test_calibration_rejects_malformed_tables():
     with pytest.raises(cm.CalibrationError, match="unknown levels"):
         cm.Calibration(c.model_key, ROPE, c.mean, c.basis, {"0.3": c.steps["0.001"]}, {"0.3": c.freq["0.001"]})
     with pytest.raises(cm.CalibrationError, match="rotary dim"):
-        cm.Calibration(c.model_key, RopeSpec(1e4, 8), c.mean, c.basis, c.steps, c.freq)
+        cm.Calibration(c.model_key, RopeSpec(1e4, 24), c.mean, c.basis, c.steps, c.freq)
 
 
 def test_rope_spec_from_hf_configs():

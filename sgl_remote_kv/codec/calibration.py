@@ -1,10 +1,13 @@
 """The per-model calibration of the ``transform`` codec: what is fitted once and never shipped per chunk.
 
-A ``Calibration`` holds, per (layer, K/V, KV head): the mean and an orthonormal basis (PCA of the
-position-free KV: keys with RoPE undone), and per quality level the quantization step of every component
-(a factor of the token's RMS) plus the rANS frequencies of the symbols those steps produce. It is bound
-to one model (``model_key``: architecture, weights identity, layer count, total KV heads, head dim) and
-records the RoPE it undid. Fitting it needs the model (``sgl_remote_kv.calibrate``); this module only
+A ``Calibration`` holds, per (layer, K/V, head group): the mean and an orthonormal basis (PCA of the
+position-free KV: keys with RoPE undone, all heads of the group's channels together), and per quality
+level the quantization step of every component (a factor of the token's RMS) plus the rANS frequencies
+of the symbols those steps produce. A head group is the KV heads one TP rank holds: a calibration is
+fitted for one TP size (``groups`` = TP size; TP 1 = one group of every head, the best decorrelation)
+and rank r uses group r. It is bound to one model (``model_key``: architecture, weights identity, layer
+count, total KV heads, head dim), records the RoPE it undid, and how many leading sequence positions
+(``sinks``: attention sinks, badly served by a per-token scale) chunks store exactly. Fitting it needs the model (``sgl_remote_kv.calibrate``); this module only
 stores, verifies and looks it up (numpy only).
 
 Content-addressed: ``calib_id`` is BLAKE2b-128 over every array and field; ``load`` refuses a file whose
@@ -46,31 +49,34 @@ class CalibrationError(ValueError):
 
 
 def model_key(fp: ModelFingerprint) -> bytes:
-    """What a calibration is bound to: the model, not the KV dtype or the TP rank (a rank uses the
-    calibration's slice of KV heads, ``head_slice``)."""
+    """What a calibration is bound to: the model, not the KV dtype or the TP rank (a rank uses its head
+    group, ``group_of``)."""
     lay = fp.layout
     ident = [FORMAT, fp.architecture, fp.weights_id, lay.num_layers, lay.num_kv_heads * fp.tp_size, lay.head_dim]
     return hashlib.sha256(b"sgl-remote-kv/calibration\x00" + json.dumps(ident).encode()).digest()
 
 
-def head_slice(fp: ModelFingerprint, total_heads: int) -> int:
-    """First KV head of ``fp``'s rank within a calibration of ``total_heads`` heads."""
-    if fp.layout.num_kv_heads * fp.tp_size != total_heads:
+def group_of(fp: ModelFingerprint, groups: int, group_dim: int) -> int:
+    """The head group of ``fp``'s rank in a calibration of ``groups`` groups of ``group_dim`` channels."""
+    lay = fp.layout
+    if fp.tp_size != groups or lay.num_kv_heads * lay.head_dim != group_dim:
         raise CalibrationError(
-            f"{fp.layout.num_kv_heads} KV heads x TP {fp.tp_size} != the calibration's {total_heads} heads"
+            f"a calibration for TP {groups} ({group_dim} channels per rank) does not fit TP {fp.tp_size} with "
+            f"{lay.num_kv_heads} KV heads per rank: run `python -m sgl_remote_kv.calibrate --tp {fp.tp_size}`"
         )
-    return fp.tp_rank * fp.layout.num_kv_heads
+    return fp.tp_rank
 
 
 @dataclass(frozen=True)
 class Calibration:
     model_key: bytes
     rope: RopeSpec
-    mean: np.ndarray  # [L, 2, H, D] float32 (position-free domain)
-    basis: np.ndarray  # [L, 2, H, D, D] float32; basis[l, kv, h][:, c] is component c (descending variance)
-    steps: dict  # level -> [L, 2, H, D] float32 step of each component, in units of the token's RMS
-    freq: dict  # level -> [L, 2, H * D, SYMBOLS] uint16 rANS frequencies (rows sum to 2^PROB_BITS)
+    mean: np.ndarray  # [L, 2, G, C] float32 (position-free domain; G groups of C = heads x head_dim channels)
+    basis: np.ndarray  # [L, 2, G, C, C] float32; basis[l, kv, g][:, c] is component c (descending variance)
+    steps: dict  # level -> [L, 2, G, C] float32 step of each component, in units of the token's RMS
+    freq: dict  # level -> [L, 2, G * C, SYMBOLS] uint16 rANS frequencies (rows sum to 2^PROB_BITS)
     report: str = "{}"  # JSON: how it was fitted (texts, measured KL per level); covered by the id
+    sinks: int = 1  # sequence positions [0, sinks) are stored exactly
     prob_bits: int = rans.PROB_BITS
     calib_id: bytes = field(default=b"", compare=False)
     _decode: dict = field(default_factory=dict, repr=False, compare=False)
@@ -81,7 +87,7 @@ class Calibration:
         mean = np.ascontiguousarray(self.mean, np.float32)
         basis = np.ascontiguousarray(self.basis, np.float32)
         if mean.ndim != 4 or mean.shape[1] != 2:
-            raise CalibrationError(f"mean must be [L, 2, H, D], got {mean.shape}")
+            raise CalibrationError(f"mean must be [L, 2, G, C], got {mean.shape}")
         n_l, _, n_h, d = mean.shape
         if basis.shape != (n_l, 2, n_h, d, d):
             raise CalibrationError(f"basis {basis.shape} does not match mean {mean.shape}")
@@ -89,8 +95,8 @@ class Calibration:
             raise CalibrationError("bad model key or level tables")
         if not set(self.steps) <= set(LEVELS):
             raise CalibrationError(f"unknown levels {sorted(set(self.steps) - set(LEVELS))}")
-        if self.rope.rotary_dim != d:
-            raise CalibrationError(f"rotary dim {self.rope.rotary_dim} != head dim {d}")
+        if d % self.rope.rotary_dim or not 0 <= self.sinks <= 64:
+            raise CalibrationError(f"rotary dim {self.rope.rotary_dim} does not divide {d}, or bad sinks")
         steps, freq = {}, {}
         for lv in sorted(self.steps):
             s = np.ascontiguousarray(self.steps[lv], np.float32)
@@ -113,12 +119,16 @@ class Calibration:
         return self.mean.shape[0]
 
     @property
-    def num_heads(self) -> int:
+    def groups(self) -> int:
         return self.mean.shape[2]
 
     @property
-    def head_dim(self) -> int:
+    def group_dim(self) -> int:
         return self.mean.shape[3]
+
+    @property
+    def head_dim(self) -> int:
+        return self.rope.rotary_dim
 
     @property
     def levels(self) -> tuple[str, ...]:
@@ -127,7 +137,7 @@ class Calibration:
     def compute_id(self) -> bytes:
         h = hashlib.blake2b(digest_size=16)
         h.update(self.model_key + self.rope.canonical().encode() + self.report.encode())
-        h.update(np.int64(self.prob_bits).tobytes())
+        h.update(np.asarray([self.prob_bits, self.sinks], np.int64).tobytes())
         for a in (self.mean, self.basis):
             h.update(np.asarray(a.shape, np.int64).tobytes() + a.tobytes())
         for lv in sorted(self.steps):
@@ -140,7 +150,7 @@ class Calibration:
 
     def encode_tables(self, level: str) -> tuple[np.ndarray, np.ndarray]:
         """(freq [N, S], cum [N, S+1]) for ``rans.encode``; context of (layer, kv, channel c of all heads)
-        is ``(layer * 2 + kv) * H * D + c``."""
+        is ``((layer * 2 + kv) * G + group) * C + c``."""
         with self._lock:
             t = self._encode.get(level)
             if t is None:
@@ -162,8 +172,8 @@ class Calibration:
                 t = self._decode[level] = (cum16, bucket)
             return t
 
-    def ctx0(self, layer: int, kv: int, head0: int) -> int:
-        return ((layer * 2 + kv) * self.num_heads + head0) * self.head_dim
+    def ctx0(self, layer: int, kv: int, group: int) -> int:
+        return ((layer * 2 + kv) * self.groups + group) * self.group_dim
 
     # ---- files ------------------------------------------------------------------------------
     def save(self, directory: str | Path | None = None) -> Path:
@@ -171,7 +181,7 @@ class Calibration:
         d.mkdir(parents=True, exist_ok=True)
         path = d / f"{self.calib_id.hex()}.npz"
         meta = {"format": FORMAT, "model_key": self.model_key.hex(), "rope": json.loads(self.rope.canonical()),
-                "report": self.report, "prob_bits": self.prob_bits, "levels": sorted(self.steps),
+                "report": self.report, "prob_bits": self.prob_bits, "sinks": self.sinks, "levels": sorted(self.steps),
                 "calib_id": self.calib_id.hex()}  # fmt: skip
         arrays = {"mean": self.mean, "basis": self.basis}
         for lv in self.steps:
@@ -192,7 +202,7 @@ class Calibration:
                 levels = [str(lv) for lv in meta["levels"]]
                 c = cls(bytes.fromhex(meta["model_key"]), RopeSpec(**meta["rope"]), z["mean"], z["basis"],
                         {lv: z[f"steps_{lv}"] for lv in levels}, {lv: z[f"freq_{lv}"] for lv in levels},
-                        str(meta["report"]), int(meta["prob_bits"]))  # fmt: skip
+                        str(meta["report"]), int(meta["sinks"]), int(meta["prob_bits"]))  # fmt: skip
         except CalibrationError:
             raise
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -251,16 +261,16 @@ def lookup(calib_id: bytes) -> Calibration | None:
 
 
 def find_for(fp: ModelFingerprint, level: str = DEFAULT_LEVEL) -> Calibration:
-    """The newest-registered calibration of ``fp``'s model that serves ``level``; ``CalibrationError``
-    saying what to run when there is none."""
+    """The newest-registered calibration of ``fp``'s model and TP size that serves ``level``;
+    ``CalibrationError`` saying what to run when there is none."""
     load_dir()
     key = model_key(fp)
     with _LOCK:
-        hits = [c for c in _BY_ID.values() if c.model_key == key]
+        hits = [c for c in _BY_ID.values() if c.model_key == key and c.groups == fp.tp_size]
     if not hits:
         raise CalibrationError(
-            f"no transform-codec calibration for this model in {default_dir()}: run "
-            "`python -m sgl_remote_kv.calibrate --model-path <model>` once"
+            f"no transform-codec calibration for this model at TP {fp.tp_size} in {default_dir()}: run "
+            f"`python -m sgl_remote_kv.calibrate --model-path <model> --tp {fp.tp_size}` once"
         )
     with_level = [c for c in hits if level in c.steps]
     if not with_level:

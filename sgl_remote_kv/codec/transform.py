@@ -3,24 +3,27 @@ Deflate (what the DPU's engine speaks) or per-component static rANS.
 
 Per layer and K/V separately (``calibration.Calibration`` holds everything fitted once per model)::
 
-    x  = K with RoPE undone at positions start..start+T-1   (V as is)         [T, H, D] float32
-    y  = (x - mean[h]) @ basis[h]          per KV head (orthonormal, PCA)     [H, T, D]
-    s  = RMS of y over the token's H*D components                             fp16 per token
-    q  = rint(y / (step[h, c] * s))        step from the calibration's quality level
+    x  = K with RoPE undone at positions start..start+T-1   (V as is)   [T, C = H*D] float32
+    y  = (x - mean) @ basis    the rank's head group (orthonormal, PCA)  [T, C]
+    s  = RMS of y over the token's C components                         fp16 per token
+    q  = rint(y / (step[c] * s))           step from the calibration's quality level
     symbol = q + 128 for |q| <= 127 (and, under rANS, a symbol the table can code), else 0 = escape:
              q itself goes to the escape list (int16)
 
 Decode inverts it: ``x = (q * step * s) @ basis^T + mean``, RoPE re-applied for K, rounded to the
-storage dtype. A chunk's token offset ``start`` (its position in the sequence) is an encode argument and
-travels in each layer section; the calibration's RoPE must be the model's (the server checks; the id of
-the calibration is in the codec params, hence in every chunk key).
+storage dtype. Sequence positions below the calibration's ``sinks`` (attention sinks: a per-token scale
+serves their outsized values badly) are stored exactly instead. A chunk's token offset ``start`` (its
+position in the sequence) is an encode argument and travels in each layer section; the calibration's RoPE
+must be the model's (the server checks; the id of the calibration is in the codec params, hence in every
+chunk key).
 
 Decoded-layer buffer (lossless stage output, dequant stage input)::
 
-    <IIHBxHHII  start, T, C (= H*D), scale dtype (0 fp16, 1 fp32), layer, first KV head of this rank
-                within the calibration, escapes K, escapes V
+    <IIHBBHHII  start, T, C (= H*D), scale dtype (0 fp16, 1 fp32), exact sink tokens S, layer, head
+                group, escapes K, escapes V
     scales K [T], scales V [T]; escapes K [n] int16, escapes V [n] int16
-    symbols K [C, T] uint8 (component-major: channel h*D + d), symbols V [C, T]
+    exact K [S, H, D], exact V [S, H, D] (storage dtype)
+    symbols K [C, T] uint8 (component-major), symbols V [C, T]
 
 Section: ``deflate``: the three parts (prelude + scales + escapes, K symbols, V symbols) as independent
 raw-Deflate streams (``lz.pack_streams``). ``rans``: ``<III`` (prefix bytes, K words, V words), the
@@ -48,7 +51,7 @@ from sgl_remote_kv.types import ModelFingerprint, RopeSpec
 
 logger = logging.getLogger(__name__)
 
-PRE = struct.Struct("<IIHBxHHII")
+PRE = struct.Struct("<IIHBBHHII")
 RANS_SUB = struct.Struct("<III")
 ESC = 0
 ZERO = 128
@@ -132,11 +135,11 @@ def _dequantize(sym, esc, steps, scale, y):
 
 
 @njit(nogil=True, cache=True)
-def _finish(x, mean, cos, sin, style, rope, mode, out32, out16):
-    """x [H, T, D] float32 (transform inverse) + mean [H, D], RoPE applied when ``rope``, written as
-    [T, H, D] into ``out32`` (mode 0) or as fp16 (1) / bf16 (2) bits into ``out16``."""
+def _finish(x, mean, cos, sin, style, rope, head_dim, mode, out32, out16):
+    """x [G, T, C] float32 (transform inverse) + mean [G, C], RoPE applied per ``head_dim`` block when
+    ``rope``, written as [T, G, C] into ``out32`` (mode 0) or as fp16 (1) / bf16 (2) bits into ``out16``."""
     h_n, t_n, d = x.shape
-    half = d // 2
+    half = head_dim // 2
     row = np.empty(d, np.float32)
     rbits = row.view(np.uint32)
     for t in range(t_n):
@@ -144,14 +147,15 @@ def _finish(x, mean, cos, sin, style, rope, mode, out32, out16):
             for j in range(d):
                 row[j] = x[h, t, j] + mean[h, j]
             if rope:
-                for i in range(half):
-                    c, s = cos[t, i], sin[t, i]
-                    if style == 0:
-                        a, b = row[i], row[i + half]
-                        row[i], row[i + half] = a * c - b * s, b * c + a * s
-                    else:
-                        a, b = row[2 * i], row[2 * i + 1]
-                        row[2 * i], row[2 * i + 1] = a * c - b * s, b * c + a * s
+                for o in range(0, d, head_dim):
+                    for i in range(half):
+                        c, s = cos[t, i], sin[t, i]
+                        if style == 0:
+                            a, b = row[o + i], row[o + i + half]
+                            row[o + i], row[o + i + half] = a * c - b * s, b * c + a * s
+                        else:
+                            a, b = row[o + 2 * i], row[o + 2 * i + 1]
+                            row[o + 2 * i], row[o + 2 * i + 1] = a * c - b * s, b * c + a * s
             if mode == 0:
                 for j in range(d):
                     out32[t, h, j] = row[j]
@@ -177,20 +181,26 @@ def _style(rope: RopeSpec) -> int:
     return 0 if rope.style == "neox" else 1
 
 
-def forward(cal: calib_mod.Calibration, layer: int, kv: int, head0: int, x: np.ndarray, start: int) -> np.ndarray:
-    """Position-free, centred, transformed ``x`` ([T, H, D] float32, modified in place for K):
-    [H, T, D] coefficients. Shared by the encoder and the calibration."""
-    h_n = x.shape[1]
+def forward(cal: calib_mod.Calibration, layer: int, kv: int, group: int, x: np.ndarray, start: int) -> np.ndarray:
+    """Position-free, centred, transformed ``x`` ([T, H, D] float32 of one head group, modified in place
+    for K): [1, T, H*D] coefficients. Shared by the encoder and the calibration."""
     if kv == 0:
         cos, sin = rope_tables(cal.rope, start, x.shape[0])
         _rotate(x, cos, sin, _style(cal.rope), np.float32(-1.0))
-    xc = (x - cal.mean[layer, kv, head0 : head0 + h_n]).transpose(1, 0, 2)
-    return np.matmul(xc, cal.basis[layer, kv, head0 : head0 + h_n])
+    xc = x.reshape(1, x.shape[0], -1) - cal.mean[layer, kv, group]
+    return np.matmul(xc, cal.basis[layer, kv, group])
 
 
-def token_scales(y: np.ndarray) -> tuple[np.ndarray, int]:
-    """Per-token RMS of ``y`` [H, T, D] as stored (fp16 when it fits, else fp32) and the dtype flag."""
+def sink_count(cal: calib_mod.Calibration, start: int, tokens: int) -> int:
+    """How many leading tokens of a chunk at ``start`` are stored exactly."""
+    return max(0, min(cal.sinks - start, tokens))
+
+
+def token_scales(y: np.ndarray, sinks: int = 0) -> tuple[np.ndarray, int]:
+    """Per-token RMS of ``y`` [1, T, C] as stored (fp16 when it fits, else fp32) and the dtype flag; the
+    first ``sinks`` tokens (stored exactly) get 0, which codes them as all-zero symbols."""
     rms = np.sqrt(np.mean(np.square(y, dtype=np.float32), axis=(0, 2)))
+    rms[:sinks] = 0.0
     if np.all(rms <= 65504.0):
         return rms.astype(np.float16), 0
     return rms.astype(np.float32), 1
@@ -220,7 +230,7 @@ class TransformCodec(Codec):
         cal = calib_mod.find_for(fp, quality)
         if rope is not None and rope != cal.rope:
             raise calib_mod.CalibrationError(f"calibration RoPE {cal.rope} != the model's {rope}")
-        calib_mod.head_slice(fp, cal.num_heads)
+        calib_mod.group_of(fp, cal.groups, cal.group_dim)
         return cls(cal.calib_id.hex(), quality, entropy)
 
     def params(self) -> dict:
@@ -237,6 +247,10 @@ class TransformCodec(Codec):
             raise ForeignChunk("chunk references another calibration")
         if calib_mod.model_key(fingerprint) != self.cal.model_key:
             raise ForeignChunk("the calibration belongs to another model")
+        try:
+            calib_mod.group_of(fingerprint, self.cal.groups, self.cal.group_dim)
+        except calib_mod.CalibrationError as e:
+            raise ForeignChunk(str(e)) from None
 
     # ---- encode -----------------------------------------------------------------------------
     def encode(self, k: np.ndarray, v: np.ndarray, fingerprint: ModelFingerprint, start: int = 0) -> bytes:
@@ -244,20 +258,21 @@ class TransformCodec(Codec):
 
         lay = fingerprint.layout
         check_chunk_arrays(k, v, lay)
-        if calib_mod.model_key(fingerprint) != self.cal.model_key or lay.head_dim != self.cal.head_dim:
+        if calib_mod.model_key(fingerprint) != self.cal.model_key:
             raise ValueError("the calibration belongs to another model")
         if not 0 <= start < 1 << 31:
             raise ValueError(f"start {start} out of range")
-        head0 = calib_mod.head_slice(fingerprint, self.cal.num_heads)
-        sections = [self.encode_layer(k[i], v[i], i, fingerprint, start, head0) for i in range(lay.num_layers)]
+        group = calib_mod.group_of(fingerprint, self.cal.groups, self.cal.group_dim)
+        sections = [self.encode_layer(k[i], v[i], i, fingerprint, start, group) for i in range(lay.num_layers)]
         return pack(self.codec_id, self.params_bytes(), fingerprint, k.shape[1], sections,
                     aux_id=self.cal.calib_id)  # fmt: skip
 
-    def encode_layer(self, k, v, layer, fingerprint, start: int = 0, head0: int | None = None) -> bytes:
+    def encode_layer(self, k, v, layer, fingerprint, start: int = 0, group: int | None = None) -> bytes:
         lay = fingerprint.layout
-        head0 = calib_mod.head_slice(fingerprint, self.cal.num_heads) if head0 is None else head0
-        t_n, h_n, d = k.shape
-        c_n = h_n * d
+        group = calib_mod.group_of(fingerprint, self.cal.groups, self.cal.group_dim) if group is None else group
+        t_n = k.shape[0]
+        c_n = self.cal.group_dim
+        n_sink = sink_count(self.cal, start, t_n)
         cap = max(1, t_n * c_n // MAX_ESCAPE_FRACTION)
         if self.entropy == "rans":
             freq, _ = self.cal.encode_tables(self.quality)
@@ -265,27 +280,28 @@ class TransformCodec(Codec):
             freq = np.empty((0, calib_mod.SYMBOLS), np.uint16)
         scales, syms, escs, sdt = [], [], [], 0
         for kv, a in enumerate((k, v)):
-            y = forward(self.cal, layer, kv, head0, quant.to_f32(a, lay.dtype).copy(), start)
-            s, flag = token_scales(y)
+            y = forward(self.cal, layer, kv, group, quant.to_f32(a, lay.dtype).copy(), start)
+            s, flag = token_scales(y, n_sink)
             sdt |= flag
             scales.append(s)
             sym = np.empty((c_n, t_n), np.uint8)
             esc = np.empty(cap, np.int16)
-            steps = self.cal.steps[self.quality][layer, kv, head0 : head0 + h_n]
-            n = _quantize(y, steps, s.astype(np.float32), freq, self.cal.ctx0(layer, kv, head0), sym, esc)
+            steps = self.cal.steps[self.quality][layer, kv, group : group + 1]
+            n = _quantize(y, steps, s.astype(np.float32), freq, self.cal.ctx0(layer, kv, group), sym, esc)
             if n < 0:
                 raise ValueError(f"layer {layer}: KV too far from the calibration to encode ({n})")
             syms.append(sym)
             escs.append(esc[:n])
         sdtype = np.float32 if sdt else np.float16
-        prefix = b"".join([PRE.pack(start, t_n, c_n, sdt, layer, head0, escs[0].size, escs[1].size),
-                           *(s.astype(sdtype).tobytes() for s in scales), *(e.tobytes() for e in escs)])  # fmt: skip
+        prefix = b"".join([PRE.pack(start, t_n, c_n, sdt, n_sink, layer, group, escs[0].size, escs[1].size),
+                           *(s.astype(sdtype).tobytes() for s in scales), *(e.tobytes() for e in escs),
+                           np.ascontiguousarray(k[:n_sink]).tobytes(), np.ascontiguousarray(v[:n_sink]).tobytes()])  # fmt: skip
         if self.entropy == "deflate":
             return lz.pack_streams(lz.DEFLATE, self.level, [prefix, syms[0].tobytes(), syms[1].tobytes()])
         fl, cum = self.cal.encode_tables(self.quality)
         words = []
         for kv, sym in enumerate(syms):
-            w, ok = rans.encode(np.ascontiguousarray(sym.T), self.cal.ctx0(layer, kv, head0), fl, cum,
+            w, ok = rans.encode(np.ascontiguousarray(sym.T), self.cal.ctx0(layer, kv, group), fl, cum,
                                 self.cal.prob_bits)  # fmt: skip
             if not ok:
                 raise ValueError(f"layer {layer}: a symbol has zero probability")
@@ -294,15 +310,16 @@ class TransformCodec(Codec):
         return b"".join([head, prefix, words[0].tobytes(), words[1].tobytes()])
 
     # ---- decode -----------------------------------------------------------------------------
-    def _check_slice(self, layer: int, head0: int, c_n: int) -> None:
-        d = self.cal.head_dim
-        if layer >= self.cal.num_layers or c_n % d or head0 + c_n // d > self.cal.num_heads:
-            raise CorruptChunk(f"section layer {layer} / heads {head0}+{c_n // d} outside the calibration")
+    def _check_slice(self, layer: int, group: int, c_n: int) -> None:
+        if layer >= self.cal.num_layers or group >= self.cal.groups or c_n != self.cal.group_dim:
+            raise CorruptChunk(f"section layer {layer} / group {group} / {c_n} channels outside the calibration")
 
     def scratch_bytes(self, header: ChunkHeader, layer: int) -> int:
-        t_n, c_n = header.num_tokens, header.layout.num_kv_heads * header.layout.head_dim
+        lay = header.layout
+        t_n, c_n = header.num_tokens, lay.num_kv_heads * lay.head_dim
         cap = max(1, t_n * c_n // MAX_ESCAPE_FRACTION)
-        return PRE.size + 2 * 4 * t_n + 2 * 2 * cap + 2 * t_n * c_n
+        sinks = min(self.cal.sinks, t_n)
+        return PRE.size + 2 * 4 * t_n + 2 * 2 * cap + 2 * sinks * c_n * lay.itemsize + 2 * t_n * c_n
 
     def lossless_stage(self, section: memoryview, out: np.ndarray) -> int:
         if self.entropy == "deflate":
@@ -313,10 +330,10 @@ class TransformCodec(Codec):
         o = RANS_SUB.size
         if o + prefix_len + 2 * (kw + vw) != len(section) or prefix_len < PRE.size:
             raise CorruptChunk("section length does not match its streams")
-        _, t_n, c_n, _, layer, head0, _, _ = PRE.unpack_from(section, o)
-        self._check_slice(layer, head0, c_n)
+        _, t_n, c_n, _, _, layer, group, _, _ = PRE.unpack_from(section, o)
+        self._check_slice(layer, group, c_n)
         raw = prefix_len + 2 * t_n * c_n
-        if raw > out.size or t_n * c_n == 0:
+        if raw > out.size or t_n == 0:
             raise CorruptChunk(f"section claims {raw} decoded bytes, scratch holds {out.size}")
         out[:prefix_len] = np.frombuffer(section, np.uint8, prefix_len, o)
         o += prefix_len
@@ -326,7 +343,7 @@ class TransformCodec(Codec):
             dst = np.empty((t_n, c_n), np.uint8)
             words = np.frombuffer(section, np.uint16, count, o) if count else np.empty(0, np.uint16)
             rc = rans.decode(words if words.ctypes.data % 2 == 0 else words.copy(),
-                             self.cal.ctx0(layer, kv, head0), cum16, bucket, self.cal.prob_bits, dst)  # fmt: skip
+                             self.cal.ctx0(layer, kv, group), cum16, bucket, self.cal.prob_bits, dst)  # fmt: skip
             if rc != 0:
                 raise CorruptChunk(f"rANS stream {kv} is corrupt ({rc})")
             out[prefix_len + kv * n : prefix_len + (kv + 1) * n] = dst.T.reshape(-1)
@@ -339,14 +356,16 @@ class TransformCodec(Codec):
         buf = np.asarray(decoded, dtype=np.uint8)
         if buf.size < PRE.size:
             raise CorruptChunk("decoded layer shorter than its prelude")
-        start, t_n, c_n, sdt, sec_layer, head0, nk, nv = PRE.unpack_from(buf, 0)
-        h_n, d = lay.num_kv_heads, lay.head_dim
-        if t_n != header.num_tokens or c_n != h_n * d or sdt > 1 or sec_layer != layer:
+        start, t_n, c_n, sdt, n_sink, sec_layer, group, nk, nv = PRE.unpack_from(buf, 0)
+        if t_n != header.num_tokens or sdt > 1 or sec_layer != layer or start >= 1 << 31:
             raise CorruptChunk("layer prelude does not match the chunk header")
-        self._check_slice(layer, head0, c_n)
+        self._check_slice(layer, group, c_n)
+        if n_sink != sink_count(self.cal, start, t_n):
+            raise CorruptChunk("sink token count does not match the calibration")
         ss = 4 if sdt else 2
-        need = PRE.size + 2 * ss * t_n + 2 * (nk + nv) + 2 * t_n * c_n
-        if buf.size != need or start >= 1 << 31:
+        sink_bytes = n_sink * c_n * lay.itemsize
+        need = PRE.size + 2 * ss * t_n + 2 * (nk + nv) + 2 * sink_bytes + 2 * t_n * c_n
+        if buf.size != need:
             raise CorruptChunk(f"decoded layer holds {buf.size} bytes, its prelude implies {need}")
         o = PRE.size
         sc = np.frombuffer(buf, np.float32 if sdt else np.float16, 2 * t_n, o).astype(np.float32)
@@ -355,50 +374,65 @@ class TransformCodec(Codec):
         for n in (nk, nv):
             escs.append(np.frombuffer(buf, np.int16, n, o) if n else np.empty(0, np.int16))
             o += 2 * n
+        sinks = []
+        for _ in range(2):
+            sinks.append(buf[o : o + sink_bytes])
+            o += sink_bytes
         mode = _MODES[lay.dtype]
         cos, sin = rope_tables(self.cal.rope, start, t_n)
-        y = np.empty((h_n, t_n, d), np.float32)
+        y = np.empty((1, t_n, c_n), np.float32)
         for kv, out in enumerate((out_k, out_v)):
             sym = buf[o + kv * t_n * c_n : o + (kv + 1) * t_n * c_n].reshape(c_n, t_n)
-            steps = self.cal.steps[self.quality][layer, kv, head0 : head0 + h_n]
+            steps = self.cal.steps[self.quality][layer, kv, group : group + 1]
             used = _dequantize(sym, escs[kv], steps, sc[kv * t_n : (kv + 1) * t_n], y)
             if used != escs[kv].size:
                 raise CorruptChunk("escape count does not match the symbols")
-            x = np.matmul(y, self.cal.basis[layer, kv, head0 : head0 + h_n].transpose(0, 2, 1))
-            mean = self.cal.mean[layer, kv, head0 : head0 + h_n]
+            x = np.matmul(y, self.cal.basis[layer, kv, group].T)
+            mean = self.cal.mean[layer, kv, group : group + 1]
+            flat = out.reshape(t_n, 1, c_n)
             if mode == 0:
-                _finish(x, mean, cos, sin, _style(self.cal.rope), kv == 0, 0, out, _EMPTY16)
+                _finish(x, mean, cos, sin, _style(self.cal.rope), kv == 0, self.cal.head_dim, 0, flat, _EMPTY16)
             else:
-                _finish(x, mean, cos, sin, _style(self.cal.rope), kv == 0, mode, _EMPTY32, out.view(np.uint16))
+                _finish(x, mean, cos, sin, _style(self.cal.rope), kv == 0, self.cal.head_dim, mode, _EMPTY32,
+                        flat.view(np.uint16))  # fmt: skip
+            if n_sink:
+                flat.view(np.uint8).reshape(t_n, -1)[:n_sink] = sinks[kv].reshape(n_sink, -1)
 
 
 def roundtrip(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np.ndarray, start: int = 0,
-              head0: int = 0) -> np.ndarray:  # fmt: skip
-    """What encoding then decoding ``x`` ([T, H, D] float32 of one layer's K (kv=0) or V) gives back, in
-    float32 (before the storage dtype's rounding), through the codec's own kernels (escapes unbounded).
-    For the calibration, which scores candidate steps with the model."""
-    t_n, h_n, d = x.shape
-    y = forward(cal, layer, kv, head0, np.array(x, np.float32), start)
-    s = token_scales(y)[0].astype(np.float32)
-    steps = cal.steps[level][layer, kv, head0 : head0 + h_n]
-    sym, esc = np.empty((h_n * d, t_n), np.uint8), np.empty(t_n * h_n * d, np.int16)
+              group: int = 0) -> np.ndarray:  # fmt: skip
+    """What encoding then decoding ``x`` ([T, H, D] float32 of one layer's K (kv=0) or V of one head group)
+    gives back, in float32 (before the storage dtype's rounding), through the codec's own kernels
+    (escapes unbounded). For the calibration, which scores candidate steps with the model."""
+    t_n = x.shape[0]
+    c_n = cal.group_dim
+    n_sink = sink_count(cal, start, t_n)
+    y = forward(cal, layer, kv, group, np.array(x, np.float32), start)
+    s = token_scales(y, n_sink)[0].astype(np.float32)
+    steps = cal.steps[level][layer, kv, group : group + 1]
+    sym, esc = np.empty((c_n, t_n), np.uint8), np.empty(t_n * c_n, np.int16)
     n = _quantize(y, steps, s, np.empty((0, calib_mod.SYMBOLS), np.uint16), 0, sym, esc)
     if n < 0:
         raise ValueError(f"layer {layer}: values do not fit the escape format ({n})")
     _dequantize(sym, esc[:n], steps, s, y)
-    x = np.matmul(y, cal.basis[layer, kv, head0 : head0 + h_n].transpose(0, 2, 1))
-    out = np.empty((t_n, h_n, d), np.float32)
+    xr = np.matmul(y, cal.basis[layer, kv, group].T)
+    out = np.empty((t_n, 1, c_n), np.float32)
     cos, sin = rope_tables(cal.rope, start, t_n)
-    _finish(x, cal.mean[layer, kv, head0 : head0 + h_n], cos, sin, _style(cal.rope), kv == 0, 0, out, _EMPTY16)
+    _finish(xr, cal.mean[layer, kv, group : group + 1], cos, sin, _style(cal.rope), kv == 0, cal.head_dim, 0, out,
+            _EMPTY16)  # fmt: skip
+    out = out.reshape(x.shape)
+    out[:n_sink] = x[:n_sink]
     return out
 
 
-def symbols(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np.ndarray, start: int = 0) -> np.ndarray:
-    """The symbols [C, T] the Deflate variant would code for ``x`` (all heads); for fitting rANS tables."""
-    t_n, h_n, d = x.shape
-    y = forward(cal, layer, kv, 0, np.array(x, np.float32), start)
-    s = token_scales(y)[0].astype(np.float32)
-    sym, esc = np.empty((h_n * d, t_n), np.uint8), np.empty(t_n * h_n * d, np.int16)
-    if _quantize(y, cal.steps[level][layer, kv], s, np.empty((0, calib_mod.SYMBOLS), np.uint16), 0, sym, esc) < 0:
+def symbols(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np.ndarray, start: int = 0,
+            group: int = 0) -> np.ndarray:  # fmt: skip
+    """The symbols [C, T] the Deflate variant would code for ``x``; for fitting rANS tables."""
+    t_n = x.shape[0]
+    y = forward(cal, layer, kv, group, np.array(x, np.float32), start)
+    s = token_scales(y, sink_count(cal, start, t_n))[0].astype(np.float32)
+    sym, esc = np.empty((cal.group_dim, t_n), np.uint8), np.empty(t_n * cal.group_dim, np.int16)
+    steps = cal.steps[level][layer, kv, group : group + 1]
+    if _quantize(y, steps, s, np.empty((0, calib_mod.SYMBOLS), np.uint16), 0, sym, esc) < 0:
         raise ValueError(f"layer {layer}: values do not fit the escape format")
     return sym
