@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup model demo test test-slow lint bench-codec bench-codec-rd bench-store bench-dpu bench-nvdec \
+.PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-store bench-dpu bench-nvdec \
 	bench-cpu-attention bench-e2e bench-e2e-quick bench-burst bench-tail projection soak test-faults \
 	test-conformance dashboard bench-exactness clean
 
@@ -12,6 +12,10 @@ setup:
 model: setup
 	$(PY) -m sgl_remote_kv.model --dtype float32
 
+# The transform codec's calibration of the model (minutes on 2 cores, once per machine: --if-missing).
+calibration: model
+	$(PY) -m sgl_remote_kv.calibrate --if-missing --model-path "$$($(PY) -m sgl_remote_kv.model --dtype float32 | tail -1)"
+
 demo: model
 	$(PY) scripts/demo.py --remote-kv dpu --turns 3 --restart
 
@@ -19,7 +23,7 @@ lint: setup
 	$(PY) -m ruff check .
 
 # Default suite: everything not marked slow (e2e server tests included). CI runs exactly this.
-test: model lint
+test: calibration lint
 	$(PY) -m pytest -q
 
 # Slower tests (soak-like, long benchmarks-as-tests); separate target.
@@ -40,10 +44,10 @@ test-conformance: model
 		$(PY) scripts/conformance_table.py > /dev/null; exit $$rc
 
 # Benchmarks print tables and write docs/results/*.json (+ PNG plots). None of them is a test.
-bench-codec-rd: model
+bench-codec-rd: calibration
 	$(PY) -m benchmarks.bench_codec_rd
 
-bench-codec: model
+bench-codec: calibration
 	$(PY) -m benchmarks.bench_codec
 
 # Greedy divergence of remote vs local hits per codec, and of exact-KV requests (real servers)

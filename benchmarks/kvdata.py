@@ -90,12 +90,12 @@ def model_dir() -> Path:
 
 def fingerprint(dtype: str = "bfloat16"):
     """ModelFingerprint of the benchmark model with KV stored as ``dtype``."""
-    from sgl_remote_kv.model import weights_identity
+    from sgl_remote_kv.model import model_identity
     from sgl_remote_kv.types import KVLayout, ModelFingerprint
 
     d = model_dir()
     layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=dtype)
-    return ModelFingerprint(architecture="LlamaForCausalLM", layout=layout, weights_id=weights_identity(d))
+    return ModelFingerprint(architecture="LlamaForCausalLM", layout=layout, weights_id=model_identity(d))
 
 
 def extract_kv(model, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -295,12 +295,12 @@ class Calibrator:
 
 
 def fingerprint_for(model_path: Path, cfg: dict) -> ModelFingerprint:
-    from sgl_remote_kv.model import weights_identity
+    from sgl_remote_kv.model import model_identity
 
     n_kv = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     lay = KVLayout(cfg["num_hidden_layers"], n_kv, d, "float32")
-    return ModelFingerprint((cfg.get("architectures") or ["unknown"])[0], lay, weights_identity(model_path))
+    return ModelFingerprint((cfg.get("architectures") or ["unknown"])[0], lay, model_identity(model_path, cfg))
 
 
 def calibrate(model_path: Path, text_paths: list[Path], levels: tuple[str, ...] = calib_mod.LEVELS,
@@ -344,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--levels", default=",".join(calib_mod.LEVELS), help="quality levels (KL targets) to fit")
     ap.add_argument("--tp", type=int, default=1, help="TP size the servers run with (one head group per rank)")
     ap.add_argument("--out", type=Path, default=None, help=f"directory (default {calib_mod.default_dir()})")
+    ap.add_argument("--if-missing", action="store_true",
+                    help="do nothing when a calibration of this model, TP size and every level exists")  # fmt: skip
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -357,6 +359,19 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"no calibration text (missing: {', '.join(map(str, missing)) or 'all defaults'}); pass --text FILE")
     if bad or not levels:
         ap.error(f"levels must be among {','.join(calib_mod.LEVELS)}")
+    if args.if_missing:
+        cfg = json.loads((args.model_path / "config.json").read_text())
+        fp = fingerprint_for(args.model_path, cfg)
+        fp = ModelFingerprint(fp.architecture, KVLayout(fp.layout.num_layers, fp.layout.num_kv_heads // args.tp,
+                              fp.layout.head_dim, "float32"), fp.weights_id, 0, args.tp)  # fmt: skip
+        if args.out:
+            calib_mod.load_dir(args.out)
+        try:
+            have = [calib_mod.find_for(fp, lv) for lv in levels]
+            print(f"calibration {have[0].calib_id.hex()} exists for this model at TP {args.tp}")
+            return 0
+        except calib_mod.CalibrationError:
+            pass
     try:
         calibrate(args.model_path, texts, levels, args.out, args.tp)
     except ValueError as e:  # RoPE this codec cannot undo, texts too short, ...

@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 
 from sgl_remote_kv import env
+from sgl_remote_kv.types import DEFAULT_QUALITY, QUALITY_LEVELS
 
 MODES = ("off", "dpu", "nvdec", "inproc", "auto")
 FLUSH_SCOPES = ("local", "tier")
@@ -28,6 +29,7 @@ class RemoteKVConfig:
     chunk_size: int = 256
     tail_tokens: int | None = None  # tail sub-chunk size; None = 64 where it divides a larger chunk, 0 = off
     codec: str = "default"
+    quality: str = DEFAULT_QUALITY  # transform codec: the KL target of its calibration level
     auth_key_file: str = ""  # "" -> values are not authenticated (see sgl_remote_kv/security.py)
     nvdec_instances: int = 2  # decoder instances of the NVDEC pool (--remote-kv nvdec|auto)
     layerwise: bool = False  # admit fully fetched requests before every layer is in the pool
@@ -58,6 +60,8 @@ class RemoteKVConfig:
             )
         if not 0.0 <= self.policy_margin <= 1e12:
             raise ValueError(f"--remote-kv-policy-margin must be in [0, 1e12], got {self.policy_margin}")
+        if self.quality not in QUALITY_LEVELS:
+            raise ValueError(f"--remote-kv-quality must be one of {QUALITY_LEVELS}, got {self.quality!r}")
         if self.flush not in FLUSH_SCOPES:
             raise ValueError(f"--remote-kv-flush must be one of {FLUSH_SCOPES}, got {self.flush!r}")
         if not 1 <= self.nvdec_instances <= 64:
@@ -200,6 +204,15 @@ class RemoteKVConfig:
         )
 
         g.add_argument(
+            "--remote-kv-quality",
+            dest="remote_kv_quality",
+            choices=QUALITY_LEVELS,
+            default=DEFAULT_QUALITY,
+            help="Transform codec only: the quality level (a KL target in nats, from the model's calibration) "
+            f"chunks are written and read at. Default {DEFAULT_QUALITY}, the near-lossless floor; a coarser "
+            "level is smaller and is never chosen silently (/metrics: hit_tokens_by_quality).",
+        )
+        g.add_argument(
             "--remote-kv-flush",
             dest="remote_kv_flush",
             choices=FLUSH_SCOPES,
@@ -251,6 +264,7 @@ class RemoteKVConfig:
             chunk_size=ns.remote_kv_chunk_size,
             tail_tokens=getattr(ns, "remote_kv_tail_tokens", None),
             codec=ns.remote_kv_codec,
+            quality=getattr(ns, "remote_kv_quality", DEFAULT_QUALITY),
             auth_key_file=getattr(ns, "remote_kv_auth_key_file", ""),
             nvdec_instances=getattr(ns, "remote_kv_nvdec_instances", 2),
             layerwise=getattr(ns, "remote_kv_layerwise", False),

@@ -98,6 +98,25 @@ def weights_identity(model_dir: Path) -> str:
     return h.hexdigest()
 
 
+def model_identity(model_path: str | Path, hf_config=None) -> str:
+    """What ``ModelFingerprint.weights_id`` holds: the weights' identity (``weights_identity`` for a local
+    directory, else a digest of the name) with the model's RoPE folded in, since cached keys carry it (the
+    same weights served with another ``rope_theta`` make other KV). ``hf_config``: the config the server
+    runs with (overrides applied); default the directory's ``config.json``."""
+    from sgl_remote_kv.types import RopeSpec
+
+    p = Path(model_path)
+    base = weights_identity(p) if p.is_dir() else hashlib.sha256(f"model-name:{model_path}".encode()).hexdigest()
+    if hf_config is None:
+        cfg_file = p / "config.json"
+        hf_config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    try:
+        rope = RopeSpec.from_hf_config(hf_config).canonical()
+    except (ValueError, TypeError, KeyError, ZeroDivisionError) as e:
+        rope = f"unsupported:{e}"
+    return hashlib.sha256(f"{base}|rope|{rope}".encode()).hexdigest()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

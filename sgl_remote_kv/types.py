@@ -73,6 +73,11 @@ class ModelFingerprint:
         return hashlib.sha256(self.canonical()).digest()
 
 
+# Quality levels of the transform codec: KL targets (nats of next-token KL against recomputation on the
+# calibration texts), finest first. The default is the near-lossless floor.
+QUALITY_LEVELS = ("0.0005", "0.001", "0.002", "0.005", "0.01")
+DEFAULT_QUALITY = "0.001"
+
 ROPE_STYLES = ("neox", "gptj")
 
 

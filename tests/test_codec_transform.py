@@ -4,11 +4,12 @@ The calibration fitted with the real model is exercised by ``tests/test_calibrat
 
 from __future__ import annotations
 
+import calibration_helpers
 import numpy as np
 import pytest
 
 from sgl_remote_kv.codec import calibration as cm
-from sgl_remote_kv.codec import rans, transform
+from sgl_remote_kv.codec import transform
 from sgl_remote_kv.codec.base import codec_for_header, decode, get_codec
 from sgl_remote_kv.codec.errors import ChunkError, ForeignChunk
 from sgl_remote_kv.codec.format import parse_header
@@ -31,19 +32,7 @@ def _rotate(x, start, sign, rope=ROPE):
 
 def make_calibration(levels=("0.001", "0.01"), step=0.05, seed=0, key_fp=None, rope=ROPE, groups=1,
                      sinks=1) -> cm.Calibration:  # fmt: skip
-    rng = np.random.default_rng(seed)
-    c = H // groups * D
-    basis = np.linalg.qr(rng.standard_normal((L, 2, groups, c, c)))[0].astype(np.float32)
-    mean = rng.standard_normal((L, 2, groups, c)).astype(np.float32) * 0.1
-    steps = {lv: np.full((L, 2, groups, c), step * (1 + i), np.float32) for i, lv in enumerate(levels)}
-    flat = np.zeros((L * 2 * H * D, cm.SYMBOLS))
-    flat[:, 100:157] = 10.0  # a window around symbol 128 (q = 0); the rest is escaped under rANS
-    flat[:, transform.ESC] = 1.0
-    freq = rans.normalize_counts(flat, rans.PROB_BITS).reshape(L, 2, H * D, cm.SYMBOLS)
-    cal = cm.Calibration(cm.model_key(key_fp or fp()), rope, mean, basis, steps, {lv: freq for lv in levels},
-                         sinks=sinks)  # fmt: skip
-    cm.register(cal)
-    return cal
+    return calibration_helpers.make_calibration(key_fp or fp(), levels, step, seed, rope, groups, sinks)
 
 
 def kv(dtype="float32", start=0, seed=1, t=T, heads=H, scale=1.0):

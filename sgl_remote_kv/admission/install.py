@@ -113,7 +113,8 @@ class Installer:
         ok, start = len(slots), p.handle.start_token
         lock = c.tree.insert(p.req, p.prefix_node, start, slots)
         c.host.mark_hit(p.req, start, ok)
-        c.metrics.hit(ok, ok // self.chunk, c.paths[p.path].codec.name)
+        codec = c.paths[p.path].codec
+        c.metrics.hit(ok, ok // self.chunk, codec.name, getattr(codec, "quality", None))
         if c.on_installed is not None and c.paths[p.path].codec is c.write_codec:
             # Only the chunks that were installed are known good; the write-back re-offers the rest.
             c.on_installed(p.rid, p.local_chunks + ok // self.chunk)

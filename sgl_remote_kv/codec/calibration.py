@@ -33,13 +33,11 @@ from pathlib import Path
 import numpy as np
 
 from sgl_remote_kv.codec import rans
-from sgl_remote_kv.types import ModelFingerprint, RopeSpec
+from sgl_remote_kv.types import DEFAULT_QUALITY, QUALITY_LEVELS, ModelFingerprint, RopeSpec
 
 logger = logging.getLogger(__name__)
 
-# KL targets (nats) a calibration is fitted for, finest first. The default is the near-lossless floor.
-LEVELS = ("0.0005", "0.001", "0.002", "0.005", "0.01")
-DEFAULT_LEVEL = "0.001"
+LEVELS, DEFAULT_LEVEL = QUALITY_LEVELS, DEFAULT_QUALITY
 SYMBOLS = 256
 FORMAT = 1
 

@@ -27,6 +27,7 @@ from sgl_remote_kv.types import (
     DECISIONS,
     EXACT_OUTCOMES,
     LOOKUP_RESULTS,
+    QUALITY_LEVELS,
     STORE_OPS,
     WRITEBACK_SKIPS,
     FailureKind,
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 BREAKER_CIRCUITS = ("read", "write")
 RESTART_REASONS = ("exited", "hung")
 CODECS = tuple(codec_names())  # hit_tokens/hit_chunks{codec}: which codec's chunks served a hit
+NO_LEVEL = "none"  # hit_tokens_by_quality{quality}: QUALITY_LEVELS, or this for codecs without levels
 
 _LAT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -95,13 +97,15 @@ class RemoteKVMetrics:
         """A DPU data plane was replaced (the DPU client's receiver thread): ``exited`` or ``hung``."""
         self._inc("dataplane_restarts", reason=reason if reason in RESTART_REASONS else "hung")
 
-    def hit(self, tokens: int, chunks: int, codec: str) -> None:
-        """A remote hit installed ``tokens`` (``chunks`` chunks) decoded by ``codec`` (a registry name)."""
+    def hit(self, tokens: int, chunks: int, codec: str, quality: str | None = None) -> None:
+        """A remote hit installed ``tokens`` (``chunks`` chunks) decoded by ``codec`` (a registry name) at
+        ``quality`` (the transform codec's level; None for codecs without levels)."""
         label = codec if codec in CODECS else "other"
         if label != codec:
             self._fold(f"codec {codec!r}", label)
         self._inc("hit_tokens", tokens, codec=label)
         self._inc("hit_chunks", chunks, codec=label)
+        self._inc("hit_tokens_by_quality", tokens, quality=quality if quality in QUALITY_LEVELS else NO_LEVEL)
 
     def exact_request(self, outcome: str) -> None:
         """A ``KVFidelity.EXACT`` request arrived: ``exact_path`` (it may fetch, from exact codecs only) or
@@ -171,6 +175,12 @@ def _build_prometheus() -> dict:
         ),
         "hit_tokens": Counter(p + "hit_tokens", "Prompt tokens served from the remote KV tier, by codec", ["codec"]),
         "hit_chunks": Counter(p + "hit_chunks", "Chunks served from the remote KV tier, by codec", ["codec"]),
+        "hit_tokens_by_quality": Counter(
+            p + "hit_tokens_by_quality",
+            "Prompt tokens served from the remote KV tier, by the transform codec's quality level (KL target; "
+            f"'{NO_LEVEL}' for codecs without levels)",
+            ["quality"],
+        ),
         "exact_requests": Counter(
             p + "exact_requests", "Requests that demanded exact KV (custom_params remote_kv=exact)", ["outcome"]
         ),
@@ -230,6 +240,8 @@ def _build_prometheus() -> dict:
     for codec in (*CODECS, "other"):
         metrics["hit_tokens"].labels(codec=codec)
         metrics["hit_chunks"].labels(codec=codec)
+    for level in (*QUALITY_LEVELS, NO_LEVEL):
+        metrics["hit_tokens_by_quality"].labels(quality=level)
     for outcome in EXACT_OUTCOMES:
         metrics["exact_requests"].labels(outcome=outcome)
     for circuit in BREAKER_CIRCUITS:

@@ -34,18 +34,19 @@ from sgl_remote_kv.config import RemoteKVConfig
 from sgl_remote_kv.sglang_glue.fetch import InProcessFetchBackend
 from sgl_remote_kv.sglang_glue.runtime import FetchPath, resolve_codec
 from sgl_remote_kv.store.client import StoreClient
-from sgl_remote_kv.types import ModelFingerprint, PathName
+from sgl_remote_kv.types import ModelFingerprint, PathName, RopeSpec
 
 logger = logging.getLogger(__name__)
 
 HEVC = "hevc"
 
 
-def write_codec(cfg: RemoteKVConfig) -> Codec:
+def write_codec(cfg: RemoteKVConfig, fingerprint: ModelFingerprint | None = None,
+                rope: RopeSpec | None = None) -> Codec:  # fmt: skip
     """The codec this deployment writes (and its primary path reads)."""
     if cfg.mode == "nvdec" and cfg.codec in ("", "default"):
         return get_codec(HEVC)
-    return resolve_codec(cfg.codec)
+    return resolve_codec(cfg.codec, fingerprint, rope, cfg.quality)
 
 
 @dataclass(frozen=True)

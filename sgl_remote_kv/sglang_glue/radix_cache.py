@@ -87,7 +87,7 @@ def build(ctx):
 def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKVRuntime:
     """Decide every part, then build the runtime once (``runtime.py``)."""
     fp = b.fingerprint
-    codec = paths.write_codec(cfg)
+    codec = paths.write_codec(cfg, fp, b.rope)
     data_plane = cfg.mode in ("dpu", "auto") and codec.name != paths.HEVC
     preflight.check_chunk_fits(cfg.chunk_size, int(b.kvcache.size), fp.layout, data_plane)
     metrics = metrics_mod.get()

@@ -22,13 +22,15 @@ from dataclasses import dataclass, field
 
 from sgl_remote_kv.admission import AdmissionSettings
 from sgl_remote_kv.codec.base import Codec, default_codec, get_codec
+from sgl_remote_kv.codec.calibration import CalibrationError
+from sgl_remote_kv.codec.transform import TransformCodec
 from sgl_remote_kv.config import RemoteKVConfig
 from sgl_remote_kv.policy.estimator import Policy, PolicyConfig
 from sgl_remote_kv.sglang_glue import metrics as metrics_mod
 from sgl_remote_kv.sglang_glue.fetch import FetchBackend
 from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.store.client import ClientConfig, StoreClient, open_client
-from sgl_remote_kv.types import ModelFingerprint, PathName
+from sgl_remote_kv.types import DEFAULT_QUALITY, ModelFingerprint, PathName, RopeSpec
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +54,20 @@ class FetchPath:
             c.close()
 
 
-def resolve_codec(name: str) -> Codec:
-    """``default`` -> the codec package's default; anything else by registry name."""
+def resolve_codec(name: str, fingerprint: ModelFingerprint | None = None, rope: RopeSpec | None = None,
+                  quality: str = DEFAULT_QUALITY) -> Codec:  # fmt: skip
+    """``default`` -> the codec package's default; ``transform`` -> the transform codec of the model's
+    calibration at ``quality`` (needs ``fingerprint`` and the model's ``rope``): without a usable
+    calibration an error is logged saying what to run, and the default quantized codec is used;
+    anything else by registry name."""
+    if name == "transform":
+        try:
+            if fingerprint is None or rope is None:
+                raise CalibrationError("the model's RoPE is not one the transform codec can undo")
+            return TransformCodec.for_model(fingerprint, quality, rope=rope)
+        except CalibrationError as e:
+            logger.error("transform codec unavailable, writing the default codec instead: %s", e)
+            name = "default"
     if name in ("", "default"):
         try:
             return default_codec()

@@ -30,7 +30,7 @@ Internals used, and why no public seam covers them (0.5.23):
 - ``SamplingParams.verify`` (hooked: ``check_sampling_params`` refuses unknown ``remote_kv`` values).
 - ``ScheduleBatch``: ``forward_mode.is_extend()``, ``extend_num_tokens`` (prefill timing for the policy).
 - The radix-cache factory's ``TreeCacheBuildContext``: ``params.token_to_kv_pool_allocator``,
-  ``params.req_to_token_pool``, ``model_config.hf_config.architectures``, ``server_args.model_path``,
+  ``params.req_to_token_pool``, ``model_config.hf_config`` (``architectures``, RoPE fields), ``server_args.model_path``,
   ``tp_rank``/``tp_size``.
 
 Threads: scheduler thread only, except the layer counter (forward thread; see ``layerwise.py``).
@@ -38,18 +38,16 @@ Threads: scheduler thread only, except the layer counter (forward thread; see ``
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from array import array
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from sgl_remote_kv import env
 from sgl_remote_kv.kvpool import KVWriter, PoolTensors, writer_for
 from sgl_remote_kv.store.keys import tenant_salt
-from sgl_remote_kv.types import KVFidelity, KVLayout, ModelFingerprint
+from sgl_remote_kv.types import KVFidelity, KVLayout, ModelFingerprint, RopeSpec
 
 logger = logging.getLogger(__name__)
 
@@ -341,16 +339,23 @@ class BuildContext:
     kvcache: object
     req_to_token_pool: object
     fingerprint: ModelFingerprint
+    rope: RopeSpec | None = None  # the model's RoPE (``rope_of``)
 
 
-def weights_id_for(model_path: str) -> str:
-    """Weights identity: ``model.weights_identity`` for a local dir, else a digest of the name."""
-    p = Path(model_path)
-    if p.is_dir():
-        from sgl_remote_kv.model import weights_identity
+def weights_id_for(model_path: str, hf_config=None) -> str:
+    """``model.model_identity``: the weights' identity with the model's RoPE folded in."""
+    from sgl_remote_kv.model import model_identity
 
-        return weights_identity(p)
-    return hashlib.sha256(f"model-name:{model_path}".encode()).hexdigest()
+    return model_identity(model_path, hf_config)
+
+
+def rope_of(hf_config) -> RopeSpec | None:
+    """The model's RoPE (None, logged, when ``RopeSpec`` cannot describe it: no transform codec then)."""
+    try:
+        return RopeSpec.from_hf_config(hf_config)
+    except (ValueError, TypeError, KeyError, ZeroDivisionError) as e:
+        logger.info("model RoPE not usable by the transform codec: %s", e)
+        return None
 
 
 def tier_unsupported(ctx) -> str | None:
@@ -367,12 +372,13 @@ def build_context(ctx) -> BuildContext:
     """Raises ``UnsupportedPool`` for pools the tier cannot address."""
     params = ctx.params
     kvcache = params.token_to_kv_pool_allocator.get_kvcache()
-    archs = getattr(ctx.model_config.hf_config, "architectures", None) or ["unknown"]
+    hf_config = ctx.model_config.hf_config
+    archs = getattr(hf_config, "architectures", None) or ["unknown"]
     fp = ModelFingerprint(
         architecture=archs[0],
         layout=pool_layout(kvcache),
-        weights_id=weights_id_for(ctx.server_args.model_path),
+        weights_id=weights_id_for(ctx.server_args.model_path, hf_config),
         tp_rank=ctx.tp_rank,
         tp_size=ctx.tp_size,
     )
-    return BuildContext(kvcache, params.req_to_token_pool, fp)
+    return BuildContext(kvcache, params.req_to_token_pool, fp, rope_of(hf_config))

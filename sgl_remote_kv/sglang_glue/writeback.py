@@ -39,6 +39,7 @@ class _Job:
     k: np.ndarray
     v: np.ndarray
     tokens: int  # per chunk: a full chunk, or a tail sub-chunk
+    start: int  # sequence position of k[:, 0] (codecs that undo RoPE need each chunk's position)
     tenant_tag: bytes  # keys.tenant_tag of the request's salt, framed with each value (admin stats)
 
 
@@ -103,7 +104,7 @@ class WriteBack:
             return False
         k, v = self.kv_writer.read(idx)
         try:
-            self._q.put_nowait(_Job(keys, first, k, v, tokens, tag))
+            self._q.put_nowait(_Job(keys, first, k, v, tokens, lo, tag))
             self._idle.clear()
         except queue.Full:
             self.metrics.writeback_skipped("queue_full", len(keys) - first)
@@ -152,6 +153,7 @@ class WriteBack:
                 np.ascontiguousarray(job.k[:, lo:hi]),
                 np.ascontiguousarray(job.v[:, lo:hi]),
                 self.fingerprint,
+                start=job.start + lo,
             )
             items.append((job.keys[i], blob))
         if not items:

@@ -1,0 +1,71 @@
+"""The DPU data plane decodes transform-codec chunks: the pool holds exactly what the in-process decode
+gives, for both lossless stages; a data plane without the chunks' calibration fails them as a miss
+(never writes). The calibration reaches the data-plane process the way it reaches a server: a file in
+its cache directory (``SRKV_CACHE_DIR``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from calibration_helpers import make_calibration
+from dpu_helpers import CHUNK, FP, LAYOUT, make_pool, pool_tokens, put_chunks, random_chunks
+from sgl_remote_kv.dpu.buffers import chunk_bytes
+from sgl_remote_kv.dpu.settings import DataPlaneSettings
+
+from sgl_remote_kv.codec import calibration as cm
+from sgl_remote_kv.codec.base import decode, get_codec
+from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+
+
+@pytest.fixture
+def calibrated(tmp_path, monkeypatch):
+    """A calibration of the DPU tests' model, saved where a child process started now looks for it."""
+    monkeypatch.setenv("SRKV_CACHE_DIR", str(tmp_path / "cache"))
+    cal = make_calibration(FP, step=0.05)
+    cal.save(cm.default_dir())
+    yield cal
+    cm.unregister(cal.calib_id)
+
+
+def _client(url, codec) -> DpuClient:
+    spec = DataPlaneSettings(workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * chunk_bytes(LAYOUT, CHUNK),
+                             store_timeout_s=2.0)  # fmt: skip
+    c = DpuClient(DpuClientConfig(url, dest_slots=2, dest_slot_bytes=3 * chunk_bytes(LAYOUT, CHUNK), process=spec),
+                  FP, codec)  # fmt: skip
+    c.start()
+    return c
+
+
+@pytest.mark.parametrize("entropy", ["deflate", "rans"])
+def test_data_plane_decodes_transform_chunks_like_the_host(tmp_path, calibrated, entropy):
+    codec = get_codec("transform", calibration=calibrated.calib_id.hex(), entropy=entropy)
+    url = f"file://{tmp_path}/store"
+    keys, blobs = put_chunks(url, codec, random_chunks(5, seed=4))
+    c = _client(url, codec)
+    try:
+        target = make_pool(LAYOUT, 1024, 5 * CHUNK)
+        res = c.fetch("t", keys, CHUNK, target, timeout=60)
+        assert res.hit_chunks == 5 and not res.failures
+        for i in range(5):
+            k, v = decode(blobs[i], FP)
+            pk, pv = pool_tokens(target, LAYOUT, i * CHUNK, (i + 1) * CHUNK)
+            assert np.array_equal(k, pk) and np.array_equal(v, pv), f"chunk {i} differs"
+    finally:
+        c.close()
+
+
+def test_data_plane_without_the_calibration_misses(tmp_path, calibrated, monkeypatch):
+    codec = get_codec("transform", calibration=calibrated.calib_id.hex())
+    url = f"file://{tmp_path}/store"
+    keys, _ = put_chunks(url, codec, random_chunks(2, seed=5))
+    monkeypatch.setenv("SRKV_CACHE_DIR", str(tmp_path / "empty-cache"))  # the child finds no calibration
+    c = _client(url, codec)
+    try:
+        target = make_pool(LAYOUT, 256, 2 * CHUNK)
+        before = pool_tokens(target, LAYOUT, 0, 2 * CHUNK)
+        res = c.fetch("t", keys, CHUNK, target, timeout=60)
+        assert res.hit_chunks == 0 and res.failures
+        after = pool_tokens(target, LAYOUT, 0, 2 * CHUNK)
+        assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))  # nothing written
+    finally:
+        c.close()
