@@ -1,7 +1,7 @@
 """Calibrate the transform codec for one model: ``python -m sgl_remote_kv.calibrate --model-path DIR``.
 
 Runs the model (transformers, float32, on the CPU) over calibration texts and fits, per (layer, K/V, head
-group = the KV heads of one TP rank, ``--tp``), the mean and PCA basis of position-free KV (RoPE undone on
+group: ``--group-heads`` consecutive KV heads, by default all the heads one rank of ``--tp`` holds), the mean and PCA basis of position-free KV (RoPE undone on
 keys; the first ``FIT_SKIP`` tokens of each text left out of the fit), then chooses the quantization steps
 of every quality level in ``codec.calibration.LEVELS`` by measuring the model itself:
 
@@ -304,17 +304,20 @@ def fingerprint_for(model_path: Path, cfg: dict) -> ModelFingerprint:
 
 
 def calibrate(model_path: Path, text_paths: list[Path], levels: tuple[str, ...] = calib_mod.LEVELS,
-              out_dir: Path | None = None, tp: int = 1, log=print) -> calib_mod.Calibration:  # fmt: skip
+              out_dir: Path | None = None, group_heads: int | None = None, log=print) -> calib_mod.Calibration:  # fmt: skip
+    """Fit and save a calibration; ``group_heads``: KV heads per transform (default all of them)."""
     cfg = json.loads((model_path / "config.json").read_text())
     rope = RopeSpec.from_hf_config(cfg)
     fp = fingerprint_for(model_path, cfg)
-    if fp.layout.num_kv_heads % tp:
-        raise ValueError(f"{fp.layout.num_kv_heads} KV heads do not split over TP {tp}")
+    heads = fp.layout.num_kv_heads
+    group_heads = group_heads or heads
+    if heads % group_heads:
+        raise ValueError(f"{heads} KV heads do not split into groups of {group_heads}")
     t0 = time.monotonic()
     scorer = Scorer(model_path)
     texts = [scorer.text(p) for p in text_paths]
     log(f"texts: {', '.join(f'{t.name} ({len(t.prefix)}+{len(t.cont)} tokens)' for t in texts)}")
-    mean, basis = fit_basis(texts, rope, tp)
+    mean, basis = fit_basis(texts, rope, heads // group_heads)
     cal = Calibrator(scorer, texts, calib_mod.model_key(fp), rope, mean, basis, step_shape(scorer, texts, basis, rope))
     sens = cal.sensitivity()
     log(f"sensitivity measured ({cal.evals} evaluations, {time.monotonic() - t0:.0f} s)")
@@ -325,7 +328,7 @@ def calibrate(model_path: Path, text_paths: list[Path], levels: tuple[str, ...] 
         rows.append({"level": lv, **row, "mean_step_k": float(s[:, 0].mean()), "mean_step_v": float(s[:, 1].mean())})
         log(f"level {lv}: KL {row['kl']:.5f} top-1 {row['top1']:.3f} on the calibration texts "
             f"(mean step K {rows[-1]['mean_step_k']:.3f} V {rows[-1]['mean_step_v']:.3f})")  # fmt: skip
-    report = {"texts": [t.name for t in texts], "prefix": PREFIX, "cont": CONT, "margin": MARGIN, "tp": tp,
+    report = {"texts": [t.name for t in texts], "prefix": PREFIX, "cont": CONT, "margin": MARGIN, "group_heads": group_heads,
               "ref_step": REF_STEP, "levels": rows, "sensitivity": sens.tolist(),
               "seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
     result = calib_mod.Calibration(cal.key, rope, mean, basis, steps, freq, json.dumps(report, sort_keys=True),
@@ -342,7 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text", type=Path, action="append", default=None,
                     help=f"calibration text file (repeatable; default: {', '.join(map(str, DEFAULT_TEXTS))})")
     ap.add_argument("--levels", default=",".join(calib_mod.LEVELS), help="quality levels (KL targets) to fit")
-    ap.add_argument("--tp", type=int, default=1, help="TP size the servers run with (one head group per rank)")
+    ap.add_argument("--tp", type=int, default=1, help="TP size the servers run with (each rank's heads: one group)")
+    ap.add_argument("--group-heads", type=int, default=None,
+                    help="KV heads per transform (default: all of one rank's); 1 = a third of the decode work "
+                         "on a 3-head model, at some ratio")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help=f"directory (default {calib_mod.default_dir()})")
     ap.add_argument("--if-missing", action="store_true",
                     help="do nothing when a calibration of this model, TP size and every level exists")  # fmt: skip
@@ -359,21 +365,21 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"no calibration text (missing: {', '.join(map(str, missing)) or 'all defaults'}); pass --text FILE")
     if bad or not levels:
         ap.error(f"levels must be among {','.join(calib_mod.LEVELS)}")
+    cfg = json.loads((args.model_path / "config.json").read_text())
+    fp = fingerprint_for(args.model_path, cfg)
+    heads = fp.layout.num_kv_heads
+    if args.tp < 1 or heads % args.tp:
+        ap.error(f"{heads} KV heads do not split over --tp {args.tp}")
+    group_heads = args.group_heads or heads // args.tp
     if args.if_missing:
-        cfg = json.loads((args.model_path / "config.json").read_text())
-        fp = fingerprint_for(args.model_path, cfg)
-        fp = ModelFingerprint(fp.architecture, KVLayout(fp.layout.num_layers, fp.layout.num_kv_heads // args.tp,
-                              fp.layout.head_dim, "float32"), fp.weights_id, 0, args.tp)  # fmt: skip
-        if args.out:
-            calib_mod.load_dir(args.out)
-        try:
-            have = [calib_mod.find_for(fp, lv) for lv in levels]
-            print(f"calibration {have[0].calib_id.hex()} exists for this model at TP {args.tp}")
+        calib_mod.load_dir(args.out) if args.out else calib_mod.load_dir()
+        have = [c for c in calib_mod.registered() if c.model_key == calib_mod.model_key(fp)
+                and c.group_dim == group_heads * fp.layout.head_dim and set(levels) <= set(c.levels)]  # fmt: skip
+        if have:
+            print(f"calibration {have[-1].calib_id.hex()} exists for this model ({group_heads} heads per group)")
             return 0
-        except calib_mod.CalibrationError:
-            pass
     try:
-        calibrate(args.model_path, texts, levels, args.out, args.tp)
+        calibrate(args.model_path, texts, levels, args.out, group_heads)
     except ValueError as e:  # RoPE this codec cannot undo, texts too short, ...
         print(f"calibration failed: {e}", file=sys.stderr)
         return 2

@@ -137,12 +137,25 @@ def test_levels_are_distinct_codecs_and_coarser_is_smaller(cal):
         get_codec("transform", calibration=cal.calib_id.hex(), quality="0.005")  # not fitted
 
 
-def test_tp_rank_uses_its_head_group():
+def test_a_per_head_calibration_serves_tp1_and_the_largest_groups_are_preferred(cal):
+    per_head = make_calibration(groups=H, seed=9)
+    try:
+        assert transform.TransformCodec.for_model(fp(), "0.001").cal.calib_id == cal.calib_id  # larger groups
+        codec = get_codec("transform", calibration=per_head.calib_id.hex(), entropy="rans")
+        k, v = kv("float32", 40)
+        k2, v2 = codec.decode(codec.encode(k, v, fp(), start=40), fp())
+        assert np.abs(k2 - k).max() < 0.5 and np.abs(v2 - v).max() < 0.5
+        assert per_head.group_dim == D and per_head.groups == H
+    finally:
+        cm.unregister(per_head.calib_id)
+
+
+def test_tp_rank_uses_its_head_group(cal):
     tp2 = make_calibration(groups=2)
     try:
         rank_fp = fp("float32", tp_rank=1, tp_size=2, heads=1)
         codec = transform.TransformCodec.for_model(rank_fp, "0.001", rope=ROPE)
-        assert codec.cal.calib_id == tp2.calib_id  # the TP-1 calibration of the fixture does not fit
+        assert codec.cal.calib_id == tp2.calib_id  # the fixture's one-group calibration does not fit TP 2
         k, v = kv("float32", 0, heads=1)
         blob = codec.encode(k, v, rank_fp)
         k2, v2 = codec.decode(blob, rank_fp)

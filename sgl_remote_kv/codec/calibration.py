@@ -3,9 +3,9 @@
 A ``Calibration`` holds, per (layer, K/V, head group): the mean and an orthonormal basis (PCA of the
 position-free KV: keys with RoPE undone, all heads of the group's channels together), and per quality
 level the quantization step of every component (a factor of the token's RMS) plus the rANS frequencies
-of the symbols those steps produce. A head group is the KV heads one TP rank holds: a calibration is
-fitted for one TP size (``groups`` = TP size; TP 1 = one group of every head, the best decorrelation)
-and rank r uses group r. It is bound to one model (``model_key``: architecture, weights identity, layer
+of the symbols those steps produce. A head group is a run of consecutive KV heads transformed together
+(all of a layer's heads: the best decorrelation; one head: a third of the decode's matmul work); a TP
+rank uses the groups of its heads, so a calibration serves every TP size whose ranks hold whole groups. It is bound to one model (``model_key``: architecture, weights identity, layer
 count, total KV heads, head dim), records the RoPE it undid, and how many leading sequence positions
 (``sinks``: attention sinks, badly served by a per-token scale) chunks store exactly. Fitting it needs the model (``sgl_remote_kv.calibrate``); this module only
 stores, verifies and looks it up (numpy only).
@@ -55,14 +55,16 @@ def model_key(fp: ModelFingerprint) -> bytes:
 
 
 def group_of(fp: ModelFingerprint, groups: int, group_dim: int) -> int:
-    """The head group of ``fp``'s rank in a calibration of ``groups`` groups of ``group_dim`` channels."""
+    """The first head group of ``fp``'s rank in a calibration of ``groups`` groups of ``group_dim``
+    channels (the rank holds ``num_kv_heads * head_dim / group_dim`` consecutive groups)."""
     lay = fp.layout
-    if fp.tp_size != groups or lay.num_kv_heads * lay.head_dim != group_dim:
+    rank = lay.num_kv_heads * lay.head_dim
+    if rank * fp.tp_size != groups * group_dim or rank % group_dim:
         raise CalibrationError(
-            f"a calibration for TP {groups} ({group_dim} channels per rank) does not fit TP {fp.tp_size} with "
+            f"a calibration of {groups} head groups x {group_dim} channels does not fit TP {fp.tp_size} with "
             f"{lay.num_kv_heads} KV heads per rank: run `python -m sgl_remote_kv.calibrate --tp {fp.tp_size}`"
         )
-    return fp.tp_rank
+    return fp.tp_rank * (rank // group_dim)
 
 
 @dataclass(frozen=True)
@@ -251,6 +253,12 @@ def load_dir(directory: str | Path | None = None, *, force: bool = False) -> int
     return n
 
 
+def registered() -> list[Calibration]:
+    """Every registered calibration, in registration order."""
+    with _LOCK:
+        return list(_BY_ID.values())
+
+
 def lookup(calib_id: bytes) -> Calibration | None:
     """A registered calibration by id (the default directory is read on first use)."""
     load_dir()
@@ -259,12 +267,22 @@ def lookup(calib_id: bytes) -> Calibration | None:
 
 
 def find_for(fp: ModelFingerprint, level: str = DEFAULT_LEVEL) -> Calibration:
-    """The newest-registered calibration of ``fp``'s model and TP size that serves ``level``;
+    """A registered calibration of ``fp``'s model whose head groups fit ``fp``'s rank and that serves
+    ``level``: the one with the largest groups (best ratio), the newest-registered among equals;
     ``CalibrationError`` saying what to run when there is none."""
     load_dir()
     key = model_key(fp)
+
+    def fits(c: Calibration) -> bool:
+        try:
+            group_of(fp, c.groups, c.group_dim)
+            return True
+        except CalibrationError:
+            return False
+
     with _LOCK:
-        hits = [c for c in _BY_ID.values() if c.model_key == key and c.groups == fp.tp_size]
+        hits = [c for c in _BY_ID.values() if c.model_key == key and fits(c)]
+    hits.sort(key=lambda c: c.group_dim)  # stable: registration order among equal group sizes
     if not hits:
         raise CalibrationError(
             f"no transform-codec calibration for this model at TP {fp.tp_size} in {default_dir()}: run "

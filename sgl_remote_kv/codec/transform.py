@@ -4,7 +4,7 @@ Deflate (what the DPU's engine speaks) or per-component static rANS.
 Per layer and K/V separately (``calibration.Calibration`` holds everything fitted once per model)::
 
     x  = K with RoPE undone at positions start..start+T-1   (V as is)   [T, C = H*D] float32
-    y  = (x - mean) @ basis    the rank's head group (orthonormal, PCA)  [T, C]
+    y  = (x - mean[g]) @ basis[g]   per head group g of the rank's heads (orthonormal, PCA)
     s  = RMS of y over the token's C components                         fp16 per token
     q  = rint(y / (step[c] * s))           step from the calibration's quality level
     symbol = q + 128 for |q| <= 127 (and, under rANS, a symbol the table can code), else 0 = escape:
@@ -19,8 +19,8 @@ chunk key).
 
 Decoded-layer buffer (lossless stage output, dequant stage input)::
 
-    <IIHBBHHII  start, T, C (= H*D), scale dtype (0 fp16, 1 fp32), exact sink tokens S, layer, head
-                group, escapes K, escapes V
+    <IIHBBHHII  start, T, C (= H*D), scale dtype (0 fp16, 1 fp32), exact sink tokens S, layer, first
+                head group, escapes K, escapes V
     scales K [T], scales V [T]; escapes K [n] int16, escapes V [n] int16
     exact K [S, H, D], exact V [S, H, D] (storage dtype)
     symbols K [C, T] uint8 (component-major), symbols V [C, T]
@@ -182,13 +182,14 @@ def _style(rope: RopeSpec) -> int:
 
 
 def forward(cal: calib_mod.Calibration, layer: int, kv: int, group: int, x: np.ndarray, start: int) -> np.ndarray:
-    """Position-free, centred, transformed ``x`` ([T, H, D] float32 of one head group, modified in place
-    for K): [1, T, H*D] coefficients. Shared by the encoder and the calibration."""
+    """Position-free, centred, transformed ``x`` ([T, H, D] float32 of the head groups from ``group`` on,
+    modified in place for K): [groups, T, C] coefficients. Shared by the encoder and the calibration."""
     if kv == 0:
         cos, sin = rope_tables(cal.rope, start, x.shape[0])
         _rotate(x, cos, sin, _style(cal.rope), np.float32(-1.0))
-    xc = x.reshape(1, x.shape[0], -1) - cal.mean[layer, kv, group]
-    return np.matmul(xc, cal.basis[layer, kv, group])
+    g = x.shape[1] * x.shape[2] // cal.group_dim
+    xc = x.reshape(x.shape[0], g, cal.group_dim).transpose(1, 0, 2) - cal.mean[layer, kv, group : group + g, None]
+    return np.matmul(xc, cal.basis[layer, kv, group : group + g])
 
 
 def sink_count(cal: calib_mod.Calibration, start: int, tokens: int) -> int:
@@ -197,7 +198,7 @@ def sink_count(cal: calib_mod.Calibration, start: int, tokens: int) -> int:
 
 
 def token_scales(y: np.ndarray, sinks: int = 0) -> tuple[np.ndarray, int]:
-    """Per-token RMS of ``y`` [1, T, C] as stored (fp16 when it fits, else fp32) and the dtype flag; the
+    """Per-token RMS of ``y`` [G, T, C] as stored (fp16 when it fits, else fp32) and the dtype flag; the
     first ``sinks`` tokens (stored exactly) get 0, which codes them as all-zero symbols."""
     rms = np.sqrt(np.mean(np.square(y, dtype=np.float32), axis=(0, 2)))
     rms[:sinks] = 0.0
@@ -271,7 +272,8 @@ class TransformCodec(Codec):
         lay = fingerprint.layout
         group = calib_mod.group_of(fingerprint, self.cal.groups, self.cal.group_dim) if group is None else group
         t_n = k.shape[0]
-        c_n = self.cal.group_dim
+        c_n = lay.num_kv_heads * lay.head_dim
+        gs = slice(group, group + c_n // self.cal.group_dim)
         n_sink = sink_count(self.cal, start, t_n)
         cap = max(1, t_n * c_n // MAX_ESCAPE_FRACTION)
         if self.entropy == "rans":
@@ -286,7 +288,7 @@ class TransformCodec(Codec):
             scales.append(s)
             sym = np.empty((c_n, t_n), np.uint8)
             esc = np.empty(cap, np.int16)
-            steps = self.cal.steps[self.quality][layer, kv, group : group + 1]
+            steps = self.cal.steps[self.quality][layer, kv, gs]
             n = _quantize(y, steps, s.astype(np.float32), freq, self.cal.ctx0(layer, kv, group), sym, esc)
             if n < 0:
                 raise ValueError(f"layer {layer}: KV too far from the calibration to encode ({n})")
@@ -311,7 +313,8 @@ class TransformCodec(Codec):
 
     # ---- decode -----------------------------------------------------------------------------
     def _check_slice(self, layer: int, group: int, c_n: int) -> None:
-        if layer >= self.cal.num_layers or group >= self.cal.groups or c_n != self.cal.group_dim:
+        gd = self.cal.group_dim
+        if layer >= self.cal.num_layers or c_n % gd or c_n == 0 or group + c_n // gd > self.cal.groups:
             raise CorruptChunk(f"section layer {layer} / group {group} / {c_n} channels outside the calibration")
 
     def scratch_bytes(self, header: ChunkHeader, layer: int) -> int:
@@ -380,16 +383,18 @@ class TransformCodec(Codec):
             o += sink_bytes
         mode = _MODES[lay.dtype]
         cos, sin = rope_tables(self.cal.rope, start, t_n)
-        y = np.empty((1, t_n, c_n), np.float32)
+        n_g, gd = c_n // self.cal.group_dim, self.cal.group_dim
+        gs = slice(group, group + n_g)
+        y = np.empty((n_g, t_n, gd), np.float32)
         for kv, out in enumerate((out_k, out_v)):
             sym = buf[o + kv * t_n * c_n : o + (kv + 1) * t_n * c_n].reshape(c_n, t_n)
-            steps = self.cal.steps[self.quality][layer, kv, group : group + 1]
+            steps = self.cal.steps[self.quality][layer, kv, gs]
             used = _dequantize(sym, escs[kv], steps, sc[kv * t_n : (kv + 1) * t_n], y)
             if used != escs[kv].size:
                 raise CorruptChunk("escape count does not match the symbols")
-            x = np.matmul(y, self.cal.basis[layer, kv, group].T)
-            mean = self.cal.mean[layer, kv, group : group + 1]
-            flat = out.reshape(t_n, 1, c_n)
+            x = np.matmul(y, self.cal.basis[layer, kv, gs].transpose(0, 2, 1))
+            mean = self.cal.mean[layer, kv, gs]
+            flat = out.reshape(t_n, n_g, gd)
             if mode == 0:
                 _finish(x, mean, cos, sin, _style(self.cal.rope), kv == 0, self.cal.head_dim, 0, flat, _EMPTY16)
             else:
@@ -405,21 +410,21 @@ def roundtrip(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np
     gives back, in float32 (before the storage dtype's rounding), through the codec's own kernels
     (escapes unbounded). For the calibration, which scores candidate steps with the model."""
     t_n = x.shape[0]
-    c_n = cal.group_dim
+    c_n = x.shape[1] * x.shape[2]
+    gs = slice(group, group + c_n // cal.group_dim)
     n_sink = sink_count(cal, start, t_n)
     y = forward(cal, layer, kv, group, np.array(x, np.float32), start)
     s = token_scales(y, n_sink)[0].astype(np.float32)
-    steps = cal.steps[level][layer, kv, group : group + 1]
+    steps = cal.steps[level][layer, kv, gs]
     sym, esc = np.empty((c_n, t_n), np.uint8), np.empty(t_n * c_n, np.int16)
     n = _quantize(y, steps, s, np.empty((0, calib_mod.SYMBOLS), np.uint16), 0, sym, esc)
     if n < 0:
         raise ValueError(f"layer {layer}: values do not fit the escape format ({n})")
     _dequantize(sym, esc[:n], steps, s, y)
-    xr = np.matmul(y, cal.basis[layer, kv, group].T)
-    out = np.empty((t_n, 1, c_n), np.float32)
+    xr = np.matmul(y, cal.basis[layer, kv, gs].transpose(0, 2, 1))
+    out = np.empty((t_n, y.shape[0], cal.group_dim), np.float32)
     cos, sin = rope_tables(cal.rope, start, t_n)
-    _finish(xr, cal.mean[layer, kv, group : group + 1], cos, sin, _style(cal.rope), kv == 0, cal.head_dim, 0, out,
-            _EMPTY16)  # fmt: skip
+    _finish(xr, cal.mean[layer, kv, gs], cos, sin, _style(cal.rope), kv == 0, cal.head_dim, 0, out, _EMPTY16)
     out = out.reshape(x.shape)
     out[:n_sink] = x[:n_sink]
     return out
@@ -428,11 +433,11 @@ def roundtrip(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np
 def symbols(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np.ndarray, start: int = 0,
             group: int = 0) -> np.ndarray:  # fmt: skip
     """The symbols [C, T] the Deflate variant would code for ``x``; for fitting rANS tables."""
-    t_n = x.shape[0]
+    t_n, c_n = x.shape[0], x.shape[1] * x.shape[2]
     y = forward(cal, layer, kv, group, np.array(x, np.float32), start)
     s = token_scales(y, sink_count(cal, start, t_n))[0].astype(np.float32)
-    sym, esc = np.empty((cal.group_dim, t_n), np.uint8), np.empty(t_n * cal.group_dim, np.int16)
-    steps = cal.steps[level][layer, kv, group : group + 1]
+    sym, esc = np.empty((c_n, t_n), np.uint8), np.empty(t_n * c_n, np.int16)
+    steps = cal.steps[level][layer, kv, group : group + y.shape[0]]
     if _quantize(y, steps, s, np.empty((0, calib_mod.SYMBOLS), np.uint16), 0, sym, esc) < 0:
         raise ValueError(f"layer {layer}: values do not fit the escape format")
     return sym

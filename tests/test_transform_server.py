@@ -1,0 +1,41 @@
+"""A real ``--remote-kv dpu --remote-kv-codec transform`` server with the model's real calibration
+(``make calibration``, which ``make test`` runs first): remote hits are served by the transform codec
+through the DPU data plane, and ``/metrics`` says which quality level served them."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fixtures.faults import gen, make_case, metric, wait_written
+from tests.fixtures.remote_kv_server import CHUNK, flush_cache, remote_kv_server, storage_tokens
+
+pytestmark = pytest.mark.e2e
+
+
+def test_transform_codec_serves_remote_hits_at_its_level(model_dir, tmp_path):
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from sgl_remote_kv.calibrate import fingerprint_for
+    from sgl_remote_kv.codec import calibration
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    calibration.find_for(fingerprint_for(Path(model_dir), cfg), "0.002")  # `make calibration` ran
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    extra = ("--remote-kv-policy-margin", "1e9", "--remote-kv-quality", "0.002")
+    with remote_kv_server(model_dir, f"file://{tmp_path}/store", *extra, codec="transform") as srv:
+        case = make_case(tok, "transform-codec")
+        flush_cache(srv)
+        before = metric(srv, "written_chunks")
+        cold = gen(srv, case.ids)
+        assert storage_tokens(cold) == 0
+        wait_written(srv, before, case.chunks)
+        flush_cache(srv)
+        warm = gen(srv, case.ids)
+        assert storage_tokens(warm) == case.chunks * CHUNK
+        assert metric(srv, "hit_tokens", codec="transform") >= case.chunks * CHUNK
+        assert metric(srv, "hit_tokens_by_quality", quality="0.002") >= case.chunks * CHUNK
+        assert metric(srv, "hit_tokens_by_quality", quality="0.001") == 0
+        assert len(warm["output_ids"]) == len(cold["output_ids"]) == 8
