@@ -178,7 +178,8 @@ class Spec:
         if self.codec == "quant_rans" and ctx is not None:
             params["tables"] = fit_tables(ctx, params)
         if self.codec == "transform" and ctx is not None:
-            params["calibration"] = tune_calibration(ctx, params["quality"]).calib_id.hex()
+            heads = params.pop("group_heads", None)
+            params["calibration"] = tune_calibration(ctx, params["quality"], heads).calib_id.hex()
         return get_codec(self.codec, **params)
 
 
@@ -194,13 +195,21 @@ def fit_tables(ctx: EvalContext, params: dict):
     return tables.fit(spec, ctx.fingerprint, samples)
 
 
-def tune_calibration(ctx: EvalContext, quality: str):
-    """The registered calibration of the benchmark model (``make calibration``), refused unless it was
-    fitted on tune texts only (its report names its texts)."""
+def tune_calibration(ctx: EvalContext, quality: str, group_heads: int | None = None):
+    """The registered calibration of the benchmark model (``make calibration``; with ``group_heads``, one
+    of that many KV heads per group: ``calibrate --group-heads N``), refused unless it was fitted on tune
+    texts only (its report names its texts)."""
     from sgl_remote_kv.codec import calibration
 
     fp = ctx.fingerprint
     cal = calibration.find_for(fp, quality)
+    if group_heads is not None:
+        want = group_heads * fp.layout.head_dim
+        cands = [c for c in calibration.registered() if c.model_key == cal.model_key and c.group_dim == want
+                 and quality in c.levels]  # fmt: skip
+        if not cands:
+            raise ValueError(f"no calibration with {group_heads} heads per group: calibrate --group-heads {group_heads}")
+        cal = cands[-1]
     fitted_on = set(json.loads(cal.report).get("texts", []))
     tune = {Path(t.path).name for t in ctx.texts if t.role == "tune"}
     if not fitted_on or not fitted_on <= tune:

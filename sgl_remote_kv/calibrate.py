@@ -47,6 +47,7 @@ SINKS = 1  # positions stored exactly (the attention sink); measured: 4 gave the
 REF_STEP = 0.15
 MARGIN = 0.6  # calibrate to this fraction of each level's KL target
 STEP_RANGE = (0.004, 2.0)
+PROBE = calib_mod.DEFAULT_LEVEL  # the level name provisional calibrations carry their candidate steps under
 BISECT = 5
 
 
@@ -205,13 +206,13 @@ class Calibrator:
         self.evals = 0
 
     def provisional(self, steps: np.ndarray) -> calib_mod.Calibration:
-        return calib_mod.Calibration(self.key, self.rope, self.mean, self.basis, {"0.001": steps},
-                                     {"0.001": self._freq}, sinks=self.sinks)  # fmt: skip
+        return calib_mod.Calibration(self.key, self.rope, self.mean, self.basis, {PROBE: steps},
+                                     {PROBE: self._freq}, sinks=self.sinks)  # fmt: skip
 
     def _code(self, cal: calib_mod.Calibration, a: np.ndarray, layer: int, kv: int) -> np.ndarray:
         g_n = self.shape[2]
         hg = a.shape[2] // g_n
-        return np.concatenate([transform.roundtrip(cal, "0.001", layer, kv, a[layer][:, g * hg : (g + 1) * hg],
+        return np.concatenate([transform.roundtrip(cal, PROBE, layer, kv, a[layer][:, g * hg : (g + 1) * hg],
                                                    0, g) for g in range(g_n)], axis=1)  # fmt: skip
 
     def score(self, steps: np.ndarray, only: tuple[int, int] | None = None) -> tuple[float, float]:
@@ -280,7 +281,7 @@ class Calibrator:
                 for kv, a in enumerate((t.k, t.v)):
                     for g in range(g_n):
                         x = a[layer][:, g * hg : (g + 1) * hg]
-                        sym = transform.symbols(cal, "0.001", layer, kv, x, 0, g).astype(np.int64)
+                        sym = transform.symbols(cal, PROBE, layer, kv, x, 0, g).astype(np.int64)
                         hist = np.bincount((sym + offs).ravel(), minlength=c * 256).reshape(c, 256)
                         counts[layer, kv, g * c : (g + 1) * c] += hist
         seen = counts > 0

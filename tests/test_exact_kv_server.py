@@ -16,11 +16,14 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
+from sgl_remote_kv.calibrate import fingerprint_for
 from sgl_remote_kv.sglang_glue.runtime import resolve_codec
+from sgl_remote_kv.types import RopeSpec
 from tests.fixtures.faults import gen, make_case, metric, wait_written
 from tests.fixtures.remote_kv_server import flush_cache, remote_kv_server, storage_tokens
 
@@ -39,7 +42,8 @@ def _exact(srv, ids):
 def test_exact_requests_never_get_quantized_kv(model_dir, tmp_path):
     tok = AutoTokenizer.from_pretrained(model_dir)
     case = make_case(tok, "exact-kv", n_chunks=4)
-    codec = resolve_codec("default").name
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    codec = resolve_codec("default", fingerprint_for(Path(model_dir), cfg), RopeSpec.from_hf_config(cfg)).name
     with remote_kv_server(model_dir, f"file://{tmp_path / 'store'}", "--remote-kv-policy-margin", "1e9",
                           codec="default") as srv:  # fmt: skip
         cold = gen(srv, case.ids)

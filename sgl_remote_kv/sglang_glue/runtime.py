@@ -56,19 +56,19 @@ class FetchPath:
 
 def resolve_codec(name: str, fingerprint: ModelFingerprint | None = None, rope: RopeSpec | None = None,
                   quality: str = DEFAULT_QUALITY) -> Codec:  # fmt: skip
-    """``default`` -> the codec package's default; ``transform`` -> the transform codec of the model's
-    calibration at ``quality`` (needs ``fingerprint`` and the model's ``rope``): without a usable
-    calibration an error is logged saying what to run, and the default quantized codec is used;
-    anything else by registry name."""
-    if name == "transform":
+    """The codec a deployment writes. ``default``: the transform codec of the model's calibration at
+    ``quality`` (needs ``fingerprint`` and the model's ``rope``), or, when the model has no usable
+    calibration, the default quantized codec (logged once, naming the command that calibrates);
+    ``transform``: the same, but a missing calibration is logged as an error; anything else by registry
+    name."""
+    if name in ("", "default", "transform"):
         try:
             if fingerprint is None or rope is None:
-                raise CalibrationError("the model's RoPE is not one the transform codec can undo")
+                raise CalibrationError("no model RoPE the transform codec can undo")
             return TransformCodec.for_model(fingerprint, quality, rope=rope)
         except CalibrationError as e:
-            logger.error("transform codec unavailable, writing the default codec instead: %s", e)
-            name = "default"
-    if name in ("", "default"):
+            log = logger.error if name == "transform" else logger.warning
+            log("transform codec unavailable, writing %s instead: %s", default_codec().name, e)
         try:
             return default_codec()
         except (ImportError, KeyError) as e:  # default codec module not present in this build
