@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-store bench-dpu bench-nvdec \
+.PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-codec-speed bench-store bench-dpu bench-nvdec \
 	bench-cpu-attention bench-e2e bench-e2e-quick bench-burst bench-tail projection soak test-faults \
 	test-conformance dashboard bench-exactness clean
 
@@ -49,6 +49,9 @@ bench-codec-rd: calibration
 
 bench-codec: calibration
 	$(PY) -m benchmarks.bench_codec
+
+bench-codec-speed: calibration
+	$(PY) -m benchmarks.bench_codec_speed
 
 # Greedy divergence of remote vs local hits per codec, and of exact-KV requests (real servers)
 bench-exactness: model
