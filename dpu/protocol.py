@@ -192,6 +192,7 @@ class Registered(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ok: bool
     detail: Annotated[str, msgspec.Meta(max_length=512)] = ""
     client_timeout_ms: U32 = 0
+    pid: U32 = 0  # the data plane's process id
 
 
 class Goodbye(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

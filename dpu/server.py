@@ -263,7 +263,7 @@ class DataPlaneServer:
         self.counters["registered"] += 1
         logger.info("client %r registered (regions %s)", msg.label, sorted(client.regions))
         timeout_ms = int(self.cfg.client_timeout_s * 1000)
-        self.router.send_multipart([peer, P.encode(P.Registered(True, "", timeout_ms))], zmq.NOBLOCK)
+        self.router.send_multipart([peer, P.encode(P.Registered(True, "", timeout_ms, os.getpid()))], zmq.NOBLOCK)
 
     def _new_client(self, peer: bytes, msg: P.Register, replaced: set[bytes]) -> ClientState:
         """Validate a registration and map its regions; ``ValueError`` with a clear reason otherwise."""

@@ -113,7 +113,7 @@ def protocol_samples() -> list:
         P.ChunksVerified(8, 0),
         P.Pong(2, 124, 42, 1, b"{}", True),
         P.Register(b"s" * 16, "pid 1 tp 0/1", fp, "lossless", b'{"a":1}', ["srkv-dpu-1-2-ab", "r2"]),
-        P.Registered(True, "", 10000),
+        P.Registered(True, "", 10000, 4242),
         P.Registered(False, "destination region 'x' does not exist"),
         P.Goodbye(),
     ]

@@ -313,7 +313,7 @@ class DpuClient:
                 now = time.monotonic()
                 if now - last_hb >= self.cfg.heartbeat_s:
                     last_hb = now
-                    sock.send(P.encode(P.Heartbeat(self._proc.next_seq(), time.time_ns())), zmq.NOBLOCK)
+                    self._proc.heartbeat()
                 self._supervise(now)
             except Exception:  # thread boundary: never let the receiver die while serving
                 self.counters["receiver_errors"] += 1
@@ -326,7 +326,10 @@ class DpuClient:
                 if not self.book.outbox:
                     return
                 frame = self.book.outbox.popleft()
-            sock.send(frame, zmq.NOBLOCK)
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:  # no connection right now: the round ends as a miss when the link is lost
+                self.counters["send_dropped"] = self.counters.get("send_dropped", 0) + 1
 
     def _drain(self, sock) -> None:
         P.drain(sock, self._on_message, self._bad_frame)

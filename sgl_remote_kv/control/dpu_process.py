@@ -76,9 +76,22 @@ class _Link:
 
             auth.connect_as_client(self.sock, self._auth_key)
         self.sock.connect(endpoint)
-        self.sock.send(P.encode(self.register), zmq.NOBLOCK)
-        self.sock.send(P.encode(P.Heartbeat(self.next_seq(), time.time_ns())), zmq.NOBLOCK)
+        self.send(self.register)
+        self.heartbeat()
         self.last_pong_at = time.monotonic()
+
+    def send(self, msg: P.Message) -> bool:
+        """Queue ``msg`` without blocking; False when it cannot be queued now (no connection: a tcp://
+        peer not reachable yet or its handshake failed) -- heartbeats and ``Register`` are simply sent
+        again, lost submissions end as misses when the link is declared lost."""
+        try:
+            self.sock.send(P.encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def heartbeat(self) -> bool:
+        return self.send(P.Heartbeat(self.next_seq(), time.time_ns()))
 
     def _close_sock(self) -> None:
         if self.sock is not None:
@@ -99,7 +112,11 @@ class _Link:
         """Heartbeat until the data plane answers our ``Register`` (True: accepted; False: refused --
         ``refused`` says why --, timeout, or the process exited). Drops other frames."""
         deadline = time.monotonic() + timeout
+        resend = time.monotonic() + 1.0
         while time.monotonic() < deadline and self.alive():
+            if time.monotonic() > resend:  # not queued, or queued on a connection that failed: again
+                self.send(self.register)  # (a repeated Register of this peer replaces its own)
+                resend = time.monotonic() + 1.0
             if self.sock.poll(200):
                 try:
                     msg = P.decode(self.sock.recv())
@@ -110,7 +127,7 @@ class _Link:
                 elif isinstance(msg, P.Registered):
                     return self.registered(msg)
             else:
-                self.sock.send(P.encode(P.Heartbeat(self.next_seq(), time.time_ns())), zmq.NOBLOCK)
+                self.heartbeat()
         return False
 
     def pong(self, msg: P.Pong) -> None:
@@ -141,6 +158,11 @@ class AttachedService(_Link):
     def pong(self, msg: P.Pong) -> None:
         super().pong(msg)
         self.service_pid = msg.pid
+
+    def registered(self, msg: P.Registered) -> bool:
+        if msg.ok:
+            self.service_pid = msg.pid
+        return super().registered(msg)
 
     def returncode(self) -> int | None:
         return None

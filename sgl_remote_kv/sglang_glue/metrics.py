@@ -36,7 +36,7 @@ from sgl_remote_kv.types import (
 logger = logging.getLogger(__name__)
 
 BREAKER_CIRCUITS = ("read", "write")
-RESTART_REASONS = ("exited", "hung")
+RESTART_REASONS = ("exited", "hung", "restarted")  # restarted: an attached service forgot this client
 CODECS = tuple(codec_names())  # hit_tokens/hit_chunks{codec}: which codec's chunks served a hit
 
 _LAT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
