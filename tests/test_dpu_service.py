@@ -423,3 +423,19 @@ def test_tcp_endpoint_needs_auth_and_refuses_a_wrong_key(env, tmp_path):
         ctx.term()
     st = _stats(c)
     assert st["clients"] == 1 and st["auth_refused"] >= 1
+
+
+def test_fair_queue_round_robin_across_clients():
+    from sgl_remote_kv.dpu.tasks import FairQueue
+
+    q = FairQueue()
+    for i in range(4):
+        q.append(b"A", f"a{i}")
+    q.append(b"B", "b0")
+    q.append(b"C", "c0")
+    q.append(b"B", "b1")
+    assert len(q) == 7
+    assert [q.popleft() for _ in range(4)] == ["a0", "b0", "c0", "a1"]
+    q.filter(b"A", lambda x: None if x == "a3" else x)  # e.g. a cancelled round
+    assert q.pop_client(b"B") == ["b1"]
+    assert [q.popleft() for _ in range(len(q))] == ["a2"] and not q

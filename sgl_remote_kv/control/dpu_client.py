@@ -323,6 +323,11 @@ class DpuClient:
     def _flush_outbox(self, sock) -> None:
         while True:
             with self.cv:
+                if self._attached and not self._registered:
+                    # Never submit on a connection the service has not accepted: the service could
+                    # still take the job after ``_supervise`` failed its round and freed its slot.
+                    self.book.outbox.clear()
+                    return
                 if not self.book.outbox:
                     return
                 frame = self.book.outbox.popleft()
