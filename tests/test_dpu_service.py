@@ -439,3 +439,52 @@ def test_fair_queue_round_robin_across_clients():
     q.filter(b"A", lambda x: None if x == "a3" else x)  # e.g. a cancelled round
     assert q.pop_client(b"B") == ["b1"]
     assert [q.popleft() for _ in range(len(q))] == ["a2"] and not q
+
+
+def test_two_ranks_on_a_killed_service_both_end_as_misses(env, tmp_path):
+    url, make_service, make_client = env
+    slow = f"faulty+file://{tmp_path}/store?latency_s=0.3"
+    svc = make_service(*_slots_flags(), store_url=slow)
+    keys = {r: put_chunks(url, codecs()["lossless"], _chunks(6, seed=20 + r), _fp(r), prefix=b"k%d" % r)[0]
+            for r in (0, 1)}  # fmt: skip
+    clients = {r: make_client(svc, _fp(r)) for r in (0, 1)}
+    handles = {r: clients[r].submit(f"r{r}", keys[r], CHUNK, make_pool(LAYOUT32, 512, 6 * CHUNK)) for r in (0, 1)}
+    time.sleep(0.5)
+    svc.kill()
+    for r in (0, 1):
+        res = handles[r].wait(timeout=15)
+        assert res is not None and res.hit_chunks < 6 and "dataplane_lost" in res.failures.values()
+
+
+def test_serving_flag_attaches_the_backend_to_the_service(env):
+    """``--remote-kv-dpu-endpoint`` parses into the config and ``start_dpu_backend`` (the serving glue)
+    attaches instead of spawning; a refused registration falls back (``None``) instead of failing."""
+    import argparse
+
+    from sgl_remote_kv.config import RemoteKVConfig
+    from sgl_remote_kv.sglang_glue.fetch_dpu import start_dpu_backend
+
+    url, make_service, _ = env
+    svc = make_service(*_slots_flags(), "--allow-fingerprint", _fp(0).digest().hex())
+    parser = argparse.ArgumentParser()
+    RemoteKVConfig.add_cli_args(parser)
+    ns = parser.parse_args(["--remote-kv", "dpu", "--remote-kv-store", url, "--remote-kv-chunk-size", str(CHUNK),
+                            "--remote-kv-dpu-endpoint", svc.endpoint])  # fmt: skip
+    ns.remote_kv_probe_store = False
+    cfg = RemoteKVConfig.from_namespace(ns)
+    assert cfg.dpu_endpoint == svc.endpoint and RemoteKVConfig.from_json(cfg.to_json()) == cfg
+    for bad in ("redis://x:1", "ipc://"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--remote-kv-dpu-endpoint", bad])
+    data = _chunks(2, seed=30)
+    keys, _ = put_chunks(url, codecs()["lossless"], data, _fp(0))
+    target = make_pool(LAYOUT32, 512, 2 * CHUNK)
+    backend = start_dpu_backend(cfg, _fp(0), codecs()["lossless"], target.writer)
+    assert backend is not None
+    try:
+        assert backend.client.pid == svc.proc.pid and backend.client._attached
+        assert backend.client.fetch("glue", keys, CHUNK, target, timeout=30).hit_chunks == 2
+        _assert_exact(target, data, 2)
+    finally:
+        backend.close()
+    assert start_dpu_backend(cfg, _fp(1), codecs()["lossless"], target.writer) is None  # not allowed
