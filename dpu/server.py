@@ -257,7 +257,8 @@ class DataPlaneServer:
             # copied into its region): answer only once they are over, so the client cannot reuse a
             # destination slot an old job still writes into.
             _release_regions(client.regions.values())
-            self.deferred[peer] = msg
+            self.deferred = {p: m for p, m in self.deferred.items() if m.session != msg.session}
+            self.deferred[peer] = msg  # only the newest connection of a session waits
             return
         self.clients[peer] = client
         self.counters["registered"] += 1
