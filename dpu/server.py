@@ -138,7 +138,7 @@ class DataPlaneServer:
         self._warmed: set[tuple[str, bytes, bytes]] = set()
         self._stop = False
         self.counters = {"submitted": 0, "rejected": 0, "bad_frames": 0, "cancels": 0, "handler_errors": 0}
-        self.counters.update({"registered": 0, "register_refused": 0, "clients_dropped": 0})
+        self.counters.update({"registered": 0, "register_refused": 0, "register_deferred": 0, "clients_dropped": 0})
 
     # ---- called from any thread -------------------------------------------------------------------
     def _push(self, frames: list[bytes]) -> None:
@@ -257,6 +257,7 @@ class DataPlaneServer:
             # copied into its region): answer only once they are over, so the client cannot reuse a
             # destination slot an old job still writes into.
             _release_regions(client.regions.values())
+            self.counters["register_deferred"] += 1
             self.deferred = {p: m for p, m in self.deferred.items() if m.session != msg.session}
             self.deferred[peer] = msg  # only the newest connection of a session waits
             return

@@ -488,3 +488,25 @@ def test_serving_flag_attaches_the_backend_to_the_service(env):
     finally:
         backend.close()
     assert start_dpu_backend(cfg, _fp(1), codecs()["lossless"], target.writer) is None  # not allowed
+
+
+def test_a_reconnect_is_answered_only_after_the_old_jobs_are_over(env):
+    """A new connection registering an active client's session (what a client does after missing
+    heartbeats while the service lives) replaces the registration; its ``Registered`` comes only once
+    the old registration's job is over, so no destination slot is reused under a still-running copy."""
+    from dpu_helpers import register_raw
+
+    url, make_service, make_client = env
+    svc = make_service(*_slots_flags(slots=1, chunks_per_slot=3), "--dma-delay-s", "0.3")
+    keys, _ = put_chunks(url, codecs()["lossless"], _chunks(3, seed=40), _fp(0))
+    c = make_client(svc, _fp(0), heartbeat_timeout_s=30.0)
+    h = c.submit("old", keys, CHUNK, make_pool(LAYOUT32, 512, 3 * CHUNK))
+    _until(lambda: _stats(c)["submitted"] >= 1, 10, "the job at the service")
+    time.sleep(0.2)  # its first slab is being copied (0.3 s per slab, 6 slabs)
+    with _raw(svc.endpoint) as s:
+        register_raw(s, c)  # same session, new connection: returns once Registered(ok) arrived
+        pong = _ask(s, P.Heartbeat(1, 0), P.Pong)
+        st = json.loads(pong.stats_json)
+        assert pong.registered and pong.jobs_active == 0 and st["register_deferred"] == 1
+    res = h.wait(timeout=30)
+    assert res.hit_chunks < 3 and set(res.failures.values()) <= {"cancelled", "dataplane_lost"}
