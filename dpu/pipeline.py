@@ -141,6 +141,7 @@ class Pipeline:
                 st.bytes += nbytes or 0
                 st.busy_s += time.perf_counter() - t0
                 st.cpu_s += time.thread_time() - c0
+            item = task = None  # hold no job (nor its client's region) while waiting for the next item
 
     def _failed_item(self, task: ChunkTask, stage: str, e: Exception) -> None:
         """An item of ``stage`` raised: fail its chunk (``ChunkError``: corrupt/foreign; anything else is

@@ -131,6 +131,7 @@ class DataPlaneServer:
         self.clients: dict[bytes, ClientState] = {}  # peer (routing id) -> registration
         self.leaving: list[ClientState] = []  # dropped clients whose jobs are still finishing
         self.deferred: dict[bytes, P.Register] = {}  # registrations waiting for their session's old jobs
+        self.unmapping: list[DestRegion] = []  # released regions a worker still held a view of
         self.jobs: dict[tuple[bytes, int], JobState] = {}  # (peer, job id) -> job
         self.pending = FairQueue()  # per peer: (job, regions) rounds waiting for a slot
         self.free_slots = list(range(st.slots))
@@ -177,6 +178,8 @@ class DataPlaneServer:
                 if self.router in ready:
                     self._drain_router()
                 self._expire_clients(time.monotonic())
+                if self.unmapping:
+                    self.unmapping = [r for r in self.unmapping if not r.try_close()]
         finally:
             self.close()
 
@@ -256,7 +259,7 @@ class DataPlaneServer:
             # The same client's previous registration still has jobs finishing (a slab may still be
             # copied into its region): answer only once they are over, so the client cannot reuse a
             # destination slot an old job still writes into.
-            _release_regions(client.regions.values())
+            self._release_regions(client.regions.values())
             self.counters["register_deferred"] += 1
             self.deferred = {p: m for p, m in self.deferred.items() if m.session != msg.session}
             self.deferred[peer] = msg  # only the newest connection of a session waits
@@ -325,10 +328,22 @@ class DataPlaneServer:
         if client.jobs or not any(c is client for c in self.leaving):
             return
         self.leaving = [c for c in self.leaving if c is not client]
-        _release_regions(client.regions.values())
+        self._release_regions(client.regions.values())
         for peer, msg in list(self.deferred.items()):  # a registration waiting for this one's jobs
             if msg.session == client.session:
                 self._register(peer, msg)
+
+    def _release_regions(self, regions) -> None:
+        """Unmap regions of a client that is gone; unlink those whose creator process is gone too (the
+        creator -- ``DpuClient.close`` -- unlinks them otherwise; a live creator's region is never
+        unlinked). A region a worker thread still holds a view of (it just emitted the last ``JobDone``)
+        is unmapped by a later tick of the server loop."""
+        for r in regions:
+            if r.exists() and not shm_names.creator_alive(r.name.lstrip("/")):
+                logger.warning("creator of destination region %s is gone; unlinking it", r.name)
+                r.unlink()
+            if not r.try_close():
+                self.unmapping.append(r)
 
     def _job_over(self, peer: bytes, job_id: int) -> None:
         """``JobDone`` of ``(peer, job_id)`` was emitted: nothing more is written for it."""
@@ -487,7 +502,7 @@ class DataPlaneServer:
         clients = list(self.clients.values()) + self.leaving
         self._wait_for_dying_parent([n for c in clients for n in c.regions])
         for c in clients:
-            _release_regions(c.regions.values())
+            self._release_regions(c.regions.values())
         self.clients.clear()
         self.leaving = []
 
@@ -506,14 +521,6 @@ class DataPlaneServer:
             time.sleep(0.05)
 
 
-def _release_regions(regions) -> None:
-    """Unmap regions of a client that is gone; unlink those whose creator process is gone too (the
-    creator -- ``DpuClient.close`` -- unlinks them otherwise; a live creator's region is never unlinked)."""
-    for r in regions:
-        if r.exists() and not shm_names.creator_alive(r.name.lstrip("/")):
-            logger.warning("creator of destination region %s is gone; unlinking it", r.name)
-            r.unlink()
-        r.close()
 
 
 def _fingerprint(w: P.Fingerprint) -> ModelFingerprint:

@@ -179,9 +179,13 @@ def test_goodbye_releases_the_client_at_once(env):
     svc = make_service(*_slots_flags())
     c0, c1 = make_client(svc, _fp(0)), make_client(svc, _fp(1))
     assert _stats(c1)["clients"] == 2
+    region = c0.dest.name.lstrip("/")
+    maps = Path(f"/proc/{svc.proc.pid}/maps")
+    assert region in maps.read_text()
     c0.close()  # Goodbye; the client unlinks its own region
     st = _stats(c1)
     assert st["clients"] == 1 and st["clients_dropped"] == 1
+    _until(lambda: region not in maps.read_text(), 3, "the service to unmap the region")
 
 
 _DYING_CLIENT = """
@@ -223,6 +227,8 @@ def test_a_client_that_dies_releases_its_region_and_jobs(env, tmp_path):
         _until(lambda: _stats(other)["clients_dropped"] >= 1, 5, "the dead client to be dropped")
         _until(lambda: other.last_pong.jobs_active == 0, 3, "its job to be cancelled")
         _until(lambda: not Path("/dev/shm", region).exists(), 3, "its region to be unlinked")
+        maps = Path(f"/proc/{svc.proc.pid}/maps")
+        _until(lambda: region not in maps.read_text(), 3, "the service to unmap its region")
         assert _stats(other)["clients"] == 1
     finally:
         if host.poll() is None:
