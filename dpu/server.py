@@ -232,6 +232,7 @@ class DataPlaneServer:
         elif isinstance(msg, P.Register):
             self._register(peer, msg)
         elif isinstance(msg, P.Goodbye):
+            self.deferred.pop(peer, None)
             self._drop_client(peer, "goodbye")
         elif isinstance(msg, P.SubmitFetch):
             self._submit(peer, msg)

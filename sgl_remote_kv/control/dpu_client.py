@@ -121,7 +121,7 @@ class DpuClient:
         self._forgotten = False  # attached: a Pong said the service does not know this connection
         self._tmp = shm_names.run_dir()  # endpoint + log; swept by a later client if we die unclosed
         self.on_store_error = on_store_error  # (op, kind, n): the data plane's store client failures
-        self.on_restart = on_restart  # (reason: "exited" | "hung"): the data plane was replaced
+        self.on_restart = on_restart  # (reason: "exited" | "hung" | "restarted"): replaced / reconnected
         self.book: RoundBook | None = None  # created in ``start`` (needs the region)
         self._thread: threading.Thread | None = None
         self._running = False
@@ -130,7 +130,7 @@ class DpuClient:
         self._wake_tx = self._wake_rx = None
         self.counters = {"submitted": 0, "restarts": 0, "chunks_done": 0, "chunks_failed": 0, "bad_frames": 0}
         self.counters.update({"receiver_errors": 0, "write_s": 0, "rounds": 0, "verified": 0})
-        self.counters.update({"verify_rejected": 0, "write_failed": 0})
+        self.counters.update({"verify_rejected": 0, "write_failed": 0, "send_dropped": 0})
         self._writers: list = []  # KV writers the destination region is registered with (pinned)
         self.last_pong: P.Pong | None = None
 
@@ -334,7 +334,7 @@ class DpuClient:
             try:
                 sock.send(frame, zmq.NOBLOCK)
             except zmq.Again:  # no connection right now: the round ends as a miss when the link is lost
-                self.counters["send_dropped"] = self.counters.get("send_dropped", 0) + 1
+                self.counters["send_dropped"] += 1
 
     def _drain(self, sock) -> None:
         P.drain(sock, self._on_message, self._bad_frame)
