@@ -303,6 +303,9 @@ class DpuClient:
                 poller = zmq.Poller()
                 poller.register(sock, zmq.POLLIN)
                 poller.register(self._wake_rx, zmq.POLLIN)
+                monitor = getattr(self._proc, "monitor", None)  # attached: connection events
+                if monitor is not None:
+                    poller.register(monitor, zmq.POLLIN)
                 ready = dict(poller.poll(int(self.cfg.heartbeat_s * 500)))
                 if self._wake_rx in ready:
                     while self._wake_rx.poll(0):
@@ -399,8 +402,10 @@ class DpuClient:
             why = self._unhealthy(now)
             if why is not None:
                 self._restart(why)
-        elif self._registered:
-            why = "restarted" if self._forgotten else self._unhealthy(now)
+            return
+        down = self._proc.disconnected()  # drains the connection's events in every state
+        if self._registered:
+            why = "restarted" if self._forgotten else "exited" if down else self._unhealthy(now)
             if why is not None:
                 self._reconnect(why)
         else:  # not registered (service down, restarting, or refusing us): every fetch is a miss

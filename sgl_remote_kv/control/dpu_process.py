@@ -145,6 +145,8 @@ class AttachedService(_Link):
         super().__init__(ctx, register, auth_key)
         self.endpoint = endpoint
         self.service_pid: int | None = None
+        self.monitor: zmq.Socket | None = None  # the connection's DISCONNECTED events (a dead service)
+        self._was_connected = False
 
     @property
     def pid(self) -> int | None:
@@ -152,7 +154,10 @@ class AttachedService(_Link):
 
     def spawn(self) -> None:
         self.generation += 1
+        self._close_monitor()
         self._connect(self.endpoint)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._was_connected = False
         logger.info("attaching to data-plane service %s (connection %d)", self.endpoint, self.generation)
 
     def pong(self, msg: P.Pong) -> None:
@@ -164,10 +169,32 @@ class AttachedService(_Link):
             self.service_pid = msg.pid
         return super().registered(msg)
 
+    def disconnected(self) -> bool:
+        """True once the connection that was up went down (the service exited or closed it): much sooner
+        than a missed heartbeat. Reads the monitor's queued events; never blocks."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        down = False
+        while self.monitor is not None and self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self._was_connected = True
+            elif event == zmq.EVENT_DISCONNECTED and self._was_connected:
+                down = True
+        return down
+
+    def _close_monitor(self) -> None:
+        if self.monitor is not None:
+            if self.sock is not None:
+                self.sock.disable_monitor()
+            self.monitor.close(0)
+            self.monitor = None
+
     def returncode(self) -> int | None:
         return None
 
     def stop(self, kill: bool = False, grace_s: float = 0.2) -> None:
+        self._close_monitor()
         if self.sock is not None and not kill:
             try:
                 self.sock.setsockopt(zmq.LINGER, int(grace_s * 1000))
