@@ -1,9 +1,11 @@
-"""``python -m sgl_remote_kv.dpu``: run the data plane (started by the host control plane, or standalone).
+"""``python -m sgl_remote_kv.dpu``: run the data plane (spawned by one host client, or a service).
 
-The host passes where to serve (``--endpoint``/``--store``/``--dest-shm``/``--parent-pid``), what to warm up
-(``--warm``: its codec and model) and every tunable as one ``--settings-json`` (``settings.DataPlaneSettings``); a standalone run may give the same
-tunables as flags instead. Parsed here, once, into a frozen ``DataPlaneConfig``; nothing below reads the
-environment.
+Spawned (the default): the host passes where to serve (``--endpoint``/``--store``/``--parent-pid``,
+``--client-timeout 0``), what to warm up (``--warm``: its codec and model) and every tunable as one
+``--settings-json`` (``settings.DataPlaneSettings``). As a long-lived service (``--endpoint
+ipc:///run/srkv/dpu.sock`` or ``tcp://...`` with ``--auth-key-file``) the same tunables come as flags;
+host clients attach with ``--remote-kv-dpu-endpoint`` and register their regions over the protocol.
+Parsed here, once, into a frozen ``DataPlaneConfig``; nothing below reads the environment.
 """
 
 from __future__ import annotations
@@ -32,8 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="store URL (file:///dir, redis://host:port/db, ...); '-' reads it from the first line of stdin, "
         "so a password in it never shows in the process list (the host's way)",
     )
-    p.add_argument("--dest-shm", required=True, help="name of the host's shared-memory destination region")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process (the host) goes away")
+    p.add_argument("--auth-key-file", default="",
+                   help="shared secret (the serving side's --remote-kv-auth-key-file): the endpoint speaks "
+                   "ZeroMQ CURVE with keys derived from it; required for tcp://")  # fmt: skip
+    p.add_argument("--client-timeout", type=float, default=10.0,
+                   help="drop a registered client (cancel its jobs, release its regions) that sent nothing "
+                   "for this many seconds (clients heartbeat every 0.5 s); 0: never")  # fmt: skip
+    p.add_argument("--allow-fingerprint", action="append", default=[], metavar="HEX",
+                   help="serve only models with this fingerprint digest (64 hex digits; repeatable; "
+                   "default: any model)")  # fmt: skip
     p.add_argument("--settings-json", help="every tunable as DataPlaneSettings JSON (the host's way)")
     p.add_argument("--warm", help="protocol.Warmup JSON: decode one synthetic chunk of this codec and model "
                    "before serving (the host's way; first jobs then do not load kernels)")  # fmt: skip
@@ -53,14 +63,28 @@ def config_from_args(ns: argparse.Namespace) -> DataPlaneConfig:
     store_url = sys.stdin.readline().strip() if ns.store == "-" else ns.store
     if not store_url:
         raise SystemExit("--store -: no store URL on stdin")
-    return DataPlaneConfig(
-        endpoint=ns.endpoint,
-        store_url=store_url,
-        dest_name=ns.dest_shm,
-        settings=settings,
-        parent_pid=ns.parent_pid,
-        warm=warm,
-    )
+    key = b""
+    if ns.auth_key_file:
+        from sgl_remote_kv.security import load_auth_key
+
+        try:
+            key = load_auth_key(ns.auth_key_file)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+    try:
+        allowed = tuple(bytes.fromhex(h) for h in ns.allow_fingerprint)
+        return DataPlaneConfig(
+            endpoint=ns.endpoint,
+            store_url=store_url,
+            settings=settings,
+            parent_pid=ns.parent_pid,
+            warm=warm,
+            auth_key=key,
+            client_timeout_s=ns.client_timeout,
+            allowed_fingerprints=allowed,
+        )
+    except ValueError as e:
+        raise SystemExit(f"data plane: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

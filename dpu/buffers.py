@@ -178,11 +178,20 @@ class DestRegion:
         except FileNotFoundError:
             pass
 
-    def close(self) -> None:
+    def try_close(self) -> bool:
+        """Unmap (the creator also unlinks); False while other views of ``array`` are alive (the
+        mapping stays; call again later)."""
         self.array = None  # drop the exported buffer before closing the mapping
         try:
             self._shm.close()
         except BufferError:
-            logger.warning("dest region %s still has views; leaving it mapped", self.name)
+            return False
         if self.owner:
             self.unlink()
+        return True
+
+    def close(self) -> None:
+        if not self.try_close():
+            logger.warning("dest region %s still has views; leaving it mapped", self.name)
+            if self.owner:
+                self.unlink()

@@ -17,7 +17,9 @@ still overlaps decode across rounds and jobs).
 Threads: ``submit_round`` is called by the server thread; everything else runs in worker threads.
 The ``emit`` callback must be thread-safe (the server gives one that pushes to an inproc socket).
 Buffers: a chunk's staging regions belong to the worker holding one of its slabs; the destination
-bytes of a chunk are written only by the DMA worker holding its slab. Blobs (``bytes`` from the store
+bytes of a chunk (in ``JobState.dest``, the region of the job's client) are written only by the DMA
+worker holding its slab (and its blob, by the fetch worker, into the job's blob area). The server
+releases a client's regions only after every job of that client reported ``JobDone``. Blobs (``bytes`` from the store
 client) are owned by the chunk task and dropped when the chunk is terminal.
 
 Failures: a ``ChunkError`` fails the chunk (kind ``corrupt``/``foreign``) and cancels every later chunk
@@ -58,12 +60,11 @@ class Pipeline:
         self,
         cfg: PipelineConfig,
         buffers: StagingBuffers,
-        dest: np.ndarray,
         store,
         emit: Callable[[bytes, Message], None],
         on_round_free: Callable[[int], None],
     ) -> None:
-        self.cfg, self.buf, self.dest, self.store = cfg, buffers, dest, store
+        self.cfg, self.buf, self.store = cfg, buffers, store
         self.emit, self.on_round_free = emit, on_round_free
         # fetch is bounded by admission (slots x chunks per round); the others by queue_depth
         self.queues = {s: queue.Queue(0 if s == "fetch" else cfg.queue_depth) for s in STAGES}
@@ -140,6 +141,7 @@ class Pipeline:
                 st.bytes += nbytes or 0
                 st.busy_s += time.perf_counter() - t0
                 st.cpu_s += time.thread_time() - c0
+            item = task = None  # hold no job (nor its client's region) while waiting for the next item
 
     def _failed_item(self, task: ChunkTask, stage: str, e: Exception) -> None:
         """An item of ``stage`` raised: fail its chunk (``ChunkError``: corrupt/foreign; anything else is
@@ -181,7 +183,7 @@ class Pipeline:
                 return None
             job.blob_used += len(blob)
         at = job.blob_off + off
-        self.dest[at : at + len(blob)] = np.frombuffer(blob, np.uint8)
+        job.dest[at : at + len(blob)] = np.frombuffer(blob, np.uint8)
         return BlobRef(at, len(blob))
 
     def _skip(self, task: ChunkTask) -> bool:
@@ -329,8 +331,8 @@ class Pipeline:
             time.sleep(self.cfg.dma_delay_s)
         for layer in range(lo, hi):
             ko, vo = d.k_off + layer * d.layer_stride, d.v_off + layer * d.layer_stride
-            self.dest[ko : ko + lb] = k[layer].reshape(-1).view(np.uint8)
-            self.dest[vo : vo + lb] = v[layer].reshape(-1).view(np.uint8)
+            job.dest[ko : ko + lb] = k[layer].reshape(-1).view(np.uint8)
+            job.dest[vo : vo + lb] = v[layer].reshape(-1).view(np.uint8)
         self.emit(job.peer, LayerDone(job.job, task.region.index, lo, hi - lo))
         self._slab_finished(task)
         return 2 * (hi - lo) * lb

@@ -28,7 +28,9 @@ from typing import Annotated
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: SubmitFetch.blob_off/blob_cap, ChunksVerified; 3: ChunkFailed.store_error
+# 2: SubmitFetch.blob_off/blob_cap, ChunksVerified; 3: ChunkFailed.store_error;
+# 4: Register / Registered / Goodbye (a client registers its regions before submitting), Pong.registered
+PROTOCOL_VERSION = 4
 MAGIC = b"SKDP"
 ENVELOPE = struct.Struct("<4sHH")
 MAX_FRAME_BYTES = 4 << 20
@@ -151,13 +153,50 @@ class Heartbeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Pong(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Answer to ``Heartbeat`` (and sent once unsolicited when the data plane is ready: seq 0)."""
+    """Answer to ``Heartbeat``. ``registered``: the data plane knows the sending peer (a ``Register`` of
+    this connection was accepted); False after a service restart tells the client to register again."""
 
     seq: U32
     sent_ns: Annotated[int, msgspec.Meta(ge=0)]
     pid: U32
     jobs_active: U32
     stats_json: Annotated[bytes, msgspec.Meta(max_length=65536)] = b"{}"
+    registered: bool = False
+
+
+MAX_REGIONS = 16
+Session = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+
+
+class Register(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A host client (one ``DpuClient``: one TP rank of one server) announces itself on this connection:
+    the model it fetches for, the codec, and the destination regions (POSIX shm names it created) the
+    data plane may write into for it. Must precede its first ``SubmitFetch``; every later ``SubmitFetch``
+    must name this fingerprint and codec and one of these regions. ``session``: random per client
+    instance; a ``Register`` with the session of a registered peer replaces that registration (a client
+    reconnecting after a missed heartbeat)."""
+
+    session: Session
+    label: ShortText  # for logs: e.g. "pid 1234 tp 0/2"
+    fingerprint: Fingerprint
+    codec: Name
+    codec_params: Annotated[bytes, msgspec.Meta(max_length=4096)]  # canonical JSON
+    regions: Annotated[list[Name], msgspec.Meta(min_length=1, max_length=MAX_REGIONS)]
+
+
+class Registered(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Answer to ``Register``: ``ok``, or why not (``detail``: unknown region, inconsistent or foreign
+    fingerprint, unknown codec, ...). ``client_timeout_ms``: the data plane drops a registered client
+    (cancels its jobs, releases its regions) that sent nothing for this long (0: never)."""
+
+    ok: bool
+    detail: Annotated[str, msgspec.Meta(max_length=512)] = ""
+    client_timeout_ms: U32 = 0
+    pid: U32 = 0  # the data plane's process id
+
+
+class Goodbye(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The client leaves: its jobs are cancelled and its regions released (no answer)."""
 
 
 class BlobRef(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -247,6 +286,9 @@ KINDS: dict[int, type[msgspec.Struct]] = {
     7: ChunkFailed,
     8: JobDone,
     9: ChunksVerified,
+    10: Register,
+    11: Registered,
+    12: Goodbye,
 }
 _KIND_OF = {cls: k for k, cls in KINDS.items()}
 _ENCODER = msgspec.msgpack.Encoder()
@@ -254,6 +296,7 @@ _DECODERS = {k: msgspec.msgpack.Decoder(cls) for k, cls in KINDS.items()}
 
 Message = (
     SubmitFetch | Cancel | Heartbeat | Pong | ChunkDone | LayerDone | ChunkFailed | JobDone | ChunksVerified
+    | Register | Registered | Goodbye
 )
 
 

@@ -1,12 +1,24 @@
-"""The data-plane process: a ZeroMQ ROUTER front end, round admission, and the pipeline.
+"""The data-plane process: a ZeroMQ ROUTER front end, client registrations, round admission, the pipeline.
+
+One process serves any number of host clients (``DpuClient``: one per TP rank of each server): a child
+spawned by one client (the default; it exits with its parent) or a long-lived service on an endpoint
+(``ipc://`` or, authenticated with CURVE, ``tcp://``). A client first ``Register``s on its connection
+(fingerprint, codec, the shm destination regions it created); only then may it submit jobs, and only
+into those regions, for that model and codec. Job ids are per client. Rounds wait for a staging slot in
+one FIFO per client and are admitted round-robin across clients (``tasks.FairQueue``); the staging
+slots and the pipeline are shared. A client that says ``Goodbye``, sends nothing for
+``client_timeout_s`` or is replaced by a newer registration of its session is dropped: its queued rounds
+are finished as cancelled, its admitted jobs cancelled, and once its last job reported ``JobDone`` its
+regions are unmapped (and unlinked when their creator process is gone).
 
 Threads: the *server thread* (the process's main thread, ``DataPlaneServer.run``) owns the sockets,
-the job table, the pending-round queue and the free-slot list; it is the only thread touching them.
-Pipeline workers send their completions back through per-thread PUSH sockets on an inproc endpoint
-that the server thread polls, so no ZeroMQ socket is ever shared between threads.
+the client and job tables, the pending-round queue and the free-slot list; it is the only thread touching
+them. Pipeline workers send their completions back through one lock-protected PUSH socket on an inproc
+endpoint that the server thread polls. With an auth key, pyzmq's ZAP authenticator runs one more thread.
 
-Ownership: the staging buffers and the store client belong to this process; the destination region
-belongs to the host (attached here by name, never unlinked here).
+Ownership: the staging buffers and the store client belong to this process; destination regions belong
+to the hosts that created them (attached here by name on ``Register``; unlinked here only when their
+creator is gone).
 """
 
 from __future__ import annotations
@@ -17,20 +29,21 @@ import os
 import signal
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import zmq
 
 from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.codec.errors import ChunkError
+from sgl_remote_kv.control import shm_names
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 
+from . import auth
 from . import protocol as P
 from .buffers import DestRegion, StagingBuffers, layer_bytes, plan_rounds
 from .pipeline import Pipeline
 from .settings import DataPlaneSettings
-from .tasks import JobState
+from .tasks import FairQueue, JobState
 
 logger = logging.getLogger(__name__)
 
@@ -41,16 +54,43 @@ _EVENTS = "inproc://dpu-events"
 @dataclass(frozen=True)
 class DataPlaneConfig:
     """Where this data plane serves and for whom, plus its ``DataPlaneSettings``; built once at the CLI
-    edge (``__main__``)."""
+    edge (``__main__``). ``auth_key``: the shared secret; the endpoint then speaks CURVE with keys derived
+    from it (``auth.py``); a ``tcp://`` endpoint without one is refused."""
 
     endpoint: str
     store_url: str
-    dest_name: str
     settings: DataPlaneSettings = field(default_factory=DataPlaneSettings)
     max_jobs: int = 1024
     max_active_chunks: int = 1 << 16  # over all active jobs: bounds the job table's memory
     parent_pid: int = 0  # when set, exit as soon as this process is no longer our parent
     warm: P.Warmup | None = None  # decoded once before serving (``DataPlaneServer.warm_up``)
+    auth_key: bytes = field(default=b"", repr=False)
+    client_timeout_s: float = 10.0  # drop a registered client silent this long; 0: never (spawned child)
+    max_clients: int = 256
+    allowed_fingerprints: tuple[bytes, ...] = ()  # model digests this service accepts; (): any
+
+    def __post_init__(self) -> None:
+        if not self.endpoint.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"endpoint must be ipc:// or tcp://, got {self.endpoint!r}")
+        if self.endpoint.startswith("tcp://") and not self.auth_key:
+            raise ValueError("a tcp:// endpoint must be authenticated: give --auth-key-file")
+        if not 0 <= self.client_timeout_s <= 3600:
+            raise ValueError("client_timeout_s must be in [0, 3600]")
+
+
+@dataclass
+class ClientState:
+    """One registered host client (server thread only). ``jobs``: its job ids not yet ``JobDone``;
+    ``regions``: its destination regions, mapped here until it is gone and ``jobs`` is empty."""
+
+    peer: bytes
+    session: bytes
+    label: str
+    fingerprint: ModelFingerprint
+    codec_key: tuple[str, bytes]
+    regions: dict[str, DestRegion]
+    last_seen: float
+    jobs: set[int] = field(default_factory=set)
 
 
 class DataPlaneServer:
@@ -69,7 +109,15 @@ class DataPlaneServer:
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.SNDHWM, 0)  # completions are small; never drop one
         self.router.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES + 1024)
-        self.router.bind(cfg.endpoint)
+        self.zap = auth.serve(self.ctx, self.router, cfg.auth_key) if cfg.auth_key else None
+        if cfg.endpoint.startswith("ipc://"):
+            old = os.umask(0o077)  # a local socket: only our user may connect (the ipc "authentication")
+            try:
+                self.router.bind(cfg.endpoint)
+            finally:
+                os.umask(old)
+        else:
+            self.router.bind(cfg.endpoint)
         self.events = self.ctx.socket(zmq.PULL)
         self.events.bind(_EVENTS)
         self._push_sock = self.ctx.socket(zmq.PUSH)
@@ -77,19 +125,21 @@ class DataPlaneServer:
         self._push_sock.setsockopt(zmq.SNDHWM, 0)
         self._push_sock.connect(_EVENTS)
         self._push_lock = threading.Lock()
-        self.dest = DestRegion.attach(cfg.dest_name)
         self.buffers = StagingBuffers(st.slots, st.slot_bytes, st.inflate_ratio)
         self.store = open_client(cfg.store_url, ClientConfig(timeout_s=st.store_timeout_s))
-        self.pipeline = Pipeline(
-            st.pipeline(), self.buffers, self.dest.array, self.store, self._emit, self._slot_freed
-        )
-        self.jobs: dict[int, JobState] = {}
-        self.pending: deque[tuple[JobState, list]] = deque()
+        self.pipeline = Pipeline(st.pipeline(), self.buffers, self.store, self._emit, self._slot_freed)
+        self.clients: dict[bytes, ClientState] = {}  # peer (routing id) -> registration
+        self.leaving: list[ClientState] = []  # dropped clients whose jobs are still finishing
+        self.deferred: dict[bytes, P.Register] = {}  # registrations waiting for their session's old jobs
+        self.unmapping: list[DestRegion] = []  # released regions a worker still held a view of
+        self.jobs: dict[tuple[bytes, int], JobState] = {}  # (peer, job id) -> job
+        self.pending = FairQueue()  # per peer: (job, regions) rounds waiting for a slot
         self.free_slots = list(range(st.slots))
         self._codecs: dict[tuple[str, bytes], object] = {}
+        self._warmed: set[tuple[str, bytes, bytes]] = set()
         self._stop = False
         self.counters = {"submitted": 0, "rejected": 0, "bad_frames": 0, "cancels": 0, "handler_errors": 0}
-        self.peers: set[bytes] = set()
+        self.counters.update({"registered": 0, "register_refused": 0, "register_deferred": 0, "clients_dropped": 0})
 
     # ---- called from any thread -------------------------------------------------------------------
     def _push(self, frames: list[bytes]) -> None:
@@ -127,6 +177,9 @@ class DataPlaneServer:
                     self._drain_events()
                 if self.router in ready:
                     self._drain_router()
+                self._expire_clients(time.monotonic())
+                if self.unmapping:
+                    self.unmapping = [r for r in self.unmapping if not r.try_close()]
         finally:
             self.close()
 
@@ -142,7 +195,7 @@ class DataPlaneServer:
                 continue
             msg = P.decode(frames[1])
             if isinstance(msg, P.JobDone):
-                self.jobs.pop(msg.job, None)
+                self._job_over(frames[0], msg.job)
             self.router.send_multipart(frames, zmq.NOBLOCK)
 
     def _drain_router(self) -> None:
@@ -154,29 +207,161 @@ class DataPlaneServer:
 
     def _on_message(self, head: list[bytes], msg: P.Message) -> None:
         peer = head[0]
-        self.peers.add(peer)
+        client = self.clients.get(peer)
+        if client is not None:
+            client.last_seen = time.monotonic()
         try:
             self._handle(peer, msg)
         except Exception:  # process boundary: a message must never take the server thread down
             self.counters["handler_errors"] += 1
             logger.exception("handling %s failed", type(msg).__name__)
             if isinstance(msg, P.SubmitFetch):
-                self.jobs.pop(msg.job, None)
+                self.jobs.pop((peer, msg.job), None)
                 self._reject(peer, msg, "internal error")
 
     def _handle(self, peer: bytes, msg: P.Message) -> None:
         if isinstance(msg, P.Heartbeat):
             stats = {"pipeline": self.pipeline.stats_snapshot(), **self.counters}
             stats["cpus"] = sorted(os.sched_getaffinity(0))  # effective affinity (benchmarks check it)
-            pong = P.Pong(msg.seq, msg.sent_ns, os.getpid(), len(self.jobs), json.dumps(stats).encode())
+            stats["clients"] = len(self.clients)
+            stats["auth_refused"] = self.zap.refused if self.zap else 0
+            pong = P.Pong(
+                msg.seq, msg.sent_ns, os.getpid(), len(self.jobs), json.dumps(stats).encode(), peer in self.clients
+            )
             self.router.send_multipart([peer, P.encode(pong)], zmq.NOBLOCK)
+        elif isinstance(msg, P.Register):
+            self._register(peer, msg)
+        elif isinstance(msg, P.Goodbye):
+            self.deferred.pop(peer, None)
+            self._drop_client(peer, "goodbye")
         elif isinstance(msg, P.SubmitFetch):
             self._submit(peer, msg)
         elif isinstance(msg, P.Cancel):
-            self._cancel(msg)
+            self._cancel(peer, msg)
         else:
             self.counters["bad_frames"] += 1
 
+    # ---- clients --------------------------------------------------------------------------------
+    def _register(self, peer: bytes, msg: P.Register) -> None:
+        """Accept or refuse ``msg`` (answering ``Registered``). A registration of the same peer or the
+        same session replaces the old one (its jobs are cancelled)."""
+        self.deferred.pop(peer, None)
+        replaced = [c.peer for c in self.clients.values() if c.peer == peer or c.session == msg.session]
+        try:
+            client = self._new_client(peer, msg, set(replaced))
+        except (ValueError, KeyError, TypeError, ChunkError) as e:
+            self.counters["register_refused"] += 1
+            logger.warning("refusing registration of %r: %s", msg.label, e)
+            self.router.send_multipart([peer, P.encode(P.Registered(False, str(e)[:500]))], zmq.NOBLOCK)
+            return
+        for old in replaced:
+            self._drop_client(old, "replaced by a new registration")
+        if any(c.session == msg.session and c.jobs for c in self.leaving):
+            # The same client's previous registration still has jobs finishing (a slab may still be
+            # copied into its region): answer only once they are over, so the client cannot reuse a
+            # destination slot an old job still writes into.
+            self._release_regions(client.regions.values())
+            self.counters["register_deferred"] += 1
+            self.deferred = {p: m for p, m in self.deferred.items() if m.session != msg.session}
+            self.deferred[peer] = msg  # only the newest connection of a session waits
+            return
+        self.clients[peer] = client
+        self.counters["registered"] += 1
+        logger.info("client %r registered (regions %s)", msg.label, sorted(client.regions))
+        timeout_ms = int(self.cfg.client_timeout_s * 1000)
+        self.router.send_multipart([peer, P.encode(P.Registered(True, "", timeout_ms, os.getpid()))], zmq.NOBLOCK)
+
+    def _new_client(self, peer: bytes, msg: P.Register, replaced: set[bytes]) -> ClientState:
+        """Validate a registration and map its regions; ``ValueError`` with a clear reason otherwise."""
+        if len(self.clients) - len(replaced) >= self.cfg.max_clients:
+            raise ValueError(f"too many clients (max {self.cfg.max_clients})")
+        fp = _fingerprint(msg.fingerprint)
+        allowed = self.cfg.allowed_fingerprints
+        if allowed and fp.digest() not in allowed:
+            raise ValueError(f"foreign fingerprint: this data plane does not serve model {fp.architecture!r} "
+                             f"({fp.weights_id!r}, tp {fp.tp_rank}/{fp.tp_size})")  # fmt: skip
+        codec = self._codec(msg.codec, msg.codec_params)
+        if len(set(msg.regions)) != len(msg.regions):
+            raise ValueError("a region is named twice")
+        held = {n: c for c in self.clients.values() if c.peer not in replaced for n in c.regions}
+        held.update({n: c for c in self.leaving if c.session != msg.session for n in c.regions})
+        regions: dict[str, DestRegion] = {}
+        try:
+            for name in msg.regions:
+                if not shm_names.is_region_name(name):
+                    raise ValueError(f"{name!r} is not a destination region name (srkv-dpu-<pid>-<start>-<hex>)")
+                if name in held:
+                    raise ValueError(f"destination region {name!r} is registered by client {held[name].label!r}")
+                try:
+                    regions[name] = DestRegion.attach(name)
+                except FileNotFoundError:
+                    raise ValueError(f"destination region {name!r} does not exist") from None
+                except OSError as e:
+                    raise ValueError(f"destination region {name!r}: {e.strerror or e}") from None
+        except ValueError:
+            for r in regions.values():
+                r.close()
+            raise
+        self._warm(codec, msg.codec, msg.codec_params, fp)
+        key = (msg.codec, msg.codec_params)
+        return ClientState(peer, msg.session, msg.label, fp, key, regions, time.monotonic())
+
+    def _drop_client(self, peer: bytes, why: str) -> None:
+        """Forget ``peer``'s registration: finish its queued rounds as cancelled, cancel its admitted jobs;
+        its regions are released when its last job is over (at once if it has none)."""
+        client = self.clients.pop(peer, None)
+        if client is None:
+            return
+        self.counters["clients_dropped"] += 1
+        logger.warning("client %r dropped (%s): %d jobs cancelled", client.label, why, len(client.jobs))
+        self.leaving.append(client)
+        for job, regions in self.pending.pop_client(peer):
+            job.cancel(0)
+            for r in regions:
+                self._finish_unadmitted(job, r.index)
+        for job_id in list(client.jobs):
+            job = self.jobs.get((peer, job_id))
+            if job is not None:
+                job.cancel(0)
+        self._release_if_idle(client)
+
+    def _release_if_idle(self, client: ClientState) -> None:
+        if client.jobs or not any(c is client for c in self.leaving):
+            return
+        self.leaving = [c for c in self.leaving if c is not client]
+        self._release_regions(client.regions.values())
+        for peer, msg in list(self.deferred.items()):  # a registration waiting for this one's jobs
+            if msg.session == client.session:
+                self._register(peer, msg)
+
+    def _release_regions(self, regions) -> None:
+        """Unmap regions of a client that is gone; unlink those whose creator process is gone too (the
+        creator -- ``DpuClient.close`` -- unlinks them otherwise; a live creator's region is never
+        unlinked). A region a worker thread still holds a view of (it just emitted the last ``JobDone``)
+        is unmapped by a later tick of the server loop."""
+        for r in regions:
+            if r.exists() and not shm_names.creator_alive(r.name.lstrip("/")):
+                logger.warning("creator of destination region %s is gone; unlinking it", r.name)
+                r.unlink()
+            if not r.try_close():
+                self.unmapping.append(r)
+
+    def _job_over(self, peer: bytes, job_id: int) -> None:
+        """``JobDone`` of ``(peer, job_id)`` was emitted: nothing more is written for it."""
+        self.jobs.pop((peer, job_id), None)
+        for c in [self.clients.get(peer), *self.leaving]:
+            if c is not None and c.peer == peer and job_id in c.jobs:
+                c.jobs.discard(job_id)
+                self._release_if_idle(c)
+                return
+
+    def _expire_clients(self, now: float) -> None:
+        timeout = self.cfg.client_timeout_s
+        if timeout:
+            for c in [c for c in self.clients.values() if now - c.last_seen > timeout]:
+                self._drop_client(c.peer, f"silent for {now - c.last_seen:.1f} s")
+
+    # ---- jobs -----------------------------------------------------------------------------------
     def _reject(self, peer: bytes, msg: P.SubmitFetch, detail: str) -> None:
         self.counters["rejected"] += 1
         logger.warning("rejecting job %d: %s", msg.job, detail)
@@ -191,30 +376,40 @@ class DataPlaneServer:
             self._reject(peer, msg, str(e)[:400])
             return
         self.counters["submitted"] += 1
-        self.jobs[msg.job] = job
+        self.jobs[(peer, msg.job)] = job
+        self.clients[peer].jobs.add(msg.job)
         for r in rounds:
-            self.pending.append((job, r))
+            self.pending.append(peer, (job, r))
         self._admit()
 
     def _prepare(self, peer: bytes, msg: P.SubmitFetch) -> tuple[JobState, list]:
-        if msg.job in self.jobs:
+        client = self.clients.get(peer)
+        if client is None:
+            raise ValueError("not registered (send Register first)")
+        if (peer, msg.job) in self.jobs:
             raise ValueError(f"job id {msg.job} already active")
         if len(self.jobs) >= self.cfg.max_jobs:
             raise ValueError("too many active jobs")
         if sum(len(j.dests) for j in self.jobs.values()) + len(msg.chunks) > self.cfg.max_active_chunks:
             raise ValueError("too many active chunks")
-        if msg.dest_name != self.dest.name.lstrip("/"):
-            raise ValueError(f"unknown destination {msg.dest_name!r}")
-        if msg.blob_off + msg.blob_cap > self.dest.size:
+        region = client.regions.get(msg.dest_name)
+        if region is None:
+            raise ValueError(f"unknown destination {msg.dest_name!r} (not registered by this client)")
+        if msg.blob_off + msg.blob_cap > region.size:
             raise ValueError("blob area outside the destination region")
         fp = _fingerprint(msg.fingerprint)
+        if fp.digest() != client.fingerprint.digest():
+            raise ValueError("fingerprint differs from the client's registration")
+        if (msg.codec, msg.codec_params) != client.codec_key:
+            raise ValueError("codec differs from the client's registration")
         layout = fp.layout
         for c in msg.chunks:
             end = layer_bytes(layout, c.tokens) + (layout.num_layers - 1) * c.layer_stride
-            if max(c.k_off, c.v_off) + end > self.dest.size or c.layer_stride < layer_bytes(layout, c.tokens):
+            if max(c.k_off, c.v_off) + end > region.size or c.layer_stride < layer_bytes(layout, c.tokens):
                 raise ValueError("chunk destination outside the destination region")
         codec = self._codec(msg.codec, msg.codec_params)
-        job = JobState(msg.job, peer, codec, fp, layout, list(msg.chunks), (msg.blob_off, msg.blob_cap))
+        blob_area = (msg.blob_off, msg.blob_cap)
+        job = JobState(msg.job, peer, codec, fp, layout, list(msg.chunks), blob_area, region.array)
         ratio = self.cfg.settings.inflate_ratio
         rounds = plan_rounds([c.tokens for c in msg.chunks], layout, self.cfg.settings.slot_bytes, ratio)
         return job, rounds
@@ -226,13 +421,28 @@ class DataPlaneServer:
         w = self.cfg.warm
         if w is None:
             return
-        t0 = time.perf_counter()
         try:
-            self._codec(w.codec, w.codec_params.encode()).warm_up(_fingerprint(w.fingerprint))
-        except (ValueError, KeyError, ChunkError) as e:  # unknown codec, bad params, no tables, ...
+            codec = self._codec(w.codec, w.codec_params.encode())
+            fp = _fingerprint(w.fingerprint)
+        except (ValueError, KeyError, ChunkError) as e:  # unknown codec, bad params, ...
             logger.warning("warm-up of codec %s failed (%r); the first job loads its kernels", w.codec, e)
             return
-        logger.info("warmed up codec %s in %.0f ms", w.codec, (time.perf_counter() - t0) * 1000)
+        self._warm(codec, w.codec, w.codec_params.encode(), fp)
+
+    def _warm(self, codec, name: str, params: bytes, fp: ModelFingerprint) -> None:
+        """Warm ``codec`` up for ``fp`` once per process (at start, or on a client's first registration;
+        on the server thread: the first registration of a model waits for it)."""
+        key = (name, params, fp.digest())
+        if key in self._warmed:
+            return
+        self._warmed.add(key)
+        t0 = time.perf_counter()
+        try:
+            codec.warm_up(fp)
+        except (ValueError, KeyError, ChunkError) as e:  # e.g. no tables for this model
+            logger.warning("warm-up of codec %s failed (%r); the first job loads its kernels", name, e)
+            return
+        logger.info("warmed up codec %s in %.0f ms", name, (time.perf_counter() - t0) * 1000)
 
     def _codec(self, name: str, params: bytes):
         key = (name, params)
@@ -246,23 +456,23 @@ class DataPlaneServer:
             self._codecs[key] = codec
         return self._codecs[key]
 
-    def _cancel(self, msg: P.Cancel) -> None:
+    def _cancel(self, peer: bytes, msg: P.Cancel) -> None:
         self.counters["cancels"] += 1
-        job = self.jobs.get(msg.job)
+        job = self.jobs.get((peer, msg.job))
         if job is None:
             return
         job.cancel(msg.from_chunk)
-        keep: deque = deque()
-        for j, regions in self.pending:  # chunks not admitted yet are finished right here
+
+        def keep(item):  # chunks not admitted yet are finished right here
+            j, regions = item
             if j is not job:
-                keep.append((j, regions))
-                continue
+                return item
             live = [r for r in regions if r.index < job.cancel_from]
             for r in regions[len(live) :]:
                 self._finish_unadmitted(job, r.index)
-            if live:
-                keep.append((j, live))
-        self.pending = keep
+            return (j, live) if live else None
+
+        self.pending.filter(peer, keep)
 
     def _finish_unadmitted(self, job: JobState, index: int) -> None:
         with job.lock:
@@ -271,8 +481,8 @@ class DataPlaneServer:
             over = job.terminal == len(job.dests)
         self.router.send_multipart([job.peer, P.encode(P.ChunkFailed(job.job, index, "cancelled", ""))])
         if over:
-            self.jobs.pop(job.job, None)
             self.router.send_multipart([job.peer, P.encode(P.JobDone(job.job, job.done, job.failed))])
+            self._job_over(job.peer, job.job)
 
     def _admit(self) -> None:
         while self.free_slots and self.pending:
@@ -287,24 +497,31 @@ class DataPlaneServer:
             self._push_sock.close(0)
         self.events.close(0)
         self.router.close(0)
+        if self.zap is not None:
+            self.zap.stop()
         self.ctx.term()
-        self._unlink_orphaned_region()
-        self.dest.close()
+        clients = list(self.clients.values()) + self.leaving
+        self._wait_for_dying_parent([n for c in clients for n in c.regions])
+        for c in clients:
+            self._release_regions(c.regions.values())
+        self.clients.clear()
+        self.leaving = []
 
-    def _unlink_orphaned_region(self) -> None:
+    def _wait_for_dying_parent(self, names: list[str]) -> None:
         """A host that dies without ``DpuClient.close`` (SGLang's shutdown never calls it; SIGTERM to the
-        server's process group) leaks the destination region's shm (128 MiB+) for good: unlink it when
-        our host is gone. ``DpuClient.close`` unlinks the name before SIGTERMing us (no wait then); an
-        external SIGTERM with the host alive leaves it alone (the host restarts us into it)."""
+        server's process group) would leak its region's shm (128 MiB+) for good; we unlink regions whose
+        creator is gone (``_release_regions``). When that SIGTERM reached us first, give our parent up to
+        1 s to go. ``DpuClient.close`` unlinks its region before SIGTERMing us (no wait then)."""
         pid = self.cfg.parent_pid
-        if not pid:
+        if not pid or not names:
             return
         deadline = time.monotonic() + 1.0
-        while os.getppid() == pid and self.dest.exists() and time.monotonic() < deadline:
+        while os.getppid() == pid and time.monotonic() < deadline:
+            if not any(os.path.exists("/dev/shm/" + n) for n in names):
+                return
             time.sleep(0.05)
-        if os.getppid() != pid:
-            logger.warning("host %d is gone; unlinking its destination region %s", pid, self.dest.name)
-            self.dest.unlink()
+
+
 
 
 def _fingerprint(w: P.Fingerprint) -> ModelFingerprint:

@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass, field
 
 from .tasks import STAGES, PipelineConfig
 
-HOST_FLAGS = frozenset({"--endpoint", "--store", "--dest-shm", "--parent-pid", "--settings-json"})
+HOST_FLAGS = frozenset(
+    {"--endpoint", "--store", "--parent-pid", "--settings-json", "--auth-key-file", "--client-timeout", "--warm"}
+)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ here owns a buffer: a chunk's staging regions belong to the worker holding one o
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sgl_remote_kv.types import numpy_storage_dtype
@@ -51,8 +53,10 @@ class JobState:
         layout,
         dests: list[ChunkDest],
         blob_area: tuple[int, int] = (0, 0),
+        dest=None,
     ) -> None:
         self.job, self.peer, self.codec, self.fingerprint = job, peer, codec, fingerprint
+        self.dest = dest  # uint8 view of the destination region of the job's client (host-owned shm)
         self.layout = layout
         self.dtype = numpy_storage_dtype(layout.dtype)
         self.dests = dests
@@ -153,3 +157,45 @@ def layer_major(ready: list[ChunkTask], num_layers: int, group: int):
     for lo in range(0, num_layers, g):
         for t in ready:
             yield t, lo, min(num_layers, lo + g)
+
+
+class FairQueue:
+    """Rounds waiting for a staging slot, one FIFO per client, handed out round-robin across clients:
+    one client's job of many rounds delays another client's next round by at most one round per other
+    client with work queued (per-client fairness of admission). Server thread only."""
+
+    def __init__(self) -> None:
+        self._queues: OrderedDict[bytes, deque] = OrderedDict()  # client -> its rounds; order = turn
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def __bool__(self) -> bool:
+        return bool(self._queues)
+
+    def append(self, client: bytes, item) -> None:
+        self._queues.setdefault(client, deque()).append(item)
+
+    def popleft(self):
+        """The next round: the head of the client whose turn it is (that client then goes last)."""
+        client, q = next(iter(self._queues.items()))
+        item = q.popleft()
+        del self._queues[client]
+        if q:
+            self._queues[client] = q  # to the back of the turn order
+        return item
+
+    def filter(self, client: bytes, keep: Callable[[object], object]) -> None:
+        """Replace each of ``client``'s rounds by ``keep(round)`` (a falsy result drops it)."""
+        q = self._queues.get(client)
+        if q is None:
+            return
+        out = deque(x for x in map(keep, q) if x)
+        if out:
+            self._queues[client] = out
+        else:
+            del self._queues[client]
+
+    def pop_client(self, client: bytes) -> list:
+        """Remove and return every round of ``client``."""
+        return list(self._queues.pop(client, ()))

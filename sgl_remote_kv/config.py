@@ -36,6 +36,7 @@ class RemoteKVConfig:
     policy_margin: float = 1.0  # fetch when est. fetch time <= margin x est. recompute time
     dpu_cpus: tuple[int, ...] = ()  # cores the DPU data plane pins itself to; () = automatic
     dpu_args: str = ""  # extra data-plane command-line flags (tests, benchmarks; shlex-split)
+    dpu_endpoint: str = ""  # "": spawn a private data plane; else attach to the data-plane service there
     flush: str = "local"  # what /flush_cache drops: "local" (this server's cache) or also the "tier"'s chunks
 
     def __post_init__(self) -> None:
@@ -64,6 +65,11 @@ class RemoteKVConfig:
             raise ValueError(f"--remote-kv-quality must be one of {QUALITY_LEVELS}, got {self.quality!r}")
         if self.flush not in FLUSH_SCOPES:
             raise ValueError(f"--remote-kv-flush must be one of {FLUSH_SCOPES}, got {self.flush!r}")
+        if self.dpu_endpoint and not self.dpu_endpoint.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"--remote-kv-dpu-endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.dpu_endpoint!r}")
+        if self.dpu_endpoint.startswith("tcp://") and not self.auth_key_file:
+            raise ValueError("--remote-kv-dpu-endpoint tcp://... needs --remote-kv-auth-key-file (the endpoint's "
+                             "CURVE keys are derived from that secret)")  # fmt: skip
         if not 1 <= self.nvdec_instances <= 64:
             raise ValueError(f"--remote-kv-nvdec-instances must be in [1, 64], got {self.nvdec_instances}")
 
@@ -194,6 +200,17 @@ class RemoteKVConfig:
             "own cores; default: the last quarter of the cores on >= 4-core hosts, else unpinned.",
         )
         g.add_argument(
+            "--remote-kv-dpu-endpoint",
+            dest="remote_kv_dpu_endpoint",
+            type=_dpu_endpoint,
+            default="",
+            metavar="ENDPOINT",
+            help="Attach to a running data-plane service (python -m sgl_remote_kv.dpu --endpoint ...) at "
+            "ipc://PATH or tcp://HOST:PORT (tcp needs --remote-kv-auth-key-file, the service's secret) "
+            "instead of spawning a private data plane per scheduler process; --remote-kv-dpu-cpus/-args "
+            "then do not apply (the service has its own).",
+        )
+        g.add_argument(
             "--remote-kv-dpu-args",
             dest="remote_kv_dpu_args",
             type=_dpu_args,
@@ -271,6 +288,7 @@ class RemoteKVConfig:
             policy_margin=getattr(ns, "remote_kv_policy_margin", 1.0),
             dpu_cpus=getattr(ns, "remote_kv_dpu_cpus", ()),
             dpu_args=getattr(ns, "remote_kv_dpu_args", ""),
+            dpu_endpoint=getattr(ns, "remote_kv_dpu_endpoint", ""),
             flush=getattr(ns, "remote_kv_flush", "local"),
         )
 
@@ -331,6 +349,12 @@ def _dpu_args(text: str) -> str:
         DataPlaneSettings.from_flags(shlex.split(text))
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _dpu_endpoint(text: str) -> str:
+    if text and not text.startswith(("ipc://", "tcp://")) or text in ("ipc://", "tcp://"):
+        raise argparse.ArgumentTypeError(f"must be ipc://PATH or tcp://HOST:PORT, got {text!r}")
     return text
 
 

@@ -63,6 +63,27 @@ def pool_tokens(target: KVTarget, layout: KVLayout, lo: int, hi: int):
     return target.writer.read(target.kv_slots[lo:hi])
 
 
+def register_raw(sock, client, region: str | None = None) -> None:
+    """Register a raw DEALER ``sock`` with ``client``'s data plane: for ``region`` (a region the test
+    created) under a session of its own, or -- ``region`` None -- taking over ``client``'s registration
+    (same session and region: the data plane then drops the client's)."""
+    import os
+
+    import msgspec
+    from sgl_remote_kv.dpu import protocol as P
+
+    reg = client._proc.register
+    if region is not None:
+        reg = msgspec.structs.replace(reg, session=os.urandom(16), regions=[region])
+    sock.send(P.encode(reg))
+    while sock.poll(10000):
+        msg = P.decode(sock.recv())
+        if isinstance(msg, P.Registered):
+            assert msg.ok, msg.detail
+            return
+    raise AssertionError("the data plane did not answer Register")
+
+
 def codecs():
     return {
         "lossless": get_codec("lossless", method="deflate", level=1),
@@ -90,6 +111,11 @@ def protocol_samples() -> list:
         P.JobDone(7, 2, 1),
         P.ChunksVerified(7, 2, [P.BlobRef(1 << 20, 900), P.BlobRef((1 << 20) + 900, 1000)]),
         P.ChunksVerified(8, 0),
+        P.Pong(2, 124, 42, 1, b"{}", True),
+        P.Register(b"s" * 16, "pid 1 tp 0/1", fp, "lossless", b'{"a":1}', ["srkv-dpu-1-2-ab", "r2"]),
+        P.Registered(True, "", 10000, 4242),
+        P.Registered(False, "destination region 'x' does not exist"),
+        P.Goodbye(),
     ]
     assert {type(m) for m in samples} == set(P.KINDS.values()), "a message kind has no sample"
     return samples

@@ -15,7 +15,17 @@ import time
 import numpy as np
 import pytest
 import zmq
-from dpu_helpers import CHUNK, FP, LAYOUT, codecs, make_pool, pool_tokens, put_chunks, random_chunks
+from dpu_helpers import (
+    CHUNK,
+    FP,
+    LAYOUT,
+    codecs,
+    make_pool,
+    pool_tokens,
+    put_chunks,
+    random_chunks,
+    register_raw,
+)
 from sgl_remote_kv.dpu import protocol as P
 from sgl_remote_kv.dpu.buffers import chunk_bytes
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
@@ -72,6 +82,7 @@ def test_verified_precedes_layers_which_complete_layer_major(client):
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"ipc://{c._proc.tmp}/dp-{c._proc.generation}.sock")
     try:
+        register_raw(sock, c)  # take over the client's registration (its region)
         name = c.dest.name.lstrip("/")
         sub = P.SubmitFetch(
             99, "raw", codec.name, codec.params_bytes(), c._wire_fp, name, dests, blob_off, blob_cap

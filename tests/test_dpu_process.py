@@ -16,7 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from dpu_helpers import CHUNK, FP, LAYOUT, codecs, make_pool, pool_tokens, put_chunks, random_chunks
+from dpu_helpers import (
+    CHUNK,
+    FP,
+    LAYOUT,
+    codecs,
+    make_pool,
+    pool_tokens,
+    put_chunks,
+    random_chunks,
+    register_raw,
+)
 from sgl_remote_kv.dpu.buffers import chunk_bytes
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
@@ -306,6 +316,7 @@ def test_bad_destination_is_rejected_not_written(tmp_path, make_client):
     )
     got = []
     with _raw_dealer(c) as s:
+        register_raw(s, c)  # a registered client: the region is its own, the offsets are not
         s.send(P.encode(msg))
         while s.poll(5000):
             got.append(P.decode(s.recv()))
@@ -340,7 +351,7 @@ def test_cli_help_lists_deployment_flags():
         timeout=60,
         check=True,
     ).stdout
-    for flag in ("--endpoint", "--store", "--dest-shm", "--inflate-workers", "--slot-bytes", "--cpus"):
+    for flag in ("--endpoint", "--store", "--auth-key-file", "--client-timeout", "--inflate-workers", "--cpus"):
         assert flag in out
 
 
@@ -457,7 +468,7 @@ def test_dpu_args_flag_and_data_plane_flags_reach_their_config():
     for bad in ("--endpoint ipc:///x", "--store=file:///y", "'unbalanced"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--remote-kv-dpu-args", bad])
-    base = ["--endpoint", "ipc:///x", "--store", "file:///y", "--dest-shm", "z"]
+    base = ["--endpoint", "ipc:///x", "--store", "file:///y"]
     pipe = config_from_args(build_parser().parse_args(base)).settings.pipeline()
     assert (pipe.serial, pipe.prealloc, pipe.dma_delay_s) == (False, True, 0.0)
     extra = ["--ablation-serial", "--ablation-no-prealloc", "--dma-delay-s", "0.5"]

@@ -57,7 +57,7 @@ def test_the_data_plane_is_warm_when_the_client_starts(tmp_path):
 
 
 def test_bad_warm_flag_is_a_clean_exit():
-    args = ["--endpoint", "ipc:///tmp/x", "--store", "file:///tmp/x", "--dest-shm", "x"]
+    args = ["--endpoint", "ipc:///tmp/x", "--store", "file:///tmp/x"]
     with pytest.raises(SystemExit, match="bad --warm"):
         config_from_args(build_parser().parse_args([*args, "--warm", '{"codec": "lossless"}']))
     good = P.Warmup("lossless", codecs()["lossless"].params_bytes().decode(), P.Fingerprint(

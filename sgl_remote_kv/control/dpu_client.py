@@ -1,11 +1,18 @@
 """Host control plane for the DPU data plane; lives in the SGLang scheduler process.
 
 ``DpuClient`` creates the shared destination region, spawns ``python -m sgl_remote_kv.dpu`` as its own
-process (pinned away from the serving cores when the machine has enough), and runs one background
+process (pinned away from the serving cores when the machine has enough) -- or, with
+``DpuClientConfig.endpoint``, attaches to a data-plane service shared by every rank and server of the
+host --, registers its region, fingerprint and codec with it (``protocol.Register``), and runs one background
 *receiver thread* that owns the ZeroMQ socket: it sends queued submissions, heartbeats, turns
 completions into per-request state (``FetchHandle``), writes finished layers of a round into the
-caller's paged KV pool through the target's ``KVWriter`` (``kvpool``), and restarts the data plane when it dies or hangs. In-flight chunks of a lost
-data plane become misses (kind ``dataplane_lost``); later submissions go to the new process.
+caller's paged KV pool through the target's ``KVWriter`` (``kvpool``), and restarts the data plane when
+it dies or hangs. In-flight chunks of a lost data plane become misses (kind ``dataplane_lost``); later
+submissions go to the new process. An attached client never starts or kills the service: when it
+misses heartbeats, or the service no longer knows it (``Pong.registered`` False: it restarted), the
+client fails its in-flight rounds (``dataplane_lost``), opens a new connection and registers again;
+until the service accepted it, every submission fails at once (``dataplane_lost``), so a fetch never
+waits on a service that is down.
 
 This module is the process side (lifecycle, heartbeats, supervision, the receiver loop); the round
 bookkeeping (slots, in-flight rounds, completion events -> handles, scatters) is ``rounds.RoundBook``.
@@ -29,6 +36,8 @@ the host decodes from if the data plane dies, stalls or is cancelled after that 
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import shutil
 import threading
 import time
@@ -44,7 +53,7 @@ from sgl_remote_kv.dpu.settings import DataPlaneSettings
 from sgl_remote_kv.types import ModelFingerprint
 
 from . import shm_names
-from .dpu_process import DataPlaneProcess
+from .dpu_process import AttachedService, DataPlaneProcess
 from .jobs import FetchHandle, FetchResult, HostRound, KVTarget
 from .round_io import RoundIO
 from .rounds import RoundBook
@@ -63,6 +72,14 @@ class DpuClientConfig:
     heartbeat_timeout_s: float = 5.0
     job_timeout_s: float = 30.0  # an in-flight round with no event for this long: data plane hung
     start_timeout_s: float = 60.0
+    endpoint: str = ""  # "": spawn a private data plane; else attach to the service there (ipc:// or tcp://)
+    auth_key_file: str = ""  # shared secret of an attached service's endpoint (CURVE); required for tcp://
+
+    def __post_init__(self) -> None:
+        if self.endpoint and not self.endpoint.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"data-plane endpoint must be ipc:// or tcp://, got {self.endpoint!r}")
+        if self.endpoint.startswith("tcp://") and not self.auth_key_file:
+            raise ValueError("a tcp:// data-plane endpoint needs an auth key file (--remote-kv-auth-key-file)")
 
 
 class DpuClient:
@@ -97,10 +114,14 @@ class DpuClient:
         self.cv = threading.Condition(threading.RLock())
         self.dest: DestRegion | None = None
         self.io: RoundIO | None = None
-        self._proc: DataPlaneProcess | None = None
+        self._proc: DataPlaneProcess | AttachedService | None = None
+        self._attached = bool(cfg.endpoint)
+        self._registered = False  # attached: the service accepted our current connection's Register
+        self._connect_at = 0.0
+        self._forgotten = False  # attached: a Pong said the service does not know this connection
         self._tmp = shm_names.run_dir()  # endpoint + log; swept by a later client if we die unclosed
         self.on_store_error = on_store_error  # (op, kind, n): the data plane's store client failures
-        self.on_restart = on_restart  # (reason: "exited" | "hung"): the data plane was replaced
+        self.on_restart = on_restart  # (reason: "exited" | "hung" | "restarted"): replaced / reconnected
         self.book: RoundBook | None = None  # created in ``start`` (needs the region)
         self._thread: threading.Thread | None = None
         self._running = False
@@ -109,7 +130,7 @@ class DpuClient:
         self._wake_tx = self._wake_rx = None
         self.counters = {"submitted": 0, "restarts": 0, "chunks_done": 0, "chunks_failed": 0, "bad_frames": 0}
         self.counters.update({"receiver_errors": 0, "write_s": 0, "rounds": 0, "verified": 0})
-        self.counters.update({"verify_rejected": 0, "write_failed": 0})
+        self.counters.update({"verify_rejected": 0, "write_failed": 0, "send_dropped": 0})
         self._writers: list = []  # KV writers the destination region is registered with (pinned)
         self.last_pong: P.Pong | None = None
 
@@ -136,14 +157,32 @@ class DpuClient:
         self._wake_rx.bind(f"inproc://srkv-wake-{id(self)}")
         self._wake_tx = self._ctx.socket(zmq.PAIR)
         self._wake_tx.connect(f"inproc://srkv-wake-{id(self)}")
-        warm = P.encode_warmup(P.Warmup(self.codec_name, self.codec_params.decode(), self._wire_fp))
-        self._proc = DataPlaneProcess(
-            self._ctx, cfg.process, cfg.store_url, self.dest.name.lstrip("/"), self._tmp, warm
+        fp = self.fingerprint
+        register = P.Register(
+            secrets.token_bytes(16),
+            f"pid {os.getpid()} tp {fp.tp_rank}/{fp.tp_size}",
+            self._wire_fp,
+            self.codec_name,
+            self.codec_params,
+            [self.dest.name.lstrip("/")],
         )
+        if self._attached:
+            from sgl_remote_kv.security import load_auth_key
+
+            key = load_auth_key(cfg.auth_key_file) if cfg.auth_key_file else b""
+            self._proc = AttachedService(self._ctx, cfg.endpoint, register, key)
+        else:
+            warm = P.encode_warmup(P.Warmup(self.codec_name, self.codec_params.decode(), self._wire_fp))
+            self._proc = DataPlaneProcess(self._ctx, cfg.process, cfg.store_url, register, self._tmp, warm)
         self._proc.spawn()
         if not self._proc.wait_ready(cfg.start_timeout_s):
+            why = self._proc.refused
             self.close()
-            raise RuntimeError("data plane did not start (see its log)")
+            if why:
+                raise RuntimeError(f"the data plane refused this client: {why}")
+            where = cfg.endpoint or "the spawned process (see its log)"
+            raise RuntimeError(f"data plane did not answer: {where}")
+        self._registered = True
         self._running = True
         self._thread = threading.Thread(target=self._receiver, name="srkv-dpu-receiver", daemon=True)
         self._thread.start()
@@ -264,6 +303,9 @@ class DpuClient:
                 poller = zmq.Poller()
                 poller.register(sock, zmq.POLLIN)
                 poller.register(self._wake_rx, zmq.POLLIN)
+                monitor = getattr(self._proc, "monitor", None)  # attached: connection events
+                if monitor is not None:
+                    poller.register(monitor, zmq.POLLIN)
                 ready = dict(poller.poll(int(self.cfg.heartbeat_s * 500)))
                 if self._wake_rx in ready:
                     while self._wake_rx.poll(0):
@@ -274,10 +316,8 @@ class DpuClient:
                 now = time.monotonic()
                 if now - last_hb >= self.cfg.heartbeat_s:
                     last_hb = now
-                    sock.send(P.encode(P.Heartbeat(self._proc.next_seq(), time.time_ns())), zmq.NOBLOCK)
-                why = self._unhealthy(now)
-                if why is not None:
-                    self._restart(why)
+                    self._proc.heartbeat()
+                self._supervise(now)
             except Exception:  # thread boundary: never let the receiver die while serving
                 self.counters["receiver_errors"] += 1
                 logger.exception("DPU receiver error")
@@ -286,10 +326,18 @@ class DpuClient:
     def _flush_outbox(self, sock) -> None:
         while True:
             with self.cv:
+                if self._attached and not self._registered:
+                    # Never submit on a connection the service has not accepted: the service could
+                    # still take the job after ``_supervise`` failed its round and freed its slot.
+                    self.book.outbox.clear()
+                    return
                 if not self.book.outbox:
                     return
                 frame = self.book.outbox.popleft()
-            sock.send(frame, zmq.NOBLOCK)
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:  # no connection right now: the round ends as a miss when the link is lost
+                self.counters["send_dropped"] += 1
 
     def _drain(self, sock) -> None:
         P.drain(sock, self._on_message, self._bad_frame)
@@ -302,6 +350,17 @@ class DpuClient:
         if isinstance(msg, P.Pong):
             self._proc.pong(msg)
             self.last_pong = msg
+            if self._attached and self._registered and not msg.registered:
+                logger.error("the data-plane service no longer knows this client (it restarted?)")
+                self._forgotten = True  # ``_supervise`` reconnects (not here: we are reading the socket)
+        elif isinstance(msg, P.Registered):
+            if self._proc.registered(msg):
+                logger.info("registered with the data-plane service %s (pid %s)", self.cfg.endpoint, self.pid)
+                self._registered = True
+                with self.cv:
+                    self.book.pump()
+            else:
+                logger.error("the data-plane service refused this client: %s", msg.detail)
         elif isinstance(msg, P.ChunksVerified):
             self._on_verified(msg)
         else:
@@ -336,6 +395,43 @@ class DpuClient:
                 if self._on_event_cb is not None:
                     self._on_event_cb()
             self.cv.notify_all()
+
+    def _supervise(self, now: float) -> None:
+        """Replace a dead or hung data plane (spawned), or reconnect to the service (attached)."""
+        if not self._attached:
+            why = self._unhealthy(now)
+            if why is not None:
+                self._restart(why)
+            return
+        down = self._proc.disconnected()  # drains the connection's events in every state
+        if self._registered:
+            why = "restarted" if self._forgotten else "exited" if down else self._unhealthy(now)
+            if why is not None:
+                self._reconnect(why)
+        else:  # not registered (service down, restarting, or refusing us): every fetch is a miss
+            with self.cv:
+                if self.book.lose_all("dataplane_lost"):
+                    self.cv.notify_all()
+                self.book.outbox.clear()
+            if now - self._connect_at > self.cfg.heartbeat_timeout_s:
+                self._reconnect(None)
+
+    def _reconnect(self, why: str | None) -> None:
+        """Attached: in-flight rounds become misses; a new connection registers again (answered in
+        ``_on_message``). ``why`` None: a retry while still unregistered."""
+        self._registered = self._forgotten = False
+        with self.cv:
+            lost = self.book.lose_inflight("dataplane_lost") + self.book.lose_all("dataplane_lost")
+            self.cv.notify_all()
+        if why is not None:
+            self.counters["restarts"] += 1
+            logger.warning("reconnecting to the data-plane service %s (%s; %d rounds lost)", self.cfg.endpoint,
+                           why, lost)  # fmt: skip
+            if self.on_restart is not None:
+                self.on_restart(why)
+        self._proc.stop(kill=True)
+        self._proc.spawn()
+        self._connect_at = time.monotonic()
 
     def _unhealthy(self, now: float) -> str | None:
         """Why the data plane must be replaced (``exited`` / ``hung``), or None."""

@@ -1,9 +1,13 @@
-"""Spawning, watching and stopping the data-plane process, and its ZeroMQ DEALER socket.
+"""The host's link to a data plane: its ZeroMQ DEALER socket and registration, and either the process
+it spawned (``DataPlaneProcess``, the default) or the endpoint of a shared service it attached to
+(``AttachedService``, ``--remote-kv-dpu-endpoint``).
 
-Threads: ``spawn``/``wait_ready``/``stop`` run on the thread that owns the client (``start``/``close``)
-or on the DPU client's receiver thread (restarts); never concurrently. ``sock`` is used only by that
-thread. Each generation gets a fresh IPC endpoint and socket, so late frames of a dead process can
-never be mistaken for the new one's.
+Both send ``Register`` (this client's fingerprint, codec and destination region) on every new socket;
+``wait_ready`` returns once the data plane answered ``Registered`` (``refused`` holds its reason when it
+said no). Threads: ``spawn``/``wait_ready``/``stop`` run on the thread that owns the client
+(``start``/``close``) or on the DPU client's receiver thread (restarts, reconnects); never
+concurrently. ``sock`` is used only by that thread. Each generation gets a fresh socket (and a spawned
+child a fresh IPC endpoint), so late frames of a dead process can never be mistaken for the new one's.
 """
 
 from __future__ import annotations
@@ -33,67 +37,86 @@ def auto_cpus() -> tuple[int, ...]:
     return tuple(avail[-max(1, len(avail) // 4) :])
 
 
-def command(settings: DataPlaneSettings, endpoint: str, dest_name: str, warm: str | None = None) -> list[str]:
+def command(settings: DataPlaneSettings, endpoint: str, warm: str | None = None) -> list[str]:
     """The data plane's command line; the store URL (it may hold a password) goes to its stdin. ``warm``:
     ``protocol.Warmup`` JSON (the codec and model it will decode; it warms up before serving)."""
     if settings.cpus is None:  # auto: away from the serving process when the machine has the cores
         settings = dataclasses.replace(settings, cpus=auto_cpus())
     cmd = [sys.executable, "-m", "sgl_remote_kv.dpu", "--endpoint", endpoint, "--store", "-"]
-    cmd += ["--dest-shm", dest_name, "--parent-pid", str(os.getpid())]  # exits if the host dies
+    cmd += ["--parent-pid", str(os.getpid()), "--client-timeout", "0"]  # exits if the host dies
     cmd += ["--warm", warm] if warm else []
     return cmd + ["--settings-json", settings.to_json()]
 
 
-class DataPlaneProcess:
-    def __init__(
-        self, ctx: zmq.Context, spec: DataPlaneSettings, store_url: str, dest_name: str, tmp: str,
-        warm: str | None = None,
-    ) -> None:  # fmt: skip
-        self.ctx, self.spec, self.store_url, self.dest_name = ctx, spec, store_url, dest_name
-        self.warm = warm
-        self.tmp = Path(tmp)
+class _Link:
+    """The DEALER socket to a data plane and the registration handshake (see module docstring)."""
+
+    def __init__(self, ctx: zmq.Context, register: P.Register, auth_key: bytes = b"") -> None:
+        self.ctx, self.register, self._auth_key = ctx, register, auth_key
         self.generation = 0
-        self.proc: subprocess.Popen | None = None
         self.sock: zmq.Socket | None = None
         self.last_pong_at = 0.0
+        self.refused = ""  # the data plane's reason when it refused our last Register
+        self.client_timeout_s = 0.0  # from Registered: heartbeat more often than this
         self._seq = 0
-        self.log_path: Path | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
 
     def next_seq(self) -> int:
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         return self._seq
 
-    def spawn(self) -> None:
-        self.generation += 1
-        endpoint = f"ipc://{self.tmp}/dp-{self.generation}.sock"
-        self.log_path = self.tmp / f"dp-{self.generation}.log"
-        cmd = command(self.spec, endpoint, self.dest_name, self.warm)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=log)
-        try:
-            self.proc.stdin.write(self.store_url.encode() + b"\n")
-            self.proc.stdin.close()
-        except OSError:  # it died at once: the supervisor sees the exit and restarts it
-            pass
-        if self.sock is not None:
-            self.sock.close(0)
+    def _connect(self, endpoint: str) -> None:
+        """A fresh socket on ``endpoint`` with ``Register`` and a ``Heartbeat`` queued on it."""
+        self._close_sock()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES + 1024)
+        if self._auth_key:
+            from sgl_remote_kv.dpu import auth
+
+            auth.connect_as_client(self.sock, self._auth_key)
         self.sock.connect(endpoint)
+        self.send(self.register)
+        self.heartbeat()
         self.last_pong_at = time.monotonic()
-        logger.info("data plane generation %d pid %d: %s", self.generation, self.proc.pid, " ".join(cmd))
+
+    def send(self, msg: P.Message) -> bool:
+        """Queue ``msg`` without blocking; False when it cannot be queued now (no connection: a tcp://
+        peer not reachable yet or its handshake failed) -- heartbeats and ``Register`` are simply sent
+        again, lost submissions end as misses when the link is declared lost."""
+        try:
+            self.sock.send(P.encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def heartbeat(self) -> bool:
+        return self.send(P.Heartbeat(self.next_seq(), time.time_ns()))
+
+    def _close_sock(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+
+    def registered(self, msg: P.Registered) -> bool:
+        """Record the answer to our ``Register``; True if accepted."""
+        if msg.ok:
+            self.refused = ""
+            self.client_timeout_s = msg.client_timeout_ms / 1000
+            self.last_pong_at = time.monotonic()
+        else:
+            self.refused = msg.detail or "refused"
+        return msg.ok
 
     def wait_ready(self, timeout: float) -> bool:
-        """Heartbeat until the first Pong (True) or timeout / process exit (False). Drops other frames."""
+        """Heartbeat until the data plane answers our ``Register`` (True: accepted; False: refused --
+        ``refused`` says why --, timeout, or the process exited). Drops other frames."""
         deadline = time.monotonic() + timeout
+        resend = time.monotonic() + 1.0
         while time.monotonic() < deadline and self.alive():
-            self.sock.send(P.encode(P.Heartbeat(self.next_seq(), time.time_ns())), zmq.NOBLOCK)
+            if time.monotonic() > resend:  # not queued, or queued on a connection that failed: again
+                self.send(self.register)  # (a repeated Register of this peer replaces its own)
+                resend = time.monotonic() + 1.0
             if self.sock.poll(200):
                 try:
                     msg = P.decode(self.sock.recv())
@@ -101,11 +124,118 @@ class DataPlaneProcess:
                     continue
                 if isinstance(msg, P.Pong):
                     self.pong(msg)
-                    return True
+                elif isinstance(msg, P.Registered):
+                    return self.registered(msg)
+            else:
+                self.heartbeat()
         return False
 
     def pong(self, msg: P.Pong) -> None:
         self.last_pong_at = time.monotonic()
+
+    def alive(self) -> bool:
+        return True
+
+
+class AttachedService(_Link):
+    """A shared data-plane service at ``endpoint`` (not ours to start, stop or kill). ``spawn`` only
+    (re)connects; ``stop`` says ``Goodbye`` (unless ``kill``: the service is presumed dead or hung)."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, register: P.Register, auth_key: bytes = b"") -> None:
+        super().__init__(ctx, register, auth_key)
+        self.endpoint = endpoint
+        self.service_pid: int | None = None
+        self.monitor: zmq.Socket | None = None  # the connection's DISCONNECTED events (a dead service)
+        self._was_connected = False
+
+    @property
+    def pid(self) -> int | None:
+        return self.service_pid
+
+    def spawn(self) -> None:
+        self.generation += 1
+        self._close_monitor()
+        self._connect(self.endpoint)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._was_connected = False
+        logger.info("attaching to data-plane service %s (connection %d)", self.endpoint, self.generation)
+
+    def pong(self, msg: P.Pong) -> None:
+        super().pong(msg)
+        self.service_pid = msg.pid
+
+    def registered(self, msg: P.Registered) -> bool:
+        if msg.ok:
+            self.service_pid = msg.pid
+        return super().registered(msg)
+
+    def disconnected(self) -> bool:
+        """True once the connection that was up went down (the service exited or closed it): much sooner
+        than a missed heartbeat. Reads the monitor's queued events; never blocks."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        down = False
+        while self.monitor is not None and self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self._was_connected = True
+            elif event == zmq.EVENT_DISCONNECTED and self._was_connected:
+                down = True
+        return down
+
+    def _close_monitor(self) -> None:
+        if self.monitor is not None:
+            if self.sock is not None:
+                self.sock.disable_monitor()
+            self.monitor.close(0)
+            self.monitor = None
+
+    def returncode(self) -> int | None:
+        return None
+
+    def stop(self, kill: bool = False, grace_s: float = 0.2) -> None:
+        self._close_monitor()
+        if self.sock is not None and not kill:
+            try:
+                self.sock.setsockopt(zmq.LINGER, int(grace_s * 1000))
+                self.sock.send(P.encode(P.Goodbye()), zmq.NOBLOCK)
+            except zmq.ZMQError as e:  # nothing to do about it: the service times us out instead
+                logger.debug("goodbye not sent: %s", e)
+            self.sock.close()
+            self.sock = None
+        self._close_sock()
+
+
+class DataPlaneProcess(_Link):
+    def __init__(
+        self, ctx: zmq.Context, spec: DataPlaneSettings, store_url: str, register: P.Register, tmp: str,
+        warm: str | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(ctx, register)
+        self.spec, self.store_url = spec, store_url
+        self.warm = warm
+        self.tmp = Path(tmp)
+        self.proc: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def spawn(self) -> None:
+        self.generation += 1
+        endpoint = f"ipc://{self.tmp}/dp-{self.generation}.sock"
+        self.log_path = self.tmp / f"dp-{self.generation}.log"
+        cmd = command(self.spec, endpoint, self.warm)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=log)
+        try:
+            self.proc.stdin.write(self.store_url.encode() + b"\n")
+            self.proc.stdin.close()
+        except OSError:  # it died at once: the supervisor sees the exit and restarts it
+            pass
+        self._connect(endpoint)
+        logger.info("data plane generation %d pid %d: %s", self.generation, self.proc.pid, " ".join(cmd))
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -124,6 +254,4 @@ class DataPlaneProcess:
                 logger.warning("data plane pid %d ignored SIGTERM; killing", p.pid)
                 p.kill()
                 p.wait()
-        if self.sock is not None:
-            self.sock.close(0)
-            self.sock = None
+        self._close_sock()

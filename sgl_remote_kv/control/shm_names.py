@@ -112,3 +112,8 @@ def sweep_stale_dirs(parent: str | None = None, keep: int = 3) -> list[str]:
     if removed:
         logger.info("removed %d stale data-plane run directories", len(removed))
     return removed
+
+
+def is_region_name(name: str) -> bool:
+    """``name`` (without a leading ``/``) has the pattern of a DPU client's destination region."""
+    return _NAME.match(name) is not None

@@ -139,9 +139,11 @@ class DpuFetchBackend:
 def start_dpu_backend(
     config, fingerprint, codec, kv_writer, on_done=None, on_store_error=None, on_restart=None
 ) -> DpuFetchBackend | None:
-    """Spawn the data plane; ``None`` (with a warning) if it cannot start — the caller falls back.
+    """Spawn the data plane, or attach to the service at ``config.dpu_endpoint``; ``None`` (with a warning)
+    if it cannot start or refuses this client -- the caller falls back.
     ``on_store_error(op, kind, n)``: the data plane's store client failures (per failed chunk);
-    ``on_restart(reason)``: the data plane was replaced (``exited`` / ``hung``)."""
+    ``on_restart(reason)``: the data plane was replaced (``exited`` / ``hung``) or, attached, a reconnect
+    (``hung`` / ``restarted``)."""
     try:
         from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
         from sgl_remote_kv.dpu.settings import DataPlaneSettings
@@ -149,7 +151,12 @@ def start_dpu_backend(
         # --remote-kv-dpu-args (validated by config) and --remote-kv-dpu-cpus (empty: auto = None)
         flags = shlex.split(config.dpu_args)
         spec = DataPlaneSettings.from_flags(flags, cpus=tuple(config.dpu_cpus) or None)
-        cfg = DpuClientConfig(store_url=config.resolved_store_url(), process=spec)
+        # --remote-kv-dpu-endpoint: attach to the host's data-plane service (its endpoint's secret is the
+        # tier's --remote-kv-auth-key-file); else spawn a private data plane with the settings above
+        key_file = config.auth_key_file if config.dpu_endpoint else ""
+        cfg = DpuClientConfig(
+            store_url=config.resolved_store_url(), process=spec, endpoint=config.dpu_endpoint, auth_key_file=key_file
+        )
         if config.layerwise:  # host copies of verified blobs: compressed size <= decoded size here
             cfg = dataclasses.replace(cfg, blob_slot_bytes=cfg.dest_slot_bytes)
         client = DpuClient(
@@ -159,5 +166,6 @@ def start_dpu_backend(
     except Exception as e:  # boundary: a missing/broken data plane means the in-process path
         logger.warning("DPU data plane unavailable (%r); using the in-process fetch path", e)
         return None
-    logger.info("DPU data plane started (pid %s)", client.pid)
+    where = f"attached to {config.dpu_endpoint}" if config.dpu_endpoint else "started"
+    logger.info("DPU data plane %s (pid %s)", where, client.pid)
     return DpuFetchBackend(client, kv_writer, config.chunk_size, on_done)

@@ -37,7 +37,7 @@ from sgl_remote_kv.types import (
 logger = logging.getLogger(__name__)
 
 BREAKER_CIRCUITS = ("read", "write")
-RESTART_REASONS = ("exited", "hung")
+RESTART_REASONS = ("exited", "hung", "restarted")  # restarted: an attached service forgot this client
 CODECS = tuple(codec_names())  # hit_tokens/hit_chunks{codec}: which codec's chunks served a hit
 NO_LEVEL = "none"  # hit_tokens_by_quality{quality}: QUALITY_LEVELS, or this for codecs without levels
 

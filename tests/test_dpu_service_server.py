@@ -1,0 +1,48 @@
+"""A real ``--remote-kv dpu`` server attached to a data-plane service (``--remote-kv-dpu-endpoint``):
+no private data plane is spawned, remote hits come through the service with the recompute's tokens,
+a killed service makes requests recompute (same tokens), and a restarted one serves hits again."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.fixtures.faults import ask, data_plane_procs, make_case, prime, wait_full_hit
+from tests.fixtures.remote_kv_server import CHUNK, remote_kv_server
+
+pytestmark = pytest.mark.e2e
+
+
+def _service(endpoint: str, store_url: str, log) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "sgl_remote_kv.dpu", "--endpoint", endpoint, "--store", store_url]
+    return subprocess.Popen(cmd + ["--log-level", "INFO"], stdout=log, stderr=log)
+
+
+def test_server_attached_to_a_service_hits_misses_and_recovers(model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    url = f"file://{tmp_path / 'store'}"
+    ep = f"ipc://{tmp_path}/dpu.sock"
+    log = open(tmp_path / "service.log", "ab")
+    svc = _service(ep, url, log)
+    try:
+        with remote_kv_server(model_dir, url, "--remote-kv-policy-margin", "1e9", "--remote-kv-dpu-endpoint", ep) as srv:
+            case = prime(srv, make_case(tok, "dpu-service"))
+            assert data_plane_procs(srv.proc.pid) == []  # attached: no data plane of its own
+            _, hit = ask(srv, case)  # tokens equal the recompute's
+            assert hit == case.chunks * CHUNK
+            svc.kill()
+            svc.wait()
+            _, hit = ask(srv, case)  # the service is gone: a miss, recomputed, same tokens
+            assert hit == 0
+            svc = _service(ep, url, log)
+            assert wait_full_hit(srv, case, timeout=120) == case.chunks * CHUNK
+            assert data_plane_procs(srv.proc.pid) == []
+    finally:
+        if svc.poll() is None:
+            svc.kill()
+        svc.wait()
+        log.close()
