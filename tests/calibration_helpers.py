@@ -10,7 +10,7 @@ from sgl_remote_kv.codec import rans, transform
 from sgl_remote_kv.types import ModelFingerprint, RopeSpec
 
 
-def make_calibration(fp: ModelFingerprint, levels=("0.001", "0.01"), step=0.05, seed=0, rope=None, groups=1,
+def make_calibration(fp: ModelFingerprint, levels=("0.0005", "0.001", "0.01"), step=0.05, seed=0, rope=None, groups=1,
                      sinks=1, register=True) -> cm.Calibration:  # fmt: skip
     """A calibration of ``fp``'s model (all its KV heads: ``num_kv_heads * tp_size``) in ``groups`` head
     groups; level i gets step ``step * (i + 1)`` on every component."""

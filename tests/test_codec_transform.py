@@ -30,7 +30,7 @@ def _rotate(x, start, sign, rope=ROPE):
     return x
 
 
-def make_calibration(levels=("0.001", "0.01"), step=0.05, seed=0, key_fp=None, rope=ROPE, groups=1,
+def make_calibration(levels=("0.0005", "0.001", "0.01"), step=0.05, seed=0, key_fp=None, rope=ROPE, groups=1,
                      sinks=1) -> cm.Calibration:  # fmt: skip
     return calibration_helpers.make_calibration(key_fp or fp(), levels, step, seed, rope, groups, sinks)
 
@@ -74,7 +74,7 @@ def test_rope_undo_then_apply_is_identity_far_into_the_sequence():
 @pytest.mark.parametrize("entropy", ["deflate", "rans"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_roundtrip_error_is_bounded_by_the_steps(cal, entropy, dtype):
-    codec = get_codec("transform", calibration=cal.calib_id.hex(), quality="0.001", entropy=entropy)
+    codec = get_codec("transform", calibration=cal.calib_id.hex(), quality="0.0005", entropy=entropy)
     start = 512
     k, v = kv(dtype, start)
     blob = codec.encode(k, v, fp(dtype), start=start)
@@ -169,7 +169,7 @@ def test_tp_rank_uses_its_head_group(cal):
 
 
 def test_sink_positions_are_stored_exactly():
-    c = make_calibration(levels=("0.001",), step=0.3, sinks=2)
+    c = make_calibration(levels=("0.0005",), step=0.3, sinks=2)
     try:
         codec = get_codec("transform", calibration=c.calib_id.hex(), entropy="rans")
         k, v = kv("bfloat16", 0)
@@ -209,7 +209,7 @@ def test_unknown_or_foreign_calibration_is_foreign(cal):
 
 
 def test_kv_far_from_the_calibration_fails_to_encode_cleanly():
-    c = make_calibration(levels=("0.001",), step=0.001, seed=3)
+    c = make_calibration(levels=("0.0005",), step=0.001, seed=3)
     try:
         codec = get_codec("transform", calibration=c.calib_id.hex())
         k, v = kv(scale=1.0)
