@@ -145,7 +145,7 @@ class Bench:
             dtype=self.a.dtype,
             max_total_tokens=self.a.max_total_tokens,
             log_path=str(self.work / f"{cfg.name}-server.log"),
-            env={"OMP_NUM_THREADS": str(self.a.threads)} if self.a.threads else {},
+            env={**({"OMP_NUM_THREADS": str(self.a.threads)} if self.a.threads else {}), **dict(cfg.env)},
         )
 
     def run_config(self, cfg: Config) -> dict:

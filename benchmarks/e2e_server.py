@@ -39,6 +39,7 @@ class Config:
     remote: bool  # uses the remote tier (needs the shaped store, warm-up, flush)
     expect_path: str | None = None  # policy path this config is meant to exercise
     note: str = ""
+    env: tuple[tuple[str, str], ...] = ()  # extra environment of the server's processes
 
 
 CONFIGS = {
@@ -62,6 +63,16 @@ CONFIGS = {
         True,
         "dpu",
         "DPU path, always fetch",
+    ),
+    # The same without a transform-codec calibration (an empty cache directory): the server writes the
+    # previous default, quant_deflate; side by side with dpu_fetch, the codec change end to end.
+    "dpu_fetch_nocal": Config(
+        "dpu_fetch_nocal",
+        ("--remote-kv", "dpu", "--remote-kv-policy-margin", "1e9"),
+        True,
+        "dpu",
+        "DPU path, always fetch, no calibration: the previous default codec (quant_deflate)",
+        env=(("SRKV_CACHE_DIR", "/tmp/srkv-bench-no-calibration"),),
     ),
     "inproc_fetch": Config(
         "inproc_fetch",

@@ -191,8 +191,7 @@ def step_shape(scorer: Scorer, texts: list[Text], basis: np.ndarray, rope: RopeS
 
 
 def _uniform_freq(n_l: int, c: int) -> np.ndarray:
-    f = np.full((n_l, 2, c, calib_mod.SYMBOLS), (1 << rans.PROB_BITS) // calib_mod.SYMBOLS, np.uint16)
-    return f
+    return np.full((n_l, 2, c, calib_mod.SYMBOLS), (1 << rans.PROB_BITS) // calib_mod.SYMBOLS, np.uint16)
 
 
 class Calibrator:

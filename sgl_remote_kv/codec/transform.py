@@ -25,12 +25,13 @@ Decoded-layer buffer (lossless stage output, dequant stage input)::
     exact K [S, H, D], exact V [S, H, D] (storage dtype)
     symbols K [C, T] uint8 (component-major), symbols V [C, T]
 
-Section: ``deflate``: the three parts (prelude + scales + escapes, K symbols, V symbols) as independent
-raw-Deflate streams (``lz.pack_streams``). ``rans``: ``<III`` (prefix bytes, K words, V words), the
+Section: ``deflate``: the three parts (prelude + scales + escapes + exact sinks, K symbols, V symbols) as
+independent raw-Deflate streams (``lz.pack_streams``). ``rans``: ``<III`` (prefix bytes, K words, V words), the
 prefix stored, then the two rANS word streams (one context per (layer, K/V, channel)).
 
-Threads: an instance is immutable; stages only write the caller's buffers (the dequant stage allocates
-one [H, T, D] float32 work array per call). Numba kernels and BLAS matmuls release the GIL.
+Threads: an instance is immutable; stages only write the caller's buffers, but unlike the ``quant`` codecs
+they allocate small work arrays per call (the rANS stage a [T, C] symbol array; the dequant stage the
+[G, T, C] float32 coefficients and the matmul's result). Numba kernels and BLAS matmuls release the GIL.
 """
 
 from __future__ import annotations
@@ -372,6 +373,8 @@ class TransformCodec(Codec):
             raise CorruptChunk(f"decoded layer holds {buf.size} bytes, its prelude implies {need}")
         o = PRE.size
         sc = np.frombuffer(buf, np.float32 if sdt else np.float16, 2 * t_n, o).astype(np.float32)
+        if not np.all(np.isfinite(sc)):
+            raise CorruptChunk("a token scale is not finite")
         o += 2 * ss * t_n
         escs = []
         for n in (nk, nv):

@@ -46,7 +46,9 @@ def write_codec(cfg: RemoteKVConfig, fingerprint: ModelFingerprint | None = None
     """The codec this deployment writes (and its primary path reads)."""
     if cfg.mode == "nvdec" and cfg.codec in ("", "default"):
         return get_codec(HEVC)
-    return resolve_codec(cfg.codec, fingerprint, rope, cfg.quality)
+    # Deflate where a data plane decodes (what its engine inflates), rANS where only the host does
+    entropy = "rans" if cfg.mode == "inproc" else "deflate"
+    return resolve_codec(cfg.codec, fingerprint, rope, cfg.quality, entropy)
 
 
 @dataclass(frozen=True)

@@ -55,17 +55,18 @@ class FetchPath:
 
 
 def resolve_codec(name: str, fingerprint: ModelFingerprint | None = None, rope: RopeSpec | None = None,
-                  quality: str = DEFAULT_QUALITY) -> Codec:  # fmt: skip
+                  quality: str = DEFAULT_QUALITY, entropy: str = "deflate") -> Codec:  # fmt: skip
     """The codec a deployment writes. ``default``: the transform codec of the model's calibration at
-    ``quality`` (needs ``fingerprint`` and the model's ``rope``), or, when the model has no usable
-    calibration, the default quantized codec (logged once, naming the command that calibrates);
+    ``quality`` (needs ``fingerprint`` and the model's ``rope``) with ``entropy`` as its lossless stage
+    (``deflate``: what a DPU inflates; ``rans``: smaller, for decoders on the host), or, when the model
+    has no usable calibration, the default quantized codec (logged once, naming the command that calibrates);
     ``transform``: the same, but a missing calibration is logged as an error; anything else by registry
     name."""
     if name in ("", "default", "transform"):
         try:
             if fingerprint is None or rope is None:
                 raise CalibrationError("no model RoPE the transform codec can undo")
-            return TransformCodec.for_model(fingerprint, quality, rope=rope)
+            return TransformCodec.for_model(fingerprint, quality, entropy, rope=rope)
         except CalibrationError as e:
             log = logger.error if name == "transform" else logger.warning
             log("transform codec unavailable, writing %s instead: %s", default_codec().name, e)
