@@ -12,7 +12,7 @@ import pytest
 from tests.fixtures.faults import ask, data_plane_procs, make_case, prime, wait_full_hit
 from tests.fixtures.remote_kv_server import CHUNK, remote_kv_server
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # ~50 s; the service's contracts: tests/test_dpu_service.py
 
 
 def _service(endpoint: str, store_url: str, log) -> subprocess.Popen:

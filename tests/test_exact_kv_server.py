@@ -53,6 +53,8 @@ def test_exact_requests_never_get_quantized_kv(model_dir, tmp_path):
         hit = gen(srv, case.ids)
         assert storage_tokens(hit) == case.chunks * 64
         assert metric(srv, "hit_tokens", codec=codec) == case.chunks * 64
+        level = "0.0005" if codec == "transform" else "none"  # `make test` calibrates: transform
+        assert metric(srv, "hit_tokens_by_quality", quality=level) == case.chunks * 64
 
         exact = _exact(srv, case.ids)  # the lossy nodes the hit installed are in the tree now
         assert exact["meta_info"]["cached_tokens"] == 0, exact["meta_info"]

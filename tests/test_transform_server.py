@@ -9,7 +9,7 @@ import pytest
 from tests.fixtures.faults import gen, make_case, metric, wait_written
 from tests.fixtures.remote_kv_server import CHUNK, flush_cache, remote_kv_server, storage_tokens
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # ~40 s; the default path is in test_exact_kv_server
 
 
 def test_transform_codec_serves_remote_hits_at_its_level(model_dir, tmp_path):

@@ -75,10 +75,14 @@ class _Link:
             from sgl_remote_kv.dpu import auth
 
             auth.connect_as_client(self.sock, self._auth_key)
+        self._before_connect()
         self.sock.connect(endpoint)
         self.send(self.register)
         self.heartbeat()
         self.last_pong_at = time.monotonic()
+
+    def _before_connect(self) -> None:
+        """Called on the fresh socket before it connects (a subclass attaches its monitor here)."""
 
     def send(self, msg: P.Message) -> bool:
         """Queue ``msg`` without blocking; False when it cannot be queued now (no connection: a tcp://
@@ -156,9 +160,13 @@ class AttachedService(_Link):
         self.generation += 1
         self._close_monitor()
         self._connect(self.endpoint)
+        logger.info("attaching to data-plane service %s (connection %d)", self.endpoint, self.generation)
+
+    def _before_connect(self) -> None:
+        # before connect(): an ipc:// connection can complete at once, and a monitor attached after it
+        # would never see its CONNECTED event, so its DISCONNECTED would be ignored
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._was_connected = False
-        logger.info("attaching to data-plane service %s (connection %d)", self.endpoint, self.generation)
 
     def pong(self, msg: P.Pong) -> None:
         super().pong(msg)
