@@ -11,7 +11,7 @@ from sgl_remote_kv.admin import cli
 from sgl_remote_kv.launcher import ServerSpec, SGLangServer
 from tests.fixtures.remote_kv_server import CHUNK, storage_tokens
 
-pytestmark = [pytest.mark.e2e]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # two servers, ~1.5 min; the command's logic: test_admin.py
 DOC = "/usr/share/common-licenses/Apache-2.0"
 
 

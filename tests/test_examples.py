@@ -29,6 +29,7 @@ def server(model_dir, tmp_path_factory):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # two servers, ~2 min; `make demo` runs the same flow
 def test_long_document_recompute_local_hit_remote_hit(model_dir, tmp_path):
     """``make demo``'s part 2: server A reads the document and is stopped, server B (A restarted on the
     same store; one server at a time) is asked about it. Which tier served which row is checked, not how
