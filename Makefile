@@ -13,10 +13,12 @@ model: setup
 	$(PY) -m sgl_remote_kv.model --dtype float32
 
 # The transform codec's calibration of the model (minutes on 2 cores, once per machine: --if-missing).
+# A calibration belongs to one weights build: the e2e benchmarks serve the bfloat16 build (MODEL_DTYPE).
+MODEL_DTYPE ?= float32
 calibration: model
-	$(PY) -m sgl_remote_kv.calibrate --if-missing --model-path "$$($(PY) -m sgl_remote_kv.model --dtype float32 | tail -1)"
+	$(PY) -m sgl_remote_kv.calibrate --if-missing --model-path "$$($(PY) -m sgl_remote_kv.model --dtype $(MODEL_DTYPE) | tail -1)"
 
-demo: model
+demo: calibration
 	$(PY) scripts/demo.py --remote-kv dpu --turns 3 --restart
 
 lint: setup
@@ -70,9 +72,11 @@ bench-cpu-attention: model
 	$(PY) -m benchmarks.bench_cpu_attention
 
 bench-e2e: model
+	$(MAKE) calibration MODEL_DTYPE=bfloat16
 	$(PY) -m benchmarks.bench_e2e
 
 bench-e2e-quick: model
+	$(MAKE) calibration MODEL_DTYPE=bfloat16
 	$(PY) -m benchmarks.bench_e2e --quick
 
 bench-burst: model
