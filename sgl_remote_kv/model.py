@@ -112,7 +112,7 @@ def model_identity(model_path: str | Path, hf_config=None) -> str:
         hf_config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
     try:
         rope = RopeSpec.from_hf_config(hf_config).canonical()
-    except (ValueError, TypeError, KeyError, ZeroDivisionError) as e:
+    except ValueError as e:
         rope = f"unsupported:{e}"
     return hashlib.sha256(f"{base}|rope|{rope}".encode()).hexdigest()
 

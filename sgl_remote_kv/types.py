@@ -117,8 +117,11 @@ class RopeSpec:
             raise ValueError(f"rope type {kind!r} is not supported (only unscaled RoPE)")
         if float(get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
             raise ValueError("partial rotary embeddings are not supported")
-        head_dim = get("head_dim") or get("hidden_size") // get("num_attention_heads")
-        return cls(float(theta), int(head_dim), "neox")
+        try:
+            head_dim = get("head_dim") or get("hidden_size") // get("num_attention_heads")
+            return cls(float(theta), int(head_dim), "neox")
+        except (TypeError, ZeroDivisionError) as e:  # fields missing or malformed
+            raise ValueError(f"the model config's head size is unusable: {e}") from None
 
 
 class FailureKind(str, Enum):

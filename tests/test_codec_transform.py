@@ -289,5 +289,7 @@ def test_rope_spec_from_hf_configs():
     assert RopeSpec.from_hf_config({"rope_parameters": {"rope_theta": 1e5, "rope_type": "default"},
                                     "head_dim": 64}) == RopeSpec(1e5, 64)  # fmt: skip
     assert RopeSpec.from_hf_config({"rope_theta": 5e5, "hidden_size": 512, "num_attention_heads": 8}).rotary_dim == 64
+    with pytest.raises(ValueError, match="head size"):
+        RopeSpec.from_hf_config({"rope_theta": 1e4})
     with pytest.raises(ValueError, match="llama3"):
         RopeSpec.from_hf_config({"rope_theta": 5e5, "head_dim": 64, "rope_scaling": {"rope_type": "llama3"}})
