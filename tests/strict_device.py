@@ -190,6 +190,25 @@ class StrictDevice:
 
         self._enqueue(run, [])
 
+    def constant(self, array: np.ndarray) -> DeviceTensor:
+        return self.tensor(torch.from_numpy(np.array(array)))  # a writable copy
+
+    def inverse_transform(self, sym, esc, scales, cos, sin, consts, head_dim: int, style: int, sinks, out) -> None:
+        from sgl_remote_kv.kernels.transform import inverse_reference, resolve_escapes
+
+        for t in (sym, esc, scales, cos, sin, sinks, out, consts.steps, consts.bt, consts.btr, consts.mean, consts.meanr):
+            if not isinstance(t, DeviceTensor):
+                raise RuntimeError("inverse_transform operands must all be on the device (strict device)")
+
+        def run():
+            with torch._C.DisableTorchFunctionSubclass():
+                q = resolve_escapes(sym, esc)
+                inverse_reference(q, scales, cos, sin, consts, head_dim, style, True, out)
+                if sinks.shape[1]:
+                    out[:, : sinks.shape[1]].view(torch.uint8).copy_(sinks)
+
+        self._enqueue(run, [])
+
     def record(self) -> _Event:
         ev = _Event(next(self._seq))
         self._q.put(("event", ev))

@@ -13,6 +13,9 @@ and 5x128 values, i.e. not a multiple of the kernels' 256-value block, 1 to 7 la
   laid out between and around the layers' buffers (catches writes past a buffer's ends);
 * ``dequant_triton`` equals ``dequant_reference`` bit for bit (the reference computed on the CPU and on
   CUDA), also when writing into a caller's ``out`` between guard rows (the KV writer's use);
+* ``inverse_triton`` (the transform codec's dequant stage) equals ``inverse_reference`` computed on the CPU
+  up to float32 summation order (at most one step of the output dtype), for a 192-wide group, per-head
+  groups and both RoPE pairings, writing a token slice of a longer buffer and nothing around it;
 * the scatter into a real SGLang ``MHATokenToKVPool`` on CUDA (K and V planes in one launch), skipped with
   the reason when SGLang cannot be imported.
 """
@@ -209,3 +212,37 @@ def test_scatter_into_real_sglang_pool(dtype):
     for i, (p, r, b) in enumerate(zip(planes, ref, before, strict=True)):
         assert _same_bits(p, r), f"plane {i}: Triton scatter differs from the torch reference"
         assert _same_bits(p[untouched], b[untouched]), f"plane {i}: a row outside slots changed"
+
+
+@pytest.mark.parametrize("n_g,gd,hd,t,style,dtype", [(1, 192, 64, 257, 0, torch.bfloat16), (3, 64, 64, 100, 1, torch.float16),
+                                                     (2, 128, 128, 33, 0, torch.float32)])  # fmt: skip
+def test_inverse_transform_triton_matches_reference(n_g, gd, hd, t, style, dtype):
+    import numpy as np
+    from sgl_remote_kv.kernels.transform import (
+        TransformConsts,
+        inverse_reference,
+        inverse_triton,
+        resolve_escapes,
+    )
+
+    rng = np.random.default_rng(t)
+    basis = np.linalg.qr(rng.standard_normal((2, n_g, gd, gd)))[0].astype(np.float32)
+    consts = TransformConsts.build(rng.uniform(0.01, 0.2, (2, n_g, gd)), basis,
+                                   rng.standard_normal((2, n_g, gd)) * 0.1, hd, style)  # fmt: skip
+    sym = torch.from_numpy(rng.integers(0, 256, (2, n_g * gd, t)).astype(np.uint8))
+    esc = torch.from_numpy(rng.integers(-2000, 2000, int((sym == 0).sum())).astype(np.int16))
+    scales = torch.from_numpy(rng.uniform(0.5, 3.0, (2, t)).astype(np.float32))
+    ang = np.arange(1000, 1000 + t)[:, None] / 10000.0 ** (np.arange(hd // 2) * 2.0 / hd)
+    cos, sin = (torch.from_numpy(f(ang).astype(np.float32)) for f in (np.cos, np.sin))
+    ref = torch.empty((2, t, n_g * gd), dtype=dtype)
+    inverse_reference(resolve_escapes(sym, esc), scales, cos, sin, consts.to(torch.from_numpy), hd, style, True, ref)
+    big = torch.zeros((2, t + 9, n_g * gd), dtype=dtype, device=DEVICE)
+    dev = consts.to(lambda a: torch.from_numpy(a).to(DEVICE))
+    q = resolve_escapes(sym.to(DEVICE), esc.to(DEVICE))
+    inverse_triton(q, scales.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE), dev, hd, style, True, big[:, 4 : 4 + t])
+    torch.cuda.synchronize()
+    got = big[:, 4 : 4 + t].cpu()
+    step = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 1e-5}[dtype]
+    d = (got.float() - ref.float()).abs()
+    assert torch.all(d <= ref.float().abs() * step + 1e-3), float(d.max())
+    assert torch.count_nonzero(big[:, :4]) == 0 and torch.count_nonzero(big[:, 4 + t :]) == 0

@@ -1,8 +1,10 @@
 """The in-process path on a *device* pool (strict CUDA double, ``strict_device.py``): workers run only the
-codec's lossless stage, the pool's ``KVWriter`` dequantizes on the device (``kernels/dequant.py``'s
-definition) and scatters; real embedded store, real quantized codec, real ``InProcessFetchBackend`` and
-``LayerwiseInstalls`` (on-demand decode in the forward thread). The pool must hold exactly what the
-codec's own CPU decode gives, and reads go through the completion-event rule.
+codec's lossless stage, the pool's ``KVWriter`` dequantizes on the device (``kernels/dequant.py``'s and
+``kernels/transform.py``'s torch definitions) and scatters; real embedded store, real quantized and
+transform codecs, real ``InProcessFetchBackend`` and ``LayerwiseInstalls`` (on-demand decode in the forward
+thread). The pool must hold what the codec's own CPU decode gives (exactly for the quantized codec; for
+the transform codec up to float32 summation order: at most one bf16 step on a few values), and reads go
+through the completion-event rule.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from calibration_helpers import make_calibration
 from strict_device import StrictDevice, StrictKVPool
 
 from benchmarks import synthetic_kv as synthetic
+from sgl_remote_kv.codec import quant
 from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.kvpool import KVWriteError, PoolTensors, writer_for
 from sgl_remote_kv.sglang_glue import layerwise
@@ -25,18 +29,27 @@ FP = synthetic.fingerprint(num_layers=3, dtype="bfloat16")
 LAY = FP.layout
 
 
-@pytest.fixture
-def stored(tmp_path):
+@pytest.fixture(params=["quant_deflate", "transform"])
+def stored(tmp_path, request):
+    client, codec, keys, k, v = _store(tmp_path, request.param)
+    yield client, codec, keys, k, v
+    client.close()
+
+
+def _store(tmp_path, kind: str):
     client = open_client(f"file://{tmp_path / 'store'}")
-    codec = get_codec("quant_deflate", k_bins="256", v_bins="96", granularity="token")
+    if kind == "transform":  # escapes (step 0.02) and an exact sink token (chunk 0) on this KV
+        cal = make_calibration(FP, step=0.02, seed=3)
+        codec = get_codec("transform", calibration=cal.calib_id.hex(), quality="0.0005", entropy="deflate")
+    else:
+        codec = get_codec("quant_deflate", k_bins="256", v_bins="96", granularity="token")
     keys = [bytes([i]) * 32 for i in range(N)]
-    blobs = [codec.encode(*synthetic.kv(LAY, C, seed=i), FP) for i in range(N)]
+    blobs = [codec.encode(*synthetic.kv(LAY, C, seed=i), FP, start=i * C) for i in range(N)]
     client.put_many(list(zip(keys, blobs, strict=True)))
     ref = [codec.decode(b, FP) for b in blobs]
     k = np.concatenate([r[0] for r in ref], axis=1)
     v = np.concatenate([r[1] for r in ref], axis=1)
-    yield client, codec, keys, k, v
-    client.close()
+    return client, codec, keys, k, v
 
 
 @pytest.fixture
@@ -63,9 +76,30 @@ def test_codes_staged_and_dequantized_on_the_device(stored, dev):
     h.write_staged(w, slots, N * C)
     assert w.stats["device_dequant"] == LAY.num_layers  # one device write per layer
     rk, rv = w.read(slots)
-    np.testing.assert_array_equal(rk, k)
-    np.testing.assert_array_equal(rv, v)
+    _assert_decoded(codec, rk, k)
+    _assert_decoded(codec, rv, v)
     be.close()
+
+
+def _assert_decoded(codec, got: np.ndarray, want: np.ndarray) -> None:
+    if codec.name != "transform":
+        np.testing.assert_array_equal(got, want)
+        return
+    g, w = quant.to_f32(got, LAY.dtype), quant.to_f32(want, LAY.dtype)
+    diff = np.abs(g - w)
+    assert np.all(diff <= np.abs(w) * 2.0**-7 + 1e-6), diff.max()  # at most one bf16 step
+    assert np.mean(got != want) < 0.01
+
+
+def test_transform_views_have_escapes_and_sinks(tmp_path):
+    """The transform parameters above exercise the device path's escapes and sink tokens."""
+    client, codec, keys, _, _ = _store(tmp_path, "transform")
+    blobs = client.get_many(keys)
+    client.close()
+    views = [codec.codes_stage(b, codec.parse(b, FP), 1, np.empty(codec.scratch_bytes(codec.parse(b, FP), 1), np.uint8))
+             for b in blobs]  # fmt: skip
+    assert views[0].n_sink == 1 and all(vw.n_sink == 0 for vw in views[1:])
+    assert sum(vw.esc.size for vw in views) > 0 and all(vw.escapes_consistent() for vw in views)
 
 
 def test_a_failing_device_is_a_write_error_for_the_install(stored, dev):
@@ -93,5 +127,5 @@ def test_layerwise_on_demand_decode_dequantizes_on_the_device(stored, dev):
     assert w.stats["device_dequant"] == 2 * N  # one per chunk and layer so far
     counter.finish_all()
     rk, rv = w.read(slots)
-    np.testing.assert_array_equal(rk, k)
-    np.testing.assert_array_equal(rv, v)
+    _assert_decoded(codec, rk, k)
+    _assert_decoded(codec, rv, v)

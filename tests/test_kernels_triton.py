@@ -86,3 +86,91 @@ def test_torch_reference_matches_numba_cpu_path(dtype):
     if dtype == "bfloat16":
         got = got.view(torch.bfloat16)
     assert torch.equal(got, ref)
+
+
+_INTERPRETED_TRANSFORM = textwrap.dedent(
+    """
+    import numpy as np, torch
+    from sgl_remote_kv.kernels.transform import GPTJ, NEOX, TransformConsts, inverse_reference, inverse_triton
+
+    rng = np.random.default_rng(0)
+    n = 0
+    # (groups, group width, head_dim, tokens, style, dtype): a 192-wide group (padded blocks), per-head groups,
+    # a token count that is not a multiple of the block
+    for n_g, gd, hd, t, style, dt in [(1, 192, 64, 40, NEOX, torch.bfloat16), (3, 64, 64, 17, GPTJ, torch.float16),
+                                      (2, 32, 32, 33, NEOX, torch.float32)]:
+        basis = np.linalg.qr(rng.standard_normal((2, n_g, gd, gd)))[0].astype(np.float32)
+        steps = rng.uniform(0.01, 0.2, (2, n_g, gd)).astype(np.float32)
+        mean = rng.standard_normal((2, n_g, gd)).astype(np.float32) * 0.1
+        consts = TransformConsts.build(steps, basis, mean, hd, style).to(torch.from_numpy)
+        q = torch.from_numpy(rng.integers(-300, 300, (2, n_g * gd, t)).astype(np.float32))
+        scales = torch.from_numpy(rng.uniform(0.5, 3.0, (2, t)).astype(np.float32))
+        ang = np.arange(5, 5 + t)[:, None] / 10000.0 ** (np.arange(hd // 2) * 2.0 / hd)
+        cos, sin = (torch.from_numpy(f(ang).astype(np.float32)) for f in (np.cos, np.sin))
+        ref = torch.empty((2, t, n_g * gd), dtype=dt)
+        inverse_reference(q, scales, cos, sin, consts, hd, style, True, ref)
+        big = torch.zeros((2, t + 7, n_g * gd), dtype=dt)  # the kernel writes a token slice of a longer buffer
+        inverse_triton(q, scales, cos, sin, consts, hd, style, True, big[:, 3 : 3 + t])
+        got = big[:, 3 : 3 + t]
+        d = (got.float() - ref.float()).abs()
+        tol = ref.float().abs() * (2.0**-7 if dt == torch.bfloat16 else 2.0**-10 if dt == torch.float16 else 1e-5) + 1e-4
+        assert torch.all(d <= tol), (n_g, gd, dt, float(d.max()))
+        assert float((got != ref).float().mean()) < 0.02, (n_g, gd, dt)
+        assert torch.count_nonzero(big[:, :3]) == 0 and torch.count_nonzero(big[:, 3 + t :]) == 0
+        n += 1
+    print("OK", n)
+    """
+)
+
+
+def test_transform_kernel_matches_reference_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", _INTERPRETED_TRANSFORM], env=env, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == "OK 3"
+
+
+@pytest.mark.parametrize("dtype,style", [("bfloat16", "neox"), ("float16", "gptj"), ("float32", "neox")])
+def test_transform_reference_matches_the_codec_cpu_stage(dtype, style):
+    """``kernels.transform`` (escapes resolved on the device, RoPE as a second GEMM) against the codec's
+    numba + BLAS dequant stage, on real chunk blobs with escapes and an exact sink token."""
+    from calibration_helpers import make_calibration
+    from sgl_remote_kv.kernels.transform import inverse_reference, resolve_escapes
+
+    from benchmarks import synthetic_kv as synthetic
+    from sgl_remote_kv.codec import quant
+    from sgl_remote_kv.codec.base import get_codec
+    from sgl_remote_kv.codec.transform import rope_tables
+    from sgl_remote_kv.types import RopeSpec
+
+    fp = synthetic.fingerprint(num_layers=2, dtype=dtype)
+    lay = fp.layout
+    cal = make_calibration(fp, step=0.02, seed=5, rope=RopeSpec(10000.0, lay.head_dim, style))
+    codec = get_codec("transform", calibration=cal.calib_id.hex(), quality="0.0005")
+    for start in (0, 40):
+        k, v = synthetic.kv(lay, 40, seed=start)
+        blob = codec.encode(k, v, fp, start=start)
+        hdr = codec.parse(blob, fp)
+        want_k, want_v = np.empty_like(k[0]), np.empty_like(v[0])
+        scratch = np.empty(codec.scratch_bytes(hdr, 1), np.uint8)
+        vw = codec.codes_stage(blob, hdr, 1, scratch)
+        assert vw.esc.size > 0 and vw.n_sink == (1 if start == 0 else 0)
+        vw.dequant_into(dtype, want_k, want_v)  # the codec's CPU stage
+        consts = codec.device_consts(1, vw.group, vw.groups).to(torch.from_numpy)  # fresh arrays
+        cos, sin = (torch.from_numpy(a.copy()) for a in rope_tables(cal.rope, vw.start, vw.tokens))
+        tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+        out = torch.empty((2, 40, lay.num_kv_heads * lay.head_dim), dtype=tdt)
+        q = resolve_escapes(torch.from_numpy(vw.sym.copy()), torch.from_numpy(vw.esc.copy()))
+        inverse_reference(q, torch.from_numpy(vw.scales.copy()), cos, sin, consts, lay.head_dim, codec.rope_style, True, out)
+        raw = out.view(torch.int16 if dtype == "bfloat16" else tdt).numpy()
+        for kv, want in enumerate((want_k, want_v)):
+            got = raw[kv].reshape(want.shape).view(want.dtype)
+            if vw.n_sink:  # the sink rows are raw bytes on both paths
+                got = got.copy()
+                got[: vw.n_sink] = want[: vw.n_sink]
+            g, w = quant.to_f32(got, dtype), quant.to_f32(want, dtype)
+            step = 2.0**-7 if dtype == "bfloat16" else 2.0**-10 if dtype == "float16" else 1e-5
+            assert np.all(np.abs(g - w) <= np.abs(w) * step + 1e-4), (start, kv, float(np.abs(g - w).max()))
+            assert np.mean(got != want) < 0.02
+

@@ -57,6 +57,10 @@ class Codec(ABC):
     # Decoding gives back exactly the KV that was encoded (bit for bit): what ``KVFidelity.EXACT``
     # requests accept. False for every quantizing codec.
     exact: ClassVar[bool] = False
+    # ``codes_stage(blob, header, layer, scratch)`` returns a view of the lossless stage's output that a
+    # device pool dequantizes itself (``KVWriter.write_quantized``; views have ``tokens`` and the CPU
+    # fallback ``dequant_into(dtype, out_k, out_v)``).
+    device_dequant: ClassVar[bool] = False
 
     # ---- parameters -------------------------------------------------------------------------
     @abstractmethod

@@ -200,6 +200,14 @@ class LayerView:
         default_factory=lambda: _NO_IDX
     )  # [T, n] raw bits (u16 fp16/bf16, u32 fp32)
 
+    @property
+    def tokens(self) -> int:
+        return self.k_codes.shape[0]
+
+    def dequant_into(self, dtype: str, out_k: np.ndarray, out_v: np.ndarray) -> None:
+        """``dequant_layer`` of this view (the CPU stage)."""
+        dequant_layer(self, dtype, out_k, out_v)
+
 
 def split_layer(
     spec: QuantSpec, buf: np.ndarray, layer: int, t: int, h: int, d: int, itemsize: int = 2
@@ -330,6 +338,7 @@ class QuantCodec(Codec):
     Subclasses set ``self.spec`` (a ``QuantSpec``)."""
 
     spec: QuantSpec
+    device_dequant = True
 
     def scratch_bytes(self, header: ChunkHeader, layer: int) -> int:
         lay = header.layout

@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import logging
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 from numba import njit
@@ -47,7 +48,7 @@ from sgl_remote_kv.codec import calibration as calib_mod
 from sgl_remote_kv.codec import lz, quant, rans
 from sgl_remote_kv.codec.base import Codec
 from sgl_remote_kv.codec.errors import CorruptChunk, ForeignChunk
-from sgl_remote_kv.codec.format import ChunkHeader, pack
+from sgl_remote_kv.codec.format import ChunkHeader, layer_section, pack
 from sgl_remote_kv.types import ModelFingerprint, RopeSpec
 
 logger = logging.getLogger(__name__)
@@ -211,6 +212,7 @@ def token_scales(y: np.ndarray, sinks: int = 0) -> tuple[np.ndarray, int]:
 class TransformCodec(Codec):
     name = "transform"
     codec_id = 6
+    device_dequant = True
 
     def __init__(self, calibration: str, quality: str = calib_mod.DEFAULT_LEVEL, entropy: str = "deflate",
                  level: int = 1) -> None:  # fmt: skip
@@ -354,8 +356,14 @@ class TransformCodec(Codec):
             o += 2 * count
         return prefix_len + 2 * n
 
-    def dequant_stage(self, header: ChunkHeader, layer: int, decoded, out_k, out_v) -> None:
-        self._check_out(header, out_k, out_v)
+    def codes_stage(self, blob, header: ChunkHeader, layer: int, out: np.ndarray) -> TransformView:
+        """The lossless stage of ``layer`` into ``out`` (uint8, >= ``scratch_bytes``), as a validated
+        ``TransformView`` (views into ``out``): what a device dequantizes. Raises ``ChunkError``."""
+        n = self.lossless_stage(layer_section(blob, header, layer), out)
+        return self.view(header, layer, out[:n])
+
+    def view(self, header: ChunkHeader, layer: int, decoded) -> TransformView:
+        """Validate and slice a decoded-layer buffer (the one parser of that format); ``CorruptChunk``."""
         lay = header.layout
         buf = np.asarray(decoded, dtype=np.uint8)
         if buf.size < PRE.size:
@@ -363,6 +371,8 @@ class TransformCodec(Codec):
         start, t_n, c_n, sdt, n_sink, sec_layer, group, nk, nv = PRE.unpack_from(buf, 0)
         if t_n != header.num_tokens or sdt > 1 or sec_layer != layer or start >= 1 << 31:
             raise CorruptChunk("layer prelude does not match the chunk header")
+        if c_n != lay.num_kv_heads * lay.head_dim:
+            raise CorruptChunk("layer prelude's channel count does not match the chunk header")
         self._check_slice(layer, group, c_n)
         if n_sink != sink_count(self.cal, start, t_n):
             raise CorruptChunk("sink token count does not match the calibration")
@@ -376,35 +386,86 @@ class TransformCodec(Codec):
         if not np.all(np.isfinite(sc)):
             raise CorruptChunk("a token scale is not finite")
         o += 2 * ss * t_n
-        escs = []
-        for n in (nk, nv):
-            escs.append(np.frombuffer(buf, np.int16, n, o) if n else np.empty(0, np.int16))
-            o += 2 * n
-        sinks = []
-        for _ in range(2):
-            sinks.append(buf[o : o + sink_bytes])
-            o += sink_bytes
-        mode = _MODES[lay.dtype]
-        cos, sin = rope_tables(self.cal.rope, start, t_n)
-        n_g, gd = c_n // self.cal.group_dim, self.cal.group_dim
+        esc = np.frombuffer(buf, np.int16, nk + nv, o) if nk + nv else np.empty(0, np.int16)
+        o += 2 * (nk + nv)
+        sinks = buf[o : o + 2 * sink_bytes].reshape(2, n_sink, c_n * lay.itemsize)
+        o += 2 * sink_bytes
+        return TransformView(self, layer, group, start, n_sink, sc.reshape(2, t_n), esc, nk, sinks,
+                             buf[o:].reshape(2, c_n, t_n))  # fmt: skip
+
+    def dequant_stage(self, header: ChunkHeader, layer: int, decoded, out_k, out_v) -> None:
+        self._check_out(header, out_k, out_v)
+        self.view(header, layer, decoded).dequant_into(header.layout.dtype, out_k, out_v)
+
+    @property
+    def rope_style(self) -> int:
+        """``kernels.transform.NEOX`` or ``GPTJ``."""
+        return _style(self.cal.rope)
+
+    def device_consts(self, layer: int, group: int, n_g: int):
+        """``kernels.transform.TransformConsts`` (host arrays) of ``layer``'s groups ``group..+n_g``."""
+        from sgl_remote_kv.kernels.transform import TransformConsts
+
         gs = slice(group, group + n_g)
+        return TransformConsts.build(self.cal.steps[self.quality][layer, :, gs], self.cal.basis[layer, :, gs],
+                                     self.cal.mean[layer, :, gs], self.cal.head_dim, _style(self.cal.rope))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TransformView:
+    """One layer of one chunk after the lossless stage (zero-copy views into the decoded buffer):
+    ``scales`` [2, T] float32 (a copy), ``esc`` [nk + nv] int16 (K's first), ``sinks`` [2, S, C*itemsize]
+    raw bytes of the exact sink tokens, ``sym`` [2, C, T] uint8 (component-major)."""
+
+    codec: TransformCodec
+    layer: int
+    group: int
+    start: int
+    n_sink: int
+    scales: np.ndarray
+    esc: np.ndarray
+    nk: int
+    sinks: np.ndarray
+    sym: np.ndarray
+
+    @property
+    def tokens(self) -> int:
+        return self.sym.shape[2]
+
+    @property
+    def groups(self) -> int:
+        return self.sym.shape[1] // self.codec.cal.group_dim
+
+    def escapes_consistent(self) -> bool:
+        """Every escape symbol has its value and no value is left over (a device cannot check it)."""
+        return all(int(np.count_nonzero(self.sym[kv] == ESC)) == n
+                   for kv, n in enumerate((self.nk, self.esc.size - self.nk)))  # fmt: skip
+
+    def dequant_into(self, dtype: str, out_k: np.ndarray, out_v: np.ndarray) -> None:
+        """The CPU dequant stage into ``out_k``/``out_v`` ([T, H, D] of ``dtype``'s storage, C-contiguous)."""
+        cal = self.codec.cal
+        t_n = self.tokens
+        mode = _MODES[dtype]
+        cos, sin = rope_tables(cal.rope, self.start, t_n)
+        n_g, gd = self.groups, cal.group_dim
+        gs = slice(self.group, self.group + n_g)
         y = np.empty((n_g, t_n, gd), np.float32)
+        escs = (self.esc[: self.nk], self.esc[self.nk :])
         for kv, out in enumerate((out_k, out_v)):
-            sym = buf[o + kv * t_n * c_n : o + (kv + 1) * t_n * c_n].reshape(c_n, t_n)
-            steps = self.cal.steps[self.quality][layer, kv, gs]
-            used = _dequantize(sym, escs[kv], steps, sc[kv * t_n : (kv + 1) * t_n], y)
+            steps = cal.steps[self.codec.quality][self.layer, kv, gs]
+            used = _dequantize(self.sym[kv], escs[kv], steps, self.scales[kv], y)
             if used != escs[kv].size:
                 raise CorruptChunk("escape count does not match the symbols")
-            x = np.matmul(y, self.cal.basis[layer, kv, gs].transpose(0, 2, 1))
-            mean = self.cal.mean[layer, kv, gs]
+            x = np.matmul(y, cal.basis[self.layer, kv, gs].transpose(0, 2, 1))
             flat = out.reshape(t_n, n_g, gd)
             if mode == 0:
-                _finish(x, mean, cos, sin, _style(self.cal.rope), kv == 0, self.cal.head_dim, 0, flat, _EMPTY16)
+                _finish(x, cal.mean[self.layer, kv, gs], cos, sin, _style(cal.rope), kv == 0, cal.head_dim, 0,
+                        flat, _EMPTY16)  # fmt: skip
             else:
-                _finish(x, mean, cos, sin, _style(self.cal.rope), kv == 0, self.cal.head_dim, mode, _EMPTY32,
-                        flat.view(np.uint16))  # fmt: skip
-            if n_sink:
-                flat.view(np.uint8).reshape(t_n, -1)[:n_sink] = sinks[kv].reshape(n_sink, -1)
+                _finish(x, cal.mean[self.layer, kv, gs], cos, sin, _style(cal.rope), kv == 0, cal.head_dim, mode,
+                        _EMPTY32, flat.view(np.uint16))  # fmt: skip
+            if self.n_sink:
+                flat.view(np.uint8).reshape(t_n, -1)[: self.n_sink] = self.sinks[kv]
 
 
 def roundtrip(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np.ndarray, start: int = 0,

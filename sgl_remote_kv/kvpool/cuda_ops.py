@@ -18,6 +18,7 @@ import torch
 
 from sgl_remote_kv.kernels.dequant import dequant_triton
 from sgl_remote_kv.kernels.scatter import scatter_triton
+from sgl_remote_kv.kernels.transform import inverse_triton, resolve_escapes
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,19 @@ class CudaOps:
         self._here()
         with torch.cuda.stream(self.stream):
             dequant_triton(codes, scales, m, cs, out.dtype, out=out)
+
+    def constant(self, array: np.ndarray) -> torch.Tensor:
+        self._here()
+        return torch.from_numpy(np.array(array)).to(self.device, non_blocking=False)  # np.array: a writable copy
+
+    def inverse_transform(self, sym, esc, scales, cos, sin, consts, head_dim: int, style: int, sinks,
+                          out: torch.Tensor) -> None:  # fmt: skip
+        self._here()
+        with torch.cuda.stream(self.stream):  # q is allocated on this stream: freed in its order
+            q = resolve_escapes(sym, esc)
+            inverse_triton(q, scales, cos, sin, consts, head_dim, style, True, out)
+            if sinks.shape[1]:  # the exact sink tokens' raw bytes over their rows
+                out[:, : sinks.shape[1]].view(torch.uint8).copy_(sinks)
 
     def record(self) -> torch.cuda.Event:
         self._here()

@@ -31,6 +31,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from sgl_remote_kv.codec import quant
 from sgl_remote_kv.types import KVLayout
 
 from .writer import DEFAULT_TIMEOUT_S, TORCH_DTYPES, KVWriteError, KVWriter, PoolTensors
@@ -56,6 +57,10 @@ class DeviceOps(Protocol):
     def stream_wait(self, event: object) -> None: ...  # the calling thread's current stream waits
     def gather(self, planes: list[torch.Tensor], slots: torch.Tensor) -> np.ndarray: ...  # D2H; host slots
     def dequant(self, codes, scales, m: int, cs, out: torch.Tensor) -> None: ...  # kernels/dequant.py
+    def constant(self, array: np.ndarray) -> torch.Tensor: ...  # a device copy, complete on return
+    # kernels/transform.py: escapes resolved, inverse transform into ``out`` [2, t, C], sinks put over it
+    def inverse_transform(self, sym, esc, scales, cos, sin, consts, head_dim: int, style: int, sinks,
+                          out: torch.Tensor) -> None: ...  # fmt: skip
 
 
 class DeviceKVWriter(KVWriter):
@@ -73,6 +78,7 @@ class DeviceKVWriter(KVWriter):
         self._layer_events: dict[int, object] = {}  # layer -> event of its last write
         self._late: list[object] = []  # events of timed-out writes (fenced until they complete)
         self._late_lock = threading.Lock()  # not the write lock: fence() must not wait for a write
+        self._consts: dict[tuple, object] = {}  # (calibration, quality, layer, group) -> TransformConsts
         self.stats = {"writes": 0, "zero_copy": 0, "staged": 0, "timeouts": 0, "device_dequant": 0}
 
     # ---- host regions ------------------------------------------------------------------------------
@@ -136,61 +142,100 @@ class DeviceKVWriter(KVWriter):
 
     def _write_quantized(self, views, slots: torch.Tensor, layer: int) -> None:
         """Codes + scales H2D, dequantized on the device (one launch for V, one for K, or one per chunk
-        when keys carry per-chunk channel scales), one scatter of the layer's K and V, one event."""
+        when keys carry per-chunk channel scales; the transform codec: one launch per chunk), one scatter
+        of the layer's K and V, one event."""
+        if not isinstance(views[0], quant.LayerView):
+            return self._write_transformed(views, slots, layer)
         if any(vw.k_out_idx.size for vw in views):  # exact outlier channels: not in the kernel
             return super()._write_quantized(views, slots, layer)
         if len(slots) > MAX_TOKENS:  # bounded pieces, chunk by chunk
-            lo = 0
-            for vw in views:
-                n = vw.k_codes.shape[0]
-                self._write_quantized([vw], slots[lo : lo + n], layer)
-                lo += n
-            return
+            return self._by_chunk(views, slots, layer)
         lay = self.layout
         t, c = len(slots), lay.num_kv_heads * lay.head_dim
-        g = views[0].k_scales.shape[1]
-        has_cs = bool(views[0].k_cs.size)
-        parts = {"kc": t * c, "vc": t * c, "ks": 4 * t * g, "vs": 4 * t * g,
-                 "cs": 4 * c * len(views) if has_cs else 0, "slots": 8 * t}  # fmt: skip
-        offs, n_in = {}, 0
-        for name, nbytes in parts.items():
-            offs[name] = n_in
-            n_in = _align(n_in + nbytes)
+        cs = [vw.k_cs.astype(np.float32) for vw in views] if views[0].k_cs.size else []
+        parts = [slots.numpy(), *(np.concatenate([getattr(vw, f) for vw in views]).astype(dt, copy=False)
+                                  for f, dt in (("k_codes", np.uint8), ("v_codes", np.uint8),
+                                                ("k_scales", np.float32), ("v_scales", np.float32)))]  # fmt: skip
         out_bytes = 2 * t * c * self.storage.itemsize
-        host = self._host_buffer(n_in)[:n_in].numpy()
-        lo = 0
-        for i, vw in enumerate(views):
-            n = vw.k_codes.shape[0]
-            for name, src, width, dt in (("kc", vw.k_codes, c, np.uint8), ("vc", vw.v_codes, c, np.uint8),
-                                         ("ks", vw.k_scales, g, np.float32), ("vs", vw.v_scales, g, np.float32)):  # fmt: skip
-                dst = host[offs[name] : offs[name] + parts[name]].view(dt).reshape(t, width)
-                dst[lo : lo + n] = src
-            if has_cs:
-                host[offs["cs"] : offs["cs"] + parts["cs"]].view(np.float32).reshape(-1, c)[i] = vw.k_cs
-            lo += n
-        host[offs["slots"] : offs["slots"] + parts["slots"]].view(np.int64)[...] = slots.numpy()
-        dev = self._device_buffer(n_in + out_bytes)
-        self.ops.upload(dev[:n_in], self._host[:n_in])
-
-        def region(name, dt, *shape):
-            return dev[offs[name] : offs[name] + parts[name]].view(dt).view(*shape)
-
+        dev, regions, n_in = self._upload_parts([*parts, *cs], out_bytes)
+        d_slots, kc, vc, ks, vs = regions[:5]
         out = dev[n_in : n_in + out_bytes].view(self.torch_dtype).view(2, t, c)
         mk, mv = views[0].mk, views[0].mv
-        self.ops.dequant(region("vc", torch.uint8, t, c), region("vs", torch.float32, t, g), mv, None, out[1])
-        kc, ks = region("kc", torch.uint8, t, c), region("ks", torch.float32, t, g)
-        if has_cs:
-            cs, lo = region("cs", torch.float32, len(views), c), 0
-            for i, vw in enumerate(views):
-                n = vw.k_codes.shape[0]
-                self.ops.dequant(kc[lo : lo + n], ks[lo : lo + n], mk, cs[i], out[0, lo : lo + n])
+        self.ops.dequant(vc, vs, mv, None, out[1])
+        if cs:
+            lo = 0
+            for vw, cs_dev in zip(views, regions[5:], strict=True):
+                n = vw.tokens
+                self.ops.dequant(kc[lo : lo + n], ks[lo : lo + n], mk, cs_dev, out[0, lo : lo + n])
                 lo += n
         else:
             self.ops.dequant(kc, ks, mk, None, out[0])
-        src = out.view(2, t, lay.num_kv_heads, lay.head_dim)
-        self.ops.scatter(src, [self.pool.k[layer], self.pool.v[layer]], region("slots", torch.int64, t))
-        self.stats["device_dequant"] += 1
+        self._scatter_layer(out, d_slots, layer)
         self._complete([layer], f"quantized KV write of layer {layer}")
+
+    def _write_transformed(self, views, slots: torch.Tensor, layer: int) -> None:
+        """The transform codec's views: symbols, escapes, scales, RoPE tables and sink tokens H2D, one
+        ``inverse_transform`` per chunk into the layer's output, one scatter, one event."""
+        if len(slots) > MAX_TOKENS:
+            return self._by_chunk(views, slots, layer)
+        from sgl_remote_kv.codec.transform import rope_tables
+
+        for vw in views:
+            if not vw.escapes_consistent():
+                raise KVWriteError(f"layer {layer}: a chunk's escape count does not match its symbols")
+        codec, lay = views[0].codec, self.layout
+        t, c = len(slots), lay.num_kv_heads * lay.head_dim
+        parts = [slots.numpy()]
+        for vw in views:
+            parts += [vw.sym, vw.esc, vw.scales, *rope_tables(codec.cal.rope, vw.start, vw.tokens), vw.sinks]
+        out_bytes = 2 * t * c * self.storage.itemsize
+        dev, regions, n_in = self._upload_parts(parts, out_bytes)
+        out = dev[n_in : n_in + out_bytes].view(self.torch_dtype).view(2, t, c)
+        consts = self._transform_consts(codec, layer, views[0].group, views[0].groups)
+        lo = 0
+        for i, vw in enumerate(views):
+            sym, esc, scales, cos, sin, sinks = regions[1 + 6 * i : 7 + 6 * i]
+            self.ops.inverse_transform(sym, esc, scales, cos, sin, consts, lay.head_dim, codec.rope_style, sinks,
+                                       out[:, lo : lo + vw.tokens])  # fmt: skip
+            lo += vw.tokens
+        self._scatter_layer(out, regions[0], layer)
+        self._complete([layer], f"transform-coded KV write of layer {layer}")
+
+    def _by_chunk(self, views, slots: torch.Tensor, layer: int) -> None:
+        lo = 0
+        for vw in views:
+            self._write_quantized([vw], slots[lo : lo + vw.tokens], layer)
+            lo += vw.tokens
+
+    def _scatter_layer(self, out: torch.Tensor, d_slots: torch.Tensor, layer: int) -> None:
+        src = out.view(2, out.shape[1], self.layout.num_kv_heads, self.layout.head_dim)
+        self.ops.scatter(src, [self.pool.k[layer], self.pool.v[layer]], d_slots)
+        self.stats["device_dequant"] += 1
+
+    def _upload_parts(self, parts: list[np.ndarray], out_bytes: int) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+        """``parts`` packed at aligned offsets of the pinned staging buffer and uploaded in one H2D copy
+        into the device staging buffer, which holds ``out_bytes`` more after them (from the returned
+        offset). Returns the device buffer, a device view of each part (its dtype and shape), the offset."""
+        offs, n = [], 0
+        for a in parts:
+            offs.append(n)
+            n = _align(n + a.nbytes)
+        host = self._host_buffer(n)[:n].numpy()
+        for o, a in zip(offs, parts, strict=True):
+            host[o : o + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        dev = self._device_buffer(n + out_bytes)
+        self.ops.upload(dev[:n], self._host[:n])
+        views = [dev[o : o + a.nbytes].view(_TORCH[a.dtype]).view(a.shape) for o, a in zip(offs, parts, strict=True)]
+        return dev, views, n
+
+    def _transform_consts(self, codec, layer: int, group: int, n_g: int):
+        key = (codec.cal.calib_id, codec.quality, layer, group, n_g)
+        consts = self._consts.get(key)
+        if consts is None:
+            if len(self._consts) >= 4 * self.layout.num_layers:  # another calibration or quality took over
+                self._consts.clear()
+            consts = self._consts[key] = codec.device_consts(layer, group, n_g).to(self.ops.constant)
+        return consts
 
     def _complete(self, layers: list[int], what: str) -> None:
         """Record the write's event for ``layers`` and wait for it (see module docstring, step 5)."""
@@ -257,6 +302,10 @@ class DeviceKVWriter(KVWriter):
         k = self.ops.gather(list(self.pool.k), idx).view(self.storage)
         v = self.ops.gather(list(self.pool.v), idx).view(self.storage)
         return k, v
+
+
+_TORCH = {np.dtype(np.uint8): torch.uint8, np.dtype(np.int16): torch.int16, np.dtype(np.float32): torch.float32,
+          np.dtype(np.int64): torch.int64}  # fmt: skip
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,11 @@ Contract of ``write(k, v, slots, layer_lo)``:
   event (a timed-out write's too); on host pools they are no-ops.
 
 ``write_quantized(views, slots, layer)`` is the same contract for one layer given as the codec's
-lossless-stage output (``codec.quant.LayerView``: codes + scales, one per chunk): a host pool dequantizes
-on the CPU (numba), a device pool uploads the codes and dequantizes on the device (the Triton kernel of
-``kernels/dequant.py``), so the in-process path on a GPU ships ~1 byte per value over PCIe, not 2-4.
+lossless-stage output (``Codec.codes_stage``, one view per chunk, all of one kind: ``quant.LayerView``,
+codes + scales, or ``transform.TransformView``, symbols + scales + escapes): a host pool runs the codec's
+CPU stage (``view.dequant_into``), a device pool uploads the codes and dequantizes on the device (the
+Triton kernels of ``kernels/dequant.py`` and ``kernels/transform.py``), so the in-process path on a GPU
+ships ~1 byte per value over PCIe, not 2-4, and the transform codec's inverse transform runs there.
 
 Implementations: ``HostKVWriter`` (CPU pools: single-threaded numpy copies) here, ``DeviceKVWriter``
 (device pools: pinned host source, H2D copy on a side stream, one scatter launch per write, an event per
@@ -42,7 +44,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sgl_remote_kv.codec import quant
 from sgl_remote_kv.types import KVLayout, numpy_storage_dtype
 
 logger = logging.getLogger(__name__)
@@ -93,11 +94,11 @@ class KVWriter(ABC):
         except Exception as e:  # any failure of the copy is a failed write, never a hit
             raise KVWriteError(f"KV write of layers {layer_lo}..{layer_lo + k.shape[0]} failed: {e!r}") from e
 
-    def write_quantized(self, views: Sequence[quant.LayerView], slots: torch.Tensor, layer: int) -> None:
+    def write_quantized(self, views: Sequence, slots: torch.Tensor, layer: int) -> None:
         """Layer ``layer`` of consecutive chunks (``views``: their lossless stage's output, tokens in order)
         into ``slots``, dequantized on the pool's side. Same contract as ``write``; raises ``KVWriteError``."""
         slots = slots.to("cpu", torch.int64)
-        t = sum(vw.k_codes.shape[0] for vw in views)
+        t = sum(vw.tokens for vw in views)
         if slots.ndim != 1 or len(slots) != t or not 0 <= layer < self.layout.num_layers:
             raise KVWriteError(f"{len(slots)} slots for {t} quantized tokens of layer {layer}")
         try:
@@ -108,16 +109,16 @@ class KVWriter(ABC):
         except Exception as e:  # any failure of the dequantizing copy is a failed write
             raise KVWriteError(f"quantized KV write of layer {layer} failed: {e!r}") from e
 
-    def _write_quantized(self, views: Sequence[quant.LayerView], slots: torch.Tensor, layer: int) -> None:
-        """Host dequantization (numba), then the plain write (lock held)."""
+    def _write_quantized(self, views: Sequence, slots: torch.Tensor, layer: int) -> None:
+        """The codec's CPU stage, then the plain write (lock held)."""
         lay = self.layout
         t = len(slots)
         k = np.empty((1, t, lay.num_kv_heads, lay.head_dim), self.storage)
         v = np.empty_like(k)
         lo = 0
         for vw in views:
-            n = vw.k_codes.shape[0]
-            quant.dequant_layer(vw, lay.dtype, k[0, lo : lo + n], v[0, lo : lo + n])
+            n = vw.tokens
+            vw.dequant_into(lay.dtype, k[0, lo : lo + n], v[0, lo : lo + n])
             lo += n
         self._write(k, v, slots, layer)
 

@@ -15,14 +15,15 @@ The SGLang glue talks to a small interface so the decode path can be swapped:
 
 ``InProcessFetchBackend`` is the in-process baseline ("CacheGen-Async-like"): worker threads of the
 scheduler process run ``StoreClient.get_many`` and decode layer-major into numpy staging arrays. With a
-device KV pool and a quantized codec (``keep_codes``) the workers run only the lossless stage and stage
-the codes (``handle.codes``): the pool's ``KVWriter`` dequantizes them on the device at install (the
-CacheGen-like "GPU decode" baseline). The DPU data-plane client (``sgl_remote_kv.control.dpu_client``)
+device KV pool and a codec with a device dequant stage (``Codec.device_dequant``: the quantized and
+transform codecs; ``keep_codes``) the workers run only the lossless stage and stage the codes
+(``handle.codes``): the pool's ``KVWriter`` dequantizes them on the device at install (the CacheGen-like
+"GPU decode" baseline; for the transform codec also its inverse transform and RoPE). The DPU data-plane client (``sgl_remote_kv.control.dpu_client``)
 implements the same interface.
 
 Threads: ``submit``/``cancel``/reads of a handle happen on the scheduler thread; the decode runs on
 the backend's worker threads. Buffers: the staging arrays ``handle.k``/``handle.v``
-(``[L, n_chunks * chunk, H, D]``) or ``handle.codes`` (per layer, one ``LayerView`` per chunk) are
+(``[L, n_chunks * chunk, H, D]``) or ``handle.codes`` (per layer, one codes view per chunk) are
 allocated by the backend and owned by the handle; the scheduler reads them only after ``done()`` is
 true (``write_staged``), then drops the handle.
 """
@@ -40,7 +41,6 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from sgl_remote_kv.codec import quant
 from sgl_remote_kv.codec.base import Codec
 from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.kvpool import KVWriter
@@ -67,7 +67,7 @@ class FetchHandle:
         self.offsets = (0, *itertools.accumulate(self.tokens))  # chunk i = tokens [offsets[i], offsets[i+1])
         self.k: np.ndarray | None = None
         self.v: np.ndarray | None = None
-        self.codes: list[list[quant.LayerView]] | None = None  # [layer][chunk], instead of k/v
+        self.codes: list[list] | None = None  # [layer][chunk] codes views (Codec.codes_stage), instead of k/v
         self.kv_slots = None  # direct backends: the reserved KV slots (host int64), one per token
         self.ok_chunks = n_chunks
         self.layers_ready = 0
@@ -247,11 +247,11 @@ class ThreadedFetchBackend:
 
 class InProcessFetchBackend(ThreadedFetchBackend):
     """Fetch + decode in worker threads of this process (see module docstring). ``keep_codes``: stage
-    the lossless stage's codes for device dequantization (quantized codecs only)."""
+    the lossless stage's codes for device dequantization (codecs with ``device_dequant`` only)."""
 
     def __init__(self, *args, keep_codes: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.keep_codes = keep_codes and isinstance(self.codec, quant.QuantCodec)
+        self.keep_codes = keep_codes and self.codec.device_dequant
 
     def _fetch_and_decode(self, handle: FetchHandle, keys: list[bytes]) -> None:
         if handle.cancelled:
@@ -279,7 +279,7 @@ class InProcessFetchBackend(ThreadedFetchBackend):
         """Lossless stage only, layer-major: ``handle.codes[layer][chunk]`` (views into per-chunk buffers)."""
         lay = self.fingerprint.layout
         t0 = time.perf_counter()
-        codes: list[list[quant.LayerView]] = []
+        codes: list[list] = []
         for layer in range(lay.num_layers):
             row = []
             for i in range(handle.ok_chunks):

@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sgl_remote_kv.codec import quant
 from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.kvpool import KVWriteError
 from sgl_remote_kv.sglang_glue.fetch import FetchHandle
@@ -157,7 +156,7 @@ class LayerwiseInstalls:
             h.wait(0.002)
 
     def _decode_layer(self, p: _Pending, layer: int) -> None:
-        if self.kv_writer.device_dequant and isinstance(p.codec, quant.QuantCodec):
+        if self.kv_writer.device_dequant and p.codec.device_dequant:
             return self._decode_layer_on_device(p, layer)
         t0 = time.perf_counter()
         h = p.handle
