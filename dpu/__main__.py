@@ -17,6 +17,7 @@ import sys
 from .protocol import decode_warmup
 from .server import DataPlaneConfig, DataPlaneServer
 from .settings import DataPlaneSettings, add_flags, from_namespace
+from .store_proxy import StoreProxy, StoreProxyConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-fingerprint", action="append", default=[], metavar="HEX",
                    help="serve only models with this fingerprint digest (64 hex digits; repeatable; "
                    "default: any model)")  # fmt: skip
+    p.add_argument("--store-endpoint", default="",
+                   help="also serve the store to hosts that cannot reach it (lookups, write-backs; they use "
+                   "--remote-kv-store dpu+ipc:///path): ZeroMQ endpoint of the store proxy; tcp:// needs "
+                   "--auth-key-file")  # fmt: skip
     p.add_argument("--settings-json", help="every tunable as DataPlaneSettings JSON (the host's way)")
     p.add_argument("--warm", help="protocol.Warmup JSON: decode one synthetic chunk of this codec and model "
                    "before serving (the host's way; first jobs then do not load kernels)")  # fmt: skip
@@ -87,13 +92,31 @@ def config_from_args(ns: argparse.Namespace) -> DataPlaneConfig:
         raise SystemExit(f"data plane: {e}") from None
 
 
+def proxy_config_from_args(ns: argparse.Namespace, cfg: DataPlaneConfig) -> StoreProxyConfig | None:
+    if not ns.store_endpoint:
+        return None
+    try:
+        return StoreProxyConfig(ns.store_endpoint, cfg.store_url, cfg.auth_key)
+    except ValueError as e:
+        raise SystemExit(f"store proxy: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
-    cfg = config_from_args(build_parser().parse_args(argv))
+    ns = build_parser().parse_args(argv)
+    cfg = config_from_args(ns)
+    proxy_cfg = proxy_config_from_args(ns, cfg)
     logging.basicConfig(
         level=cfg.settings.log_level.upper(),
         format="%(asctime)s dpu[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
-    DataPlaneServer(cfg).run()
+    proxy = StoreProxy(proxy_cfg) if proxy_cfg else None
+    if proxy is not None:
+        proxy.start()
+    try:
+        DataPlaneServer(cfg).run()
+    finally:
+        if proxy is not None:
+            proxy.stop()
     return 0
 
 

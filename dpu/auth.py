@@ -6,7 +6,8 @@ domain-separated SHA-256, one CURVE key pair for the data plane and one for its 
 the secret is what lets a client connect: a client with another secret computes another server public
 key and its handshake fails; a client with the right server key but another client key is refused by
 the ZAP handler (``serve``), which accepts only the derived client public key. CURVE also encrypts the
-control channel. The KV itself never crosses this socket (it goes through the host's shared region).
+control channel. The KV itself never crosses this socket (it goes through the host's shared region);
+the store proxy's socket (``store_proxy.py``), which carries stored values, is secured the same way.
 
 Threads: ``serve`` starts pyzmq's ZAP authenticator thread in the given context (stopped by
 ``ZapHandle.stop``); everything else is pure.

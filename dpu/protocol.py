@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -276,6 +276,32 @@ class JobDone(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     failed: U32
 
 
+StoreOp = Literal["count_prefix", "get_many", "put_many", "delete_many"]
+MAX_STORE_KEYS = 4096
+MAX_VALUE_BYTES = 256 << 20  # one stored value (a chunk blob + its framing)
+
+
+class StoreRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Store proxy (``dpu/store_proxy.py``): one ``KVStore`` call made for a host that cannot reach the
+    store itself. Frame 1 of a multipart message; ``put_many`` sends one more frame per key (its value,
+    already framed and checksummed by the host's ``StoreClient``: the proxy stores bytes verbatim)."""
+
+    req: U64
+    op: StoreOp
+    keys: Annotated[list[Key], msgspec.Meta(max_length=MAX_STORE_KEYS)]
+
+
+class StoreReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Answer to ``StoreRequest`` ``req``: ``error`` is empty or the backend's failure kind (``StoreError.kind``:
+    ``unavailable``, ``timeout``, ...; ``bad_request``). ``count``: ``count_prefix``'s answer. ``present``
+    (``get_many``): one flag per key; one more frame follows per present key, in key order."""
+
+    req: U64
+    error: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    count: U32 = 0
+    present: Annotated[list[bool], msgspec.Meta(max_length=MAX_STORE_KEYS)] = []
+
+
 KINDS: dict[int, type[msgspec.Struct]] = {
     1: SubmitFetch,
     2: Cancel,
@@ -289,6 +315,8 @@ KINDS: dict[int, type[msgspec.Struct]] = {
     10: Register,
     11: Registered,
     12: Goodbye,
+    13: StoreRequest,  # kinds 13-14 travel only on the store proxy's socket (additive: no version bump)
+    14: StoreReply,
 }
 _KIND_OF = {cls: k for k, cls in KINDS.items()}
 _ENCODER = msgspec.msgpack.Encoder()
@@ -296,7 +324,7 @@ _DECODERS = {k: msgspec.msgpack.Decoder(cls) for k, cls in KINDS.items()}
 
 Message = (
     SubmitFetch | Cancel | Heartbeat | Pong | ChunkDone | LayerDone | ChunkFailed | JobDone | ChunksVerified
-    | Register | Registered | Goodbye
+    | Register | Registered | Goodbye | StoreRequest | StoreReply
 )
 
 

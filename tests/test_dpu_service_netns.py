@@ -3,7 +3,8 @@ reach the store. Redis and the service run in this (root) network namespace, the
 own core; the host clients (two ``DpuClient``s standing in for the two ranks of a ``--tp 2`` server)
 run in a fresh network namespace (``unshare --net``: only a loopback that is down), where the store is
 unreachable. They reach the service through its ``ipc://`` socket (a file: visible across network
-namespaces) and get their KV through the shared ``/dev/shm`` region. Remote hits are token-identical
+namespaces) and get their KV through the shared ``/dev/shm`` region; the host's own store calls (lookups,
+a write-back) go through the service's store proxy (``dpu+ipc://``). Remote hits are token-identical
 (float32 + ``lossless``); the store going down, and the service hanging, end fetches as misses.
 
 Needs ``unshare --net`` (root or user namespaces) and ``redis-server``; skipped without ``unshare``.
@@ -50,6 +51,14 @@ for r in (0, 1):
     clients[r].start()
 say("PIDS", clients[0].pid, clients[1].pid)
 
+# the host's store calls (lookups, write-backs) go through the service's store proxy
+from sgl_remote_kv.store.client import ClientConfig, open_client
+store = open_client({store_ep!r}, ClientConfig(timeout_s=2.0, retries=0))
+mine = [bytes([9, i]).ljust(32, b"x") for i in range(2)]
+wrote = store.put_many([(k, b"written back from the namespace") for k in mine])
+found = [store.count_prefix([bytes.fromhex(k) for k in keys[r]]) for r in (0, 1)]
+say("PROXY", wrote, *found, store.count_prefix(mine))
+
 def fetch_both(tag):
     targets = {{r: make_pool(LAYOUT32, 512, 4 * CHUNK, seed=r) for r in (0, 1)}}
     hs = {{r: clients[r].submit(tag, [bytes.fromhex(k) for k in keys[r]], CHUNK, targets[r]) for r in (0, 1)}}
@@ -67,6 +76,10 @@ fetch_both("hits")
 for step in ("store_down", "hung"):
     sys.stdin.readline()  # the test changed the world
     fetch_both(step)
+    if step == "store_down":
+        got = store.lookup_prefix(mine)
+        say("PROXY_DOWN", got.found, got.error)
+store.close()
 for c in clients.values():
     c.close()
 """
@@ -80,12 +93,13 @@ def test_only_the_service_reaches_the_store(own_redis_server, tmp_path):
     keys = {r: put_chunks(url, codecs()["lossless"], _chunks(4, seed=50 + r), _fp(r), prefix=b"n%d" % r)[0]
             for r in (0, 1)}  # fmt: skip
     own_core = max(os.sched_getaffinity(0))
+    store_ep = f"ipc://{tmp_path}/store.sock"
     svc = Service(f"ipc://{tmp_path}/dpu.sock", url, tmp_path / "service.log", *_slots_flags(),
-                  "--cpus", str(own_core), "--store-timeout", "0.5").start()  # fmt: skip
+                  "--cpus", str(own_core), "--store-timeout", "0.5", "--store-endpoint", store_ep).start()  # fmt: skip
     from sgl_remote_kv.dpu.buffers import chunk_bytes
 
     script = _CLIENTS.format(
-        tests=str(Path(__file__).parent), port=own_redis_server.port, ep=svc.endpoint,
+        tests=str(Path(__file__).parent), port=own_redis_server.port, ep=svc.endpoint, store_ep=f"dpu+{store_ep}",
         keys={r: [k.hex() for k in keys[r]] for r in (0, 1)}, cb=chunk_bytes(LAYOUT32, CHUNK),
     )  # fmt: skip
     host = subprocess.Popen(
@@ -96,6 +110,8 @@ def test_only_the_service_reaches_the_store(own_redis_server, tmp_path):
         assert host.stdout.readline().strip() == "STORE_UNREACHABLE"
         assert host.stdout.readline().split()[1:] == [str(svc.proc.pid)] * 2  # both ranks: one service
         assert sorted(os.sched_getaffinity(svc.proc.pid)) == [own_core]
+        # lookups and a write-back through the service: both ranks' 4 chunks found, the 2 new values stored
+        assert host.stdout.readline().split() == ["PROXY", "2", "4", "4", "2"]
         # remote hits, token-identical, for both ranks
         assert host.stdout.readline().split() == ["HITS", "4::True", "4::True"]
         own_redis_server.stop()  # the store goes down: misses with the store client's error kind
@@ -103,6 +119,8 @@ def test_only_the_service_reaches_the_store(own_redis_server, tmp_path):
         host.stdin.flush()
         line = host.stdout.readline().split()
         assert line[0] == "STORE_DOWN" and all(x.startswith("0:") and "store_" in x for x in line[1:]), line
+        line = host.stdout.readline().split()  # a lookup through the proxy: a miss with the store's reason
+        assert line[:2] == ["PROXY_DOWN", "0"] and line[2] in ("unavailable", "timeout"), line
         os.kill(svc.proc.pid, signal.SIGSTOP)  # the service hangs: misses after the heartbeat timeout
         host.stdin.write("go\n")
         host.stdin.flush()

@@ -29,6 +29,8 @@ BAD_URLS = {
     "faulty+ftp://x": "unknown scheme",
     "auth+redis://h:1/0": "auth_key_file",
     "-h": "not a URL",
+    "dpu+ipc://relative.sock": "absolute path",
+    "dpu+tcp://:5557": "missing host",
 }
 GOOD_URLS = [
     "",
@@ -38,6 +40,8 @@ GOOD_URLS = [
     "redis://:pw@h:6379/2?timeout=1",
     "redis+cluster://a:7000,b:7001",
     "faulty+file:///tmp/s?error_rate=0.1",
+    "dpu+ipc:///run/srkv/store.sock",
+    "dpu+tcp://10.0.0.2:5558?auth_key_file=/etc/srkv.key",
 ]
 
 
