@@ -27,11 +27,12 @@ from benchmarks.e2e_probe import generate, probe_prompts
 from benchmarks.e2e_server import flush_device_cache, scrape, wait_writeback_idle
 from sgl_remote_kv.launcher import ServerSpec, SGLangServer
 from sgl_remote_kv.model import ensure_model
-from sgl_remote_kv.sglang_glue.runtime import resolve_codec
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "results" / "exactness.json"
-# default: quant_deflate with the tuned bins; quant_deflate: its constructor's (8-bit K and V, ShadowServe-like)
+# default: what the server resolves (the transform codec with the model's calibration, else quant_deflate with
+# the tuned bins; ``served_by`` says which, from the server's metrics); quant_deflate: its constructor's
+# (8-bit K and V, ShadowServe-like)
 CODECS = ("lossless", "default", "quant_deflate", "cachegen")
 CHUNK = 64
 log = logging.getLogger("bench_exactness")
@@ -79,7 +80,6 @@ def run_codec(model: str, codec: str, prompts: list[list[int]], tokens: int, wor
     storage = [((m.get("cached_tokens_details") or {}).get("storage") or 0) for m in meta_remote]
     row = {
         "codec": codec,
-        "resolved": repr(resolve_codec(codec)),
         "remote_vs_local": compare(local, remote),
         "exact_vs_local": compare(local, exact),
         "cold_vs_local": compare(local, cold),
