@@ -116,6 +116,11 @@ def protocol_samples() -> list:
         P.Registered(True, "", 10000, 4242),
         P.Registered(False, "destination region 'x' does not exist"),
         P.Goodbye(),
+        P.StoreRequest(9, "put_many", [b"k" * 32, b"j" * 32]),
+        P.StoreRequest(10, "count_prefix", []),
+        P.StoreReply(9),
+        P.StoreReply(11, "", 0, [True, False]),
+        P.StoreReply(12, "unavailable"),
     ]
     assert {type(m) for m in samples} == set(P.KINDS.values()), "a message kind has no sample"
     return samples

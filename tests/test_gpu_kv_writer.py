@@ -6,6 +6,8 @@
 - writes from another thread on the side stream while a forward-like kernel loop runs on the default
   stream, each layer read only after ``wait_layer``: every read sees the written KV;
 - the DPU client end to end: a real data-plane process fetches from an embedded store into a CUDA pool.
+- ``write_quantized`` on the device: the quantized codec bit-exact against its CPU decode; the transform
+  codec (Triton inverse transform, escapes, a sink token) within one step of the dtype of its CPU decode.
 
 Skipped with the reason when there is no CUDA device (always, in CI). Never ran in development.
 """
@@ -176,3 +178,43 @@ def test_write_quantized_dequantizes_on_the_device_bit_exact(dtype, k_channel_sc
     rk, rv = w.read(slots)
     np.testing.assert_array_equal(rk, np.concatenate([r[0] for r in ref], axis=1))
     np.testing.assert_array_equal(rv, np.concatenate([r[1] for r in ref], axis=1))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_write_quantized_transform_codec_on_the_device(dtype):
+    """The transform codec on a CUDA pool: symbols, escapes, scales, RoPE tables and the sink token H2D,
+    ``kernels/transform.py`` (Triton) per chunk, one scatter per layer; the pool holds the codec's CPU
+    decode up to float32 summation order (at most one step of the dtype on a few values)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from calibration_helpers import make_calibration
+
+    from benchmarks import synthetic_kv as synthetic
+    from sgl_remote_kv.codec import quant
+    from sgl_remote_kv.codec.base import get_codec
+
+    fp = synthetic.fingerprint(num_layers=3, dtype=dtype)
+    lay = fp.layout
+    cal = make_calibration(fp, step=0.02, seed=4)
+    codec = get_codec("transform", calibration=cal.calib_id.hex(), quality="0.0005")
+    chunks = [synthetic.kv(lay, 64, seed=s) for s in range(3)]
+    blobs = [codec.encode(k, v, fp, start=64 * i) for i, (k, v) in enumerate(chunks)]
+    pool = _sglang_pool(lay, 1024)
+    w = _writer(pool, lay)
+    slots = torch.randperm(1024)[:192]
+    for layer in range(lay.num_layers):
+        views = []
+        for b in blobs:
+            hdr = codec.parse(b, fp)
+            views.append(codec.codes_stage(b, hdr, layer, np.empty(codec.scratch_bytes(hdr, layer), np.uint8)))
+        w.write_quantized(views, slots, layer)
+    assert w.stats["device_dequant"] == lay.num_layers
+    ref = [codec.decode(b, fp) for b in blobs]
+    rk, rv = w.read(slots)
+    step = 2.0**-7 if dtype == "bfloat16" else 1e-5
+    for got, want in ((rk, np.concatenate([r[0] for r in ref], axis=1)), (rv, np.concatenate([r[1] for r in ref], axis=1))):
+        g, x = quant.to_f32(got, dtype), quant.to_f32(want, dtype)
+        assert np.all(np.abs(g - x) <= np.abs(x) * step + 1e-4), float(np.abs(g - x).max())
+        assert np.mean(got != want) < 0.02
