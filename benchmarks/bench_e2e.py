@@ -204,12 +204,16 @@ class Bench:
         return {"link_rate_mbit": rate if cfg.remote else None, "points": points}
 
     def interference(self, srv, cfg: Config) -> dict:
+        """The loaded / unloaded TPOT ratio, and beside it (same server, prompts and decode) the same with
+        every background request a device hit: the remainder of the first over the second is what getting
+        the KV (fetch, install; or prefill) costs the running decode."""
         if cfg.remote:
             self.store.set_rate(self.a.curve_link_rate)
-        res = interference(
-            srv.base_url, self.prompts, self.a.decode_tokens, lambda: flush_device_cache(srv.base_url)
-        )
+        flush = lambda: flush_device_cache(srv.base_url)  # noqa: E731
+        res = interference(srv.base_url, self.prompts, self.a.decode_tokens, flush)
         res["link_rate_mbit"] = self.a.curve_link_rate if cfg.remote else None
+        res["device_hit_baseline"] = interference(srv.base_url, self.prompts, self.a.decode_tokens, flush,
+                                                  device_hits=True)  # fmt: skip
         return res
 
     @staticmethod

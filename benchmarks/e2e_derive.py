@@ -8,7 +8,7 @@
   to ``r * (128 KiB * P_L40S) / (kv_here * P_here)`` there (``P_L40S`` from ``projection.prefill_s``).
 - ``fetch_vs_floor``: every probe request's fetch/floor ratio per config and rate.
 - ``auto_vs_fixed``: per rate, auto's mean TTFT and paths next to the best fixed configuration.
-- ``interference``: loaded/unloaded TPOT per configuration.
+- ``interference``: loaded/unloaded TPOT per configuration, and the device-hit baseline's beside it.
 - ``probe_vs_recompute``: per config and rate, each probe request's latency over the side-by-side
   recompute of a same-length fresh prompt (measured right after it, same server, same moment).
 """
@@ -111,6 +111,10 @@ def interference(result: dict) -> dict:
                 "ratio": i["loaded_over_unloaded"],
                 "paths": i.get("paths"),
             }
+            base = i.get("device_hit_baseline") or {}
+            if base.get("loaded_over_unloaded"):  # same server, every background request a device hit
+                out[name]["device_hit_ratio"] = base["loaded_over_unloaded"]
+                out[name]["remainder"] = i["loaded_over_unloaded"] / base["loaded_over_unloaded"]
     return out
 
 

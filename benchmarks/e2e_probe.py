@@ -155,15 +155,21 @@ def _summ(gaps: list[float]) -> dict:
     return {"n": len(gaps), "mean_s": statistics.fmean(gaps), "median_s": statistics.median(gaps)}
 
 
-def interference(base_url: str, prompts: list[list[int]], n_tokens: int, flush) -> dict:
+def interference(base_url: str, prompts: list[list[int]], n_tokens: int, flush, device_hits: bool = False) -> dict:
     """TPOT of a running decode alone and while ``prompts`` are served one after another.
 
     ``flush()`` empties the device cache before the loaded phase, so each prompt is a remote fetch
-    in remote configurations (and a full prefill in local ones).
+    in remote configurations (and a full prefill in local ones). ``device_hits``: the baseline instead:
+    every prompt is served once first and the cache is not flushed, so each background request is a
+    device (radix) hit: what remains of the slowdown is the cost of a request joining the batch, not
+    of getting its KV.
     """
     alone: list[float] = []
     _stream_decode(base_url, n_tokens, alone)
     flush()
+    if device_hits:
+        for ids in prompts:
+            generate(base_url, ids)
     stamps: list[float] = []
     t = threading.Thread(target=_stream_decode, args=(base_url, n_tokens, stamps), daemon=True)
     t.start()
