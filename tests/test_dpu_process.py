@@ -61,7 +61,7 @@ def _raw_dealer(client: DpuClient) -> Iterator[zmq.Socket]:
 def make_client():
     clients: list[DpuClient] = []
 
-    def make(url: str, codec, fp=FP, dest_chunks: int = 3, **cfg_kw) -> DpuClient:
+    def make(url: str, codec, fp=FP, dest_chunks: int = 3, on_write=None, **cfg_kw) -> DpuClient:
         spec = cfg_kw.pop("process", _spec())
         cfg = DpuClientConfig(
             url,
@@ -70,7 +70,7 @@ def make_client():
             process=spec,
             **cfg_kw,
         )
-        c = DpuClient(cfg, fp, codec)
+        c = DpuClient(cfg, fp, codec, on_write=on_write)
         c.start()
         clients.append(c)
         return c
@@ -94,7 +94,8 @@ def test_round_trip_bit_exact_with_rounds(tmp_path, make_client, codec_name):
     codec = codecs()[codec_name]
     url = f"file://{tmp_path}/store"
     keys, blobs = put_chunks(url, codec, random_chunks(7, seed=3))
-    c = make_client(url, codec)  # 3 chunks per host round, 2 per data-plane round: both split
+    writes: list[tuple[float, int]] = []  # the scheduler-side cost the glue exports (dataplane_write_*)
+    c = make_client(url, codec, on_write=lambda s, n: writes.append((s, n)))  # 3 chunks per host round, 2 per DP round
     target = make_pool(LAYOUT, 1024, 7 * CHUNK)
     h = c.submit("r", keys, CHUNK, target)
     assert h.wait_layer(0, timeout=30)
@@ -103,6 +104,8 @@ def test_round_trip_bit_exact_with_rounds(tmp_path, make_client, codec_name):
     assert res.wire_bytes == sum(map(len, blobs))  # the codec blobs the store returned
     assert h.layer_is_ready(LAYOUT.num_layers - 1)
     assert len(h.rounds) == 3
+    assert sum(n for _, n in writes) == 3 * LAYOUT.num_layers and all(s >= 0 for s, _ in writes)
+    assert sum(s for s, _ in writes) == pytest.approx(c.counters["write_s"])
     _assert_pool_equals_decode(target, blobs, 7)
     dp = c.stats()
     assert dp["chunks_done"] == 7 and dp["restarts"] == 0

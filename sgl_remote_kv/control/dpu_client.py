@@ -98,6 +98,7 @@ class DpuClient:
         on_event: Callable[[], None] | None = None,
         on_store_error: Callable[[str, str, int], None] | None = None,
         on_restart: Callable[[str], None] | None = None,
+        on_write: Callable[[float, int], None] | None = None,
     ) -> None:
         self.cfg, self.fingerprint, self.layout = cfg, fingerprint, fingerprint.layout
         self.codec, self.codec_name, self.codec_params = codec, codec.name, codec.params_bytes()
@@ -122,6 +123,7 @@ class DpuClient:
         self._tmp = shm_names.run_dir()  # endpoint + log; swept by a later client if we die unclosed
         self.on_store_error = on_store_error  # (op, kind, n): the data plane's store client failures
         self.on_restart = on_restart  # (reason: "exited" | "hung" | "restarted"): replaced / reconnected
+        self.on_write = on_write  # (seconds, layers): the receiver thread wrote a round's layers into the pool
         self.book: RoundBook | None = None  # created in ``start`` (needs the region)
         self._thread: threading.Thread | None = None
         self._running = False
@@ -152,6 +154,7 @@ class DpuClient:
             self.counters,
             self._on_event_cb,
             eager=cfg.blob_slot_bytes > 0,
+            on_write=self.on_write,
         )
         self._wake_rx = self._ctx.socket(zmq.PAIR)
         self._wake_rx.bind(f"inproc://srkv-wake-{id(self)}")

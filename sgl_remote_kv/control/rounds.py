@@ -43,7 +43,9 @@ def failure_kind(msg: P.ChunkFailed) -> str:
 class RoundBook:
     """See module docstring. ``submit_msg(round)`` builds the ``SubmitFetch`` of a round given a slot and
     a job id; ``counters`` is the client's counter dict; ``on_finished`` (may be None) is called when a
-    fetch finished; ``eager``: write each layer as soon as it is in the region (layer-wise consumers)."""
+    fetch finished; ``eager``: write each layer as soon as it is in the region (layer-wise consumers);
+    ``on_write(seconds, layers)`` (may be None) after every write of a round's layers into the pool
+    (the receiver thread's time in the pool's ``KVWriter``, failed writes included)."""
 
     def __init__(
         self,
@@ -55,8 +57,10 @@ class RoundBook:
         counters: dict,
         on_finished: Callable[[], None] | None,
         eager: bool = False,
+        on_write: Callable[[float, int], None] | None = None,
     ) -> None:
         self.layout, self.io, self.slot_bytes, self.eager = layout, io, slot_bytes, eager
+        self._on_write = on_write
         self._submit_msg, self.counters, self._on_finished = submit_msg, counters, on_finished
         self.pending: deque[HostRound] = deque()
         self.inflight: dict[int, HostRound] = {}  # data-plane job id -> round
@@ -231,5 +235,8 @@ class RoundBook:
             logger.warning("KV write for %s failed; its round is a miss: %s", h.request_id, e)
             return False
         finally:
-            self.counters["write_s"] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.counters["write_s"] += dt
+            if self._on_write is not None:
+                self._on_write(dt, hi - lo)
         return True

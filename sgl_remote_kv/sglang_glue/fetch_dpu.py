@@ -137,13 +137,14 @@ class DpuFetchBackend:
 
 
 def start_dpu_backend(
-    config, fingerprint, codec, kv_writer, on_done=None, on_store_error=None, on_restart=None
+    config, fingerprint, codec, kv_writer, on_done=None, on_store_error=None, on_restart=None, on_write=None
 ) -> DpuFetchBackend | None:
     """Spawn the data plane, or attach to the service at ``config.dpu_endpoint``; ``None`` (with a warning)
     if it cannot start or refuses this client -- the caller falls back.
     ``on_store_error(op, kind, n)``: the data plane's store client failures (per failed chunk);
     ``on_restart(reason)``: the data plane was replaced (``exited`` / ``hung``) or, attached, a reconnect
-    (``hung`` / ``restarted``)."""
+    (``hung`` / ``restarted``); ``on_write(seconds, layers)``: the client's receiver thread wrote fetched
+    layers into the pool."""
     try:
         from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
         from sgl_remote_kv.dpu.settings import DataPlaneSettings
@@ -160,7 +161,8 @@ def start_dpu_backend(
         if config.layerwise:  # host copies of verified blobs: compressed size <= decoded size here
             cfg = dataclasses.replace(cfg, blob_slot_bytes=cfg.dest_slot_bytes)
         client = DpuClient(
-            cfg, fingerprint, codec, on_event=on_done, on_store_error=on_store_error, on_restart=on_restart
+            cfg, fingerprint, codec, on_event=on_done, on_store_error=on_store_error, on_restart=on_restart,
+            on_write=on_write,
         )
         client.start()
     except Exception as e:  # boundary: a missing/broken data plane means the in-process path

@@ -63,6 +63,7 @@ class PathParts:
     wakeup: threading.Event
     on_store_error: object = None  # (op, kind, n): the data plane's own store client's failures
     on_restart: object = None  # (reason): the data plane was replaced
+    on_pool_write: object = None  # (seconds, layers): the DPU client's receiver thread wrote into the pool
 
 
 def inproc_path(parts: PathParts) -> FetchPath:
@@ -118,7 +119,7 @@ def _dpu_or_inproc(parts: PathParts) -> FetchPath:
 
         be = start_dpu_backend(
             parts.config, parts.fingerprint, parts.codec, parts.kv_writer, parts.wakeup.set, parts.on_store_error,
-            parts.on_restart,
+            parts.on_restart, parts.on_pool_write,
         )
         if be is not None:
             return FetchPath(PathName.DPU, be, parts.codec)

@@ -97,7 +97,7 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
     client.on_breaker = metrics.store_breaker  # store_breaker_state{circuit}
     wakeup = threading.Event()
     parts = paths.PathParts(cfg, fp, codec, client, kv_writer, wakeup, on_store_error=metrics.store_error,
-                            on_restart=metrics.dataplane_restart)  # fmt: skip
+                            on_restart=metrics.dataplane_restart, on_pool_write=metrics.dataplane_write)  # fmt: skip
     keys = runtime.KeySpace(fp, codec, cfg.chunk_size, generation.read(client, fp) or b"")
     tails = cfg.tail_granule if codec.sub_chunks else 0  # hevc: a frame layout per chunk size
     writeback = WriteBack(codec, fp, client, keys, metrics, kv_writer, b.req_to_token_pool,
