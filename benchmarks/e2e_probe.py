@@ -194,4 +194,7 @@ def interference(base_url: str, prompts: list[list[int]], n_tokens: int, flush, 
         "loaded_over_unloaded": ratio,
         "paths": decisions(d),
         "remote_hit_tokens": metric(d, "remote_kv_hit_tokens_total"),
+        # the DPU client's receiver thread writing fetched layers into the pool (scheduler-side cost)
+        "client_write_s": metric(d, "remote_kv_dataplane_write_seconds_total"),
+        "client_write_layers": metric(d, "remote_kv_dataplane_write_layers_total"),
     }
