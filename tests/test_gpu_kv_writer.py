@@ -149,6 +149,22 @@ def test_dpu_client_end_to_end_into_a_cuda_pool(tmp_path):
         c.close()
 
 
+def _write_codes(codec, fp, blobs):
+    """Every layer of ``blobs`` through ``write_quantized`` (the lossless stage's views, all chunks at once)
+    into a fresh SGLang pool on CUDA; returns the writer and the slots written."""
+    lay = fp.layout
+    w = _writer(_sglang_pool(lay, 1024), lay)
+    slots = torch.randperm(1024)[: 64 * len(blobs)]
+    for layer in range(lay.num_layers):
+        views = []
+        for b in blobs:
+            hdr = codec.parse(b, fp)
+            views.append(codec.codes_stage(b, hdr, layer, np.empty(codec.scratch_bytes(hdr, layer), np.uint8)))
+        w.write_quantized(views, slots, layer)
+    assert w.stats["device_dequant"] == lay.num_layers
+    return w, slots
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("k_channel_scale", [False, True])
 def test_write_quantized_dequantizes_on_the_device_bit_exact(dtype, k_channel_scale):
@@ -156,7 +172,6 @@ def test_write_quantized_dequantizes_on_the_device_bit_exact(dtype, k_channel_sc
     the same bits as the codec's CPU decode (numba)."""
     from benchmarks import synthetic_kv as synthetic
     from sgl_remote_kv.codec.base import get_codec
-    from sgl_remote_kv.codec.format import parse_header
 
     fp = synthetic.fingerprint(num_layers=4, dtype=dtype)
     lay = fp.layout
@@ -164,16 +179,7 @@ def test_write_quantized_dequantizes_on_the_device_bit_exact(dtype, k_channel_sc
     codec = get_codec("quant_deflate", k_bins="256", v_bins="96", granularity=gran, k_channel_scale=k_channel_scale)
     chunks = [synthetic.kv(lay, 64, seed=s) for s in range(3)]
     blobs = [codec.encode(k, v, fp) for k, v in chunks]
-    pool = _sglang_pool(lay, 1024)
-    w = _writer(pool, lay)
-    slots = torch.randperm(1024)[:192]
-    for layer in range(lay.num_layers):
-        views = []
-        for b in blobs:
-            hdr = parse_header(b, fp)
-            views.append(codec.codes_stage(b, hdr, layer, np.empty(codec.scratch_bytes(hdr, layer), np.uint8)))
-        w.write_quantized(views, slots, layer)
-    assert w.stats["device_dequant"] == lay.num_layers
+    w, slots = _write_codes(codec, fp, blobs)
     ref = [codec.decode(b, fp) for b in blobs]
     rk, rv = w.read(slots)
     np.testing.assert_array_equal(rk, np.concatenate([r[0] for r in ref], axis=1))
@@ -201,16 +207,7 @@ def test_write_quantized_transform_codec_on_the_device(dtype):
     codec = get_codec("transform", calibration=cal.calib_id.hex(), quality="0.0005")
     chunks = [synthetic.kv(lay, 64, seed=s) for s in range(3)]
     blobs = [codec.encode(k, v, fp, start=64 * i) for i, (k, v) in enumerate(chunks)]
-    pool = _sglang_pool(lay, 1024)
-    w = _writer(pool, lay)
-    slots = torch.randperm(1024)[:192]
-    for layer in range(lay.num_layers):
-        views = []
-        for b in blobs:
-            hdr = codec.parse(b, fp)
-            views.append(codec.codes_stage(b, hdr, layer, np.empty(codec.scratch_bytes(hdr, layer), np.uint8)))
-        w.write_quantized(views, slots, layer)
-    assert w.stats["device_dequant"] == lay.num_layers
+    w, slots = _write_codes(codec, fp, blobs)
     ref = [codec.decode(b, fp) for b in blobs]
     rk, rv = w.read(slots)
     step = 2.0**-7 if dtype == "bfloat16" else 1e-5
