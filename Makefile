@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-codec-speed bench-store bench-dpu bench-nvdec \
+.PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-codec-speed bench-store bench-dpu bench-dpu-service bench-nvdec \
 	bench-cpu-attention bench-e2e bench-e2e-quick bench-burst bench-tail projection soak test-faults \
 	test-conformance dashboard bench-exactness clean
 
@@ -64,6 +64,10 @@ bench-store: setup
 
 bench-dpu: model
 	$(PY) -m benchmarks.bench_dpu
+
+# One data-plane service feeding two clients vs two private data planes on the same core (issue 17)
+bench-dpu-service: model
+	$(PY) -m benchmarks.bench_dpu_service
 
 bench-nvdec: model
 	$(PY) -m benchmarks.bench_nvdec
