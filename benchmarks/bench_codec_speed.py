@@ -94,17 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:40s} {r['ratio']:6.2f} {r['lossless_mb_s']:9.0f} {r['dequant_mb_s']:9.0f} "
               f"{r['decode_mb_s']:9.0f} {r['encode_mb_s']:9.0f}")  # fmt: skip
     meta = {"text": args.text, "chunks": len(chunks), "repeat": args.repeat, "threads": 1,
-            "cpu": _cpu(), "unit": "MB of decoded bf16 KV per CPU-second of one thread"}  # fmt: skip
+            "cpu": kvdata.cpu_model(), "unit": "MB of decoded bf16 KV per CPU-second of one thread"}  # fmt: skip
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
-
-
-def _cpu() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -117,17 +117,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(f'{x:.2f}' for x in row['client_s'])}")  # fmt: skip
     meta = {"codec": codec.name, "chunk_tokens": a.chunk, "chunks_per_client": len(keys), "cpus": a.cpus,
             "staging": "service: 4 slots; private: 2 slots each (same total)",
-            "decoded_bytes_total": decoded, "reps": a.reps, "cpu": kvdata_cpu()}  # fmt: skip
+            "decoded_bytes_total": decoded, "reps": a.reps, "cpu": kvdata.cpu_model()}  # fmt: skip
     a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(f"wrote {a.out}")
     return 0
-
-
-def kvdata_cpu() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 if __name__ == "__main__":
