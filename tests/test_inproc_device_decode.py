@@ -129,3 +129,30 @@ def test_layerwise_on_demand_decode_dequantizes_on_the_device(stored, dev):
     rk, rv = w.read(slots)
     _assert_decoded(codec, rk, k)
     _assert_decoded(codec, rv, v)
+
+
+def test_transform_constants_are_not_replaced_under_a_late_write(tmp_path, dev):
+    """A timed-out device write may still read the transform constants it was given: while one is
+    pending, the constants cache is not cleared (a write that would need it to be is a failed write);
+    once the late work completed, it is."""
+    client, codec, keys, _, _ = _store(tmp_path, "transform")
+    kv = StrictKVPool(dev, LAY, 128, torch.bfloat16)
+    w = writer_for(PoolTensors(kv.k_buffer, kv.v_buffer), LAY, ops=dev, timeout_s=0.2)
+    blob = client.get_many(keys[:1])[0]
+    client.close()
+    hdr = codec.parse(blob, FP)
+
+    def write(layer):
+        vw = codec.codes_stage(blob, hdr, layer, np.empty(codec.scratch_bytes(hdr, layer), np.uint8))
+        w.write_quantized([vw], torch.arange(C), layer)
+
+    dev.hang()
+    with pytest.raises(KVWriteError, match="not done"):
+        write(0)  # times out: its inverse transform is still queued on the device
+    w._consts.update({("another calibration", i): None for i in range(4 * LAY.num_layers)})  # cache full
+    with pytest.raises(KVWriteError, match="not replacing constants"):
+        write(1)
+    dev.resume()
+    dev.synchronize()
+    write(1)  # the late write completed: the cache may be replaced now
+    assert ("another calibration", 0) not in w._consts

@@ -174,3 +174,14 @@ def test_transform_reference_matches_the_codec_cpu_stage(dtype, style):
             assert np.all(np.abs(g - w) <= np.abs(w) * step + 1e-4), (start, kv, float(np.abs(g - w).max()))
             assert np.mean(got != want) < 0.02
 
+
+
+def test_resolve_escapes_takes_values_in_order_and_never_faults_on_a_mismatch():
+    from sgl_remote_kv.kernels.transform import resolve_escapes
+
+    sym = torch.tensor([[[0, 130], [0, 128]], [[127, 0], [1, 255]]], dtype=torch.uint8)  # 3 escapes
+    q = resolve_escapes(sym, torch.tensor([-300, 400, 999], dtype=torch.int16))
+    assert q.tolist() == [[[-300.0, 2.0], [400.0, 0.0]], [[-1.0, 999.0], [-127.0, 127.0]]]
+    for esc in ([5], [5, 6, 7, 8, 9]):  # too few / too many values (a late write's reused staging)
+        got = resolve_escapes(sym, torch.tensor(esc, dtype=torch.int16))
+        assert got.shape == sym.shape and torch.isfinite(got).all()

@@ -152,12 +152,11 @@ class DeviceKVWriter(KVWriter):
             return self._by_chunk(views, slots, layer)
         lay = self.layout
         t, c = len(slots), lay.num_kv_heads * lay.head_dim
-        cs = [vw.k_cs.astype(np.float32) for vw in views] if views[0].k_cs.size else []
-        parts = [slots.numpy(), *(np.concatenate([getattr(vw, f) for vw in views]).astype(dt, copy=False)
-                                  for f, dt in (("k_codes", np.uint8), ("v_codes", np.uint8),
-                                                ("k_scales", np.float32), ("v_scales", np.float32)))]  # fmt: skip
+        cs = [[vw.k_cs] for vw in views] if views[0].k_cs.size else []
+        parts = [[slots.numpy()], *([getattr(vw, f) for vw in views] for f in ("k_codes", "v_codes", "k_scales", "v_scales"))]
+        dtypes = [np.int64, np.uint8, np.uint8, np.float32, np.float32, *(np.float32 for _ in cs)]
         out_bytes = 2 * t * c * self.storage.itemsize
-        dev, regions, n_in = self._upload_parts([*parts, *cs], out_bytes)
+        dev, regions, n_in = self._upload_parts([*parts, *cs], out_bytes, dtypes)
         d_slots, kc, vc, ks, vs = regions[:5]
         out = dev[n_in : n_in + out_bytes].view(self.torch_dtype).view(2, t, c)
         mk, mv = views[0].mk, views[0].mv
@@ -185,13 +184,13 @@ class DeviceKVWriter(KVWriter):
                 raise KVWriteError(f"layer {layer}: a chunk's escape count does not match its symbols")
         codec, lay = views[0].codec, self.layout
         t, c = len(slots), lay.num_kv_heads * lay.head_dim
-        parts = [slots.numpy()]
+        consts = self._transform_consts(codec, layer, views[0].group, views[0].groups)  # may refuse: before staging
+        parts = [[slots.numpy()]]
         for vw in views:
-            parts += [vw.sym, vw.esc, vw.scales, *rope_tables(codec.cal.rope, vw.start, vw.tokens), vw.sinks]
+            parts += [[a] for a in (vw.sym, vw.esc, vw.scales, *rope_tables(codec.cal.rope, vw.start, vw.tokens), vw.sinks)]
         out_bytes = 2 * t * c * self.storage.itemsize
         dev, regions, n_in = self._upload_parts(parts, out_bytes)
         out = dev[n_in : n_in + out_bytes].view(self.torch_dtype).view(2, t, c)
-        consts = self._transform_consts(codec, layer, views[0].group, views[0].groups)
         lo = 0
         for i, vw in enumerate(views):
             sym, esc, scales, cos, sin, sinks = regions[1 + 6 * i : 7 + 6 * i]
@@ -212,20 +211,29 @@ class DeviceKVWriter(KVWriter):
         self.ops.scatter(src, [self.pool.k[layer], self.pool.v[layer]], d_slots)
         self.stats["device_dequant"] += 1
 
-    def _upload_parts(self, parts: list[np.ndarray], out_bytes: int) -> tuple[torch.Tensor, list[torch.Tensor], int]:
-        """``parts`` packed at aligned offsets of the pinned staging buffer and uploaded in one H2D copy
+    def _upload_parts(self, parts: list[list[np.ndarray]], out_bytes: int, dtypes: list | None = None
+                      ) -> tuple[torch.Tensor, list[torch.Tensor], int]:  # fmt: skip
+        """Each part (its pieces stacked along axis 0, cast to ``dtypes[i]``, default the first piece's dtype)
+        written straight into the pinned staging buffer at an aligned offset, all uploaded in one H2D copy
         into the device staging buffer, which holds ``out_bytes`` more after them (from the returned
         offset). Returns the device buffer, a device view of each part (its dtype and shape), the offset."""
+        dtypes = [np.dtype(d) for d in dtypes] if dtypes else [p[0].dtype for p in parts]
+        shapes = [(sum(a.shape[0] for a in p), *p[0].shape[1:]) for p in parts]
+        sizes = [int(np.prod(sh)) * dt.itemsize for sh, dt in zip(shapes, dtypes, strict=True)]
         offs, n = [], 0
-        for a in parts:
+        for nbytes in sizes:
             offs.append(n)
-            n = _align(n + a.nbytes)
+            n = _align(n + nbytes)
         host = self._host_buffer(n)[:n].numpy()
-        for o, a in zip(offs, parts, strict=True):
-            host[o : o + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        for o, nbytes, sh, dt, pieces in zip(offs, sizes, shapes, dtypes, parts, strict=True):
+            dst, lo = host[o : o + nbytes].view(dt).reshape(sh), 0
+            for a in pieces:
+                dst[lo : lo + a.shape[0]] = a  # numpy casts (fp16 scales -> float32)
+                lo += a.shape[0]
         dev = self._device_buffer(n + out_bytes)
         self.ops.upload(dev[:n], self._host[:n])
-        views = [dev[o : o + a.nbytes].view(_TORCH[a.dtype]).view(a.shape) for o, a in zip(offs, parts, strict=True)]
+        views = [dev[o : o + nbytes].view(_TORCH[dt]).view(sh)
+                 for o, nbytes, sh, dt in zip(offs, sizes, shapes, dtypes, strict=True)]  # fmt: skip
         return dev, views, n
 
     def _transform_consts(self, codec, layer: int, group: int, n_g: int):
@@ -233,6 +241,8 @@ class DeviceKVWriter(KVWriter):
         consts = self._consts.get(key)
         if consts is None:
             if len(self._consts) >= 4 * self.layout.num_layers:  # another calibration or quality took over
+                if self._late_pending():  # a timed-out inverse transform may still read them
+                    raise KVWriteError("device writes still pending after a timeout; not replacing constants")
                 self._consts.clear()
             consts = self._consts[key] = codec.device_consts(layer, group, n_g).to(self.ops.constant)
         return consts
@@ -265,12 +275,16 @@ class DeviceKVWriter(KVWriter):
 
     def _device_buffer(self, nbytes: int) -> torch.Tensor:
         if self._dev.numel() < nbytes:
-            with self._late_lock:
-                late = [e for e in self._late if not self.ops.query(e)]
-            if late:  # a timed-out copy may still land in the old buffer: never free it under it
+            if self._late_pending():  # a timed-out copy may still land in the old buffer: never free it under it
                 raise KVWriteError("device writes still pending after a timeout; not growing staging")
             self._dev = self.ops.device_empty(_grow(nbytes))
         return self._dev
+
+    def _late_pending(self) -> bool:
+        """A timed-out write's work may still run on the device (it could still read or write what it was
+        given): nothing it uses may be freed."""
+        with self._late_lock:
+            return any(not self.ops.query(e) for e in self._late)
 
     # ---- readers ---------------------------------------------------------------------------------------
     def wait_layer(self, layer: int) -> None:
