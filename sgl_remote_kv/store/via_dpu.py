@@ -142,10 +142,10 @@ class ServiceStore:
                 self._sockets.remove(sock)
 
 
-def open_via_dpu(url: str, options: dict | None = None) -> ServiceStore:
-    """``dpu+ipc:///path`` or ``dpu+tcp://host:port`` (options: ``timeout``, ``auth_key_file``)."""
+def open_via_dpu(url: str) -> ServiceStore:
+    """``dpu+ipc:///path`` or ``dpu+tcp://host:port`` (query options: ``timeout``, ``auth_key_file``)."""
     parts = urlsplit(url)
-    opts = {**url_options(url), **(options or {})}
+    opts = url_options(url)
     scheme = parts.scheme.lower().removeprefix("dpu+")
     endpoint = f"{scheme}://{parts.netloc}{parts.path}"
     key = b""
