@@ -511,11 +511,15 @@ def test_a_reconnect_is_answered_only_after_the_old_jobs_are_over(env):
     url, make_service, make_client = env
     svc = make_service(*_slots_flags(slots=1, chunks_per_slot=3), "--dma-delay-s", "0.3")
     keys, _ = put_chunks(url, codecs()["lossless"], _chunks(3, seed=40), _fp(0))
-    c = make_client(svc, _fp(0), heartbeat_timeout_s=30.0)
+    # No heartbeats during the test: a Pong saying "not registered" would make the real client register
+    # its session again, and the newest registration of a session is the one that waits (the raw
+    # socket's would then never be answered: a race this test used to lose under load).
+    c = make_client(svc, _fp(0), heartbeat_s=60.0, heartbeat_timeout_s=120.0)
     h = c.submit("old", keys, CHUNK, make_pool(LAYOUT32, 512, 3 * CHUNK))
-    _until(lambda: _stats(c)["submitted"] >= 1, 10, "the job at the service")
-    time.sleep(0.2)  # its first slab is being copied (0.3 s per slab, 6 slabs)
-    with _raw(svc.endpoint) as s:
+    with _raw(svc.endpoint) as s:  # the service answers an unregistered connection's heartbeat too
+        _until(lambda: json.loads(_ask(s, P.Heartbeat(0, 0), P.Pong).stats_json)["submitted"] >= 1, 10,
+               "the job at the service")  # fmt: skip
+        time.sleep(0.2)  # its first slab is being copied (0.3 s per slab, 6 slabs)
         register_raw(s, c)  # same session, new connection: returns once Registered(ok) arrived
         pong = _ask(s, P.Heartbeat(1, 0), P.Pong)
         st = json.loads(pong.stats_json)
