@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 from dataclasses import dataclass, field
 
 import zmq
@@ -88,6 +89,22 @@ def serve(ctx: zmq.Context, sock: zmq.Socket, secret: bytes) -> ZapHandle:
     sock.curve_publickey = keys.server_public
     sock.curve_server = True
     return ZapHandle(auth, provider)
+
+
+def bind_server(ctx: zmq.Context, sock: zmq.Socket, endpoint: str, secret: bytes) -> ZapHandle | None:
+    """Bind ``sock`` on ``endpoint`` as an authenticated endpoint: a CURVE server for ``secret``'s clients
+    when ``secret`` is given (the ZAP handle, to stop at shutdown; else None), and an ``ipc://`` socket
+    file created 0600 (umask 077: only this user may connect, the local socket's authentication)."""
+    zap = serve(ctx, sock, secret) if secret else None
+    if not endpoint.startswith("ipc://"):
+        sock.bind(endpoint)
+        return zap
+    old = os.umask(0o077)
+    try:
+        sock.bind(endpoint)
+    finally:
+        os.umask(old)
+    return zap
 
 
 def connect_as_client(sock: zmq.Socket, secret: bytes) -> None:

@@ -109,15 +109,7 @@ class DataPlaneServer:
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.SNDHWM, 0)  # completions are small; never drop one
         self.router.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES + 1024)
-        self.zap = auth.serve(self.ctx, self.router, cfg.auth_key) if cfg.auth_key else None
-        if cfg.endpoint.startswith("ipc://"):
-            old = os.umask(0o077)  # a local socket: only our user may connect (the ipc "authentication")
-            try:
-                self.router.bind(cfg.endpoint)
-            finally:
-                os.umask(old)
-        else:
-            self.router.bind(cfg.endpoint)
+        self.zap = auth.bind_server(self.ctx, self.router, cfg.endpoint, cfg.auth_key)
         self.events = self.ctx.socket(zmq.PULL)
         self.events.bind(_EVENTS)
         self._push_sock = self.ctx.socket(zmq.PUSH)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import os
 import threading
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ import zmq
 
 from sgl_remote_kv.store.base import KVStore, StoreError, open_store, redact_url
 
+from . import auth
 from . import protocol as P
 
 logger = logging.getLogger(__name__)
@@ -72,18 +72,7 @@ class StoreProxy:
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, P.MAX_VALUE_BYTES)
-        if self.cfg.auth_key:
-            from . import auth
-
-            self._zap = auth.serve(self.ctx, self.router, self.cfg.auth_key)
-        if self.cfg.endpoint.startswith("ipc://"):
-            old = os.umask(0o077)  # a local socket: only our user may connect (as the data plane's)
-            try:
-                self.router.bind(self.cfg.endpoint)
-            finally:
-                os.umask(old)
-        else:
-            self.router.bind(self.cfg.endpoint)
+        self._zap = auth.bind_server(self.ctx, self.router, self.cfg.endpoint, self.cfg.auth_key)
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.bind(self._replies)
