@@ -57,9 +57,9 @@ class Codec(ABC):
     # Decoding gives back exactly the KV that was encoded (bit for bit): what ``KVFidelity.EXACT``
     # requests accept. False for every quantizing codec.
     exact: ClassVar[bool] = False
-    # ``codes_stage(blob, header, layer, scratch)`` returns a view of the lossless stage's output that a
-    # device pool dequantizes itself (``KVWriter.write_quantized``; views have ``tokens`` and the CPU
-    # fallback ``dequant_into(dtype, out_k, out_v)``).
+    # ``codes_stage(blob, header, layer, scratch)`` returns a view of the lossless stage's output (the
+    # codec's ``view``) that a device pool dequantizes itself (``KVWriter.write_quantized``; views have
+    # ``tokens`` and the CPU fallback ``dequant_into(dtype, out_k, out_v)``).
     device_dequant: ClassVar[bool] = False
 
     # ---- parameters -------------------------------------------------------------------------
@@ -136,6 +136,17 @@ class Codec(ABC):
         self, header: ChunkHeader, layer: int, decoded, out_k: np.ndarray, out_v: np.ndarray
     ) -> None:
         """Turn ``decoded`` (the lossless stage's bytes) into KV in ``out_k``/``out_v`` ``[T, H, D]``."""
+
+    def view(self, header: ChunkHeader, layer: int, decoded):
+        """``decoded`` (one layer's lossless-stage bytes) validated and sliced into the codec's codes view
+        (zero-copy); ``ChunkError`` if malformed. Only codecs with ``device_dequant``."""
+        raise NotImplementedError(f"{self.name} has no device dequant stage")
+
+    def codes_stage(self, blob, header: ChunkHeader, layer: int, out: np.ndarray):
+        """The lossless stage of ``layer`` into ``out`` (uint8, >= ``scratch_bytes``) as the codec's
+        ``view`` (views into ``out``): what a device dequantizes. Raises ``ChunkError``."""
+        n = self.lossless_stage(layer_section(blob, header, layer), out)
+        return self.view(header, layer, out[:n])
 
     def _check_out(self, header: ChunkHeader, out_k: np.ndarray, out_v: np.ndarray) -> None:
         lay = header.layout

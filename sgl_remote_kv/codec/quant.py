@@ -31,7 +31,7 @@ from numba import njit
 
 from sgl_remote_kv.codec.base import Codec
 from sgl_remote_kv.codec.errors import CorruptChunk
-from sgl_remote_kv.codec.format import ChunkHeader, layer_section
+from sgl_remote_kv.codec.format import ChunkHeader
 
 logger = logging.getLogger(__name__)
 
@@ -344,22 +344,14 @@ class QuantCodec(Codec):
         lay = header.layout
         return max_decoded_bytes(self.spec, header.num_tokens, lay.num_kv_heads, lay.head_dim)
 
-    def codes_stage(self, blob, header: ChunkHeader, layer: int, out: np.ndarray) -> LayerView:
-        """The lossless stage of ``layer`` into ``out`` (uint8, >= ``scratch_bytes``), as its codes and
-        scales (views into ``out``): what a device dequantizes. Raises ``ChunkError``."""
-        n = self.lossless_stage(layer_section(blob, header, layer), out)
+    def view(self, header: ChunkHeader, layer: int, decoded) -> LayerView:
+        """Codes and scales of one decoded layer (views into ``decoded``); ``CorruptChunk`` if malformed."""
         lay = header.layout
-        return split_layer(
-            self.spec, out[:n], layer, header.num_tokens, lay.num_kv_heads, lay.head_dim, lay.itemsize
-        )
+        buf = np.asarray(decoded, dtype=np.uint8)
+        return split_layer(self.spec, buf, layer, header.num_tokens, lay.num_kv_heads, lay.head_dim, lay.itemsize)
 
     def dequant_stage(
         self, header: ChunkHeader, layer: int, decoded, out_k: np.ndarray, out_v: np.ndarray
     ) -> None:
         self._check_out(header, out_k, out_v)
-        lay = header.layout
-        buf = np.asarray(decoded, dtype=np.uint8)
-        view = split_layer(
-            self.spec, buf, layer, header.num_tokens, lay.num_kv_heads, lay.head_dim, lay.itemsize
-        )
-        dequant_layer(view, lay.dtype, out_k, out_v)
+        self.view(header, layer, decoded).dequant_into(header.layout.dtype, out_k, out_v)

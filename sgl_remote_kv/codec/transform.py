@@ -48,7 +48,7 @@ from sgl_remote_kv.codec import calibration as calib_mod
 from sgl_remote_kv.codec import lz, quant, rans
 from sgl_remote_kv.codec.base import Codec
 from sgl_remote_kv.codec.errors import CorruptChunk, ForeignChunk
-from sgl_remote_kv.codec.format import ChunkHeader, layer_section, pack
+from sgl_remote_kv.codec.format import ChunkHeader, pack
 from sgl_remote_kv.types import ModelFingerprint, RopeSpec
 
 logger = logging.getLogger(__name__)
@@ -355,12 +355,6 @@ class TransformCodec(Codec):
             out[prefix_len + kv * n : prefix_len + (kv + 1) * n] = dst.T.reshape(-1)
             o += 2 * count
         return prefix_len + 2 * n
-
-    def codes_stage(self, blob, header: ChunkHeader, layer: int, out: np.ndarray) -> TransformView:
-        """The lossless stage of ``layer`` into ``out`` (uint8, >= ``scratch_bytes``), as a validated
-        ``TransformView`` (views into ``out``): what a device dequantizes. Raises ``ChunkError``."""
-        n = self.lossless_stage(layer_section(blob, header, layer), out)
-        return self.view(header, layer, out[:n])
 
     def view(self, header: ChunkHeader, layer: int, decoded) -> TransformView:
         """Validate and slice a decoded-layer buffer (the one parser of that format); ``CorruptChunk``."""
