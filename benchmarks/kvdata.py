@@ -167,6 +167,14 @@ def describe(texts: list[TextKV]) -> list[dict]:
     ]  # fmt: skip
 
 
+def cpu_model() -> str:
+    """This machine's CPU model name (for benchmark metadata)."""
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
 def main() -> int:
     texts = load_texts()
     for d in describe(texts):
@@ -179,11 +187,3 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def cpu_model() -> str:
-    """This machine's CPU model name (for benchmark metadata)."""
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
