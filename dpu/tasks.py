@@ -9,6 +9,9 @@ here owns a buffer: a chunk's staging regions belong to the worker holding one o
 
 from __future__ import annotations
 
+import itertools
+import math
+import queue
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -37,6 +40,8 @@ class PipelineConfig:
     # allocate a chunk's staging buffers per chunk instead of using the pre-allocated slot regions.
     serial: bool
     prealloc: bool
+    # Ablation (benchmarks only): a round's slabs start only once every chunk of the round was fetched.
+    round_barrier: bool
     # Fault injection / emulation (tests, benchmarks): the DMA stage sleeps this long per slab.
     dma_delay_s: float
 
@@ -157,6 +162,24 @@ def layer_major(ready: list[ChunkTask], num_layers: int, group: int):
     for lo in range(0, num_layers, g):
         for t in ready:
             yield t, lo, min(num_layers, lo + g)
+
+
+class SlabQueue(queue.PriorityQueue):
+    """The input of every stage after fetch: slabs ``(task, lo, hi)``, lowest (round, first layer, chunk)
+    first. A chunk's slabs are queued as soon as it was fetched, so decoding overlaps the round's later
+    fetches, and among the slabs waiting, lower layers go first (layer-major across the chunks already
+    fetched, also behind a slow stage's backlog). ``None`` (stop a worker) sorts last."""
+
+    def __init__(self, maxsize: int = 0) -> None:
+        super().__init__(maxsize)
+        self._seq = itertools.count()
+
+    def put(self, item, block: bool = True, timeout: float | None = None) -> None:
+        key = (math.inf,) if item is None else (item[0].round_id, item[1], item[0].region.index)
+        super().put((key, next(self._seq), item), block, timeout)
+
+    def get(self, block: bool = True, timeout: float | None = None):
+        return super().get(block, timeout)[2]
 
 
 class FairQueue:

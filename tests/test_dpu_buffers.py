@@ -64,3 +64,21 @@ def test_dest_region_create_attach_unlink():
         d.close()
     with pytest.raises(FileNotFoundError):
         DestRegion.attach(d.name, untrack=False)
+
+
+def test_slab_queue_hands_out_lower_rounds_then_lower_layers_first():
+    """The order of every stage after fetch: round, then first layer, then chunk; ``None`` (stop) after all work."""
+    from types import SimpleNamespace
+
+    from sgl_remote_kv.dpu.tasks import SlabQueue
+
+    def slab(rnd: int, chunk: int, lo: int):
+        return (SimpleNamespace(round_id=rnd, region=SimpleNamespace(index=chunk)), lo, lo + 6)
+
+    q = SlabQueue()
+    arrivals = [slab(1, 0, 0), slab(1, 0, 6), None, slab(1, 1, 0), slab(0, 2, 12), slab(1, 1, 6), slab(1, 0, 12)]
+    for item in arrivals:
+        q.put(item)
+    got = [q.get() for _ in arrivals]
+    key = [(s[0].round_id, s[1], s[0].region.index) if s is not None else None for s in got]
+    assert key == [(0, 12, 2), (1, 0, 0), (1, 0, 1), (1, 6, 0), (1, 6, 1), (1, 12, 0), None]
