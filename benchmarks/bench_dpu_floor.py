@@ -14,7 +14,9 @@ load) are the data plane's ordering ablation and the host's write policy:
   (the previous design; ``Debug.round_barrier``);
 - ``as fetched``: a chunk's slabs start as soon as it was fetched, lower layer groups first (default);
 - ``as fetched + eager writes``: also write each run of finished layers into the pool at once
-  (``DpuClientConfig.eager_writes``) instead of one write per host round at the end.
+  (``DpuClientConfig.eager_writes``) instead of one write per host round at the end;
+- ``same, 1 fetch worker``: and one fetch worker instead of two (two share the link, so two chunks
+  land at once and both decodes follow the last byte).
 
 Codecs: the DPU default (``transform``, Deflate; needs the model's calibration) and ``quant_deflate``.
 Writes ``docs/results/dpu_floor.json`` and prints a table. Needs root (network namespaces).
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -49,10 +52,11 @@ from sgl_remote_kv.types import DEFAULT_QUALITY
 
 OUT = kvdata.REPO / "docs" / "results" / "dpu_floor.json"
 CHUNK = 256
-VARIANTS = {  # name -> (data-plane debug settings, client config overrides)
-    "round barrier": ({"round_barrier": True}, {}),
-    "as fetched": ({}, {}),
-    "as fetched + eager writes": ({}, {"eager_writes": True}),
+VARIANTS = {  # name -> (data-plane debug settings, client config overrides, data-plane settings overrides)
+    "round barrier": ({"round_barrier": True}, {}, {}),
+    "as fetched": ({}, {}, {}),
+    "as fetched + eager writes": ({}, {"eager_writes": True}, {}),
+    "same, 1 fetch worker": ({}, {"eager_writes": True}, {"workers": (1, 1, 1, 1)}),
 }
 
 
@@ -77,9 +81,10 @@ def _target(fp, tokens: int) -> KVTarget:
     return KVTarget(writer_for(PoolTensors(k, v), lay), slots)
 
 
-def _client(url: str, fp, codec, cpus: tuple[int, ...], debug: dict, over: dict, chunks: int) -> DpuClient:
+def _client(url: str, fp, codec, cpus: tuple[int, ...], debug: dict, over: dict, chunks: int,
+            settings: dict) -> DpuClient:  # fmt: skip
     cb = chunk_bytes(fp.layout, CHUNK)
-    spec = DataPlaneSettings.from_flags([], cpus=cpus)
+    spec = DataPlaneSettings.from_flags([], cpus=cpus, **settings)
     spec = dataclasses.replace(spec, debug=Debug(**debug))
     cfg = DpuClientConfig(url, dest_slots=2, dest_slot_bytes=max(cb * chunks, 64 << 20), process=spec,
                           start_timeout_s=60, **over)  # fmt: skip
@@ -94,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", type=int, default=4, help="chunks of 256 tokens per request")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cpus", default="1", help="the data plane's cores")
+    ap.add_argument("--host-cpus", default="0", help="this process's and the store's cores (the server's)")
     ap.add_argument("--codecs", default="transform,quant_deflate")
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args(argv)
@@ -101,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print(f"needs network namespaces: {why}", file=sys.stderr)
         return 2
+    os.sched_setaffinity(0, {int(x) for x in a.host_cpus.split(",")})  # inherited by redis-server
     fp = kvdata.fingerprint()
     text = kvdata.load_texts()[0]
     n = a.chunks
@@ -117,15 +124,16 @@ def main(argv: list[str] | None = None) -> int:
             sc = open_client(store.url)
             sc.put_many(list(zip(keys, blobs, strict=True)))
             sc.close()
-            clients = {v: _client(store.url, fp, codec, cpus, d, o, n) for v, (d, o) in VARIANTS.items()}
+            clients = {v: _client(store.url, fp, codec, cpus, d, o, n, st) for v, (d, o, st) in VARIANTS.items()}
             try:
                 for rate in rates:
                     store.set_rate(rate)
                     got: dict[str, list[tuple[float, int]]] = {v: [] for v in VARIANTS}
                     for rep in range(a.reps + 1):
                         for v, c in clients.items():
+                            target = _target(fp, n * CHUNK)
                             t0 = time.perf_counter()
-                            res = c.fetch(f"r{rep}", keys, CHUNK, _target(fp, n * CHUNK), timeout=120)
+                            res = c.fetch(f"r{rep}", keys, CHUNK, target, timeout=120)
                             dt = time.perf_counter() - t0
                             if res.hit_chunks != n:
                                 raise RuntimeError(f"{v}: {res.failures}")
@@ -146,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 for c in clients.values():
                     c.close()
-    meta = {"chunks": n, "chunk_tokens": CHUNK, "reps": a.reps, "cpus": a.cpus, "text": text.name,
+    meta = {"chunks": n, "chunk_tokens": CHUNK, "reps": a.reps, "cpus": a.cpus, "host_cpus": a.host_cpus,
+            "text": text.name,
             "pool": "CPU (HostKVWriter), bf16", "cpu": kvdata.cpu_model(),
             "note": "floor = hit chunks' compressed bytes / rate (no TCP/IP overhead); one fetch at a time"}  # fmt: skip
     a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")

@@ -165,7 +165,8 @@ class Pipeline:
 
     def _fetched(self, task: ChunkTask, ok: bool) -> None:
         """A chunk left the fetch stage (``ok``: parsed, slabs pending). Emits ``ChunksVerified`` when it
-        was the job's last chunk to do so; queues the round's slabs layer-major when it was the round's.
+        was the job's last chunk to do so; queues its slabs (``round_barrier``: the round's, layer-major,
+        when it was the round's last).
         Must run before the chunk's ``_slab_finished`` (which may end the job and free the round)."""
         job = task.job
         with job.lock:
