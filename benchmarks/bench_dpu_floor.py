@@ -53,8 +53,8 @@ from sgl_remote_kv.types import DEFAULT_QUALITY
 OUT = kvdata.REPO / "docs" / "results" / "dpu_floor.json"
 CHUNK = 256
 VARIANTS = {  # name -> (data-plane debug settings, client config overrides, data-plane settings overrides)
-    "round barrier": ({"round_barrier": True}, {}, {}),
-    "as fetched": ({}, {}, {}),
+    "round barrier": ({"round_barrier": True}, {"eager_writes": False}, {}),
+    "as fetched": ({}, {"eager_writes": False}, {}),
     "as fetched + eager writes": ({}, {"eager_writes": True}, {}),
     "same, 1 fetch worker": ({}, {"eager_writes": True}, {"workers": (1, 1, 1, 1)}),
 }

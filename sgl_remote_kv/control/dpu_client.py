@@ -74,9 +74,10 @@ class DpuClientConfig:
     start_timeout_s: float = 60.0
     endpoint: str = ""  # "": spawn a private data plane; else attach to the service there (ipc:// or tcp://)
     auth_key_file: str = ""  # shared secret of an attached service's endpoint (CURVE); required for tcp://
-    # write each run of finished layers into the pool at once (always with a blob area), instead of one
-    # write per host round once all its layers arrived
-    eager_writes: bool = False
+    # write each run of finished layers into the pool as soon as every chunk of the round has it (always
+    # with a blob area); False: one write per host round once all its layers arrived (fewer device
+    # launches; bench_dpu_floor measured eager 0-14 ms sooner per 4-chunk fetch, never later)
+    eager_writes: bool = True
 
     def __post_init__(self) -> None:
         if self.endpoint and not self.endpoint.startswith(("ipc://", "tcp://")):
