@@ -75,8 +75,7 @@ class DpuClientConfig:
     endpoint: str = ""  # "": spawn a private data plane; else attach to the service there (ipc:// or tcp://)
     auth_key_file: str = ""  # shared secret of an attached service's endpoint (CURVE); required for tcp://
     # write each run of finished layers into the pool as soon as every chunk of the round has it (always
-    # with a blob area); False: one write per host round once all its layers arrived (fewer device
-    # launches; bench_dpu_floor measured eager 0-14 ms sooner per 4-chunk fetch, never later)
+    # with a blob area); False: one write per host round once all its layers arrived (fewer device launches)
     eager_writes: bool = True
 
     def __post_init__(self) -> None:
