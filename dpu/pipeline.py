@@ -11,7 +11,8 @@ its input from a priority queue (``SlabQueue``) that hands out the lowest (round
 first: decoding overlaps the round's later fetches (only the last chunk's decode follows the last
 byte), and among the slabs waiting at any stage lower layers go first (with one worker per stage layers
 complete in order across the chunks already fetched, so the host can start attention on layer 0 while
-later layers decode, even when a slow stage holds a backlog). The ablation ``round_barrier`` restores the
+later layers decode, even when a slow stage holds a backlog). Jobs with a blob area (layer-wise admission, whose
+host relies on ``ChunksVerified`` preceding every ``LayerDone``) and the ablation ``round_barrier`` keep the
 previous order (a round's slabs only after its last fetch, layer-major). When every chunk of a *job*
 was fetched, the pipeline emits ``ChunksVerified`` (leading intact chunks; with ``blob_cap`` the blobs
 were copied into the host-visible blob area first, so the host can decode them itself if this process
@@ -177,7 +178,9 @@ class Pipeline:
         if job_fetched:
             self.emit(job.peer, job.verified_message())
         ready = self._rounds.fetched(task, ok)
-        if not self.cfg.round_barrier:  # this chunk's slabs start now (the queue orders them)
+        # A job with a blob area (layer-wise admission) keeps the round barrier: its host relies on
+        # ChunksVerified preceding every LayerDone of the job.
+        if not (self.cfg.round_barrier or job.blob_cap):  # this chunk's slabs start now (the queue orders them)
             ready = [task] if ok else []
         for slab in layer_major(ready, job.layout.num_layers, self.cfg.layer_group):
             self._forward("inflate", slab)
