@@ -7,13 +7,13 @@ inflate, dequantization and the copy of different chunks and layers overlap. The
 ``LayerDone`` per slab as soon as its layers sit in the destination region.
 
 Order: a chunk's slabs are queued as soon as it was fetched and parsed; every stage after fetch takes
-its input from a priority queue (``SlabQueue``) that hands out the lowest (round, layer group, chunk)
-first: decoding overlaps the round's later fetches (only the last chunk's decode follows the last
-byte), and among the slabs waiting at any stage lower layers go first (with one worker per stage layers
-complete in order across the chunks already fetched, so the host can start attention on layer 0 while
-later layers decode, even when a slow stage holds a backlog). Jobs with a blob area (layer-wise admission, whose
-host relies on ``ChunksVerified`` preceding every ``LayerDone``) and the ablation ``round_barrier`` keep the
-previous order (a round's slabs only after its last fetch, layer-major). When every chunk of a *job*
+its input from a priority queue (``SlabQueue``, order ``tasks.slab_key``): requests in arrival order;
+within one, a layer-wise consumer's lowest layer group first across all its jobs and chunks, anyone
+else's round by round, lowest layer group first. So decoding overlaps the later fetches (only the last
+chunk's decode follows the last byte), and with one worker per stage layers complete in order, also
+behind a slow stage's backlog: the host can start attention on layer 0 while later layers decode. The
+ablation ``round_barrier`` keeps the previous order (a round's slabs only after its last fetch).
+When every chunk of a *job*
 was fetched, the pipeline emits ``ChunksVerified`` (leading intact chunks; with ``blob_cap`` the blobs
 were copied into the host-visible blob area first, so the host can decode them itself if this process
 dies afterwards). A chunk after a miss may be decoded before the miss is known (wasted work; the host
@@ -178,9 +178,7 @@ class Pipeline:
         if job_fetched:
             self.emit(job.peer, job.verified_message())
         ready = self._rounds.fetched(task, ok)
-        # A job with a blob area (layer-wise admission) keeps the round barrier: its host relies on
-        # ChunksVerified preceding every LayerDone of the job.
-        if not (self.cfg.round_barrier or job.blob_cap):  # this chunk's slabs start now (the queue orders them)
+        if not self.cfg.round_barrier:  # this chunk's slabs start now (the queue orders them)
             ready = [task] if ok else []
         for slab in layer_major(ready, job.layout.num_layers, self.cfg.layer_group):
             self._forward("inflate", slab)

@@ -14,8 +14,8 @@ Event order of one job (docs/DPU.md): ``ChunksVerified`` once every chunk was fe
 (header + checksum; with the job's compressed blobs copied into the host-visible blob area when
 ``SubmitFetch.blob_cap`` > 0); ``LayerDone`` per chunk and layer group as soon as it is in the
 destination (a chunk is decoded as soon as it was fetched, so chunks fetched early may report layers
-before ``ChunksVerified``, except in a job with a blob area, where ``ChunksVerified`` precedes every
-``LayerDone``: layer-wise admission relies on it; each chunk's layers in order; lower layers first);
+before ``ChunksVerified``; the host never relies on the order of the two; each chunk's layers in
+order; lower layers first);
 a chunk's ``LayerDone`` s before its ``ChunkDone``; ``JobDone`` last; ``ChunkFailed`` whenever a chunk
 fails.
 
