@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-codec-speed bench-store bench-dpu bench-dpu-service bench-nvdec \
+.PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-codec-speed bench-store bench-dpu bench-dpu-service bench-dpu-floor bench-nvdec \
 	bench-cpu-attention bench-e2e bench-e2e-quick bench-burst bench-tail projection soak test-faults \
 	test-conformance dashboard bench-exactness clean
 
@@ -68,6 +68,10 @@ bench-dpu: model
 # One data-plane service feeding two clients vs two private data planes on the same core (issue 17)
 bench-dpu-service: model
 	$(PY) -m benchmarks.bench_dpu_service
+
+# DPU fetch time vs the wire floor over a shaped link, per ordering / write policy (issue 17 item 3; root)
+bench-dpu-floor: model calibration
+	$(PY) -m benchmarks.bench_dpu_floor
 
 bench-nvdec: model
 	$(PY) -m benchmarks.bench_nvdec

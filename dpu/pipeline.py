@@ -6,13 +6,18 @@ A chunk enters the fetch stage whole; after its header is parsed it is split int
 inflate, dequantization and the copy of different chunks and layers overlap. The DMA stage emits a
 ``LayerDone`` per slab as soon as its layers sit in the destination region.
 
-Layer-major rounds: a round's slabs are queued only once every chunk of the round was fetched and
-parsed, group 0 of every chunk first, then group 1, ... so (with one worker per stage) layers complete
-in order and the host can start attention on layer 0 while later layers decode. When every chunk of a
-*job* was fetched, the pipeline emits ``ChunksVerified`` (leading intact chunks; with ``blob_cap`` the
-blobs were copied into the host-visible blob area first, so the host can decode them itself if this
-process dies afterwards). Cost: within one round, decode starts after the round's last fetch (fetch
-still overlaps decode across rounds and jobs).
+Order: a chunk's slabs are queued as soon as it was fetched and parsed; every stage after fetch takes
+its input from a priority queue (``SlabQueue``, order ``tasks.slab_key``): requests in arrival order;
+within one, a layer-wise consumer's lowest layer group first across all its jobs and chunks, anyone
+else's round by round, lowest layer group first. So decoding overlaps the later fetches (only the last
+chunk's decode follows the last byte), and with one worker per stage layers complete in order, also
+behind a slow stage's backlog: the host can start attention on layer 0 while later layers decode. The
+ablation ``round_barrier`` keeps the previous order (a round's slabs only after its last fetch).
+When every chunk of a *job*
+was fetched, the pipeline emits ``ChunksVerified`` (leading intact chunks; with ``blob_cap`` the blobs
+were copied into the host-visible blob area first, so the host can decode them itself if this process
+dies afterwards). A chunk after a miss may be decoded before the miss is known (wasted work; the host
+uses only the prefix before the first failure).
 
 Threads: ``submit_round`` is called by the server thread; everything else runs in worker threads.
 The ``emit`` callback must be thread-safe (the server gives one that pushes to an inproc socket).
@@ -47,7 +52,7 @@ from sgl_remote_kv.codec.format import layer_section
 
 from .buffers import ChunkRegion, StagingBuffers, layer_bytes
 from .protocol import BlobRef, ChunkDone, ChunkFailed, JobDone, LayerDone, Message
-from .tasks import STAGES, ChunkTask, JobState, PipelineConfig, RoundTable, StageStats, layer_major
+from .tasks import STAGES, ChunkTask, JobState, PipelineConfig, RoundTable, SlabQueue, StageStats, layer_major
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +72,7 @@ class Pipeline:
         self.cfg, self.buf, self.store = cfg, buffers, store
         self.emit, self.on_round_free = emit, on_round_free
         # fetch is bounded by admission (slots x chunks per round); the others by queue_depth
-        self.queues = {s: queue.Queue(0 if s == "fetch" else cfg.queue_depth) for s in STAGES}
+        self.queues = {s: queue.Queue() if s == "fetch" else SlabQueue(cfg.queue_depth) for s in STAGES}
         self.stats = {s: StageStats() for s in STAGES}
         self._stats_lock = threading.Lock()
         self._rounds = RoundTable()
@@ -161,7 +166,8 @@ class Pipeline:
 
     def _fetched(self, task: ChunkTask, ok: bool) -> None:
         """A chunk left the fetch stage (``ok``: parsed, slabs pending). Emits ``ChunksVerified`` when it
-        was the job's last chunk to do so; queues the round's slabs layer-major when it was the round's.
+        was the job's last chunk to do so; queues its slabs (``round_barrier``: the round's, layer-major,
+        when it was the round's last).
         Must run before the chunk's ``_slab_finished`` (which may end the job and free the round)."""
         job = task.job
         with job.lock:
@@ -172,6 +178,8 @@ class Pipeline:
         if job_fetched:
             self.emit(job.peer, job.verified_message())
         ready = self._rounds.fetched(task, ok)
+        if not self.cfg.round_barrier:  # this chunk's slabs start now (the queue orders them)
+            ready = [task] if ok else []
         for slab in layer_major(ready, job.layout.num_layers, self.cfg.layer_group):
             self._forward("inflate", slab)
 

@@ -10,11 +10,14 @@ lets msgspec validate the body against the kind's Struct, whose fields carry bou
 cross-field rules are checked in ``__post_init__``. Every failure is a ``ProtocolError`` subclass,
 never anything else: a hostile peer can only get its message dropped.
 
-Event order of one job (layer-wise admission relies on it, docs/DPU.md): ``ChunksVerified`` once every
-chunk was fetched and parsed (header + checksum; with the job's compressed blobs copied into the
-host-visible blob area when ``SubmitFetch.blob_cap`` > 0), then ``LayerDone`` per chunk and layer group
-(layer-major: group 0 of every chunk of a round before group 1), ``ChunkDone`` per chunk, ``JobDone``
-last; ``ChunkFailed`` whenever a chunk fails.
+Event order of one job (docs/DPU.md): ``ChunksVerified`` once every chunk was fetched and parsed
+(header + checksum; with the job's compressed blobs copied into the host-visible blob area when
+``SubmitFetch.blob_cap`` > 0); ``LayerDone`` per chunk and layer group as soon as it is in the
+destination (a chunk is decoded as soon as it was fetched, so chunks fetched early may report layers
+before ``ChunksVerified``; the host never relies on the order of the two; each chunk's layers in
+order; lower layers first);
+a chunk's ``LayerDone`` s before its ``ChunkDone``; ``JobDone`` last; ``ChunkFailed`` whenever a chunk
+fails.
 
 Who calls: any thread may call ``encode``/``decode``/``drain`` (pure functions, no shared state besides
 the immutable per-kind decoders; ``drain`` uses the caller's socket on the caller's thread).

@@ -23,6 +23,7 @@ creator is gone).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -125,6 +126,7 @@ class DataPlaneServer:
         self.deferred: dict[bytes, P.Register] = {}  # registrations waiting for their session's old jobs
         self.unmapping: list[DestRegion] = []  # released regions a worker still held a view of
         self.jobs: dict[tuple[bytes, int], JobState] = {}  # (peer, job id) -> job
+        self._orders = itertools.count()  # JobState.order of the next request
         self.pending = FairQueue()  # per peer: (job, regions) rounds waiting for a slot
         self.free_slots = list(range(st.slots))
         self._codecs: dict[tuple[str, bytes], object] = {}
@@ -401,7 +403,12 @@ class DataPlaneServer:
                 raise ValueError("chunk destination outside the destination region")
         codec = self._codec(msg.codec, msg.codec_params)
         blob_area = (msg.blob_off, msg.blob_cap)
-        job = JobState(msg.job, peer, codec, fp, layout, list(msg.chunks), blob_area, region.array)
+        # the jobs of one request share its place in the pipeline's order (``tasks.slab_key``)
+        same = [j.order for j in self.jobs.values() if j.peer == peer and j.request_id == msg.request_id]
+        order = same[0] if same else next(self._orders)
+        job = JobState(
+            msg.job, peer, codec, fp, layout, list(msg.chunks), blob_area, region.array, msg.request_id, order
+        )
         ratio = self.cfg.settings.inflate_ratio
         rounds = plan_rounds([c.tokens for c in msg.chunks], layout, self.cfg.settings.slot_bytes, ratio)
         return job, rounds

@@ -27,6 +27,7 @@ class Debug:
 
     serial: bool = False  # run a chunk's four stages back to back on the fetch worker (no pipelining)
     no_prealloc: bool = False  # allocate a chunk's staging buffers per chunk
+    round_barrier: bool = False  # a round's slabs start only after the round's last fetch (old ordering)
     dma_delay_s: float = 0.0  # the DMA stage sleeps this long per slab (a slow or stalled data plane)
 
     def __post_init__(self) -> None:
@@ -67,6 +68,7 @@ class DataPlaneSettings:
             stage_cpus=stage_cpus,
             serial=self.debug.serial,
             prealloc=not self.debug.no_prealloc,
+            round_barrier=self.debug.round_barrier,
             dma_delay_s=self.debug.dma_delay_s,
         )
 
@@ -131,11 +133,14 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=d.log_level)
     p.add_argument("--ablation-serial", action="store_true", help="benchmark ablation: no pipelining")
     p.add_argument("--ablation-no-prealloc", action="store_true", help="benchmark ablation: no prealloc")
+    p.add_argument("--ablation-round-barrier", action="store_true",
+                   help="benchmark ablation: decode a round only after its last fetch")  # fmt: skip
     p.add_argument("--dma-delay-s", type=float, default=0.0, help="fault injection: sleep per DMA'd slab")
 
 
 def from_namespace(ns: argparse.Namespace, **overrides) -> DataPlaneSettings:
-    debug = Debug(serial=ns.ablation_serial, no_prealloc=ns.ablation_no_prealloc, dma_delay_s=ns.dma_delay_s)
+    debug = Debug(serial=ns.ablation_serial, no_prealloc=ns.ablation_no_prealloc,
+                  round_barrier=ns.ablation_round_barrier, dma_delay_s=ns.dma_delay_s)  # fmt: skip
     fields = dict(
         workers=tuple(getattr(ns, f"{s}_workers") for s in STAGES),
         layer_group=ns.layer_group,

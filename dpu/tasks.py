@@ -9,6 +9,9 @@ here owns a buffer: a chunk's staging regions belong to the worker holding one o
 
 from __future__ import annotations
 
+import itertools
+import math
+import queue
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -37,6 +40,8 @@ class PipelineConfig:
     # allocate a chunk's staging buffers per chunk instead of using the pre-allocated slot regions.
     serial: bool
     prealloc: bool
+    # Ablation (benchmarks only): a round's slabs start only once every chunk of the round was fetched.
+    round_barrier: bool
     # Fault injection / emulation (tests, benchmarks): the DMA stage sleeps this long per slab.
     dma_delay_s: float
 
@@ -54,8 +59,12 @@ class JobState:
         dests: list[ChunkDest],
         blob_area: tuple[int, int] = (0, 0),
         dest=None,
+        request_id: str = "",
+        order: int = 0,
     ) -> None:
         self.job, self.peer, self.codec, self.fingerprint = job, peer, codec, fingerprint
+        # the client's request and its place among the requests in the data plane (``slab_key``)
+        self.request_id, self.order = request_id, order
         self.dest = dest  # uint8 view of the destination region of the job's client (host-owned shm)
         self.layout = layout
         self.dtype = numpy_storage_dtype(layout.dtype)
@@ -157,6 +166,36 @@ def layer_major(ready: list[ChunkTask], num_layers: int, group: int):
     for lo in range(0, num_layers, g):
         for t in ready:
             yield t, lo, min(num_layers, lo + g)
+
+
+def slab_key(task: ChunkTask, lo: int) -> tuple[int, int, int, int]:
+    """Priority of slab ``(task, lo, ..)`` at every stage after fetch, lowest first: requests in the order
+    they reached the data plane (``JobState.order``, shared by the jobs of one client request); within a
+    request, a layer-wise consumer's (a job with a blob area) lowest layer group first across all its
+    jobs and chunks (its forward pass needs layer l of every chunk before layer l + 1 of any), anyone
+    else's round by round (a round done early frees its staging slot and its host slot), lowest layer
+    group first within a round; then chunk order."""
+    job = task.job
+    if job.blob_cap:
+        return (job.order, lo, task.round_id, task.region.index)
+    return (job.order, task.round_id, lo, task.region.index)
+
+
+class SlabQueue(queue.PriorityQueue):
+    """The input of every stage after fetch: slabs ``(task, lo, hi)`` handed out by ``slab_key``. A
+    chunk's slabs are queued as soon as it was fetched, so decoding overlaps the later fetches, and the
+    order holds behind a slow stage's backlog too. ``None`` (stop a worker) sorts last."""
+
+    def __init__(self, maxsize: int = 0) -> None:
+        super().__init__(maxsize)
+        self._seq = itertools.count()
+
+    def put(self, item, block: bool = True, timeout: float | None = None) -> None:
+        key = (math.inf,) if item is None else slab_key(item[0], item[1])
+        super().put((key, next(self._seq), item), block, timeout)
+
+    def get(self, block: bool = True, timeout: float | None = None):
+        return super().get(block, timeout)[2]
 
 
 class FairQueue:

@@ -1,7 +1,9 @@
 """The data plane's layer-wise contract, through a real data-plane process and a real embedded store:
 
-- ``ChunksVerified`` comes before any ``LayerDone`` of a round, and the round's layers complete
-  layer-major (group 0 of every chunk, then group 1, ...);
+- a chunk's slabs are decoded as soon as it was fetched, so with a slow store the first chunk's layers
+  are in the region before the last chunk arrived (and ``ChunksVerified``, sent once every chunk was
+  fetched, follows them); each chunk's layers complete in order; with the ``round_barrier`` ablation
+  (the previous order) ``ChunksVerified`` comes first and the round's layers complete layer-major;
 - with a blob area, the verified compressed blobs sit in the shared region before ``ChunksVerified``,
   byte-identical to what the store holds; the host client keeps copies and sets ``verified`` while
   layers are still being written (a DMA delay injected with ``--dma-delay-s`` makes that observable);
@@ -10,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -36,6 +39,9 @@ from sgl_remote_kv.control.jobs import HostRound
 
 CB = chunk_bytes(LAYOUT, CHUNK)
 N = 3
+# No heartbeats while a raw connection holds the client's registration: the client would see "not
+# registered" in a Pong and take it back, cancelling the raw connection's job.
+QUIET = {"heartbeat_s": 60.0, "heartbeat_timeout_s": 120.0}
 
 
 def _spec(*flags: str, layer_group: int = 1) -> DataPlaneSettings:
@@ -51,7 +57,7 @@ def client(tmp_path, request):
     codec = codecs()["lossless"]
     url = f"file://{tmp_path}/store"
     cfg = DpuClientConfig(
-        url, dest_slots=2, dest_slot_bytes=N * CB, blob_slot_bytes=blob_bytes, process=_spec(*extra)
+        url, dest_slots=2, dest_slot_bytes=N * CB, blob_slot_bytes=blob_bytes, process=_spec(*extra), **QUIET
     )
     c = DpuClient(cfg, FP, codec)
     c.start()
@@ -71,9 +77,13 @@ def _events(sock: zmq.Socket, job: int, timeout: float = 30.0) -> list:
     raise AssertionError(f"job {job} did not finish: {out}")
 
 
-def test_verified_precedes_layers_which_complete_layer_major(client):
-    c, codec, url = client
-    keys, blobs = put_chunks(url, codec, random_chunks(N, seed=3))
+def _layers(events) -> list[tuple[int, int]]:
+    """(layer, chunk) of every layer the ``LayerDone`` s in ``events`` report, in arrival order."""
+    return [(m.layer + i, m.chunk) for m in events if isinstance(m, P.LayerDone) for i in range(m.count)]
+
+
+def _raw_job(c, codec, keys) -> list:
+    """Submit ``keys`` as job 99 on a raw connection that took over ``c``'s registration; its events."""
     r = HostRound(None, 0, N, 0, N * CHUNK, slot=0)
     dests = c.io.chunk_dests(r, keys, [CHUNK] * N)
     blob_off, blob_cap = c.io.blob_area(0)
@@ -82,26 +92,63 @@ def test_verified_precedes_layers_which_complete_layer_major(client):
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"ipc://{c._proc.tmp}/dp-{c._proc.generation}.sock")
     try:
-        register_raw(sock, c)  # take over the client's registration (its region)
-        name = c.dest.name.lstrip("/")
+        register_raw(sock, c)
         sub = P.SubmitFetch(
-            99, "raw", codec.name, codec.params_bytes(), c._wire_fp, name, dests, blob_off, blob_cap
+            99, "raw", codec.name, codec.params_bytes(), c._wire_fp, c.dest.name.lstrip("/"), dests, blob_off, blob_cap
         )
         sock.send(P.encode(sub))
-        events = _events(sock, 99)
+        return _events(sock, 99)
     finally:
         sock.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("client", [(2 * N * CB, ("--ablation-round-barrier",))], indirect=True)
+def test_round_barrier_ablation_verifies_first_then_layer_major(client):
+    c, codec, url = client
+    keys, blobs = put_chunks(url, codec, random_chunks(N, seed=3))
+    events = _raw_job(c, codec, keys)
     kinds = [type(m).__name__ for m in events]
     assert kinds[0] == "ChunksVerified" and kinds[-1] == "JobDone", kinds
-    verified = events[0]
+    layers = _layers(events)
+    assert len(layers) == N * LAYOUT.num_layers
+    assert layers == sorted(layers), "layers did not complete layer-major"
+
+
+def test_chunks_decode_as_they_arrive(tmp_path):
+    """A store 0.3 s away, one fetch worker: chunk 0's layers are in the region before the last chunk
+    was fetched (before ``ChunksVerified``); every chunk's layers complete in order."""
+    codec = codecs()["lossless"]
+    keys, blobs = put_chunks(f"file://{tmp_path}/store", codec, random_chunks(N, seed=4))
+    url = f"faulty+file://{tmp_path}/store?latency_s=0.3"
+    spec = dataclasses.replace(_spec(), slot_bytes=2 * N * CB)  # one data-plane round for all chunks
+    c = DpuClient(DpuClientConfig(url, 2, N * CB, 0, spec, **QUIET), FP, codec)  # no blob area: no barrier
+    c.start()
+    try:
+        events = _raw_job(c, codec, keys)
+    finally:
+        c.close()
+    kinds = [type(m).__name__ for m in events]
+    assert kinds.count("ChunksVerified") == 1 and kinds[-1] == "JobDone", kinds
+    first_verified = kinds.index("ChunksVerified")
+    early = set(_layers(events[:first_verified]))
+    assert {(layer, 0) for layer in range(LAYOUT.num_layers)} <= early, events
+    for chunk in range(N):
+        assert [la for la, ch in _layers(events) if ch == chunk] == list(range(LAYOUT.num_layers))
+
+
+def test_verified_blobs_sit_in_the_region(client):
+    c, codec, url = client
+    keys, blobs = put_chunks(url, codec, random_chunks(N, seed=3))
+    events = _raw_job(c, codec, keys)
+    assert type(events[-1]).__name__ == "JobDone"
+    (verified,) = [m for m in events if isinstance(m, P.ChunksVerified)]
     assert verified.ok == N and len(verified.blobs) == N
+    blob_off, blob_cap = c.io.blob_area(0)
     for ref, blob in zip(verified.blobs, blobs, strict=True):  # in the region, byte-identical
         assert blob_off <= ref.off and ref.off + ref.length <= blob_off + blob_cap
         assert c.dest.array[ref.off : ref.off + ref.length].tobytes() == blob
-    layers = [(m.layer, m.chunk) for m in events if isinstance(m, P.LayerDone)]
-    assert len(layers) == N * LAYOUT.num_layers
-    assert layers == sorted(layers), "layers did not complete layer-major"
+    assert sorted(_layers(events)) == [(la, ch) for la in range(LAYOUT.num_layers) for ch in range(N)]
 
 
 def test_host_is_verified_while_layers_are_still_arriving(tmp_path):

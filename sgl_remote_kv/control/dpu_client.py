@@ -74,6 +74,9 @@ class DpuClientConfig:
     start_timeout_s: float = 60.0
     endpoint: str = ""  # "": spawn a private data plane; else attach to the service there (ipc:// or tcp://)
     auth_key_file: str = ""  # shared secret of an attached service's endpoint (CURVE); required for tcp://
+    # write each run of finished layers into the pool as soon as every chunk of the round has it (always
+    # with a blob area); False: one write per host round once all its layers arrived (fewer device launches)
+    eager_writes: bool = True
 
     def __post_init__(self) -> None:
         if self.endpoint and not self.endpoint.startswith(("ipc://", "tcp://")):
@@ -153,7 +156,7 @@ class DpuClient:
             self._submit_msg,
             self.counters,
             self._on_event_cb,
-            eager=cfg.blob_slot_bytes > 0,
+            eager=cfg.eager_writes or cfg.blob_slot_bytes > 0,
             on_write=self.on_write,
         )
         self._wake_rx = self._ctx.socket(zmq.PAIR)

@@ -11,9 +11,10 @@ Threads: every method runs under the client's condition variable ``cv`` (``DpuCl
 one writing the pool (``try_write`` hands finished layers of the destination region to the target's
 ``KVWriter``). A layer counts as in the pool only after the write returned; a write that raises fails the
 round's chunks (kind ``write``) exactly like a chunk the data plane failed on, so it is never a hit.
-Without layer-wise consumers (``eager`` False) a round is written once all its layers are in the region:
-one write (one scatter launch on a GPU) per round. Process lifecycle, heartbeats and restarts stay in
-``dpu_client.py``.
+With ``eager`` (the client's default) each run of layers is written as soon as every chunk of the round
+before the first miss has it, overlapping the data plane's decode of later layers; without it a round is
+written once all its layers are in the region: one write (one scatter launch on a GPU) per round.
+Process lifecycle, heartbeats and restarts stay in ``dpu_client.py``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,167 @@
+"""DPU fetch time vs the wire floor over a shaped link, and where the rest goes (issue 17 item 3).
+
+A ``DpuClient`` (its data plane spawned and pinned to ``--cpus``, the serving defaults otherwise) fetches
+one request of ``--chunks`` x 256 tokens of real SmolLM2 KV (bf16, consecutive chunks of one text at
+their positions) from a redis-server in its own network namespace behind a ``tc tbf`` link, into a CPU
+KV pool through the pool's ``KVWriter`` (what a server's receiver thread does). Per rate and variant,
+``--reps`` fetches (after one warm-up); reported: the median time from ``submit`` to the result, the
+wire floor (the hit chunks' compressed bytes / link rate), their ratio (target <= 1.2x), and the median
+tail after the last byte: ``FetchResult`` time minus the time the store's last reply left the link,
+approximated as submit + floor. Variants (all in one run, interleaved per rep so they see the same
+load) are the data plane's ordering ablation and the host's write policy:
+
+- ``round barrier``: slabs of a round start decoding only once every chunk of the round was fetched
+  (the previous design; ``Debug.round_barrier``);
+- ``as fetched``: a chunk's slabs start as soon as it was fetched, lower layer groups first (default);
+- ``as fetched + eager writes``: also write each run of finished layers into the pool at once
+  (``DpuClientConfig.eager_writes``) instead of one write per host round at the end;
+- ``same, 1 fetch worker``: and one fetch worker instead of two (two share the link, so two chunks
+  land at once and both decodes follow the last byte).
+
+Codecs: the DPU default (``transform``, Deflate; needs the model's calibration) and ``quant_deflate``.
+Writes ``docs/results/dpu_floor.json`` and prints a table. Needs root (network namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from sgl_remote_kv.dpu.buffers import chunk_bytes
+from sgl_remote_kv.dpu.settings import DataPlaneSettings, Debug
+
+from benchmarks import kvdata
+from benchmarks.e2e_server import shaped_store
+from benchmarks.netshape import netns_supported
+from sgl_remote_kv.codec import calibration
+from sgl_remote_kv.codec.base import default_codec, get_codec
+from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+from sgl_remote_kv.control.jobs import KVTarget
+from sgl_remote_kv.kvpool import PoolTensors, writer_for
+from sgl_remote_kv.store.client import open_client
+from sgl_remote_kv.types import DEFAULT_QUALITY
+
+OUT = kvdata.REPO / "docs" / "results" / "dpu_floor.json"
+CHUNK = 256
+VARIANTS = {  # name -> (data-plane debug settings, client config overrides, data-plane settings overrides)
+    "round barrier": ({"round_barrier": True}, {"eager_writes": False}, {}),
+    "as fetched": ({}, {"eager_writes": False}, {}),
+    "as fetched + eager writes": ({}, {"eager_writes": True}, {}),
+    "same, 1 fetch worker": ({}, {"eager_writes": True}, {"workers": (1, 1, 1, 1)}),
+}
+
+
+def _codecs(fp) -> dict[str, object]:
+    out = {}
+    cal = calibration.find_for(fp, DEFAULT_QUALITY)
+    if cal is None:
+        print("skip transform: no calibration for the model (make calibration)", file=sys.stderr)
+    else:
+        out["transform"] = get_codec("transform", calibration=cal.calib_id.hex(), quality=DEFAULT_QUALITY,
+                                     entropy="deflate")  # fmt: skip
+    out["quant_deflate"] = default_codec()
+    return out
+
+
+def _target(fp, tokens: int) -> KVTarget:
+    lay = fp.layout
+    shape = (tokens + 64, lay.num_kv_heads, lay.head_dim)
+    k = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(lay.num_layers)]
+    v = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(lay.num_layers)]
+    slots = torch.randperm(tokens + 64, generator=torch.Generator().manual_seed(0))[:tokens].to(torch.int64)
+    return KVTarget(writer_for(PoolTensors(k, v), lay), slots)
+
+
+def _client(url: str, fp, codec, cpus: tuple[int, ...], debug: dict, over: dict, chunks: int,
+            settings: dict) -> DpuClient:  # fmt: skip
+    cb = chunk_bytes(fp.layout, CHUNK)
+    spec = DataPlaneSettings.from_flags([], cpus=cpus, **settings)
+    spec = dataclasses.replace(spec, debug=Debug(**debug))
+    cfg = DpuClientConfig(url, dest_slots=2, dest_slot_bytes=max(cb * chunks, 64 << 20), process=spec,
+                          start_timeout_s=60, **over)  # fmt: skip
+    c = DpuClient(cfg, fp, codec)
+    c.start()
+    return c
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", default="640,320,160", help="link rates, Mbit/s")
+    ap.add_argument("--chunks", type=int, default=4, help="chunks of 256 tokens per request")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--cpus", default="1", help="the data plane's cores")
+    ap.add_argument("--host-cpus", default="0", help="this process's and the store's cores (the server's)")
+    ap.add_argument("--codecs", default="transform,quant_deflate")
+    ap.add_argument("--out", type=Path, default=OUT)
+    a = ap.parse_args(argv)
+    ok, why = netns_supported()
+    if not ok:
+        print(f"needs network namespaces: {why}", file=sys.stderr)
+        return 2
+    os.sched_setaffinity(0, {int(x) for x in a.host_cpus.split(",")})  # inherited by redis-server
+    fp = kvdata.fingerprint()
+    text = kvdata.load_texts()[0]
+    n = a.chunks
+    pieces = [(np.ascontiguousarray(text.k[:, i * CHUNK : (i + 1) * CHUNK]),
+               np.ascontiguousarray(text.v[:, i * CHUNK : (i + 1) * CHUNK]), i * CHUNK) for i in range(n)]  # fmt: skip
+    cpus = tuple(int(x) for x in a.cpus.split(","))
+    codecs = {k: v for k, v in _codecs(fp).items() if k in a.codecs.split(",")}
+    rates = [float(r) for r in a.rates.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="srkv-floor-") as tmp, shaped_store(Path(tmp)) as store:
+        for cname, codec in codecs.items():
+            blobs = [codec.encode(k, v, fp, start=s) for k, v, s in pieces]
+            keys = [f"floor-{cname}-{i}".encode().ljust(32, b"\0") for i in range(n)]
+            sc = open_client(store.url)
+            sc.put_many(list(zip(keys, blobs, strict=True)))
+            sc.close()
+            clients = {v: _client(store.url, fp, codec, cpus, d, o, n, st) for v, (d, o, st) in VARIANTS.items()}
+            try:
+                for rate in rates:
+                    store.set_rate(rate)
+                    got: dict[str, list[tuple[float, int]]] = {v: [] for v in VARIANTS}
+                    for rep in range(a.reps + 1):
+                        for v, c in clients.items():
+                            target = _target(fp, n * CHUNK)
+                            t0 = time.perf_counter()
+                            res = c.fetch(f"r{rep}", keys, CHUNK, target, timeout=120)
+                            dt = time.perf_counter() - t0
+                            if res.hit_chunks != n:
+                                raise RuntimeError(f"{v}: {res.failures}")
+                            if rep:  # the first fetch of each client warms it up
+                                got[v].append((dt, res.wire_bytes))
+                    for v, runs in got.items():
+                        wire = runs[0][1]
+                        floor = wire * 8 / (rate * 1e6)
+                        med = statistics.median(t for t, _ in runs)
+                        rows.append({"codec": cname, "rate_mbit": rate, "variant": v, "wire_bytes": wire,
+                                     "floor_s": floor, "median_s": med, "min_s": min(t for t, _ in runs),
+                                     "over_floor": med / floor, "tail_ms": (med - floor) * 1e3,
+                                     "all_s": [t for t, _ in runs]})  # fmt: skip
+                        r = rows[-1]
+                        print(f"{cname:14s} {rate:5.0f} Mbit/s  {v:26s} floor {floor * 1e3:6.1f} ms  "
+                              f"median {med * 1e3:6.1f} ms  {r['over_floor']:.2f}x  tail {r['tail_ms']:5.1f} ms",
+                              flush=True)  # fmt: skip
+            finally:
+                for c in clients.values():
+                    c.close()
+    meta = {"chunks": n, "chunk_tokens": CHUNK, "reps": a.reps, "cpus": a.cpus, "host_cpus": a.host_cpus,
+            "text": text.name,
+            "pool": "CPU (HostKVWriter), bf16", "cpu": kvdata.cpu_model(),
+            "note": "floor = hit chunks' compressed bytes / rate (no TCP/IP overhead); one fetch at a time"}  # fmt: skip
+    a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
