@@ -23,7 +23,6 @@ creator is gone).
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
@@ -126,7 +125,6 @@ class DataPlaneServer:
         self.deferred: dict[bytes, P.Register] = {}  # registrations waiting for their session's old jobs
         self.unmapping: list[DestRegion] = []  # released regions a worker still held a view of
         self.jobs: dict[tuple[bytes, int], JobState] = {}  # (peer, job id) -> job
-        self._orders = itertools.count()  # JobState.order of the next request
         self.pending = FairQueue()  # per peer: (job, regions) rounds waiting for a slot
         self.free_slots = list(range(st.slots))
         self._codecs: dict[tuple[str, bytes], object] = {}
@@ -403,11 +401,12 @@ class DataPlaneServer:
                 raise ValueError("chunk destination outside the destination region")
         codec = self._codec(msg.codec, msg.codec_params)
         blob_area = (msg.blob_off, msg.blob_cap)
-        # the jobs of one request share its place in the pipeline's order (``tasks.slab_key``)
-        same = [j.order for j in self.jobs.values() if j.peer == peer and j.request_id == msg.request_id]
-        order = same[0] if same else next(self._orders)
+        # the jobs of one request share the place of its first job in the pipeline's order (``slab_key``)
+        lead = next((j for j in self.jobs.values() if j.peer == peer and j.request_id == msg.request_id), None)
+        if lead is not None and lead.lead is not None:
+            lead = lead.lead
         job = JobState(
-            msg.job, peer, codec, fp, layout, list(msg.chunks), blob_area, region.array, msg.request_id, order
+            msg.job, peer, codec, fp, layout, list(msg.chunks), blob_area, region.array, msg.request_id, lead
         )
         ratio = self.cfg.settings.inflate_ratio
         rounds = plan_rounds([c.tokens for c in msg.chunks], layout, self.cfg.settings.slot_bytes, ratio)

@@ -60,11 +60,12 @@ class JobState:
         blob_area: tuple[int, int] = (0, 0),
         dest=None,
         request_id: str = "",
-        order: int = 0,
+        lead: JobState | None = None,
     ) -> None:
         self.job, self.peer, self.codec, self.fingerprint = job, peer, codec, fingerprint
-        # the client's request and its place among the requests in the data plane (``slab_key``)
-        self.request_id, self.order = request_id, order
+        # the client's request; ``lead``: the request's first job still active when this one arrived
+        # (None: this one); ``first_round``: the id of this job's first admitted round (``slab_key``)
+        self.request_id, self.lead, self.first_round = request_id, lead, -1
         self.dest = dest  # uint8 view of the destination region of the job's client (host-owned shm)
         self.layout = layout
         self.dtype = numpy_storage_dtype(layout.dtype)
@@ -169,16 +170,17 @@ def layer_major(ready: list[ChunkTask], num_layers: int, group: int):
 
 
 def slab_key(task: ChunkTask, lo: int) -> tuple[int, int, int, int]:
-    """Priority of slab ``(task, lo, ..)`` at every stage after fetch, lowest first: requests in the order
-    they reached the data plane (``JobState.order``, shared by the jobs of one client request); within a
-    request, a layer-wise consumer's (a job with a blob area) lowest layer group first across all its
-    jobs and chunks (its forward pass needs layer l of every chunk before layer l + 1 of any), anyone
-    else's round by round (a round done early frees its staging slot and its host slot), lowest layer
-    group first within a round; then chunk order."""
+    """Priority of slab ``(task, lo, ..)`` at every stage after fetch, lowest first: rounds in the order
+    they were admitted (which is per-client fair, ``FairQueue``), lowest layer group first within a
+    round, then chunk order. A layer-wise consumer's job (one with a blob area) instead takes the place
+    of its request's first round and goes layer group by layer group across *all* the request's jobs and
+    chunks: its forward pass needs layer l of every chunk before layer l + 1 of any, and a request cut
+    into two jobs must not finish the first before the second's layer 0 (a real server test caught it)."""
     job = task.job
     if job.blob_cap:
-        return (job.order, lo, task.round_id, task.region.index)
-    return (job.order, task.round_id, lo, task.region.index)
+        lead = job.lead if job.lead is not None and job.lead.first_round >= 0 else job  # (lead: not cancelled)
+        return (lead.first_round, lo, task.round_id, task.region.index)
+    return (task.round_id, lo, task.round_id, task.region.index)
 
 
 class SlabQueue(queue.PriorityQueue):

@@ -66,33 +66,36 @@ def test_dest_region_create_attach_unlink():
         DestRegion.attach(d.name, untrack=False)
 
 
-def test_slab_queue_orders_requests_then_layers_or_rounds():
-    """The order of every stage after fetch (``slab_key``): requests in arrival order; a layer-wise
-    request (jobs with a blob area) layer group by layer group across *all* its jobs (its forward pass
-    needs layer l of every chunk: a request cut into two jobs must not finish one job before the other's
-    first layer; a real server test caught that); any other request round by round; chunk order last;
-    ``None`` (stop a worker) after all work."""
+def test_slab_queue_orders_rounds_and_a_layerwise_request_layer_major():
+    """The order of every stage after fetch (``slab_key``): rounds in admission order, lowest layer group
+    first within a round, then chunk order; a layer-wise request (jobs with a blob area) at the place of
+    its first round, layer group by layer group across *all* its jobs (its forward pass needs layer l of
+    every chunk: a request cut into two jobs must not finish one job before the other's first layer; a
+    real server test caught that); ``None`` (stop a worker) after all work."""
     from types import SimpleNamespace
 
     from sgl_remote_kv.dpu.tasks import SlabQueue
 
-    def slab(order: int, layerwise: bool, rnd: int, chunk: int, lo: int):
-        job = SimpleNamespace(order=order, blob_cap=1 << 20 if layerwise else 0)
-        return (SimpleNamespace(job=job, round_id=rnd, region=SimpleNamespace(index=chunk)), lo, lo + 6)
+    def job(first_round: int, layerwise: bool = False, lead=None):
+        return SimpleNamespace(first_round=first_round, blob_cap=1 << 20 if layerwise else 0, lead=lead)
+
+    def slab(j, rnd: int, chunk: int, lo: int):
+        return (SimpleNamespace(job=j, round_id=rnd, region=SimpleNamespace(index=chunk)), lo, lo + 6)
 
     def drain(arrivals):
         q = SlabQueue()
         for item in arrivals:
             q.put(item)
-        got = [q.get() for _ in arrivals]
-        return [(s[0].job.order, s[0].round_id, s[1], s[0].region.index) if s is not None else None for s in got]
+        return [(s[0].round_id, s[1], s[0].region.index) if s is not None else None for s in [q.get() for _ in arrivals]]
 
-    # request 0, not layer-wise, rounds 0 and 1: round by round
-    plain = [slab(0, False, 1, 0, 0), slab(0, False, 1, 0, 6), None, slab(0, False, 0, 1, 6), slab(0, False, 0, 0, 6),
-             slab(0, False, 0, 0, 0), slab(0, False, 1, 1, 0)]  # fmt: skip
-    assert drain(plain) == [(0, 0, 0, 0), (0, 0, 6, 0), (0, 0, 6, 1), (0, 1, 0, 0), (0, 1, 0, 1), (0, 1, 6, 0), None]
-    # request 1, layer-wise, two jobs (rounds 2 and 3), queued job by job; then request 0's last slab
-    lw = [slab(1, True, 2, 0, 0), slab(1, True, 2, 1, 0), slab(1, True, 2, 0, 6), slab(1, True, 2, 1, 6),
-          slab(1, True, 3, 0, 0), slab(1, True, 3, 0, 6), slab(0, False, 1, 0, 12)]  # fmt: skip
-    assert drain(lw) == [(0, 1, 12, 0), (1, 2, 0, 0), (1, 2, 0, 1), (1, 3, 0, 0), (1, 2, 6, 0), (1, 2, 6, 1),
-                         (1, 3, 6, 0)]  # fmt: skip
+    # one plain job of rounds 0 and 1 (round by round), queued out of order
+    a = job(0)
+    plain = [slab(a, 1, 0, 0), slab(a, 1, 0, 6), None, slab(a, 0, 1, 6), slab(a, 0, 0, 6), slab(a, 0, 0, 0), slab(a, 1, 1, 0)]
+    assert drain(plain) == [(0, 0, 0), (0, 6, 0), (0, 6, 1), (1, 0, 0), (1, 0, 1), (1, 6, 0), None]
+    # a layer-wise request of two jobs (rounds 2 and 4; another client's plain round 3 was admitted
+    # between them), queued job by job: layer-major across both jobs, all at round 2's place
+    b1 = job(2, layerwise=True)
+    b2, c = job(4, layerwise=True, lead=b1), job(3)
+    lw = [slab(b1, 2, 0, 0), slab(b1, 2, 1, 0), slab(b1, 2, 0, 6), slab(b1, 2, 1, 6), slab(c, 3, 0, 0),
+          slab(b2, 4, 0, 0), slab(b2, 4, 0, 6), slab(a, 1, 0, 12)]  # fmt: skip
+    assert drain(lw) == [(1, 12, 0), (2, 0, 0), (2, 0, 1), (4, 0, 0), (2, 6, 0), (2, 6, 1), (4, 6, 0), (3, 0, 0)]

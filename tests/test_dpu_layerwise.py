@@ -137,6 +137,38 @@ def test_chunks_decode_as_they_arrive(tmp_path):
         assert [la for la, ch in _layers(events) if ch == chunk] == list(range(LAYOUT.num_layers))
 
 
+def test_a_layerwise_request_of_two_jobs_completes_layer_major_across_both(tmp_path):
+    """A layer-wise request (blob area) cut into two host rounds, i.e. two data-plane jobs, with a slow
+    DMA: every chunk of *both* jobs has layer l before any chunk has layer l + 1 (the forward pass waits
+    for layer l of every chunk; finishing the first job before the second's layer 0 stalled a real
+    server's layer-wise installs into their fallback), and the fetch is a full hit."""
+    codec, url = codecs()["lossless"], f"file://{tmp_path}/store"
+    n = 2 * N
+    keys, blobs = put_chunks(url, codec, random_chunks(n, seed=6))
+    target = make_pool(LAYOUT, 512, n * CHUNK, seed=3)
+    slow = dataclasses.replace(_spec("--dma-delay-s", "0.02"), slot_bytes=n * CB)
+    c = DpuClient(DpuClientConfig(url, 2, N * CB, 2 * N * CB, slow), FP, codec)  # N chunks per host round
+    c.start()
+    seen: list[tuple[int, int, int]] = []  # (job, layer, chunk) in arrival order
+    book_on_event = c.book.on_event
+
+    def observe(msg):  # runs under the client's lock, on its receiver thread
+        if isinstance(msg, P.LayerDone):
+            seen.extend((msg.job, msg.layer + i, msg.chunk) for i in range(msg.count))
+        book_on_event(msg)
+
+    c.book.on_event = observe
+    try:
+        h = c.submit("one-request", keys, CHUNK, target)
+        assert len(h.rounds) == 2
+        assert h.wait(60).hit_chunks == n
+    finally:
+        c.close()
+    assert len({job for job, _, _ in seen}) == 2 and len(seen) == n * LAYOUT.num_layers
+    layers = [layer for _, layer, _ in seen]
+    assert layers == sorted(layers), seen  # layer-major across both jobs
+
+
 def test_verified_blobs_sit_in_the_region(client):
     c, codec, url = client
     keys, blobs = put_chunks(url, codec, random_chunks(N, seed=3))
