@@ -64,6 +64,15 @@ CONFIGS = {
         "dpu",
         "DPU path, always fetch",
     ),
+    # The same with the data plane's previous order (a round decoded only after its last fetch): side by
+    # side with dpu_fetch, what decoding chunks as they arrive changes end to end.
+    "dpu_fetch_barrier": Config(
+        "dpu_fetch_barrier",
+        ("--remote-kv", "dpu", "--remote-kv-policy-margin", "1e9", "--remote-kv-dpu-args=--ablation-round-barrier"),
+        True,
+        "dpu",
+        "DPU path, always fetch, data plane ablation --ablation-round-barrier (the previous order)",
+    ),
     # The same without a transform-codec calibration (an empty cache directory): the server writes the
     # previous default, quant_deflate; side by side with dpu_fetch, the codec change end to end.
     "dpu_fetch_nocal": Config(

@@ -13,7 +13,7 @@ go through the service's store proxy (``--remote-kv-store dpu+ipc://``). Float32
 3. the service hung (SIGSTOP): a miss, recomputed, same tokens; resumed (SIGCONT): hits again;
 4. the store down: a miss, recomputed, same tokens.
 
-The service killed outright is ``tests/test_tp_service_server.py``. Slow (~6-9 min: three ranks share two
+The service killed outright is ``tests/test_tp_service_server.py``. Slow (~2 min: three ranks share two
 cores). Needs root (``ip netns``) and ``redis-server``; skipped where namespaces cannot be created.
 """
 
