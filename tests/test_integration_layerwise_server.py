@@ -65,6 +65,7 @@ def _kv_wait(srv) -> float:
     return metrics(srv).get("sglang:remote_kv_kv_wait_seconds_sum", 0.0)
 
 
+@pytest.mark.slow  # two servers, ~70 s: the in-process path's TTFT table; its installs: test_integration_layerwise.py
 def test_layerwise_remote_hit_exact_and_ttft(model_dir, tmp_path):
     from transformers import AutoTokenizer
 
