@@ -9,14 +9,15 @@ inflate, dequantization and the copy of different chunks and layers overlap. The
 Order: a chunk's slabs are queued as soon as it was fetched and parsed; every stage after fetch takes
 its input from a priority queue (``SlabQueue``, order ``tasks.slab_key``): rounds in admission order,
 lowest layer group first within a round; a layer-wise consumer's request at the place of its first
-round, lowest layer group first across all its jobs and chunks. So decoding overlaps the later fetches (only the last
-chunk's decode follows the last byte), and with one worker per stage layers complete in order, also
-behind a slow stage's backlog: the host can start attention on layer 0 while later layers decode. The
-ablation ``round_barrier`` keeps the previous order (a round's slabs only after its last fetch).
-When every chunk of a *job* was fetched, the pipeline emits ``ChunksVerified`` (leading intact chunks; with ``blob_cap`` the blobs
-were copied into the host-visible blob area first, so the host can decode them itself if this process
-dies afterwards). A chunk after a miss may be decoded before the miss is known (wasted work; the host
-uses only the prefix before the first failure).
+round, lowest layer group first across all its jobs and chunks. So decoding overlaps the later fetches
+(only the last chunk's decode follows the last byte), and with one worker per stage layers complete in
+order, also behind a slow stage's backlog: the host can start attention on layer 0 while later layers
+decode. The ablation ``round_barrier`` keeps the previous order (a round's slabs only after its last
+fetch).
+When every chunk of a *job* was fetched, the pipeline emits ``ChunksVerified`` (leading intact chunks;
+with ``blob_cap`` the blobs were copied into the host-visible blob area first, so the host can decode
+them itself if this process dies afterwards). A chunk after a miss may be decoded before the miss is
+known (wasted work; the host uses only the prefix before the first failure).
 
 Threads: ``submit_round`` is called by the server thread; everything else runs in worker threads.
 The ``emit`` callback must be thread-safe (the server gives one that pushes to an inproc socket).
