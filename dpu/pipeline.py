@@ -230,8 +230,10 @@ class Pipeline:
             else:
                 job.done += 1
             job_over = job.terminal == len(job.dests)
-        if not task.failed:
-            self.emit(job.peer, ChunkDone(job.job, task.region.index, task.wire_bytes))
+            # under the lock: a chunk counted terminal here must report before another thread can see
+            # the job over and send JobDone (the host treats a chunk without ChunkDone by then as lost)
+            if not task.failed:
+                self.emit(job.peer, ChunkDone(job.job, task.region.index, task.wire_bytes))
         if job_over:
             self.emit(job.peer, JobDone(job.job, job.done, job.failed))
         self._round_chunk_terminal(task.round_id)
