@@ -14,6 +14,7 @@ round, lowest layer group first across all its jobs and chunks. So decoding over
 order, also behind a slow stage's backlog: the host can start attention on layer 0 while later layers
 decode. The ablation ``round_barrier`` keeps the previous order (a round's slabs only after its last
 fetch).
+
 When every chunk of a *job* was fetched, the pipeline emits ``ChunksVerified`` (leading intact chunks;
 with ``blob_cap`` the blobs were copied into the host-visible blob area first, so the host can decode
 them itself if this process dies afterwards). A chunk after a miss may be decoded before the miss is
@@ -215,7 +216,8 @@ class Pipeline:
             task.failed = True
             if kind != "cancelled":
                 job.cancel_from = min(job.cancel_from, task.region.index + 1)
-        self.emit(job.peer, ChunkFailed(job.job, task.region.index, kind, detail[:500], store_error))
+            # under the lock, like ChunkDone: before any thread can end the job and send JobDone
+            self.emit(job.peer, ChunkFailed(job.job, task.region.index, kind, detail[:500], store_error))
 
     def _slab_finished(self, task: ChunkTask, whole_chunk: bool = False) -> None:
         job = task.job
@@ -230,8 +232,9 @@ class Pipeline:
             else:
                 job.done += 1
             job_over = job.terminal == len(job.dests)
-            # under the lock: a chunk counted terminal here must report before another thread can see
-            # the job over and send JobDone (the host treats a chunk without ChunkDone by then as lost)
+            # A chunk's outcome is emitted under the job's lock (here and in ``_fail``), so it reaches the
+            # host before the JobDone another thread may send once it sees the job over (the host takes a
+            # chunk without an outcome at JobDone as lost).
             if not task.failed:
                 self.emit(job.peer, ChunkDone(job.job, task.region.index, task.wire_bytes))
         if job_over:
