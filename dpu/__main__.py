@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .protocol import decode_warmup
@@ -102,6 +103,9 @@ def proxy_config_from_args(ns: argparse.Namespace, cfg: DataPlaneConfig) -> Stor
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The transform codec's GEMM (torch, loaded with the first transform chunk or warm-up) must run on one
+    # thread per pipeline worker: set before anything loads torch's OpenMP runtime.
+    os.environ["OMP_NUM_THREADS"] = "1"
     ns = build_parser().parse_args(argv)
     cfg = config_from_args(ns)
     proxy_cfg = proxy_config_from_args(ns, cfg)

@@ -1,7 +1,7 @@
 """The transform codec's dequant stage on the GPU path: symbols -> coefficients -> inverse transform ->
 mean, RoPE (keys) -> fp16 / bf16 / fp32 KV.
 
-Semantics match ``sgl_remote_kv.codec.transform``'s CPU stage (numba + BLAS), per layer of one chunk and
+Semantics match ``sgl_remote_kv.codec.transform``'s CPU stage (numba + an integer GEMM), per layer of one chunk and
 per head group ``g`` of width ``gd``::
 
     y[t, j] = (q[c, t] * step[j]) * s[t]            c = g*gd + j, q = symbol - 128 or the escape value
@@ -10,9 +10,11 @@ per head group ``g`` of width ``gd``::
 
 where ``btr = bt @ R`` and ``meanr = mean @ R`` for the signed permutation ``R`` with ``x @ R =
 rotate_half(x)`` (per head; NeoX or GPT-J pairing): RoPE becomes a second GEMM on the same tile, no
-shuffles. ``TransformConsts`` holds these per (layer, first group), built once per calibration on the host.
-Results differ from the CPU stage only by float32 summation order (a rare last-bit difference after the
-cast); the transform codec is lossy, so nothing downstream relies on bit equality with it.
+shuffles. ``TransformConsts`` holds these per (layer, first group), built once per calibration on the host;
+the codec (``device_consts``) passes its decode matrix as ``bt`` with unit steps (``codec.inverse``: the
+steps folded into a 16-bit W, the matrix the CPU stage's integer GEMM multiplies by). Results differ
+from the CPU stage only by float32 rounding (a rare last-bit difference after the cast); the transform
+codec is lossy, so nothing downstream relies on bit equality with it.
 
 ``inverse_reference`` is plain torch (the strict CPU device of the test suite runs it);
 ``inverse_triton`` is one Triton launch per chunk and layer (runs on CPU under ``TRITON_INTERPRET=1``).

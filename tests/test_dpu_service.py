@@ -52,8 +52,13 @@ class Service:
     def start(self) -> Service:
         cmd = [sys.executable, "-m", "sgl_remote_kv.dpu", "--endpoint", self.endpoint, "--store", self.store_url]
         cmd += ["--fetch-workers", "1", "--layer-group", "2", "--log-level", "INFO", *self.flags]
+        started = self.log.read_bytes().count(b"serving on") if self.log.exists() else 0
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=log)
+        deadline = time.monotonic() + 30  # serving: clients registering now are answered at once
+        while self.log.read_bytes().count(b"serving on") == started and self.proc.poll() is None:
+            assert time.monotonic() < deadline, "the service did not start"
+            time.sleep(0.02)
         return self
 
     def kill(self) -> None:

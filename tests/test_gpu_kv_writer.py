@@ -190,7 +190,7 @@ def test_write_quantized_dequantizes_on_the_device_bit_exact(dtype, k_channel_sc
 def test_write_quantized_transform_codec_on_the_device(dtype):
     """The transform codec on a CUDA pool: symbols, escapes, scales, RoPE tables and the sink token H2D,
     ``kernels/transform.py`` (Triton) per chunk, one scatter per layer; the pool holds the codec's CPU
-    decode up to float32 summation order (at most one step of the dtype on a few values)."""
+    decode up to float32 rounding (at most one step of the dtype on a few values)."""
     import sys
     from pathlib import Path
 
@@ -214,4 +214,5 @@ def test_write_quantized_transform_codec_on_the_device(dtype):
     for got, want in ((rk, np.concatenate([r[0] for r in ref], axis=1)), (rv, np.concatenate([r[1] for r in ref], axis=1))):
         g, x = quant.to_f32(got, dtype), quant.to_f32(want, dtype)
         assert np.all(np.abs(g - x) <= np.abs(x) * step + 1e-4), float(np.abs(g - x).max())
-        assert np.mean(got != want) < 0.02
+        if dtype != "float32":  # float32 keeps each side's own rounding (the CPU sums exactly in int32)
+            assert np.mean(got != want) < 0.02

@@ -172,7 +172,8 @@ def test_transform_reference_matches_the_codec_cpu_stage(dtype, style):
             g, w = quant.to_f32(got, dtype), quant.to_f32(want, dtype)
             step = 2.0**-7 if dtype == "bfloat16" else 2.0**-10 if dtype == "float16" else 1e-5
             assert np.all(np.abs(g - w) <= np.abs(w) * step + 1e-4), (start, kv, float(np.abs(g - w).max()))
-            assert np.mean(got != want) < 0.02
+            if dtype != "float32":  # float32 keeps each side's own rounding (the CPU sums exactly in int32)
+                assert np.mean(got != want) < 0.02
 
 
 

@@ -81,6 +81,7 @@ class Calibration:
     calib_id: bytes = field(default=b"", compare=False)
     _decode: dict = field(default_factory=dict, repr=False, compare=False)
     _encode: dict = field(default_factory=dict, repr=False, compare=False)
+    _inverse: dict = field(default_factory=dict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -170,6 +171,16 @@ class Calibration:
                 if not ok:
                     raise CalibrationError("bad frequency table")
                 t = self._decode[level] = (cum16, bucket)
+            return t
+
+    def inverse_tables(self, level: str, layer: int):
+        """``inverse.InverseTables`` of ``level`` and ``layer`` (its decode matrices), built on first use."""
+        from sgl_remote_kv.codec.inverse import InverseTables
+
+        with self._lock:
+            t = self._inverse.get((level, layer))
+            if t is None:
+                t = self._inverse[level, layer] = InverseTables.build(self.steps[level][layer], self.basis[layer])
             return t
 
     def ctx0(self, layer: int, kv: int, group: int) -> int:

@@ -10,12 +10,13 @@ Per layer and K/V separately (``calibration.Calibration`` holds everything fitte
     symbol = q + 128 for |q| <= 127 (and, under rANS, a symbol the table can code), else 0 = escape:
              q itself goes to the escape list (int16)
 
-Decode inverts it: ``x = (q * step * s) @ basis^T + mean``, RoPE re-applied for K, rounded to the
-storage dtype. Sequence positions below the calibration's ``sinks`` (attention sinks: a per-token scale
-serves their outsized values badly) are stored exactly instead. A chunk's token offset ``start`` (its
-position in the sequence) is an encode argument and travels in each layer section; the calibration's RoPE
-must be the model's (the server checks; the id of the calibration is in the codec params, hence in every
-chunk key).
+Decode inverts it: ``x = (q * s) @ W + mean`` with ``W = step * basis^T`` held as 16-bit integers per
+output channel (``codec.inverse``: an exact integer GEMM on the CPU; the GPU kernel uses the same matrix),
+RoPE re-applied for K, rounded to the storage dtype. Sequence positions below the calibration's ``sinks``
+(attention sinks: a per-token scale serves their outsized values badly) are stored exactly instead. A
+chunk's token offset ``start`` (its position in the sequence) is an encode argument and travels in each
+layer section; the calibration's RoPE must be the model's (the server checks; the id of the calibration
+is in the codec params, hence in every chunk key).
 
 Decoded-layer buffer (lossless stage output, dequant stage input)::
 
@@ -30,8 +31,8 @@ independent raw-Deflate streams (``lz.pack_streams``). ``rans``: ``<III`` (prefi
 prefix stored, then the two rANS word streams (one context per (layer, K/V, channel)).
 
 Threads: an instance is immutable; stages only write the caller's buffers, but unlike the ``quant`` codecs
-they allocate small work arrays per call (the rANS stage a [T, C] symbol array; the dequant stage the
-[G, T, C] float32 coefficients and the matmul's result). Numba kernels and BLAS matmuls release the GIL.
+they need work arrays (the rANS stage allocates a [T, C] symbol array per call; the dequant stage uses
+``codec.inverse``'s per-thread arrays). Numba kernels and the torch GEMM release the GIL.
 """
 
 from __future__ import annotations
@@ -111,28 +112,6 @@ def _quantize(y, steps, scale, freq, ctx0, sym, esc):
                     n += 1
                     s = ESC
                 sym[c, t] = s
-    return n
-
-
-@njit(nogil=True, cache=True)
-def _dequantize(sym, esc, steps, scale, y):
-    """Inverse of ``_quantize`` into ``y`` [H, T, D]; returns escapes consumed or -1 if they run out."""
-    h_n, t_n, d = y.shape
-    n = 0
-    for h in range(h_n):
-        for j in range(d):
-            c = h * d + j
-            st = steps[h, j]
-            for t in range(t_n):
-                s = sym[c, t]
-                if s == ESC:
-                    if n >= esc.shape[0]:
-                        return -1
-                    q = np.float32(esc[n])
-                    n += 1
-                else:
-                    q = np.float32(np.int32(s) - ZERO)
-                y[h, t, j] = q * st * scale[t]
     return n
 
 
@@ -401,7 +380,8 @@ class TransformCodec(Codec):
         from sgl_remote_kv.kernels.transform import TransformConsts
 
         gs = slice(group, group + n_g)
-        return TransformConsts.build(self.cal.steps[self.quality][layer, :, gs], self.cal.basis[layer, :, gs],
+        weff = self.cal.inverse_tables(self.quality, layer).weff[:, gs]  # the decode matrix, steps folded in
+        return TransformConsts.build(np.ones(weff.shape[:-1], np.float32), weff.swapaxes(-1, -2),
                                      self.cal.mean[layer, :, gs], self.cal.head_dim, _style(self.cal.rope))  # fmt: skip
 
 
@@ -443,14 +423,12 @@ class TransformView:
         cos, sin = rope_tables(cal.rope, self.start, t_n)
         n_g, gd = self.groups, cal.group_dim
         gs = slice(self.group, self.group + n_g)
-        y = np.empty((n_g, t_n, gd), np.float32)
+        tables = cal.inverse_tables(self.codec.quality, self.layer)
         escs = (self.esc[: self.nk], self.esc[self.nk :])
         for kv, out in enumerate((out_k, out_v)):
-            steps = cal.steps[self.codec.quality][self.layer, kv, gs]
-            used = _dequantize(self.sym[kv], escs[kv], steps, self.scales[kv], y)
+            x, used = tables.inverse(kv, self.group, self.sym[kv], escs[kv], self.scales[kv])
             if used != escs[kv].size:
                 raise CorruptChunk("escape count does not match the symbols")
-            x = np.matmul(y, cal.basis[self.layer, kv, gs].transpose(0, 2, 1))
             flat = out.reshape(t_n, n_g, gd)
             if mode == 0:
                 _finish(x, cal.mean[self.layer, kv, gs], cos, sin, _style(cal.rope), kv == 0, cal.head_dim, 0,
@@ -478,8 +456,7 @@ def roundtrip(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np
     n = _quantize(y, steps, s, np.empty((0, calib_mod.SYMBOLS), np.uint16), 0, sym, esc)
     if n < 0:
         raise ValueError(f"layer {layer}: values do not fit the escape format ({n})")
-    _dequantize(sym, esc[:n], steps, s, y)
-    xr = np.matmul(y, cal.basis[layer, kv, gs].transpose(0, 2, 1))
+    xr, _ = cal.inverse_tables(level, layer).inverse(kv, group, sym, esc[:n], s)
     out = np.empty((t_n, y.shape[0], cal.group_dim), np.float32)
     cos, sin = rope_tables(cal.rope, start, t_n)
     _finish(xr, cal.mean[layer, kv, gs], cos, sin, _style(cal.rope), kv == 0, cal.head_dim, 0, out, _EMPTY16)

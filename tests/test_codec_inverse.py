@@ -1,0 +1,106 @@
+"""The transform codec's inverse transform (``codec.inverse``): 16-bit decode matrices and the exact integer
+GEMM, against a float64 reference of the same math."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from sgl_remote_kv.codec.inverse import InverseTables
+
+
+def _tables(groups=2, gd=24, seed=0):
+    rng = np.random.default_rng(seed)
+    basis = np.linalg.qr(rng.standard_normal((2, groups, gd, gd)))[0].astype(np.float32)
+    steps = rng.uniform(0.005, 0.3, (2, groups, gd)).astype(np.float32)  # spanning 60x, like a real level
+    return steps, basis, InverseTables.build(steps, basis)
+
+
+def _symbols(rng, c_n, t_n, escape_rate=0.02):
+    """Symbols [C, T] with escape symbols (0) at ``escape_rate``, their values (component-major), the q."""
+    q = rng.integers(-127, 128, (c_n, t_n))
+    esc_at = rng.random((c_n, t_n)) < escape_rate
+    big = rng.integers(128, 32768, (c_n, t_n)) * rng.choice([-1, 1], (c_n, t_n))
+    q = np.where(esc_at, big, q)
+    sym = np.where(esc_at, 0, q + 128).astype(np.uint8)
+    return sym, q[esc_at].astype(np.int16), q  # boolean indexing is row-major = component-major
+
+
+def test_decode_matrix_is_w_to_sixteen_bits_and_splits_into_int8_halves():
+    steps, basis, tab = _tables()
+    w = steps[..., :, None].astype(np.float64) * np.swapaxes(basis, -1, -2)  # W[c, j] = step_c * basis[j, c]
+    gd = w.shape[-1]
+    hi, lo = (tab.w2.numpy()[..., :gd].astype(np.int64), tab.w2.numpy()[..., gd:].astype(np.int64))
+    assert tab.w2.numpy().dtype == np.int8 and lo.min() >= -128 and hi.min() >= -127 and hi.max() <= 127
+    wi = hi * 256 + lo
+    np.testing.assert_array_equal(tab.weff, (wi * tab.col[..., None, :]).astype(np.float32))
+    peak = np.abs(w).max(axis=-2)
+    assert np.all(np.abs(tab.weff - w) <= peak[..., None, :] * 2.0**-16 * 1.01)
+    assert np.abs(wi).max() == 127 * 256  # each column's largest entry uses the full range
+
+
+@pytest.mark.parametrize("t_n", [1, 17, 256])
+def test_inverse_equals_the_float64_reference_with_escapes_and_a_group_offset(t_n):
+    steps, basis, tab = _tables(groups=3, gd=16, seed=t_n)
+    rng = np.random.default_rng(t_n)
+    sym, esc, q = _symbols(rng, 2 * 16, t_n)  # a rank holding groups 1 and 2
+    scale = rng.uniform(0.1, 3.0, t_n).astype(np.float32)
+    for kv in (0, 1):
+        x, used = tab.inverse(kv, 1, sym, esc, scale)
+        assert used == esc.size and x.shape == (2, t_n, 16)
+        for g in range(2):
+            w = tab.weff[kv, 1 + g].astype(np.float64)
+            want = (q[g * 16 : (g + 1) * 16].T * scale[:, None].astype(np.float64)) @ w
+            np.testing.assert_allclose(x[g], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("gd", [16, 64, 192])
+def test_the_integer_gemm_is_exact_for_every_token_count(gd):
+    """torch's CPU ``_int_mm`` once summed a single row wrongly: every T a chunk can have is checked."""
+    from sgl_remote_kv.codec.inverse import _int_gemm
+
+    rng = np.random.default_rng(gd)
+    w = rng.integers(-128, 128, (gd, 2 * gd)).astype(np.int8)
+    for t_n in [*range(1, 20), 63, 64, 65, 255, 256]:
+        codes = rng.integers(-128, 128, (gd, t_n)).astype(np.int8)
+        out = torch.empty((t_n, 2 * gd), dtype=torch.int32)
+        _int_gemm(torch.from_numpy(codes).t(), torch.from_numpy(w), out)
+        np.testing.assert_array_equal(
+            out.numpy(), codes.T.astype(np.int64) @ w.astype(np.int64), err_msg=str(t_n)
+        )
+
+
+def test_escapes_that_run_out_or_are_left_over_are_reported():
+    _, _, tab = _tables(groups=1, gd=16)
+    rng = np.random.default_rng(3)
+    sym, esc, _ = _symbols(rng, 16, 40, escape_rate=0.1)
+    assert esc.size > 2
+    scale = np.ones(40, np.float32)
+    assert tab.inverse(0, 0, sym, esc[:-1], scale)[1] == -1  # one escape symbol without its value
+    assert tab.inverse(0, 0, sym, np.concatenate([esc, esc[:1]]), scale)[1] == esc.size  # a value left over
+
+
+def test_concurrent_threads_each_get_their_own_work_arrays():
+    _, _, tab = _tables(groups=1, gd=32)
+    rng = np.random.default_rng(9)
+    cases = [_symbols(rng, 32, t, 0.01) + (rng.uniform(0.5, 2, t).astype(np.float32),) for t in (64, 64, 33)]
+    want = [tab.inverse(0, 0, s, e, sc)[0].copy() for s, e, _, sc in cases]
+    bad = []
+
+    def run(i):
+        s, e, _, sc = cases[i]
+        for _ in range(200):
+            x, _ = tab.inverse(0, 0, s, e, sc)
+            if not np.array_equal(x, want[i]):
+                bad.append(i)
+                return
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
