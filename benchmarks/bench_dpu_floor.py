@@ -16,7 +16,11 @@ load) are the data plane's ordering ablation and the host's write policy:
 - ``as fetched + eager writes``: also write each run of finished layers into the pool at once
   (``DpuClientConfig.eager_writes``) instead of one write per host round at the end;
 - ``same, 1 fetch worker``: and one fetch worker instead of two (two share the link, so two chunks
-  land at once and both decodes follow the last byte).
+  land at once and both decodes follow the last byte);
+- ``same, adaptive fetch concurrency`` (the default): two fetch workers, admitting one or both as the
+  data plane measures the link (``dpu/fetch_gate.py``); the other variants fix the concurrency. Each
+  variant's data plane lives through all rates of a codec (640, 320, 160 Mbit/s in turn), so the gate
+  must follow each change of rate.
 
 Codecs: the DPU default (``transform``, Deflate; needs the model's calibration) and ``quant_deflate``.
 Writes ``docs/results/dpu_floor.json`` and prints a table. Needs root (network namespaces).
@@ -52,11 +56,13 @@ from sgl_remote_kv.types import DEFAULT_QUALITY
 
 OUT = kvdata.REPO / "docs" / "results" / "dpu_floor.json"
 CHUNK = 256
+FIXED = {"fetch_concurrency": "fixed"}
 VARIANTS = {  # name -> (data-plane debug settings, client config overrides, data-plane settings overrides)
-    "round barrier": ({"round_barrier": True}, {"eager_writes": False}, {}),
-    "as fetched": ({}, {"eager_writes": False}, {}),
-    "as fetched + eager writes": ({}, {"eager_writes": True}, {}),
+    "round barrier": ({"round_barrier": True}, {"eager_writes": False}, FIXED),
+    "as fetched": ({}, {"eager_writes": False}, FIXED),
+    "as fetched + eager writes": ({}, {"eager_writes": True}, FIXED),
     "same, 1 fetch worker": ({}, {"eager_writes": True}, {"workers": (1, 1, 1, 1)}),
+    "same, adaptive fetch concurrency": ({}, {"eager_writes": True}, {}),
 }
 
 
@@ -146,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append({"codec": cname, "rate_mbit": rate, "variant": v, "wire_bytes": wire,
                                      "floor_s": floor, "median_s": med, "min_s": min(t for t, _ in runs),
                                      "over_floor": med / floor, "tail_ms": (med - floor) * 1e3,
-                                     "all_s": [t for t, _ in runs]})  # fmt: skip
+                                     "all_s": [t for t, _ in runs],
+                                     # the data plane's fetch gate at its last heartbeat (limit, rates)
+                                     "fetch_gate": json.loads(clients[v].stats().get("dataplane") or "{}").get("fetch_gate")})  # fmt: skip
                         r = rows[-1]
                         print(f"{cname:14s} {rate:5.0f} Mbit/s  {v:26s} floor {floor * 1e3:6.1f} ms  "
                               f"median {med * 1e3:6.1f} ms  {r['over_floor']:.2f}x  tail {r['tail_ms']:5.1f} ms",

@@ -52,6 +52,7 @@ from sgl_remote_kv.codec.errors import ChunkError, CorruptChunk, ForeignChunk
 from sgl_remote_kv.codec.format import layer_section
 
 from .buffers import ChunkRegion, StagingBuffers, layer_bytes
+from .fetch_gate import FetchGate
 from .protocol import BlobRef, ChunkDone, ChunkFailed, JobDone, LayerDone, Message
 from .tasks import STAGES, ChunkTask, JobState, PipelineConfig, RoundTable, SlabQueue, StageStats, layer_major
 
@@ -75,6 +76,7 @@ class Pipeline:
         # fetch is bounded by admission (slots x chunks per round); the others by queue_depth
         self.queues = {s: queue.Queue() if s == "fetch" else SlabQueue(cfg.queue_depth) for s in STAGES}
         self.stats = {s: StageStats() for s in STAGES}
+        self.gate = FetchGate(cfg.fetch_workers, adaptive=cfg.adaptive_fetch)
         self._stats_lock = threading.Lock()
         self._rounds = RoundTable()
         # The store client's error kind of this thread's last failed get (its listener runs on the
@@ -279,7 +281,9 @@ class Pipeline:
         job = task.job
         dest = job.dests[task.region.index]
         self._store_err.kind = ""
-        blob = self.store.get_many([dest.key])[0]
+        with self.gate.slot() as admitted:
+            blob = self.store.get_many([dest.key])[0]
+            admitted.nbytes = len(blob) if blob is not None else 0
         if blob is None:
             self._fail(task, *_miss_kind(self._store_err.kind))
             self._fetched(task, False)

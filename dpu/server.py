@@ -214,6 +214,7 @@ class DataPlaneServer:
     def _handle(self, peer: bytes, msg: P.Message) -> None:
         if isinstance(msg, P.Heartbeat):
             stats = {"pipeline": self.pipeline.stats_snapshot(), **self.counters}
+            stats["fetch_gate"] = self.pipeline.gate.snapshot()
             stats["cpus"] = sorted(os.sched_getaffinity(0))  # effective affinity (benchmarks check it)
             stats["clients"] = len(self.clients)
             stats["auth_refused"] = self.zap.refused if self.zap else 0

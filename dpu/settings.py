@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from .tasks import STAGES, PipelineConfig
 
+FETCH_CONCURRENCY = ("adaptive", "fixed")
 HOST_FLAGS = frozenset(
     {"--endpoint", "--store", "--parent-pid", "--settings-json", "--auth-key-file", "--client-timeout", "--warm"}
 )
@@ -47,6 +48,9 @@ class DataPlaneSettings:
     cpus: tuple[int, ...] | None = None  # process affinity; None: the host picks (``auto_cpus``), () none
     pin_stages: bool = False  # pin each stage's threads to one core of ``cpus``, round robin
     store_timeout_s: float = 5.0  # per store call
+    # "adaptive": the fetch workers admit 1 or all of them at once, measured from the link (``fetch_gate``);
+    # "fixed": always all of them
+    fetch_concurrency: str = "adaptive"
     log_level: str = "WARNING"
     debug: Debug = field(default_factory=Debug)
 
@@ -57,6 +61,8 @@ class DataPlaneSettings:
             raise ValueError("layer_group, queue_depth, slots and slot_bytes must be >= 1")
         if not 0 < self.inflate_ratio <= 64 or not 0 < self.store_timeout_s <= 600:
             raise ValueError("inflate_ratio must be in (0, 64], store_timeout_s in (0, 600]")
+        if self.fetch_concurrency not in FETCH_CONCURRENCY:
+            raise ValueError(f"fetch_concurrency must be one of {FETCH_CONCURRENCY}")
 
     def pipeline(self) -> PipelineConfig:
         cpus = self.cpus or ()
@@ -66,6 +72,7 @@ class DataPlaneSettings:
             layer_group=self.layer_group,
             queue_depth=self.queue_depth,
             stage_cpus=stage_cpus,
+            adaptive_fetch=self.fetch_concurrency == "adaptive",
             serial=self.debug.serial,
             prealloc=not self.debug.no_prealloc,
             round_barrier=self.debug.round_barrier,
@@ -130,6 +137,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus", type=cpu_list_arg, default=(), help="pin the process to these cores (e.g. 2-3)")
     p.add_argument("--pin-stages", action="store_true", help="pin each stage to one core of --cpus")
     p.add_argument("--store-timeout", type=float, default=d.store_timeout_s, help="seconds per store call")
+    p.add_argument("--fetch-concurrency", choices=FETCH_CONCURRENCY, default=d.fetch_concurrency,
+                   help="adaptive: one fetch at a time where concurrent fetches only share the link's "
+                   "bandwidth, all --fetch-workers where they add throughput (measured); fixed: always all")  # fmt: skip
     p.add_argument("--log-level", default=d.log_level)
     p.add_argument("--ablation-serial", action="store_true", help="benchmark ablation: no pipelining")
     p.add_argument("--ablation-no-prealloc", action="store_true", help="benchmark ablation: no prealloc")
@@ -151,6 +161,7 @@ def from_namespace(ns: argparse.Namespace, **overrides) -> DataPlaneSettings:
         cpus=tuple(ns.cpus),
         pin_stages=ns.pin_stages,
         store_timeout_s=ns.store_timeout,
+        fetch_concurrency=ns.fetch_concurrency,
         log_level=ns.log_level,
         debug=debug,
     )

@@ -36,6 +36,7 @@ class PipelineConfig:
     layer_group: int  # layers per slab
     queue_depth: int  # items per stage queue
     stage_cpus: tuple[tuple[int, ...], ...]  # per stage (STAGES order): cores to pin to, or ()
+    adaptive_fetch: bool  # fetch concurrency 1 or fetch_workers, from the link (``fetch_gate``)
     # Ablations (benchmarks only): run a chunk's four stages back to back on the fetch worker, and/or
     # allocate a chunk's staging buffers per chunk instead of using the pre-allocated slot regions.
     serial: bool

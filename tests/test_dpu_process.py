@@ -447,12 +447,14 @@ def test_dpu_cpus_flag_pins_the_data_plane(tmp_path, make_client):
         with pytest.raises(SystemExit):
             parser.parse_args(["--remote-kv-dpu-cpus", bad])
     want = max(os.sched_getaffinity(0))  # one core we may use (core 1 on the 2-core box)
-    c = make_client(f"file://{tmp_path}/store", codecs()["lossless"], process=_spec(cpus=(want,)))
+    c = make_client(f"file://{tmp_path}/store", codecs()["lossless"], process=_spec(cpus=(want,), workers=(2, 1, 1, 1)))
     assert sorted(os.sched_getaffinity(c.pid)) == [want]
     deadline = time.monotonic() + 10
     while c.last_pong is None and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert json.loads(c.stats()["dataplane"])["cpus"] == [want]
+    dp = json.loads(c.stats()["dataplane"])
+    assert dp["cpus"] == [want]
+    assert dp["fetch_gate"]["limit"] == 2  # the default: two fetch workers, adaptive, nothing measured yet
 
 
 def test_dpu_args_flag_and_data_plane_flags_reach_their_config():
@@ -473,7 +475,13 @@ def test_dpu_args_flag_and_data_plane_flags_reach_their_config():
             parser.parse_args(["--remote-kv-dpu-args", bad])
     base = ["--endpoint", "ipc:///x", "--store", "file:///y"]
     pipe = config_from_args(build_parser().parse_args(base)).settings.pipeline()
-    assert (pipe.serial, pipe.prealloc, pipe.dma_delay_s) == (False, True, 0.0)
+    assert (pipe.serial, pipe.prealloc, pipe.dma_delay_s, pipe.adaptive_fetch) == (False, True, 0.0, True)
+    fixed = config_from_args(build_parser().parse_args(base + ["--fetch-concurrency", "fixed"])).settings
+    assert fixed.pipeline().adaptive_fetch is False
+    with pytest.raises(ValueError, match="fetch-concurrency"):
+        DataPlaneSettings.from_flags(["--fetch-concurrency", "sometimes"])
+    with pytest.raises(ValueError, match="fetch_concurrency"):
+        DataPlaneSettings(fetch_concurrency="sometimes")
     extra = ["--ablation-serial", "--ablation-no-prealloc", "--dma-delay-s", "0.5"]
     settings = config_from_args(build_parser().parse_args(base + extra)).settings
     pipe = settings.pipeline()
