@@ -118,6 +118,7 @@ class FetchGate:
 
     def snapshot(self) -> dict:
         with self._cv:
-            return {"limit": self._limit_now() if self.adaptive else self.workers,
+            return {"limit": self.limit if self.adaptive else self.workers,  # the chosen one, probes aside
+                    "probing": self.adaptive and self._probe_left > 0,
                     "alone_mb_s": round((self.rate["alone"] or 0) / 1e6, 2),
                     "shared_mb_s": round((self.rate["shared"] or 0) / 1e6, 2)}  # fmt: skip

@@ -73,7 +73,7 @@ def _overlapping(spans: list[tuple[float, float]]) -> int:
 def test_a_bandwidth_bound_link_gets_one_fetch_at_a_time():
     gate = FetchGate(2, probe_every=40, probe_len=4)
     _run(gate, Link(rate=50e6, rtt=0.0005), 1_000_000, fetches=12)  # 20 ms per chunk alone
-    assert gate.limit == 1, gate.snapshot()
+    assert gate.limit == 1 and gate.snapshot()["limit"] == 1, gate.snapshot()
     alone, shared = gate.rate["alone"], gate.rate["shared"]
     assert shared < 1.2 * alone  # sharing the link added nothing
     spans = _run(gate, Link(rate=50e6, rtt=0.0005), 1_000_000, fetches=10)  # admissions 13..22: no probe
