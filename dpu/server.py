@@ -33,17 +33,17 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.control import shm_names
-from sgl_remote_kv.types import KVLayout, ModelFingerprint
+from sgl_remote_kv.types import ModelFingerprint
 
 from . import auth
 from . import protocol as P
-from .buffers import DestRegion, StagingBuffers, layer_bytes, plan_rounds
+from .buffers import DestRegion, StagingBuffers, plan_rounds
 from .pipeline import Pipeline
 from .settings import DataPlaneSettings
 from .tasks import FairQueue, JobState
+from .validate import Codecs, attach_regions, check_submit, fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +127,7 @@ class DataPlaneServer:
         self.jobs: dict[tuple[bytes, int], JobState] = {}  # (peer, job id) -> job
         self.pending = FairQueue()  # per peer: (job, regions) rounds waiting for a slot
         self.free_slots = list(range(st.slots))
-        self._codecs: dict[tuple[str, bytes], object] = {}
-        self._warmed: set[tuple[str, bytes, bytes]] = set()
+        self.codecs = Codecs()
         self._stop = False
         self.counters = {"submitted": 0, "rejected": 0, "bad_frames": 0, "cancels": 0, "handler_errors": 0}
         self.counters.update({"registered": 0, "register_refused": 0, "register_deferred": 0, "clients_dropped": 0})
@@ -268,34 +267,16 @@ class DataPlaneServer:
         """Validate a registration and map its regions; ``ValueError`` with a clear reason otherwise."""
         if len(self.clients) - len(replaced) >= self.cfg.max_clients:
             raise ValueError(f"too many clients (max {self.cfg.max_clients})")
-        fp = _fingerprint(msg.fingerprint)
+        fp = fingerprint(msg.fingerprint)
         allowed = self.cfg.allowed_fingerprints
         if allowed and fp.digest() not in allowed:
             raise ValueError(f"foreign fingerprint: this data plane does not serve model {fp.architecture!r} "
                              f"({fp.weights_id!r}, tp {fp.tp_rank}/{fp.tp_size})")  # fmt: skip
-        codec = self._codec(msg.codec, msg.codec_params)
-        if len(set(msg.regions)) != len(msg.regions):
-            raise ValueError("a region is named twice")
-        held = {n: c for c in self.clients.values() if c.peer not in replaced for n in c.regions}
-        held.update({n: c for c in self.leaving if c.session != msg.session for n in c.regions})
-        regions: dict[str, DestRegion] = {}
-        try:
-            for name in msg.regions:
-                if not shm_names.is_region_name(name):
-                    raise ValueError(f"{name!r} is not a destination region name (srkv-dpu-<pid>-<start>-<hex>)")
-                if name in held:
-                    raise ValueError(f"destination region {name!r} is registered by client {held[name].label!r}")
-                try:
-                    regions[name] = DestRegion.attach(name)
-                except FileNotFoundError:
-                    raise ValueError(f"destination region {name!r} does not exist") from None
-                except OSError as e:
-                    raise ValueError(f"destination region {name!r}: {e.strerror or e}") from None
-        except ValueError:
-            for r in regions.values():
-                r.close()
-            raise
-        self._warm(codec, msg.codec, msg.codec_params, fp)
+        codec = self.codecs.get(msg.codec, msg.codec_params)
+        held = {n: c.label for c in self.clients.values() if c.peer not in replaced for n in c.regions}
+        held.update({n: c.label for c in self.leaving if c.session != msg.session for n in c.regions})
+        regions = attach_regions(list(msg.regions), held)
+        self.codecs.warm(codec, msg.codec, msg.codec_params, fp)
         key = (msg.codec, msg.codec_params)
         return ClientState(peer, msg.session, msg.label, fp, key, regions, time.monotonic())
 
@@ -385,22 +366,9 @@ class DataPlaneServer:
             raise ValueError("too many active jobs")
         if sum(len(j.dests) for j in self.jobs.values()) + len(msg.chunks) > self.cfg.max_active_chunks:
             raise ValueError("too many active chunks")
-        region = client.regions.get(msg.dest_name)
-        if region is None:
-            raise ValueError(f"unknown destination {msg.dest_name!r} (not registered by this client)")
-        if msg.blob_off + msg.blob_cap > region.size:
-            raise ValueError("blob area outside the destination region")
-        fp = _fingerprint(msg.fingerprint)
-        if fp.digest() != client.fingerprint.digest():
-            raise ValueError("fingerprint differs from the client's registration")
-        if (msg.codec, msg.codec_params) != client.codec_key:
-            raise ValueError("codec differs from the client's registration")
-        layout = fp.layout
-        for c in msg.chunks:
-            end = layer_bytes(layout, c.tokens) + (layout.num_layers - 1) * c.layer_stride
-            if max(c.k_off, c.v_off) + end > region.size or c.layer_stride < layer_bytes(layout, c.tokens):
-                raise ValueError("chunk destination outside the destination region")
-        codec = self._codec(msg.codec, msg.codec_params)
+        region = check_submit(msg, client.regions, client.fingerprint, client.codec_key)
+        fp, layout = client.fingerprint, client.fingerprint.layout
+        codec = self.codecs.get(msg.codec, msg.codec_params)
         blob_area = (msg.blob_off, msg.blob_cap)
         # the jobs of one request share the place of its first job in the pipeline's order (``slab_key``)
         lead = next((j for j in self.jobs.values() if j.peer == peer and j.request_id == msg.request_id), None)
@@ -421,39 +389,12 @@ class DataPlaneServer:
         if w is None:
             return
         try:
-            codec = self._codec(w.codec, w.codec_params.encode())
-            fp = _fingerprint(w.fingerprint)
+            codec = self.codecs.get(w.codec, w.codec_params.encode())
+            fp = fingerprint(w.fingerprint)
         except (ValueError, KeyError, ChunkError) as e:  # unknown codec, bad params, ...
             logger.warning("warm-up of codec %s failed (%r); the first job loads its kernels", w.codec, e)
             return
-        self._warm(codec, w.codec, w.codec_params.encode(), fp)
-
-    def _warm(self, codec, name: str, params: bytes, fp: ModelFingerprint) -> None:
-        """Warm ``codec`` up for ``fp`` once per process (at start, or on a client's first registration;
-        on the server thread: the first registration of a model waits for it)."""
-        key = (name, params, fp.digest())
-        if key in self._warmed:
-            return
-        self._warmed.add(key)
-        t0 = time.perf_counter()
-        try:
-            codec.warm_up(fp)
-        except (ValueError, KeyError, ChunkError) as e:  # e.g. no tables for this model
-            logger.warning("warm-up of codec %s failed (%r); the first job loads its kernels", name, e)
-            return
-        logger.info("warmed up codec %s in %.0f ms", name, (time.perf_counter() - t0) * 1000)
-
-    def _codec(self, name: str, params: bytes):
-        key = (name, params)
-        if key not in self._codecs:
-            kwargs = json.loads(params) if params else {}
-            if not isinstance(kwargs, dict):
-                raise ValueError("codec params must be a JSON object")
-            codec = get_codec(name, **kwargs)
-            if params and codec.params_bytes() != params:
-                raise ValueError("codec params are not canonical")
-            self._codecs[key] = codec
-        return self._codecs[key]
+        self.codecs.warm(codec, w.codec, w.codec_params.encode(), fp)
 
     def _cancel(self, peer: bytes, msg: P.Cancel) -> None:
         self.counters["cancels"] += 1
@@ -519,14 +460,3 @@ class DataPlaneServer:
             if not any(os.path.exists("/dev/shm/" + n) for n in names):
                 return
             time.sleep(0.05)
-
-
-
-
-def _fingerprint(w: P.Fingerprint) -> ModelFingerprint:
-    """The model fingerprint a wire ``Fingerprint`` names; ``ValueError`` if its digest does not match."""
-    layout = KVLayout(w.layout.num_layers, w.layout.num_kv_heads, w.layout.head_dim, w.layout.dtype)
-    fp = ModelFingerprint(w.architecture, layout, w.weights_id, w.tp_rank, w.tp_size)
-    if fp.digest() != w.digest:
-        raise ValueError("fingerprint digest does not match its fields")
-    return fp
