@@ -73,6 +73,15 @@ CONFIGS = {
         "dpu",
         "DPU path, always fetch, data plane ablation --ablation-round-barrier (the previous order)",
     ),
+    # The same with every fetch worker in the store at once (the fetch gate off): side by side with
+    # dpu_fetch, what adaptive fetch concurrency changes end to end.
+    "dpu_fetch_fixed": Config(
+        "dpu_fetch_fixed",
+        ("--remote-kv", "dpu", "--remote-kv-policy-margin", "1e9", "--remote-kv-dpu-args=--fetch-concurrency fixed"),
+        True,
+        "dpu",
+        "DPU path, always fetch, data plane --fetch-concurrency fixed (two fetches at once, as before)",
+    ),
     # The same without a transform-codec calibration (an empty cache directory): the server writes the
     # previous default, quant_deflate; side by side with dpu_fetch, the codec change end to end.
     "dpu_fetch_nocal": Config(
