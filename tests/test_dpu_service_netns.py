@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from dpu_helpers import CHUNK, codecs, put_chunks
-from test_dpu_service import LAYOUT32, Service, _chunks, _fp, _slots_flags
+from dpu_service_helpers import LAYOUT32, Service, random_kv, rank_fp, slots_flags
 
 pytest_plugins = ["fixtures.redis_servers"]
 
@@ -30,7 +30,7 @@ import sys, time
 sys.path.insert(0, {tests!r})
 import numpy as np, redis
 from dpu_helpers import CHUNK, codecs, make_pool, pool_tokens
-from test_dpu_service import LAYOUT32, _chunks, _fp
+from dpu_service_helpers import LAYOUT32, random_kv, rank_fp
 from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
 
 def say(*a):
@@ -42,12 +42,12 @@ try:  # this namespace cannot reach the store
 except redis.exceptions.ConnectionError:
     say("STORE_UNREACHABLE")
 keys = {keys!r}
-data = {{r: _chunks(4, seed=50 + r) for r in (0, 1)}}
+data = {{r: random_kv(4, seed=50 + r) for r in (0, 1)}}
 clients = {{}}
 for r in (0, 1):
     cfg = DpuClientConfig("unused://", dest_slot_bytes=4 * {cb}, endpoint={ep!r}, heartbeat_s=0.2,
                           heartbeat_timeout_s=1.5, start_timeout_s=30)
-    clients[r] = DpuClient(cfg, _fp(r), codecs()["lossless"])
+    clients[r] = DpuClient(cfg, rank_fp(r), codecs()["lossless"])
     clients[r].start()
 say("PIDS", clients[0].pid, clients[1].pid)
 
@@ -90,11 +90,11 @@ def test_only_the_service_reaches_the_store(own_redis_server, tmp_path):
     if subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode != 0:
         pytest.skip("unshare --net is not permitted here")
     url = own_redis_server.url
-    keys = {r: put_chunks(url, codecs()["lossless"], _chunks(4, seed=50 + r), _fp(r), prefix=b"n%d" % r)[0]
+    keys = {r: put_chunks(url, codecs()["lossless"], random_kv(4, seed=50 + r), rank_fp(r), prefix=b"n%d" % r)[0]
             for r in (0, 1)}  # fmt: skip
     own_core = max(os.sched_getaffinity(0))
     store_ep = f"ipc://{tmp_path}/store.sock"
-    svc = Service(f"ipc://{tmp_path}/dpu.sock", url, tmp_path / "service.log", *_slots_flags(),
+    svc = Service(f"ipc://{tmp_path}/dpu.sock", url, tmp_path / "service.log", *slots_flags(),
                   "--cpus", str(own_core), "--store-timeout", "0.5", "--store-endpoint", store_ep).start()  # fmt: skip
     from sgl_remote_kv.dpu.buffers import chunk_bytes
 
