@@ -107,8 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpus", default="1", help="the data plane's cores")
     ap.add_argument("--host-cpus", default="0", help="this process's and the store's cores (the server's)")
     ap.add_argument("--codecs", default="transform,quant_deflate")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                    help="a subset of the variants (names as in the table, quoted)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args(argv)
+    variants = {v: VARIANTS[v] for v in a.variants}
     ok, why = netns_supported()
     if not ok:
         print(f"needs network namespaces: {why}", file=sys.stderr)
@@ -130,11 +133,11 @@ def main(argv: list[str] | None = None) -> int:
             sc = open_client(store.url)
             sc.put_many(list(zip(keys, blobs, strict=True)))
             sc.close()
-            clients = {v: _client(store.url, fp, codec, cpus, d, o, n, st) for v, (d, o, st) in VARIANTS.items()}
+            clients = {v: _client(store.url, fp, codec, cpus, d, o, n, st) for v, (d, o, st) in variants.items()}
             try:
                 for rate in rates:
                     store.set_rate(rate)
-                    got: dict[str, list[tuple[float, int]]] = {v: [] for v in VARIANTS}
+                    got: dict[str, list[tuple[float, int]]] = {v: [] for v in variants}
                     for rep in range(a.reps + 1):
                         for v, c in clients.items():
                             target = _target(fp, n * CHUNK)
