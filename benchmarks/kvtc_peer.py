@@ -23,7 +23,7 @@ import struct
 import numpy as np
 
 from benchmarks import kvdata
-from sgl_remote_kv.codec import lz, transform
+from sgl_remote_kv.codec import lz, transform_ops
 from sgl_remote_kv.types import RopeSpec
 
 SINKS = 4
@@ -32,15 +32,13 @@ MAX_BITS = 8
 
 def _unrope(x: np.ndarray, rope: RopeSpec, start: int) -> np.ndarray:
     x = np.array(x, np.float32)
-    cos, sin = transform.rope_tables(rope, start, x.shape[0])
-    transform._rotate(x, cos, sin, 0, np.float32(-1.0))
+    transform_ops.apply_rope(x, rope, start, -1.0)
     return x
 
 
 def _rope(x: np.ndarray, rope: RopeSpec, start: int) -> np.ndarray:
     x = np.array(x, np.float32)
-    cos, sin = transform.rope_tables(rope, start, x.shape[0])
-    transform._rotate(x, cos, sin, 0, np.float32(1.0))
+    transform_ops.apply_rope(x, rope, start, 1.0)
     return x
 
 

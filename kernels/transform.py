@@ -38,7 +38,7 @@ try:  # Triton is optional at import time (CPU-only installs)
 except ImportError:  # pragma: no cover - exercised only without triton
     triton = None
 
-NEOX, GPTJ = 0, 1  # RoPE pairing (sgl_remote_kv.codec.transform._style)
+NEOX, GPTJ = 0, 1  # RoPE pairing (sgl_remote_kv.codec.transform_ops.rope_style)
 
 
 @dataclass(frozen=True)

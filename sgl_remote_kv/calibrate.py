@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from sgl_remote_kv.codec import calibration as calib_mod
-from sgl_remote_kv.codec import rans, transform
+from sgl_remote_kv.codec import rans, transform_ops
 from sgl_remote_kv.types import KVLayout, ModelFingerprint, RopeSpec
 
 logger = logging.getLogger(__name__)
@@ -126,8 +126,7 @@ def position_free(t: Text, layer: int, kv: int, rope: RopeSpec) -> np.ndarray:
     """[T, H, D] float32 KV of ``layer`` with RoPE undone on keys."""
     x = np.array((t.k if kv == 0 else t.v)[layer], np.float32)
     if kv == 0:
-        cos, sin = transform.rope_tables(rope, 0, x.shape[0])
-        transform._rotate(x, cos, sin, 0 if rope.style == "neox" else 1, np.float32(-1.0))
+        transform_ops.apply_rope(x, rope, 0, -1.0)
     return x
 
 
@@ -211,7 +210,7 @@ class Calibrator:
     def _code(self, cal: calib_mod.Calibration, a: np.ndarray, layer: int, kv: int) -> np.ndarray:
         g_n = self.shape[2]
         hg = a.shape[2] // g_n
-        return np.concatenate([transform.roundtrip(cal, PROBE, layer, kv, a[layer][:, g * hg : (g + 1) * hg],
+        return np.concatenate([transform_ops.roundtrip(cal, PROBE, layer, kv, a[layer][:, g * hg : (g + 1) * hg],
                                                    0, g) for g in range(g_n)], axis=1)  # fmt: skip
 
     def score(self, steps: np.ndarray, only: tuple[int, int] | None = None) -> tuple[float, float]:
@@ -280,7 +279,7 @@ class Calibrator:
                 for kv, a in enumerate((t.k, t.v)):
                     for g in range(g_n):
                         x = a[layer][:, g * hg : (g + 1) * hg]
-                        sym = transform.symbols(cal, PROBE, layer, kv, x, 0, g).astype(np.int64)
+                        sym = transform_ops.symbols(cal, PROBE, layer, kv, x, 0, g).astype(np.int64)
                         hist = np.bincount((sym + offs).ravel(), minlength=c * 256).reshape(c, 256)
                         counts[layer, kv, g * c : (g + 1) * c] += hist
         seen = counts > 0
@@ -289,7 +288,7 @@ class Calibrator:
             near[..., s:] |= seen[..., :-s]
             near[..., :-s] |= seen[..., s:]
         counts += near * smoothing
-        counts[..., transform.ESC] += 1.0
+        counts[..., transform_ops.ESC] += 1.0
         flat = rans.normalize_counts(counts.reshape(-1, calib_mod.SYMBOLS), rans.PROB_BITS)
         return flat.reshape(counts.shape)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from sgl_remote_kv.codec import calibration as cm
-from sgl_remote_kv.codec import rans, transform
+from sgl_remote_kv.codec import rans, transform_ops
 from sgl_remote_kv.types import ModelFingerprint, RopeSpec
 
 
@@ -24,7 +24,7 @@ def make_calibration(fp: ModelFingerprint, levels=("0.0005", "0.001", "0.01"), s
     steps = {lv: np.full((lay.num_layers, 2, groups, c), step * (1 + i), np.float32) for i, lv in enumerate(levels)}
     flat = np.zeros((lay.num_layers * 2 * groups * c, cm.SYMBOLS))
     flat[:, 100:157] = 10.0  # a window around symbol 128 (q = 0); the rest is escaped under rANS
-    flat[:, transform.ESC] = 1.0
+    flat[:, transform_ops.ESC] = 1.0
     freq = rans.normalize_counts(flat, rans.PROB_BITS).reshape(lay.num_layers, 2, groups * c, cm.SYMBOLS)
     cal = cm.Calibration(cm.model_key(fp), rope, mean, basis, steps, {lv: freq for lv in levels}, sinks=sinks)
     if register:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sgl_remote_kv.codec import calibration as cm
-from sgl_remote_kv.codec import transform
+from sgl_remote_kv.codec import transform, transform_ops
 from sgl_remote_kv.codec.base import codec_for_header, decode, get_codec
 from sgl_remote_kv.codec.errors import ChunkError, ForeignChunk
 from sgl_remote_kv.codec.format import parse_header
@@ -25,8 +25,7 @@ def fp(dtype="float32", tp_rank=0, tp_size=1, heads=H, weights="w"):
 
 def _rotate(x, start, sign, rope=ROPE):
     x = np.array(x, np.float32)
-    cos, sin = transform.rope_tables(rope, start, x.shape[0])
-    transform._rotate(x, cos, sin, 0 if rope.style == "neox" else 1, np.float32(sign))
+    transform_ops.apply_rope(x, rope, start, sign)
     return x
 
 

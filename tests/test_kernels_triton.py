@@ -141,7 +141,7 @@ def test_transform_reference_matches_the_codec_cpu_stage(dtype, style):
     from benchmarks import synthetic_kv as synthetic
     from sgl_remote_kv.codec import quant
     from sgl_remote_kv.codec.base import get_codec
-    from sgl_remote_kv.codec.transform import rope_tables
+    from sgl_remote_kv.codec.transform_ops import rope_tables
     from sgl_remote_kv.types import RopeSpec
 
     fp = synthetic.fingerprint(num_layers=2, dtype=dtype)

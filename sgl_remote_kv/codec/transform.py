@@ -37,16 +37,15 @@ they need work arrays (the rANS stage allocates a [T, C] symbol array per call; 
 
 from __future__ import annotations
 
-import functools
 import logging
 import struct
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
 from sgl_remote_kv.codec import calibration as calib_mod
 from sgl_remote_kv.codec import lz, quant, rans
+from sgl_remote_kv.codec import transform_ops as ops
 from sgl_remote_kv.codec.base import Codec
 from sgl_remote_kv.codec.errors import CorruptChunk, ForeignChunk
 from sgl_remote_kv.codec.format import ChunkHeader, pack
@@ -56,136 +55,9 @@ logger = logging.getLogger(__name__)
 
 PRE = struct.Struct("<IIHBBHHII")
 RANS_SUB = struct.Struct("<III")
-ESC = 0
-ZERO = 128
 MAX_ESCAPE_FRACTION = 4  # at most T*C/4 escapes per K or V of a layer (bounds the scratch size)
 _MODES = {"float32": 0, "float16": 1, "bfloat16": 2}
-_EMPTY32 = np.empty((1, 1, 1), np.float32)
-_EMPTY16 = np.empty((1, 1, 1), np.uint16)
 ENTROPY = ("deflate", "rans")
-
-
-# ---- kernels (numba, GIL released) ----------------------------------------------------------
-@njit(nogil=True, cache=True)
-def _rotate(x, cos, sin, style, sign):
-    """RoPE on ``x`` [T, H, D] float32 in place; ``sign`` +1 applies it, -1 undoes it."""
-    t_n, h_n, d = x.shape
-    half = d // 2
-    for t in range(t_n):
-        for h in range(h_n):
-            for i in range(half):
-                c = cos[t, i]
-                s = sin[t, i] * sign
-                if style == 0:
-                    a, b = x[t, h, i], x[t, h, i + half]
-                    x[t, h, i] = a * c - b * s
-                    x[t, h, i + half] = b * c + a * s
-                else:
-                    a, b = x[t, h, 2 * i], x[t, h, 2 * i + 1]
-                    x[t, h, 2 * i] = a * c - b * s
-                    x[t, h, 2 * i + 1] = b * c + a * s
-
-
-@njit(nogil=True, cache=True)
-def _quantize(y, steps, scale, freq, ctx0, sym, esc):
-    """y [H, T, D], steps [H, D], scale [T] -> sym [H*D, T] uint8 and escapes; returns the escape count,
-    -1 when more than ``esc`` holds, -2 when a value does not fit int16. ``freq`` [N, 256] (rANS: a
-    symbol with zero frequency is escaped) or an empty array (Deflate)."""
-    h_n, t_n, d = y.shape
-    use_freq = freq.shape[0] > 0
-    n = 0
-    for h in range(h_n):
-        for j in range(d):
-            c = h * d + j
-            inv = np.float32(1.0) / steps[h, j]
-            for t in range(t_n):
-                q = np.int64(0)
-                if scale[t] > 0:
-                    q = np.int64(np.rint(y[h, t, j] * inv / scale[t]))
-                s = q + ZERO
-                if s < 1 or s > 255 or (use_freq and freq[ctx0 + c, s] == 0):
-                    if n >= esc.shape[0]:
-                        return -1
-                    if q < -32768 or q > 32767:
-                        return -2
-                    esc[n] = q
-                    n += 1
-                    s = ESC
-                sym[c, t] = s
-    return n
-
-
-@njit(nogil=True, cache=True)
-def _finish(x, mean, cos, sin, style, rope, head_dim, mode, out32, out16):
-    """x [G, T, C] float32 (transform inverse) + mean [G, C], RoPE applied per ``head_dim`` block when
-    ``rope``, written as [T, G, C] into ``out32`` (mode 0) or as fp16 (1) / bf16 (2) bits into ``out16``."""
-    h_n, t_n, d = x.shape
-    half = head_dim // 2
-    row = np.empty(d, np.float32)
-    rbits = row.view(np.uint32)
-    for t in range(t_n):
-        for h in range(h_n):
-            for j in range(d):
-                row[j] = x[h, t, j] + mean[h, j]
-            if rope:
-                for o in range(0, d, head_dim):
-                    for i in range(half):
-                        c, s = cos[t, i], sin[t, i]
-                        if style == 0:
-                            a, b = row[o + i], row[o + i + half]
-                            row[o + i], row[o + i + half] = a * c - b * s, b * c + a * s
-                        else:
-                            a, b = row[o + 2 * i], row[o + 2 * i + 1]
-                            row[o + 2 * i], row[o + 2 * i + 1] = a * c - b * s, b * c + a * s
-            if mode == 0:
-                for j in range(d):
-                    out32[t, h, j] = row[j]
-            elif mode == 1:
-                quant._f32_to_f16_bits(row, rbits, out16[t, h])
-            else:
-                quant._f32_to_bf16_bits(rbits, out16[t, h])
-
-
-@functools.lru_cache(maxsize=64)
-def rope_tables(rope: RopeSpec, start: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [tokens, rotary_dim/2] float32 of positions ``start..start+tokens-1`` (angles in float64)."""
-    half = rope.rotary_dim // 2
-    inv_freq = 1.0 / (rope.theta ** (np.arange(half, dtype=np.float64) * 2.0 / rope.rotary_dim))
-    ang = np.arange(start, start + tokens, dtype=np.float64)[:, None] * inv_freq[None, :]
-    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-    cos.setflags(write=False)
-    sin.setflags(write=False)
-    return cos, sin
-
-
-def _style(rope: RopeSpec) -> int:
-    return 0 if rope.style == "neox" else 1
-
-
-def forward(cal: calib_mod.Calibration, layer: int, kv: int, group: int, x: np.ndarray, start: int) -> np.ndarray:
-    """Position-free, centred, transformed ``x`` ([T, H, D] float32 of the head groups from ``group`` on,
-    modified in place for K): [groups, T, C] coefficients. Shared by the encoder and the calibration."""
-    if kv == 0:
-        cos, sin = rope_tables(cal.rope, start, x.shape[0])
-        _rotate(x, cos, sin, _style(cal.rope), np.float32(-1.0))
-    g = x.shape[1] * x.shape[2] // cal.group_dim
-    xc = x.reshape(x.shape[0], g, cal.group_dim).transpose(1, 0, 2) - cal.mean[layer, kv, group : group + g, None]
-    return np.matmul(xc, cal.basis[layer, kv, group : group + g])
-
-
-def sink_count(cal: calib_mod.Calibration, start: int, tokens: int) -> int:
-    """How many leading tokens of a chunk at ``start`` are stored exactly."""
-    return max(0, min(cal.sinks - start, tokens))
-
-
-def token_scales(y: np.ndarray, sinks: int = 0) -> tuple[np.ndarray, int]:
-    """Per-token RMS of ``y`` [G, T, C] as stored (fp16 when it fits, else fp32) and the dtype flag; the
-    first ``sinks`` tokens (stored exactly) get 0, which codes them as all-zero symbols."""
-    rms = np.sqrt(np.mean(np.square(y, dtype=np.float32), axis=(0, 2)))
-    rms[:sinks] = 0.0
-    if np.all(rms <= 65504.0):
-        return rms.astype(np.float16), 0
-    return rms.astype(np.float32), 1
 
 
 class TransformCodec(Codec):
@@ -256,7 +128,7 @@ class TransformCodec(Codec):
         t_n = k.shape[0]
         c_n = lay.num_kv_heads * lay.head_dim
         gs = slice(group, group + c_n // self.cal.group_dim)
-        n_sink = sink_count(self.cal, start, t_n)
+        n_sink = ops.sink_count(self.cal, start, t_n)
         cap = max(1, t_n * c_n // MAX_ESCAPE_FRACTION)
         if self.entropy == "rans":
             freq, _ = self.cal.encode_tables(self.quality)
@@ -264,14 +136,14 @@ class TransformCodec(Codec):
             freq = np.empty((0, calib_mod.SYMBOLS), np.uint16)
         scales, syms, escs, sdt = [], [], [], 0
         for kv, a in enumerate((k, v)):
-            y = forward(self.cal, layer, kv, group, quant.to_f32(a, lay.dtype).copy(), start)
-            s, flag = token_scales(y, n_sink)
+            y = ops.forward(self.cal, layer, kv, group, quant.to_f32(a, lay.dtype).copy(), start)
+            s, flag = ops.token_scales(y, n_sink)
             sdt |= flag
             scales.append(s)
             sym = np.empty((c_n, t_n), np.uint8)
             esc = np.empty(cap, np.int16)
             steps = self.cal.steps[self.quality][layer, kv, gs]
-            n = _quantize(y, steps, s.astype(np.float32), freq, self.cal.ctx0(layer, kv, group), sym, esc)
+            n = ops.quantize(y, steps, s.astype(np.float32), freq, self.cal.ctx0(layer, kv, group), sym, esc)
             if n < 0:
                 raise ValueError(f"layer {layer}: KV too far from the calibration to encode ({n})")
             syms.append(sym)
@@ -347,7 +219,7 @@ class TransformCodec(Codec):
         if c_n != lay.num_kv_heads * lay.head_dim:
             raise CorruptChunk("layer prelude's channel count does not match the chunk header")
         self._check_slice(layer, group, c_n)
-        if n_sink != sink_count(self.cal, start, t_n):
+        if n_sink != ops.sink_count(self.cal, start, t_n):
             raise CorruptChunk("sink token count does not match the calibration")
         ss = 4 if sdt else 2
         sink_bytes = n_sink * c_n * lay.itemsize
@@ -373,7 +245,7 @@ class TransformCodec(Codec):
     @property
     def rope_style(self) -> int:
         """``kernels.transform.NEOX`` or ``GPTJ``."""
-        return _style(self.cal.rope)
+        return ops.rope_style(self.cal.rope)
 
     def device_consts(self, layer: int, group: int, n_g: int):
         """``kernels.transform.TransformConsts`` (host arrays) of ``layer``'s groups ``group..+n_g``."""
@@ -382,7 +254,7 @@ class TransformCodec(Codec):
         gs = slice(group, group + n_g)
         weff = self.cal.inverse_tables(self.quality, layer).weff[:, gs]  # the decode matrix, steps folded in
         return TransformConsts.build(np.ones(weff.shape[:-1], np.float32), weff.swapaxes(-1, -2),
-                                     self.cal.mean[layer, :, gs], self.cal.head_dim, _style(self.cal.rope))  # fmt: skip
+                                     self.cal.mean[layer, :, gs], self.cal.head_dim, ops.rope_style(self.cal.rope))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -412,7 +284,7 @@ class TransformView:
 
     def escapes_consistent(self) -> bool:
         """Every escape symbol has its value and no value is left over (a device cannot check it)."""
-        return all(int(np.count_nonzero(self.sym[kv] == ESC)) == n
+        return all(int(np.count_nonzero(self.sym[kv] == ops.ESC)) == n
                    for kv, n in enumerate((self.nk, self.esc.size - self.nk)))  # fmt: skip
 
     def dequant_into(self, dtype: str, out_k: np.ndarray, out_v: np.ndarray) -> None:
@@ -420,7 +292,8 @@ class TransformView:
         cal = self.codec.cal
         t_n = self.tokens
         mode = _MODES[dtype]
-        cos, sin = rope_tables(cal.rope, self.start, t_n)
+        cos, sin = ops.rope_tables(cal.rope, self.start, t_n)
+        style = ops.rope_style(cal.rope)
         n_g, gd = self.groups, cal.group_dim
         gs = slice(self.group, self.group + n_g)
         tables = cal.inverse_tables(self.codec.quality, self.layer)
@@ -431,48 +304,10 @@ class TransformView:
                 raise CorruptChunk("escape count does not match the symbols")
             flat = out.reshape(t_n, n_g, gd)
             if mode == 0:
-                _finish(x, cal.mean[self.layer, kv, gs], cos, sin, _style(cal.rope), kv == 0, cal.head_dim, 0,
-                        flat, _EMPTY16)  # fmt: skip
+                ops.finish(x, cal.mean[self.layer, kv, gs], cos, sin, style, kv == 0, cal.head_dim, 0, flat,
+                           ops.EMPTY16)  # fmt: skip
             else:
-                _finish(x, cal.mean[self.layer, kv, gs], cos, sin, _style(cal.rope), kv == 0, cal.head_dim, mode,
-                        _EMPTY32, flat.view(np.uint16))  # fmt: skip
+                ops.finish(x, cal.mean[self.layer, kv, gs], cos, sin, style, kv == 0, cal.head_dim, mode,
+                           ops.EMPTY32, flat.view(np.uint16))  # fmt: skip
             if self.n_sink:
                 flat.view(np.uint8).reshape(t_n, -1)[: self.n_sink] = self.sinks[kv]
-
-
-def roundtrip(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np.ndarray, start: int = 0,
-              group: int = 0) -> np.ndarray:  # fmt: skip
-    """What encoding then decoding ``x`` ([T, H, D] float32 of one layer's K (kv=0) or V of one head group)
-    gives back, in float32 (before the storage dtype's rounding), through the codec's own kernels
-    (escapes unbounded). For the calibration, which scores candidate steps with the model."""
-    t_n = x.shape[0]
-    c_n = x.shape[1] * x.shape[2]
-    gs = slice(group, group + c_n // cal.group_dim)
-    n_sink = sink_count(cal, start, t_n)
-    y = forward(cal, layer, kv, group, np.array(x, np.float32), start)
-    s = token_scales(y, n_sink)[0].astype(np.float32)
-    steps = cal.steps[level][layer, kv, gs]
-    sym, esc = np.empty((c_n, t_n), np.uint8), np.empty(t_n * c_n, np.int16)
-    n = _quantize(y, steps, s, np.empty((0, calib_mod.SYMBOLS), np.uint16), 0, sym, esc)
-    if n < 0:
-        raise ValueError(f"layer {layer}: values do not fit the escape format ({n})")
-    xr, _ = cal.inverse_tables(level, layer).inverse(kv, group, sym, esc[:n], s)
-    out = np.empty((t_n, y.shape[0], cal.group_dim), np.float32)
-    cos, sin = rope_tables(cal.rope, start, t_n)
-    _finish(xr, cal.mean[layer, kv, gs], cos, sin, _style(cal.rope), kv == 0, cal.head_dim, 0, out, _EMPTY16)
-    out = out.reshape(x.shape)
-    out[:n_sink] = x[:n_sink]
-    return out
-
-
-def symbols(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np.ndarray, start: int = 0,
-            group: int = 0) -> np.ndarray:  # fmt: skip
-    """The symbols [C, T] the Deflate variant would code for ``x``; for fitting rANS tables."""
-    t_n, c_n = x.shape[0], x.shape[1] * x.shape[2]
-    y = forward(cal, layer, kv, group, np.array(x, np.float32), start)
-    s = token_scales(y, sink_count(cal, start, t_n))[0].astype(np.float32)
-    sym, esc = np.empty((c_n, t_n), np.uint8), np.empty(t_n * c_n, np.int16)
-    steps = cal.steps[level][layer, kv, group : group + y.shape[0]]
-    if _quantize(y, steps, s, np.empty((0, calib_mod.SYMBOLS), np.uint16), 0, sym, esc) < 0:
-        raise ValueError(f"layer {layer}: values do not fit the escape format")
-    return sym

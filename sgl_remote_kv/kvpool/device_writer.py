@@ -177,7 +177,7 @@ class DeviceKVWriter(KVWriter):
         ``inverse_transform`` per chunk into the layer's output, one scatter, one event."""
         if len(slots) > MAX_TOKENS:
             return self._by_chunk(views, slots, layer)
-        from sgl_remote_kv.codec.transform import rope_tables
+        from sgl_remote_kv.codec.transform_ops import rope_tables
 
         for vw in views:
             if not vw.escapes_consistent():

@@ -1,0 +1,192 @@
+"""The transform codec's numerics, shared by its encoder/decoder (``transform.py``), the calibration and the
+benchmarks: RoPE undo/redo, the forward transform, per-token scales, quantization to symbols and the
+float32 finish of a decoded layer (numba kernels, GIL released), plus ``roundtrip`` / ``symbols``, which
+run one layer through the codec's own kernels for the calibration.
+
+Symbols: ``q + ZERO`` for an ordinary code, ``ESC`` for an escape (the value goes to the escape list).
+Stateless: every function writes only the arrays it is given or returns new ones; ``rope_tables`` caches
+read-only tables.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import njit
+
+from sgl_remote_kv.codec import calibration as calib_mod
+from sgl_remote_kv.codec import quant
+from sgl_remote_kv.types import RopeSpec
+
+ESC = 0
+ZERO = 128
+EMPTY32 = np.empty((1, 1, 1), np.float32)  # the unused output of ``finish``
+EMPTY16 = np.empty((1, 1, 1), np.uint16)
+
+
+# ---- kernels (numba, GIL released) ----------------------------------------------------------
+@njit(nogil=True, cache=True)
+def rotate(x, cos, sin, style, sign):
+    """RoPE on ``x`` [T, H, D] float32 in place; ``sign`` +1 applies it, -1 undoes it."""
+    t_n, h_n, d = x.shape
+    half = d // 2
+    for t in range(t_n):
+        for h in range(h_n):
+            for i in range(half):
+                c = cos[t, i]
+                s = sin[t, i] * sign
+                if style == 0:
+                    a, b = x[t, h, i], x[t, h, i + half]
+                    x[t, h, i] = a * c - b * s
+                    x[t, h, i + half] = b * c + a * s
+                else:
+                    a, b = x[t, h, 2 * i], x[t, h, 2 * i + 1]
+                    x[t, h, 2 * i] = a * c - b * s
+                    x[t, h, 2 * i + 1] = b * c + a * s
+
+
+@njit(nogil=True, cache=True)
+def quantize(y, steps, scale, freq, ctx0, sym, esc):
+    """y [H, T, D], steps [H, D], scale [T] -> sym [H*D, T] uint8 and escapes; returns the escape count,
+    -1 when more than ``esc`` holds, -2 when a value does not fit int16. ``freq`` [N, 256] (rANS: a
+    symbol with zero frequency is escaped) or an empty array (Deflate)."""
+    h_n, t_n, d = y.shape
+    use_freq = freq.shape[0] > 0
+    n = 0
+    for h in range(h_n):
+        for j in range(d):
+            c = h * d + j
+            inv = np.float32(1.0) / steps[h, j]
+            for t in range(t_n):
+                q = np.int64(0)
+                if scale[t] > 0:
+                    q = np.int64(np.rint(y[h, t, j] * inv / scale[t]))
+                s = q + ZERO
+                if s < 1 or s > 255 or (use_freq and freq[ctx0 + c, s] == 0):
+                    if n >= esc.shape[0]:
+                        return -1
+                    if q < -32768 or q > 32767:
+                        return -2
+                    esc[n] = q
+                    n += 1
+                    s = ESC
+                sym[c, t] = s
+    return n
+
+
+@njit(nogil=True, cache=True)
+def finish(x, mean, cos, sin, style, rope, head_dim, mode, out32, out16):
+    """x [G, T, C] float32 (transform inverse) + mean [G, C], RoPE applied per ``head_dim`` block when
+    ``rope``, written as [T, G, C] into ``out32`` (mode 0) or as fp16 (1) / bf16 (2) bits into ``out16``."""
+    h_n, t_n, d = x.shape
+    half = head_dim // 2
+    row = np.empty(d, np.float32)
+    rbits = row.view(np.uint32)
+    for t in range(t_n):
+        for h in range(h_n):
+            for j in range(d):
+                row[j] = x[h, t, j] + mean[h, j]
+            if rope:
+                for o in range(0, d, head_dim):
+                    for i in range(half):
+                        c, s = cos[t, i], sin[t, i]
+                        if style == 0:
+                            a, b = row[o + i], row[o + i + half]
+                            row[o + i], row[o + i + half] = a * c - b * s, b * c + a * s
+                        else:
+                            a, b = row[o + 2 * i], row[o + 2 * i + 1]
+                            row[o + 2 * i], row[o + 2 * i + 1] = a * c - b * s, b * c + a * s
+            if mode == 0:
+                for j in range(d):
+                    out32[t, h, j] = row[j]
+            elif mode == 1:
+                quant._f32_to_f16_bits(row, rbits, out16[t, h])
+            else:
+                quant._f32_to_bf16_bits(rbits, out16[t, h])
+
+
+@functools.lru_cache(maxsize=64)
+def rope_tables(rope: RopeSpec, start: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [tokens, rotary_dim/2] float32 of positions ``start..start+tokens-1`` (angles in float64)."""
+    half = rope.rotary_dim // 2
+    inv_freq = 1.0 / (rope.theta ** (np.arange(half, dtype=np.float64) * 2.0 / rope.rotary_dim))
+    ang = np.arange(start, start + tokens, dtype=np.float64)[:, None] * inv_freq[None, :]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    cos.setflags(write=False)
+    sin.setflags(write=False)
+    return cos, sin
+
+
+def rope_style(rope: RopeSpec) -> int:
+    return 0 if rope.style == "neox" else 1
+
+
+def apply_rope(x: np.ndarray, rope: RopeSpec, start: int, sign: float) -> None:
+    """RoPE of positions ``start..`` on ``x`` [T, H, D] float32 in place: ``sign`` +1 applies it, -1 undoes it."""
+    cos, sin = rope_tables(rope, start, x.shape[0])
+    rotate(x, cos, sin, rope_style(rope), np.float32(sign))
+
+
+def forward(cal: calib_mod.Calibration, layer: int, kv: int, group: int, x: np.ndarray, start: int) -> np.ndarray:
+    """Position-free, centred, transformed ``x`` ([T, H, D] float32 of the head groups from ``group`` on,
+    modified in place for K): [groups, T, C] coefficients. Shared by the encoder and the calibration."""
+    if kv == 0:
+        apply_rope(x, cal.rope, start, -1.0)
+    g = x.shape[1] * x.shape[2] // cal.group_dim
+    xc = x.reshape(x.shape[0], g, cal.group_dim).transpose(1, 0, 2) - cal.mean[layer, kv, group : group + g, None]
+    return np.matmul(xc, cal.basis[layer, kv, group : group + g])
+
+
+def sink_count(cal: calib_mod.Calibration, start: int, tokens: int) -> int:
+    """How many leading tokens of a chunk at ``start`` are stored exactly."""
+    return max(0, min(cal.sinks - start, tokens))
+
+
+def token_scales(y: np.ndarray, sinks: int = 0) -> tuple[np.ndarray, int]:
+    """Per-token RMS of ``y`` [G, T, C] as stored (fp16 when it fits, else fp32) and the dtype flag; the
+    first ``sinks`` tokens (stored exactly) get 0, which codes them as all-zero symbols."""
+    rms = np.sqrt(np.mean(np.square(y, dtype=np.float32), axis=(0, 2)))
+    rms[:sinks] = 0.0
+    if np.all(rms <= 65504.0):
+        return rms.astype(np.float16), 0
+    return rms.astype(np.float32), 1
+
+
+
+def roundtrip(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np.ndarray, start: int = 0,
+              group: int = 0) -> np.ndarray:  # fmt: skip
+    """What encoding then decoding ``x`` ([T, H, D] float32 of one layer's K (kv=0) or V of one head group)
+    gives back, in float32 (before the storage dtype's rounding), through the codec's own kernels
+    (escapes unbounded). For the calibration, which scores candidate steps with the model."""
+    t_n = x.shape[0]
+    c_n = x.shape[1] * x.shape[2]
+    gs = slice(group, group + c_n // cal.group_dim)
+    n_sink = sink_count(cal, start, t_n)
+    y = forward(cal, layer, kv, group, np.array(x, np.float32), start)
+    s = token_scales(y, n_sink)[0].astype(np.float32)
+    steps = cal.steps[level][layer, kv, gs]
+    sym, esc = np.empty((c_n, t_n), np.uint8), np.empty(t_n * c_n, np.int16)
+    n = quantize(y, steps, s, np.empty((0, calib_mod.SYMBOLS), np.uint16), 0, sym, esc)
+    if n < 0:
+        raise ValueError(f"layer {layer}: values do not fit the escape format ({n})")
+    xr, _ = cal.inverse_tables(level, layer).inverse(kv, group, sym, esc[:n], s)
+    out = np.empty((t_n, y.shape[0], cal.group_dim), np.float32)
+    cos, sin = rope_tables(cal.rope, start, t_n)
+    finish(xr, cal.mean[layer, kv, gs], cos, sin, rope_style(cal.rope), kv == 0, cal.head_dim, 0, out, EMPTY16)
+    out = out.reshape(x.shape)
+    out[:n_sink] = x[:n_sink]
+    return out
+
+
+def symbols(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np.ndarray, start: int = 0,
+            group: int = 0) -> np.ndarray:  # fmt: skip
+    """The symbols [C, T] the Deflate variant would code for ``x``; for fitting rANS tables."""
+    t_n, c_n = x.shape[0], x.shape[1] * x.shape[2]
+    y = forward(cal, layer, kv, group, np.array(x, np.float32), start)
+    s = token_scales(y, sink_count(cal, start, t_n))[0].astype(np.float32)
+    sym, esc = np.empty((c_n, t_n), np.uint8), np.empty(t_n * c_n, np.int16)
+    steps = cal.steps[level][layer, kv, group : group + y.shape[0]]
+    if quantize(y, steps, s, np.empty((0, calib_mod.SYMBOLS), np.uint16), 0, sym, esc) < 0:
+        raise ValueError(f"layer {layer}: values do not fit the escape format")
+    return sym
