@@ -55,12 +55,6 @@ class FetchGate:
         self._probe_left = 0
         self._probe_limit = workers
 
-    def current_limit(self) -> int:
-        if not self.adaptive:
-            return self.workers
-        with self._cv:
-            return self._limit_now()
-
     def _limit_now(self) -> int:
         return self._probe_limit if self._probe_left > 0 else self.limit
 
@@ -118,7 +112,7 @@ class FetchGate:
 
     def snapshot(self) -> dict:
         with self._cv:
-            return {"limit": self.limit if self.adaptive else self.workers,  # the chosen one, probes aside
-                    "probing": self.adaptive and self._probe_left > 0,
+            return {"limit": self.limit,  # the chosen one, probes aside (``workers`` when not adaptive)
+                    "probing": self._probe_left > 0,
                     "alone_mb_s": round((self.rate["alone"] or 0) / 1e6, 2),
                     "shared_mb_s": round((self.rate["shared"] or 0) / 1e6, 2)}  # fmt: skip
