@@ -28,7 +28,16 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import kvdata  # noqa: E402
-from benchmarks.bench_codec import CACHEGEN_K, CACHEGEN_V, OUT, EvalContext, Spec, quant, spec_row  # noqa: E402
+from benchmarks.bench_codec import (  # noqa: E402
+    CACHEGEN_K,
+    CACHEGEN_V,
+    OUT,
+    EvalContext,
+    Spec,
+    quant,
+    spec_row,
+    tune_calibration,
+)
 
 RD_OUT = OUT.with_name("codec_rd.json")
 POINTS_CACHE = kvdata.CACHE.parent / "rd_points.json"
@@ -98,8 +107,16 @@ FAMILIES = ("lossless", "int8", "shadowserve", "cachegen", "kvtc", "ours-deflate
 
 
 def _key(spec: Spec, ctx: EvalContext) -> str:
+    """A point's cache key: codec, params, texts and, for the transform codec, the calibration it would use
+    (a new calibration is a new point)."""
     texts = ",".join(sorted(t.name for t in ctx.texts))
-    return json.dumps([spec.codec, dict(spec.params), texts, ctx.greedy], sort_keys=True)
+    params = dict(spec.params)
+    if spec.codec == "transform":
+        try:
+            params["calibration"] = tune_calibration(ctx, params["quality"], params.get("group_heads")).calib_id.hex()
+        except (ValueError, KeyError):
+            params["calibration"] = None
+    return json.dumps([spec.codec, params, texts, ctx.greedy], sort_keys=True)
 
 
 def _jobs(families: list[str]) -> list[tuple[str, Spec]]:

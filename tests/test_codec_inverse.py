@@ -73,6 +73,21 @@ def test_the_integer_gemm_is_exact_for_every_token_count(gd):
         )
 
 
+def test_an_escaped_code_decodes_to_the_same_float_as_the_symbol():
+    """The escape correction is added in integers: escaping a code that has a symbol changes nothing, bit for
+    bit (the rANS variant escapes symbols its tables cannot code; the Deflate variant codes them)."""
+    _, _, tab = _tables(groups=2, gd=16, seed=4)
+    rng = np.random.default_rng(4)
+    sym, esc, q = _symbols(rng, 32, 50, escape_rate=0.0)
+    scale = rng.uniform(0.1, 3.0, 50).astype(np.float32)
+    want = tab.inverse(1, 0, sym, esc, scale)[0].copy()
+    at = rng.random(sym.shape) < 0.1
+    sym2 = np.where(at, 0, sym).astype(np.uint8)
+    x, used = tab.inverse(1, 0, sym2, q[at].astype(np.int16), scale)
+    assert used == at.sum() > 10
+    np.testing.assert_array_equal(x, want)
+
+
 def test_escapes_that_run_out_or_are_left_over_are_reported():
     _, _, tab = _tables(groups=1, gd=16)
     rng = np.random.default_rng(3)

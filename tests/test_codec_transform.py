@@ -167,6 +167,27 @@ def test_tp_rank_uses_its_head_group(cal):
         cm.unregister(tp2.calib_id)
 
 
+def test_token_scales_are_log_coded_and_fall_back_to_floats_when_their_range_does_not_fit():
+    from sgl_remote_kv.codec import transform_ops as ops
+
+    rng = np.random.default_rng(7)
+    rms = rng.uniform(0.01, 2.0, 300).astype(np.float32)
+    rms[0] = 0.0  # a sink token
+    fmt, raw, back = ops.code_scales([rms, rms * 3])
+    assert fmt == ops.SCALE_LOG8 and len(raw) == ops.scale_bytes(fmt, 300) == 8 + 600
+    for want, got in zip((rms, rms * 3), back, strict=True):
+        assert got[0] == 0 and np.all(np.abs(got[1:] / want[1:] - 1) <= 2 ** (0.5 / ops.LOG8_STEPS) - 1 + 1e-6)
+    buf = np.frombuffer(raw, np.uint8)
+    np.testing.assert_array_equal(ops.read_scales(buf, 0, fmt, 300), np.stack(back))  # what decoders read back
+    wide = rms.copy()
+    wide[5] = wide[1:].min() * 2.0**9  # 9 octaves > 254 codes
+    fmt, raw, back = ops.code_scales([rms, wide])
+    assert fmt == ops.SCALE_FP16 and len(raw) == 4 * 300
+    np.testing.assert_array_equal(back[1], wide.astype(np.float16).astype(np.float32))
+    assert ops.code_scales([np.full(4, 1e6, np.float32)])[0] == ops.SCALE_LOG8  # large but narrow: fits
+    assert ops.code_scales([np.array([1e-3, 1e6], np.float32)])[0] == ops.SCALE_FP32
+
+
 def test_sink_positions_are_stored_exactly():
     c = make_calibration(levels=("0.0005",), step=0.3, sinks=2)
     try:

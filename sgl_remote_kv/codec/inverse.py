@@ -10,8 +10,11 @@ computes the same real numbers up to float32 rounding. Per call (one layer, K or
 
     codes = symbol ^ 0x80 as int8   (q for ordinary symbols, -128 for the escape symbol 0)
     acc   = codes^T @ [hi | lo]     torch._int_mm, int8 x int8 -> exact int32 (VNNI on x86)
-    x[t, j] = (acc_hi * 256 + acc_lo)[t, j] * col[j] * s[t]      (int64 before the float conversion)
-    escapes: x[t, :] += (q + 128) * s[t] * weff[c, :]            (the true value minus the -128 used)
+    tot   = acc_hi * 256 + acc_lo                                   int64
+    escapes: tot[t, :] += (q + 128) * wi[c, :]                     (the true code minus the -128 used)
+    x[t, j] = float32(tot[t, j]) * (col[j] * s[t])
+
+So x is a function of the codes alone: an escaped value decodes exactly as if it had been a symbol.
 
 Threads: tables are immutable. ``inverse`` works in per-thread arrays (no allocation once warm); what it
 returns is that thread's work array, valid until the thread's next call. The GEMM (torch) and the kernels
@@ -34,48 +37,46 @@ _tls = threading.local()
 
 
 @njit(nogil=True, cache=True)
-def _combine(acc, col, scale, x):
-    """acc [T, 2 * gd] int32 (hi | lo), col [gd], scale [T] -> x [T, gd] float32."""
+def _combine(acc, wi, col, scale, sym, esc, n, tot, x):
+    """One head group: ``acc`` [T, 2 * gd] int32 (hi | lo sums), ``wi`` [gd, gd] int32 (the group's decode
+    matrix as integers), ``sym`` [gd, T] (its symbols), escapes from ``esc[n]`` on (component-major), ``tot``
+    [T, gd] int64 work -> ``x`` [T, gd] float32. Each escape's true code is added in integers, so a value
+    decodes to the same float whether it was coded as a symbol or escaped. Returns the next escape index,
+    or -1 when the escapes run out."""
     t_n, gd = x.shape
     for t in range(t_n):
-        s = scale[t]
         for j in range(gd):
-            x[t, j] = np.float32(np.int64(acc[t, j]) * _BITS_HI + acc[t, gd + j]) * (col[j] * s)
-
-
-@njit(nogil=True, cache=True)
-def _escapes(sym, esc, scale, weff, x):
-    """Add each escape's true value (the i-th escape symbol, component-major, takes ``esc[i]``) to x
-    [G, T, gd]; returns the escapes consumed, or -1 when they run out."""
-    c_n, t_n = sym.shape
-    gd = x.shape[2]
-    n = 0
-    for c in range(c_n):
+            tot[t, j] = np.int64(acc[t, j]) * _BITS_HI + acc[t, gd + j]
+    for c in range(gd):
         row = sym[c]
         zeros = 0
         for t in range(t_n):  # branch-free (vectorized): most rows hold no escape
             zeros += row[t] == 0
         if zeros == 0:
             continue
-        g, cc = c // gd, c % gd
         for t in range(t_n):
             if row[t] == 0:
                 if n >= esc.shape[0]:
                     return -1
-                d = np.float32(np.int32(esc[n]) + 128) * scale[t]
+                d = np.int64(esc[n]) + 128  # the true code minus the -128 the GEMM used
                 n += 1
                 for j in range(gd):
-                    x[g, t, j] += d * weff[g, cc, j]
+                    tot[t, j] += d * wi[c, j]
+    for t in range(t_n):
+        s = scale[t]
+        for j in range(gd):
+            x[t, j] = np.float32(tot[t, j]) * (col[j] * s)
     return n
 
 
 @dataclass(frozen=True)
 class InverseTables:
     """One layer's decode matrices at one quality level: ``w2`` [2, G, gd, 2 * gd] int8 (torch; the GEMM's
-    right operand ``[hi | lo]``), ``col`` [2, G, gd] float32, ``weff`` [2, G, gd, gd] float32 (rows are
-    components c, columns output channels j)."""
+    right operand ``[hi | lo]``), ``wi`` [2, G, gd, gd] int32 (``hi * 256 + lo``), ``col`` [2, G, gd] float32,
+    ``weff`` [2, G, gd, gd] float32 (``wi * col``; rows are components c, columns output channels j)."""
 
     w2: torch.Tensor
+    wi: np.ndarray
     col: np.ndarray
     weff: np.ndarray
 
@@ -90,9 +91,10 @@ class InverseTables:
         lo = wi - _BITS_HI * hi
         w2 = torch.from_numpy(np.ascontiguousarray(np.concatenate([hi, lo], axis=-1).astype(np.int8)))
         weff = (wi.astype(np.float32) * col[..., None, :]).astype(np.float32)
-        for a in (col, weff):
+        wi = np.ascontiguousarray(wi, np.int32)
+        for a in (wi, col, weff):
             a.setflags(write=False)
-        return cls(w2, col, weff)
+        return cls(w2, wi, col, weff)
 
     def inverse(self, kv: int, group: int, sym: np.ndarray, esc: np.ndarray,
                 scale: np.ndarray) -> tuple[np.ndarray, int]:  # fmt: skip
@@ -101,12 +103,15 @@ class InverseTables:
         gd = self.col.shape[-1]
         c_n, t_n = sym.shape
         n_g = c_n // gd
-        codes, codes_t, acc, acc_np, x = _work(t_n, gd, n_g)
+        codes, codes_t, acc, acc_np, tot, x = _work(t_n, gd, n_g)
+        used = 0
         for g in range(n_g):
-            np.bitwise_xor(sym[g * gd : (g + 1) * gd], 0x80, out=codes)
+            gsym = sym[g * gd : (g + 1) * gd]
+            np.bitwise_xor(gsym, 0x80, out=codes)
             _int_gemm(codes_t, self.w2[kv, group + g], acc)
-            _combine(acc_np, self.col[kv, group + g], scale, x[g])
-        used = _escapes(sym, esc, scale, self.weff[kv, group : group + n_g], x)
+            used = _combine(acc_np, self.wi[kv, group + g], self.col[kv, group + g], scale, gsym, esc, used, tot, x[g])
+            if used < 0:
+                break
         return x, used
 
 
@@ -121,7 +126,7 @@ def _int_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
 
 def _work(t_n: int, gd: int, n_g: int):
     """This thread's work arrays for (T, gd, groups): codes [gd, T] uint8 and its int8 transpose as a
-    tensor, acc [T, 2 * gd] int32 (tensor and array), x [n_g, T, gd] float32."""
+    tensor, acc [T, 2 * gd] int32 (tensor and array), tot [T, gd] int64, x [n_g, T, gd] float32."""
     cache = getattr(_tls, "work", None)
     if cache is None:
         cache = _tls.work = {}
@@ -133,5 +138,6 @@ def _work(t_n: int, gd: int, n_g: int):
         codes = np.empty((gd, t_n), np.uint8)
         acc = torch.empty((t_n, 2 * gd), dtype=torch.int32)
         x = np.empty((n_g, t_n, gd), np.float32)
-        w = cache[key] = (codes, torch.from_numpy(codes).view(torch.int8).t(), acc, acc.numpy(), x)
+        tot = np.empty((t_n, gd), np.int64)
+        w = cache[key] = (codes, torch.from_numpy(codes).view(torch.int8).t(), acc, acc.numpy(), tot, x)
     return w

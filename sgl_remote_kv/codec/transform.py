@@ -5,7 +5,7 @@ Per layer and K/V separately (``calibration.Calibration`` holds everything fitte
 
     x  = K with RoPE undone at positions start..start+T-1   (V as is)   [T, C = H*D] float32
     y  = (x - mean[g]) @ basis[g]   per head group g of the rank's heads (orthonormal, PCA)
-    s  = RMS of y over the token's C components                         fp16 per token
+    s  = RMS of y over the token's C components, on a log grid          a byte per token (``ops.code_scales``)
     q  = rint(y / (step[c] * s))           step from the calibration's quality level
     symbol = q + 128 for |q| <= 127 (and, under rANS, a symbol the table can code), else 0 = escape:
              q itself goes to the escape list (int16)
@@ -20,9 +20,10 @@ is in the codec params, hence in every chunk key).
 
 Decoded-layer buffer (lossless stage output, dequant stage input)::
 
-    <IIHBBHHII  start, T, C (= H*D), scale dtype (0 fp16, 1 fp32), exact sink tokens S, layer, first
-                head group, escapes K, escapes V
-    scales K [T], scales V [T]; escapes K [n] int16, escapes V [n] int16
+    <IIHBBHHII  start, T, C (= H*D), scale format (0 fp16, 1 fp32, 2 log8), exact sink tokens S, layer,
+                first head group, escapes K, escapes V
+    scales K [T], scales V [T] (log8: float32 base K, base V, then a code byte per token and array:
+                scale = base * 2^((code - 1) / 32), code 0 = 0); escapes K [n] int16, escapes V [n] int16
     exact K [S, H, D], exact V [S, H, D] (storage dtype)
     symbols K [C, T] uint8 (component-major), symbols V [C, T]
 
@@ -134,23 +135,21 @@ class TransformCodec(Codec):
             freq, _ = self.cal.encode_tables(self.quality)
         else:
             freq = np.empty((0, calib_mod.SYMBOLS), np.uint16)
-        scales, syms, escs, sdt = [], [], [], 0
-        for kv, a in enumerate((k, v)):
-            y = ops.forward(self.cal, layer, kv, group, quant.to_f32(a, lay.dtype).copy(), start)
-            s, flag = ops.token_scales(y, n_sink)
-            sdt |= flag
-            scales.append(s)
+        ys = [ops.forward(self.cal, layer, kv, group, quant.to_f32(a, lay.dtype).copy(), start)
+              for kv, a in enumerate((k, v))]  # fmt: skip
+        sfmt, sbytes, scales = ops.code_scales([ops.token_rms(y, n_sink) for y in ys])
+        syms, escs = [], []
+        for kv, y in enumerate(ys):
             sym = np.empty((c_n, t_n), np.uint8)
             esc = np.empty(cap, np.int16)
             steps = self.cal.steps[self.quality][layer, kv, gs]
-            n = ops.quantize(y, steps, s.astype(np.float32), freq, self.cal.ctx0(layer, kv, group), sym, esc)
+            n = ops.quantize(y, steps, scales[kv], freq, self.cal.ctx0(layer, kv, group), sym, esc)
             if n < 0:
                 raise ValueError(f"layer {layer}: KV too far from the calibration to encode ({n})")
             syms.append(sym)
             escs.append(esc[:n])
-        sdtype = np.float32 if sdt else np.float16
-        prefix = b"".join([PRE.pack(start, t_n, c_n, sdt, n_sink, layer, group, escs[0].size, escs[1].size),
-                           *(s.astype(sdtype).tobytes() for s in scales), *(e.tobytes() for e in escs),
+        prefix = b"".join([PRE.pack(start, t_n, c_n, sfmt, n_sink, layer, group, escs[0].size, escs[1].size),
+                           sbytes, *(e.tobytes() for e in escs),
                            np.ascontiguousarray(k[:n_sink]).tobytes(), np.ascontiguousarray(v[:n_sink]).tobytes()])  # fmt: skip
         if self.entropy == "deflate":
             return lz.pack_streams(lz.DEFLATE, self.level, [prefix, syms[0].tobytes(), syms[1].tobytes()])
@@ -176,7 +175,7 @@ class TransformCodec(Codec):
         t_n, c_n = header.num_tokens, lay.num_kv_heads * lay.head_dim
         cap = max(1, t_n * c_n // MAX_ESCAPE_FRACTION)
         sinks = min(self.cal.sinks, t_n)
-        return PRE.size + 2 * 4 * t_n + 2 * 2 * cap + 2 * sinks * c_n * lay.itemsize + 2 * t_n * c_n
+        return PRE.size + max(ops.scale_bytes(f, t_n) for f in (ops.SCALE_FP32, ops.SCALE_LOG8)) + 2 * 2 * cap + 2 * sinks * c_n * lay.itemsize + 2 * t_n * c_n
 
     def lossless_stage(self, section: memoryview, out: np.ndarray) -> int:
         if self.entropy == "deflate":
@@ -214,28 +213,28 @@ class TransformCodec(Codec):
         if buf.size < PRE.size:
             raise CorruptChunk("decoded layer shorter than its prelude")
         start, t_n, c_n, sdt, n_sink, sec_layer, group, nk, nv = PRE.unpack_from(buf, 0)
-        if t_n != header.num_tokens or sdt > 1 or sec_layer != layer or start >= 1 << 31:
+        if t_n != header.num_tokens or sdt > ops.SCALE_LOG8 or sec_layer != layer or start >= 1 << 31:
             raise CorruptChunk("layer prelude does not match the chunk header")
         if c_n != lay.num_kv_heads * lay.head_dim:
             raise CorruptChunk("layer prelude's channel count does not match the chunk header")
         self._check_slice(layer, group, c_n)
         if n_sink != ops.sink_count(self.cal, start, t_n):
             raise CorruptChunk("sink token count does not match the calibration")
-        ss = 4 if sdt else 2
+        sb = ops.scale_bytes(sdt, t_n)
         sink_bytes = n_sink * c_n * lay.itemsize
-        need = PRE.size + 2 * ss * t_n + 2 * (nk + nv) + 2 * sink_bytes + 2 * t_n * c_n
+        need = PRE.size + sb + 2 * (nk + nv) + 2 * sink_bytes + 2 * t_n * c_n
         if buf.size != need:
             raise CorruptChunk(f"decoded layer holds {buf.size} bytes, its prelude implies {need}")
         o = PRE.size
-        sc = np.frombuffer(buf, np.float32 if sdt else np.float16, 2 * t_n, o).astype(np.float32)
+        sc = ops.read_scales(buf, o, sdt, t_n)
         if not np.all(np.isfinite(sc)):
             raise CorruptChunk("a token scale is not finite")
-        o += 2 * ss * t_n
+        o += sb
         esc = np.frombuffer(buf, np.int16, nk + nv, o) if nk + nv else np.empty(0, np.int16)
         o += 2 * (nk + nv)
         sinks = buf[o : o + 2 * sink_bytes].reshape(2, n_sink, c_n * lay.itemsize)
         o += 2 * sink_bytes
-        return TransformView(self, layer, group, start, n_sink, sc.reshape(2, t_n), esc, nk, sinks,
+        return TransformView(self, layer, group, start, n_sink, sc, esc, nk, sinks,
                              buf[o:].reshape(2, c_n, t_n))  # fmt: skip
 
     def dequant_stage(self, header: ChunkHeader, layer: int, decoded, out_k, out_v) -> None:

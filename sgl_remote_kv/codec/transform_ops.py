@@ -87,16 +87,18 @@ def finish(x, mean, cos, sin, style, rope, head_dim, mode, out32, out16):
         for h in range(h_n):
             for j in range(d):
                 row[j] = x[h, t, j] + mean[h, j]
-            if rope:
+            if rope and style == 0:  # the style test outside the loops keeps them vectorizable
                 for o in range(0, d, head_dim):
                     for i in range(half):
                         c, s = cos[t, i], sin[t, i]
-                        if style == 0:
-                            a, b = row[o + i], row[o + i + half]
-                            row[o + i], row[o + i + half] = a * c - b * s, b * c + a * s
-                        else:
-                            a, b = row[o + 2 * i], row[o + 2 * i + 1]
-                            row[o + 2 * i], row[o + 2 * i + 1] = a * c - b * s, b * c + a * s
+                        a, b = row[o + i], row[o + i + half]
+                        row[o + i], row[o + i + half] = a * c - b * s, b * c + a * s
+            elif rope:
+                for o in range(0, d, head_dim):
+                    for i in range(half):
+                        c, s = cos[t, i], sin[t, i]
+                        a, b = row[o + 2 * i], row[o + 2 * i + 1]
+                        row[o + 2 * i], row[o + 2 * i + 1] = a * c - b * s, b * c + a * s
             if mode == 0:
                 for j in range(d):
                     out32[t, h, j] = row[j]
@@ -143,15 +145,61 @@ def sink_count(cal: calib_mod.Calibration, start: int, tokens: int) -> int:
     return max(0, min(cal.sinks - start, tokens))
 
 
-def token_scales(y: np.ndarray, sinks: int = 0) -> tuple[np.ndarray, int]:
-    """Per-token RMS of ``y`` [G, T, C] as stored (fp16 when it fits, else fp32) and the dtype flag; the
-    first ``sinks`` tokens (stored exactly) get 0, which codes them as all-zero symbols."""
+SCALE_FP16, SCALE_FP32, SCALE_LOG8 = 0, 1, 2  # how a layer section stores its token scales
+LOG8_STEPS = 32  # SCALE_LOG8: codes per octave; a stored scale is within 1.1% of the token's RMS
+_LOG8 = (2.0 ** ((np.arange(256) - 1) / LOG8_STEPS)).astype(np.float32)  # code e >= 1 -> base * 2^((e-1)/32)
+_LOG8[0] = 0.0  # code 0: scale 0 (an exact sink token)
+_LOG8.setflags(write=False)
+
+
+def token_rms(y: np.ndarray, sinks: int = 0) -> np.ndarray:
+    """Per-token RMS [T] float32 of ``y`` [G, T, C]; the first ``sinks`` tokens (stored exactly) get 0, which
+    codes them as all-zero symbols."""
     rms = np.sqrt(np.mean(np.square(y, dtype=np.float32), axis=(0, 2)))
     rms[:sinks] = 0.0
-    if np.all(rms <= 65504.0):
-        return rms.astype(np.float16), 0
-    return rms.astype(np.float32), 1
+    return rms
 
+
+def _log8(rms: np.ndarray) -> tuple[np.float32, np.ndarray] | None:
+    """(base, codes) of ``rms`` on the log grid, or ``None`` when its range or values do not fit it."""
+    if not np.all(np.isfinite(rms)) or np.any(rms < 0):
+        return None
+    nz = rms > 0
+    base = np.float32(rms[nz].min()) if nz.any() else np.float32(1.0)
+    with np.errstate(divide="ignore"):
+        e = np.where(nz, np.rint(np.log2(rms.astype(np.float64) / base) * LOG8_STEPS) + 1, 0)
+    if e.max() > 255:
+        return None
+    return base, e.astype(np.uint8)
+
+
+def code_scales(rms: list[np.ndarray]) -> tuple[int, bytes, list[np.ndarray]]:
+    """The stored form of a layer section's token scales (K's, then V's): (``SCALE_*`` format, bytes, the
+    float32 scales a decoder reads back, which the encoder must quantize with). ``SCALE_LOG8`` (a float32
+    base per array, then a byte per token) when every array fits it, else fp16, else fp32."""
+    logs = [_log8(r) for r in rms]
+    if all(lg is not None for lg in logs):
+        back = [base * _LOG8[e] for base, e in logs]
+        return SCALE_LOG8, b"".join([np.asarray([b for b, _ in logs], np.float32).tobytes(),
+                                     *(e.tobytes() for _, e in logs)]), back  # fmt: skip
+    fmt, dt = (SCALE_FP16, np.float16) if all(np.all(r <= 65504.0) for r in rms) else (SCALE_FP32, np.float32)
+    stored = [r.astype(dt) for r in rms]
+    return fmt, b"".join(a.tobytes() for a in stored), [a.astype(np.float32) for a in stored]
+
+
+def scale_bytes(fmt: int, tokens: int, arrays: int = 2) -> int:
+    """Bytes of ``arrays`` stored token-scale arrays in format ``fmt``."""
+    return arrays * ({SCALE_FP16: 2 * tokens, SCALE_FP32: 4 * tokens}.get(fmt, 4 + tokens))
+
+
+def read_scales(buf: np.ndarray, offset: int, fmt: int, tokens: int) -> np.ndarray:
+    """The two stored token-scale arrays at ``buf[offset:]`` as float32 [2, T] (a copy)."""
+    if fmt == SCALE_LOG8:
+        base = np.frombuffer(buf, np.float32, 2, offset)
+        codes = np.frombuffer(buf, np.uint8, 2 * tokens, offset + 8).reshape(2, tokens)
+        return base[:, None] * _LOG8[codes]
+    return np.frombuffer(buf, np.float32 if fmt == SCALE_FP32 else np.float16, 2 * tokens, offset).astype(
+        np.float32).reshape(2, tokens)  # fmt: skip
 
 
 def roundtrip(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np.ndarray, start: int = 0,
@@ -164,7 +212,7 @@ def roundtrip(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np
     gs = slice(group, group + c_n // cal.group_dim)
     n_sink = sink_count(cal, start, t_n)
     y = forward(cal, layer, kv, group, np.array(x, np.float32), start)
-    s = token_scales(y, n_sink)[0].astype(np.float32)
+    s = code_scales([token_rms(y, n_sink)])[2][0]
     steps = cal.steps[level][layer, kv, gs]
     sym, esc = np.empty((c_n, t_n), np.uint8), np.empty(t_n * c_n, np.int16)
     n = quantize(y, steps, s, np.empty((0, calib_mod.SYMBOLS), np.uint16), 0, sym, esc)
@@ -184,7 +232,7 @@ def symbols(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np.n
     """The symbols [C, T] the Deflate variant would code for ``x``; for fitting rANS tables."""
     t_n, c_n = x.shape[0], x.shape[1] * x.shape[2]
     y = forward(cal, layer, kv, group, np.array(x, np.float32), start)
-    s = token_scales(y, sink_count(cal, start, t_n))[0].astype(np.float32)
+    s = code_scales([token_rms(y, sink_count(cal, start, t_n))])[2][0]
     sym, esc = np.empty((c_n, t_n), np.uint8), np.empty(t_n * c_n, np.int16)
     steps = cal.steps[level][layer, kv, group : group + y.shape[0]]
     if quantize(y, steps, s, np.empty((0, calib_mod.SYMBOLS), np.uint16), 0, sym, esc) < 0:
