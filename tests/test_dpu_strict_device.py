@@ -126,16 +126,49 @@ def test_a_finished_chunk_whose_round_was_never_written_is_not_a_hit():
     before the round's write ran. Chunk 0's KV never reached the pool, so the hit is 0 chunks, not 1."""
     import threading
 
-    from sgl_remote_kv.control.jobs import DONE, FetchHandle, HostRound, KVTarget
+    from sgl_remote_kv.control.jobs import DONE, FetchHandle, HostRound, KVTarget, LayerWrite
     from sgl_remote_kv.kvpool import PoolTensors, writer_for
 
     k = [torch.zeros(8, LAYOUT.num_kv_heads, LAYOUT.head_dim, dtype=torch.bfloat16) for _ in range(LAYOUT.num_layers)]
     target = KVTarget(writer_for(PoolTensors(k, k), LAYOUT), torch.arange(2 * CHUNK))
     for written, hit in ((False, 0), (True, 1)):
         h = FetchHandle(threading.Condition(), "r", [b"a" * 32, b"b" * 32], [CHUNK, CHUNK], LAYOUT.num_layers, target)
-        r = HostRound(h, 0, 2, 0, 2 * CHUNK, layer_written=[written] * LAYOUT.num_layers, terminal=True)
+        state = LayerWrite.WRITTEN if written else LayerWrite.WAITING
+        r = HostRound(h, 0, 2, 0, 2 * CHUNK, layer_write=[state] * LAYOUT.num_layers, terminal=True)
         h.rounds.append(r)
         h.state[0] = DONE
         h.mark_failed(1, "dataplane_lost")
         assert h.check_finished()
         assert h.result().hit_chunks == hit
+
+
+def test_a_hung_write_holds_up_neither_submit_nor_another_cancel_and_cancel_waits_for_its_own(client, dev):
+    """Pool writes run outside the client's lock: while one fetch's write hangs on the device, another
+    fetch can be submitted and cancelled and the stats read (all return while that write is still
+    running), and cancelling the fetch whose write runs returns only after the write returned (its caller
+    frees the KV slots next)."""
+    import time
+
+    from sgl_remote_kv.control.jobs import KVTarget
+    from sgl_remote_kv.kvpool import PoolTensors, writer_for
+
+    c, keys, _ = client
+    kv = StrictKVPool(dev, LAYOUT, 512, torch.bfloat16)
+    writer = writer_for(PoolTensors(kv.k_buffer, kv.v_buffer), LAYOUT, timeout_s=3.0, ops=dev)
+    dev.hang()
+    try:
+        ha = c.submit("a", keys[:2], CHUNK, KVTarget(writer, torch.randperm(512)[: 2 * CHUNK]))
+        deadline = time.monotonic() + 30
+        while not (ha.writing and not c.book.writes) and time.monotonic() < deadline:
+            time.sleep(0.01)  # until a's first write was taken by the receiver (it hangs there)
+        assert ha.writing and not ha.finished
+        hb = c.submit("b", keys[2:4], CHUNK, make_pool(LAYOUT, 512, 2 * CHUNK, ops=dev))
+        c.stats()
+        c.cancel(hb)
+        assert ha.writing and not ha.finished  # none of them waited for a's write
+        c.cancel(ha)
+        assert ha.writing == 0  # returned only after a's write returned (timed out: no hit)
+        assert ha.wait(30).hit_chunks == 0 and hb.wait(30).hit_chunks == 0
+    finally:
+        dev.resume()
+        writer.fence()

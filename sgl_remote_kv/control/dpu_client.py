@@ -20,7 +20,9 @@ A chunk the data plane's store client failed on arrives as ``ChunkFailed`` with 
 passed to ``on_store_error(op, kind, n)`` (the serving glue: ``store_errors_total{op="get",kind}``).
 
 Threads: ``start``/``submit``/``cancel``/``stats``/``close`` may be called from any thread (they take
-``cv``); socket I/O and scatters run only on the receiver thread. Buffers: the destination region is
+``cv``); socket I/O and scatters run only on the receiver thread, the scatters outside ``cv``
+(``rounds.RoundBook``: a slow device write does not hold up ``submit`` or heartbeats; ``cancel`` waits
+only for a write of its own fetch). Buffers: the destination region is
 owned by this client (created here under a name carrying our pid, unlinked in ``close``; ``start``
 first sweeps regions of dead creators, ``shm_names.py``); the data plane writes into it, the receiver
 thread reads it while scattering. A destination slot is reused only after the data plane said
@@ -50,6 +52,7 @@ from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.dpu import protocol as P
 from sgl_remote_kv.dpu.buffers import DestRegion
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
+from sgl_remote_kv.kvpool import KVWriteError
 from sgl_remote_kv.types import ModelFingerprint
 
 from . import shm_names
@@ -205,7 +208,7 @@ class DpuClient:
             self._thread.join(timeout=10)
         with self.cv:
             if self.book is not None:
-                self.book.lose_all("cancelled")
+                self.book.lose_all("cancelled")  # also drops writes still queued (the receiver is gone)
             self.cv.notify_all()
         for w in self._writers:
             try:
@@ -258,10 +261,14 @@ class DpuClient:
         return h
 
     def cancel(self, handle: FetchHandle) -> None:
-        """Cancel a fetch: nothing more is written for it; its unfinished chunks become misses."""
+        """Cancel a fetch: nothing more is written for it once this returns (a write of it already running
+        is waited for; queued ones are dropped), so the caller may free its KV slots; its unfinished chunks
+        become misses."""
         with self.cv:
             self.book.cancel(handle)
             self.cv.notify_all()
+            if threading.current_thread() is not self._thread:  # the receiver runs (or drops) them itself
+                self.cv.wait_for(lambda: handle.writing == 0)
         self._wake()
 
     def fetch(self, request_id: str, keys, chunk_tokens, target, timeout: float | None = None) -> FetchResult:
@@ -374,6 +381,26 @@ class DpuClient:
                 self.on_store_error("get", msg.store_error, 1)  # a failed call of the data plane's client
             with self.cv:
                 self.book.on_event(msg)
+                self.cv.notify_all()
+            self._run_writes()
+
+    def _run_writes(self) -> None:
+        """Run the pool writes the last event queued, outside ``cv`` (receiver thread; before it reads the
+        next event or sends anything: a slot freed by ``JobDone`` is not handed out before its write ran)."""
+        while True:
+            with self.cv:
+                op = self.book.next_write()
+                if op is None:
+                    self.cv.notify_all()
+                    return
+            try:
+                error, seconds = self.book.run_write(op)
+            except Exception as e:  # boundary: a writer bug must not leave the fetch waiting for this write
+                self.counters["receiver_errors"] += 1
+                logger.exception("KV write raised unexpectedly")
+                error, seconds = KVWriteError(f"unexpected {type(e).__name__}: {e}"), 0.0
+            with self.cv:
+                self.book.write_done(op, error, seconds, ran=True)
                 self.cv.notify_all()
 
     def _on_verified(self, msg: P.ChunksVerified) -> None:

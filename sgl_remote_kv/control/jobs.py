@@ -11,6 +11,7 @@ caller's thread), always under the client's condition variable ``cv``; the SGLan
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,6 +45,15 @@ class FetchResult:
     wire_bytes: int = 0  # compressed bytes the data plane fetched for the hit chunks
 
 
+class LayerWrite(enum.IntEnum):
+    """A round's layer on its way into the pool: not ready or not handed out yet (``WAITING``), queued for
+    or in the receiver thread's write outside the lock (``QUEUED``), in the pool (``WRITTEN``)."""
+
+    WAITING = 0
+    QUEUED = 1
+    WRITTEN = 2
+
+
 @dataclass
 class HostRound:
     handle: FetchHandle
@@ -55,8 +65,12 @@ class HostRound:
     job: int = 0
     last_event: float = 0.0
     chunk_layers: list[bytearray] = field(default_factory=list)  # per chunk of the round: layers in the region
-    layer_written: list[bool] = field(default_factory=list)  # set only after the write returned
+    layer_write: list[LayerWrite] = field(default_factory=list)  # per layer: WRITTEN only after the write returned
     terminal: bool = False
+
+    @property
+    def all_written(self) -> bool:
+        return all(w == LayerWrite.WRITTEN for w in self.layer_write)
 
 
 class FetchHandle:
@@ -82,6 +96,7 @@ class FetchHandle:
         self.layer_ready = [0] * num_layers  # per layer: chunks whose layer is in the pool
         self.rounds: list[HostRound] = []
         self.cancelled = False
+        self.writing = 0  # layer runs queued for or in a write into the pool (the handle finishes after)
         self.finished = False
         self.t0 = time.monotonic()
         self.t_done = 0.0
@@ -139,7 +154,7 @@ class FetchHandle:
             for r in self.rounds:  # in chunk order (``RoundBook.add``)
                 if r.chunk_lo >= hit:
                     break
-                if not all(r.layer_written):
+                if not r.all_written:
                     hit = r.chunk_lo
                     break
         return FetchResult(
@@ -173,7 +188,7 @@ class FetchHandle:
         self.first_fail = min(self.first_fail, index)
 
     def check_finished(self) -> bool:
-        if not self.finished and all(r.terminal for r in self.rounds):
+        if not self.finished and not self.writing and all(r.terminal for r in self.rounds):
             self.finished = True
             self.t_done = time.monotonic()
         return self.finished

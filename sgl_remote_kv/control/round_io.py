@@ -61,19 +61,20 @@ class RoundIO:
             t += tokens[i]
         return out
 
-    def round_view(self, r: HostRound) -> tuple[np.ndarray, np.ndarray]:
-        """(K, V) ``[L, T_round, H, D]`` views of a round's slot (no copy)."""
+    def round_view(self, slot: int, r: HostRound) -> tuple[np.ndarray, np.ndarray]:
+        """(K, V) ``[L, T_round, H, D]`` views of a round's data in ``slot`` (no copy)."""
         lay = self.layout
         n = lay.num_layers * layer_bytes(lay, r.tokens)
-        base = r.slot * self.slot_bytes
+        base = slot * self.slot_bytes
         shape = (lay.num_layers, r.tokens, lay.num_kv_heads, lay.head_dim)
         k = self.dest.array[base : base + n].view(self.dtype).reshape(shape)
         v = self.dest.array[base + n : base + 2 * n].view(self.dtype).reshape(shape)
         return k, v
 
-    def write_layers(self, r: HostRound, lo: int, hi: int, n_tok: int, target: KVTarget) -> None:
-        """Layers ``lo..hi`` of the round's first ``n_tok`` tokens into the pool (raises ``KVWriteError``)."""
-        k, v = self.round_view(r)
+    def write_layers(self, slot: int, r: HostRound, lo: int, hi: int, n_tok: int, target: KVTarget) -> None:
+        """Layers ``lo..hi`` of the round's first ``n_tok`` tokens (in ``slot``) into the pool (raises
+        ``KVWriteError``)."""
+        k, v = self.round_view(slot, r)
         kv_slots = target.kv_slots[r.token_lo : r.token_lo + n_tok]
         target.writer.write(k[lo:hi, :n_tok], v[lo:hi, :n_tok], kv_slots, lo)
 

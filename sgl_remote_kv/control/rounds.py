@@ -6,11 +6,18 @@ region; each is one data-plane job. A slot is reused only after the data plane s
 job using it (it then writes nothing more there). A failed chunk ends the usable prefix: later rounds of
 the request are cancelled (queued ones dropped, in-flight ones sent ``Cancel``).
 
-Threads: every method runs under the client's condition variable ``cv`` (``DpuClient`` takes it):
-``add``/``cancel`` on the caller's thread, the rest on the client's receiver thread, which is the only
-one writing the pool (``try_write`` hands finished layers of the destination region to the target's
-``KVWriter``). A layer counts as in the pool only after the write returned; a write that raises fails the
-round's chunks (kind ``write``) exactly like a chunk the data plane failed on, so it is never a hit.
+Threads: every method but ``run_write`` runs under the client's condition variable ``cv`` (``DpuClient``
+takes it): ``add``/``cancel`` on the caller's thread, the rest on the client's receiver thread, which is
+the only one writing the pool. Writes run *outside* ``cv``, so a slow device write never holds up
+``submit``/``cancel`` or the heartbeats: ``try_write`` queues runs of finished layers (``WriteOp``, each
+with the slot it reads, so freeing the slot after ``JobDone`` does not move it), the receiver thread takes
+them (``next_write``), runs them (``run_write``: the target's ``KVWriter`` reads the destination region)
+and reports back (``write_done``) before it handles the next event or sends anything, so the data plane
+cannot be handed that slot again before the write read it. ``FetchHandle.writing`` counts a handle's queued
+and running writes: the handle finishes only when it is 0, and ``DpuClient.cancel`` waits for it (the
+caller frees the KV slots right after). A layer counts as in the pool only after the write returned; a
+write that raises fails the round's chunks (kind ``write``) exactly like a chunk the data plane failed on,
+so it is never a hit; a queued write of a round that is cancelled or past a miss by then is dropped.
 With ``eager`` (the client's default) each run of layers is written as soon as every chunk of the round
 before the first miss has it, overlapping the data plane's decode of later layers; without it a round is
 written once all its layers are in the region: one write (one scatter launch on a GPU) per round.
@@ -24,16 +31,30 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from sgl_remote_kv.dpu import protocol as P
 from sgl_remote_kv.dpu.buffers import plan_rounds
 from sgl_remote_kv.kvpool import KVWriteError
 from sgl_remote_kv.types import KVLayout
 
-from .jobs import DONE, FAILED, FetchHandle, HostRound
+from .jobs import DONE, FAILED, FetchHandle, HostRound, LayerWrite
 from .round_io import RoundIO
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WriteOp:
+    """Layers ``lo..hi`` of ``round``'s first ``valid`` chunks (``tokens`` tokens), read from ``slot``."""
+
+    round: HostRound
+    slot: int
+    lo: int
+    hi: int
+    valid: int
+    tokens: int
+
 
 def failure_kind(msg: P.ChunkFailed) -> str:
     """The host's failure kind of a ``ChunkFailed``: the wire kind, except a failed store call, which
@@ -67,6 +88,7 @@ class RoundBook:
         self.inflight: dict[int, HostRound] = {}  # data-plane job id -> round
         self.free_slots = list(range(slots))
         self.outbox: deque[bytes] = deque()
+        self.writes: deque[WriteOp] = deque()  # queued by ``try_write``, run by the receiver thread
         self._job_ids = itertools.count(1)
 
     # ---- caller side -------------------------------------------------------------------------------
@@ -77,7 +99,7 @@ class RoundBook:
             n = sum(r.tokens for r in regions)
             r = HostRound(h, regions[0].index, regions[-1].index + 1, t, n)
             r.chunk_layers = [bytearray(self.layout.num_layers) for _ in range(r.chunk_hi - r.chunk_lo)]
-            r.layer_written = [False] * self.layout.num_layers
+            r.layer_write = [LayerWrite.WAITING] * self.layout.num_layers
             h.rounds.append(r)
             self.pending.append(r)
             t += n
@@ -128,11 +150,17 @@ class RoundBook:
         if r.slot >= 0:
             self.free_slots.append(r.slot)
             r.slot = -1
+        self._check_finished(h)
+
+    def _check_finished(self, h: FetchHandle) -> None:
         if h.check_finished() and self._on_finished is not None:
             self._on_finished()
 
     def lose_all(self, kind: str) -> int:
-        """Every in-flight and queued round ends with ``kind`` (close); the number of rounds lost."""
+        """Every in-flight and queued round ends with ``kind`` (close; queued writes are dropped); the
+        number of rounds lost."""
+        while self.writes:
+            self.write_done(self.writes.popleft(), None, 0.0)
         lost = list(self.inflight.values()) + list(self.pending)
         for r in lost:
             self.lose_round(r, kind)
@@ -198,16 +226,15 @@ class RoundBook:
         self.drop_pending(h)
 
     def try_write(self, r: HostRound) -> None:
-        """Write the layers whose chunks (those before the first miss) are all in the region, as one
-        write per run of consecutive layers (per round, unless ``eager``). A failed write fails every
-        chunk of the round still counted (kind ``write``); nothing of it is marked in the pool."""
+        """Queue the layers whose chunks (those before the first miss) are all in the region, as one write
+        per run of consecutive layers (per round, unless ``eager``)."""
         h = r.handle
         valid = max(0, min(r.chunk_hi, h.first_fail) - r.chunk_lo)
         if h.cancelled:
             return
         done = r.chunk_layers[:valid]  # a layer is ready when every chunk of the valid prefix has it
-        ready = [not r.layer_written[i] and all(c[i] for c in done) for i in range(h.num_layers)]
-        if not self.eager and not all(w or rd for w, rd in zip(r.layer_written, ready, strict=True)):
+        ready = [r.layer_write[i] == LayerWrite.WAITING and all(c[i] for c in done) for i in range(h.num_layers)]
+        if not self.eager and not all(w != LayerWrite.WAITING or rd for w, rd in zip(r.layer_write, ready, strict=True)):
             return  # one write per round, once every layer is in the region
         layer = 0
         while layer < h.num_layers:
@@ -217,27 +244,51 @@ class RoundBook:
             hi = layer
             while hi < h.num_layers and ready[hi]:
                 hi += 1
-            if valid and h.target is not None and not self._write(r, layer, hi, valid):
-                return
-            for i in range(layer, hi):
-                r.layer_written[i] = True
-                h.layer_ready[i] += valid
+            if valid and h.target is not None:
+                n_tok = sum(h.chunk_tokens[r.chunk_lo : r.chunk_lo + valid])
+                self.writes.append(WriteOp(r, r.slot, layer, hi, valid, n_tok))
+                h.writing += 1
+                r.layer_write[layer:hi] = [LayerWrite.QUEUED] * (hi - layer)
+            else:
+                self._written(r, layer, hi, valid)
             layer = hi
 
-    def _write(self, r: HostRound, lo: int, hi: int, valid: int) -> bool:
-        h = r.handle
+    def _written(self, r: HostRound, lo: int, hi: int, valid: int) -> None:
+        r.layer_write[lo:hi] = [LayerWrite.WRITTEN] * (hi - lo)
+        for i in range(lo, hi):
+            r.handle.layer_ready[i] += valid
+
+    def next_write(self) -> WriteOp | None:
+        """The next queued write to run, dropping those of rounds cancelled or past a miss since."""
+        while self.writes:
+            op = self.writes.popleft()
+            h = op.round.handle
+            if not h.cancelled and op.round.chunk_lo < h.first_fail:
+                return op
+            self.write_done(op, None, 0.0)
+        return None
+
+    def run_write(self, op: WriteOp) -> tuple[KVWriteError | None, float]:
+        """Run ``op`` (outside ``cv``; receiver thread): (the write's error or None, seconds)."""
         t0 = time.perf_counter()
-        n_tok = sum(h.chunk_tokens[r.chunk_lo : r.chunk_lo + valid])
         try:
-            self.io.write_layers(r, lo, hi, n_tok, h.target)
+            self.io.write_layers(op.slot, op.round, op.lo, op.hi, op.tokens, op.round.handle.target)
         except KVWriteError as e:
-            self._fail_from(r, r.chunk_lo, "write")
-            self.counters["write_failed"] += 1
-            logger.warning("KV write for %s failed; its round is a miss: %s", h.request_id, e)
-            return False
-        finally:
-            dt = time.perf_counter() - t0
-            self.counters["write_s"] += dt
+            return e, time.perf_counter() - t0
+        return None, time.perf_counter() - t0
+
+    def write_done(self, op: WriteOp, error: KVWriteError | None, seconds: float, ran: bool = False) -> None:
+        """Record ``op``'s outcome (``ran``: it ran, failing with ``error`` or not; else it was dropped)."""
+        r, h = op.round, op.round.handle
+        h.writing -= 1
+        if ran:
+            self.counters["write_s"] += seconds
             if self._on_write is not None:
-                self._on_write(dt, hi - lo)
-        return True
+                self._on_write(seconds, op.hi - op.lo)
+            if error is None:
+                self._written(r, op.lo, op.hi, op.valid)
+            else:
+                self._fail_from(r, r.chunk_lo, "write")
+                self.counters["write_failed"] += 1
+                logger.warning("KV write for %s failed; its round is a miss: %s", h.request_id, error)
+        self._check_finished(h)
