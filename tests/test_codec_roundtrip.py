@@ -233,3 +233,26 @@ def test_outlier_key_channels_are_exact(dtype):
         top = np.argsort(-np.abs(flat).max(axis=0), kind="stable")[:6]
         assert np.array_equal(k2[layer].reshape(TOKENS, -1)[:, top], k[layer].reshape(TOKENS, -1)[:, top])
     assert get_codec("quant_deflate").params() == get_codec("quant_deflate", k_outliers=0).params()
+
+
+def test_huffman_only_streams_are_plain_deflate_and_roundtrip():
+    """``pack_streams(..., huffman_only=)``: those parts are Deflate streams any inflater reads (zlib here,
+    isal in ``unpack_streams``), the others keep their method, a part that does not shrink is stored."""
+    import zlib
+
+    from sgl_remote_kv.codec import lz
+
+    rng = np.random.default_rng(11)
+    syms = (128 + np.clip(rng.laplace(0, 6, 70_000), -120, 120)).astype(np.uint8).tobytes()
+    parts = [b"prelude" * 40, syms, rng.integers(0, 256, 5000, dtype=np.uint8).tobytes()]
+    sec = lz.pack_streams(lz.DEFLATE, 1, parts, huffman_only=(1, 2))
+    out = np.empty(sum(map(len, parts)), np.uint8)
+    assert lz.unpack_streams(memoryview(sec), out, lz.DEFLATE) == out.size
+    assert out.tobytes() == b"".join(parts)
+    _, n, _, _ = lz.SUB.unpack_from(sec, 0)
+    heads = [lz.STREAM.unpack_from(sec, lz.SUB.size + i * lz.STREAM.size) for i in range(n)]
+    assert [h[0] for h in heads] == [lz.DEFLATE, lz.DEFLATE, lz.RAW]  # random bytes do not shrink
+    body = lz.SUB.size + n * lz.STREAM.size + heads[0][2]
+    assert zlib.decompress(sec[body : body + heads[1][2]], -15) == syms
+    with pytest.raises(ValueError, match="Huffman-only"):
+        lz.pack_streams(lz.ZSTD, 3, parts, huffman_only=(1,))

@@ -1,13 +1,19 @@
 """Byte-level lossless back-ends shared by the codecs: raw (stored), Deflate (isal, raw stream), zstd.
 
+Deflate streams of quantized symbols can be written *Huffman-only* (zlib's ``Z_HUFFMAN_ONLY``: dynamic
+Huffman blocks of ``HUFFMAN_MEM_LEVEL``'s size, no LZ77 matches). They are ordinary Deflate (every
+inflater, a DPU's engine included, decodes them); on noise-like symbols the matches cost more than they
+save, and smaller blocks let the code follow the symbols' changing spread.
+
 ``decompress_into`` never produces more than the claimed length (no decompression bombs) and raises
-only ``CorruptChunk``. isal and zstandard release the GIL while (de)compressing.
+only ``CorruptChunk``. isal, zlib and zstandard release the GIL while (de)compressing.
 """
 
 from __future__ import annotations
 
 import logging
 import struct
+import zlib
 
 import numpy as np
 import zstandard
@@ -19,6 +25,15 @@ logger = logging.getLogger(__name__)
 
 RAW, DEFLATE, ZSTD = 0, 1, 2
 METHODS = {"raw": RAW, "deflate": DEFLATE, "zstd": ZSTD}
+# zlib memLevel of Huffman-only streams: blocks of 2^(8+6) = 16 Ki symbols. Chosen on the tune texts'
+# transform-codec symbols: 7 gave +1.5% ratio but 12% slower inflate, 9 -3% ratio (docs/CODEC.md).
+HUFFMAN_MEM_LEVEL = 8
+
+
+def compress_huffman(data) -> bytes:
+    """A raw Deflate stream of ``data`` with Huffman coding only (see module docstring)."""
+    c = zlib.compressobj(9, zlib.DEFLATED, -15, HUFFMAN_MEM_LEVEL, zlib.Z_HUFFMAN_ONLY)
+    return c.compress(data) + c.flush()
 
 
 def compress(method: int, data, level: int) -> bytes:
@@ -69,15 +84,18 @@ STREAM = struct.Struct("<BxxxII")
 MAX_STREAMS = 4
 
 
-def pack_streams(method: int, level: int, parts) -> bytes:
+def pack_streams(method: int, level: int, parts, huffman_only=()) -> bytes:
     """Compress each part as its own stream (own Huffman table); a stream that does not shrink is stored
-    raw. Layout: ``<BBHI`` (0, number of streams, 0, total raw length), per stream ``<BxxxII`` (method,
-    raw length, compressed length), then the bodies in order."""
+    raw; the parts whose index is in ``huffman_only`` are Huffman-only Deflate (``method`` DEFLATE).
+    Layout: ``<BBHI`` (0, number of streams, 0, total raw length), per stream ``<BxxxII`` (method, raw
+    length, compressed length), then the bodies in order."""
     if not 0 < len(parts) <= MAX_STREAMS:
         raise ValueError(f"1..{MAX_STREAMS} streams")
+    if huffman_only and method != DEFLATE:
+        raise ValueError("Huffman-only streams are Deflate")
     heads, bodies = [], []
-    for part in parts:
-        m, body = method, compress(method, part, level)
+    for i, part in enumerate(parts):
+        m, body = method, compress_huffman(part) if i in huffman_only else compress(method, part, level)
         if len(body) >= len(part):
             m, body = RAW, bytes(part)
         heads.append(STREAM.pack(m, len(part), len(body)))

@@ -28,7 +28,7 @@ Decoded-layer buffer (lossless stage output, dequant stage input)::
     symbols K [C, T] uint8 (component-major), symbols V [C, T]
 
 Section: ``deflate``: the three parts (prelude + scales + escapes + exact sinks, K symbols, V symbols) as
-independent raw-Deflate streams (``lz.pack_streams``). ``rans``: ``<III`` (prefix bytes, K words, V words), the
+independent raw-Deflate streams (``lz.pack_streams``; the symbols Huffman-only, ``lz.compress_huffman``). ``rans``: ``<III`` (prefix bytes, K words, V words), the
 prefix stored, then the two rANS word streams (one context per (layer, K/V, channel)).
 
 Threads: an instance is immutable; stages only write the caller's buffers, but unlike the ``quant`` codecs
@@ -152,7 +152,8 @@ class TransformCodec(Codec):
                            sbytes, *(e.tobytes() for e in escs),
                            np.ascontiguousarray(k[:n_sink]).tobytes(), np.ascontiguousarray(v[:n_sink]).tobytes()])  # fmt: skip
         if self.entropy == "deflate":
-            return lz.pack_streams(lz.DEFLATE, self.level, [prefix, syms[0].tobytes(), syms[1].tobytes()])
+            return lz.pack_streams(lz.DEFLATE, self.level, [prefix, syms[0].tobytes(), syms[1].tobytes()],
+                                   huffman_only=(1, 2))  # fmt: skip
         fl, cum = self.cal.encode_tables(self.quality)
         words = []
         for kv, sym in enumerate(syms):
