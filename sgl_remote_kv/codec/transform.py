@@ -28,8 +28,9 @@ Decoded-layer buffer (lossless stage output, dequant stage input)::
     symbols K [C, T] uint8 (component-major), symbols V [C, T]
 
 Section: ``deflate``: the three parts (prelude + scales + escapes + exact sinks, K symbols, V symbols) as
-independent raw-Deflate streams (``lz.pack_streams``; the symbols Huffman-only, ``lz.compress_huffman``). ``rans``: ``<III`` (prefix bytes, K words, V words), the
-prefix stored, then the two rANS word streams (one context per (layer, K/V, channel)).
+independent raw-Deflate streams (``lz.pack_streams``; the symbols Huffman-only, ``lz.compress_huffman``).
+``rans``: ``<III`` (prefix bytes, K words, V words), the prefix stored, then the two rANS word streams (one
+context per (layer, K/V, channel)).
 
 Threads: an instance is immutable; stages only write the caller's buffers, but unlike the ``quant`` codecs
 they need work arrays (the rANS stage allocates a [T, C] symbol array per call; the dequant stage uses
@@ -176,7 +177,8 @@ class TransformCodec(Codec):
         t_n, c_n = header.num_tokens, lay.num_kv_heads * lay.head_dim
         cap = max(1, t_n * c_n // MAX_ESCAPE_FRACTION)
         sinks = min(self.cal.sinks, t_n)
-        return PRE.size + max(ops.scale_bytes(f, t_n) for f in (ops.SCALE_FP32, ops.SCALE_LOG8)) + 2 * 2 * cap + 2 * sinks * c_n * lay.itemsize + 2 * t_n * c_n
+        scales = max(ops.scale_bytes(f, t_n) for f in (ops.SCALE_FP32, ops.SCALE_LOG8))
+        return PRE.size + scales + 2 * 2 * cap + 2 * sinks * c_n * lay.itemsize + 2 * t_n * c_n
 
     def lossless_stage(self, section: memoryview, out: np.ndarray) -> int:
         if self.entropy == "deflate":

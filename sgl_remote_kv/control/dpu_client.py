@@ -21,11 +21,10 @@ passed to ``on_store_error(op, kind, n)`` (the serving glue: ``store_errors_tota
 
 Threads: ``start``/``submit``/``cancel``/``stats``/``close`` may be called from any thread (they take
 ``cv``); socket I/O and scatters run only on the receiver thread, the scatters outside ``cv``
-(``rounds.RoundBook``: a slow device write does not hold up ``submit`` or heartbeats; ``cancel`` waits
-only for a write of its own fetch). Buffers: the destination region is
-owned by this client (created here under a name carrying our pid, unlinked in ``close``; ``start``
-first sweeps regions of dead creators, ``shm_names.py``); the data plane writes into it, the receiver
-thread reads it while scattering. A destination slot is reused only after the data plane said
+(``rounds.RoundBook``: a slow device write does not hold up ``submit``; ``cancel`` waits only for a write
+of its own fetch). Buffers: the destination region is owned by this client (created here under a name
+carrying our pid, unlinked in ``close``; ``start`` first sweeps regions of dead creators,
+``shm_names.py``); the data plane writes into it, the receiver thread reads it while scattering. A destination slot is reused only after the data plane said
 ``JobDone`` for the job using it (it then writes nothing more there).
 
 Layer-wise admission (``blob_slot_bytes`` > 0): each slot also has a blob area; the data plane copies a

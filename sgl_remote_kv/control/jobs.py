@@ -65,7 +65,7 @@ class HostRound:
     job: int = 0
     last_event: float = 0.0
     chunk_layers: list[bytearray] = field(default_factory=list)  # per chunk of the round: layers in the region
-    layer_write: list[LayerWrite] = field(default_factory=list)  # per layer: WRITTEN only after the write returned
+    layer_write: list[LayerWrite] = field(default_factory=list)  # per layer; WRITTEN once the write returned
     terminal: bool = False
 
     @property

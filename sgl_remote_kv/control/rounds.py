@@ -233,8 +233,9 @@ class RoundBook:
         if h.cancelled:
             return
         done = r.chunk_layers[:valid]  # a layer is ready when every chunk of the valid prefix has it
-        ready = [r.layer_write[i] == LayerWrite.WAITING and all(c[i] for c in done) for i in range(h.num_layers)]
-        if not self.eager and not all(w != LayerWrite.WAITING or rd for w, rd in zip(r.layer_write, ready, strict=True)):
+        waiting = [w == LayerWrite.WAITING for w in r.layer_write]
+        ready = [waiting[i] and all(c[i] for c in done) for i in range(h.num_layers)]
+        if not self.eager and not all(rd or not wt for wt, rd in zip(waiting, ready, strict=True)):
             return  # one write per round, once every layer is in the region
         layer = 0
         while layer < h.num_layers:
