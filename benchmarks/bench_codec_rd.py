@@ -2,8 +2,9 @@
 
 Each point is one codec configuration run over every text (``benchmarks.bench_codec.EvalContext``): ratio
 (bf16 bytes / blob bytes incl. headers and tables), mean next-token KL and top-1 against recomputation,
-greedy match. Points are cached in ``.cache/rd_points.json`` (keyed by codec, params and text set) so an
-interrupted sweep resumes.
+greedy match. Points are cached in ``.cache/rd_points.json`` (keyed by codec, params, text set, the
+transform codec's calibration and a digest of the codec sources, so a changed encoder or calibration is a
+new point) so an interrupted sweep resumes.
 
 Selection is honest: for each family and floor the best-ratio configuration is chosen on the ``tune``
 texts only, then reported on the ``heldout`` texts (``benchmarks.kvdata.TEXT_SOURCES`` says which).
@@ -106,17 +107,33 @@ FAMILIES = ("lossless", "int8", "shadowserve", "cachegen", "kvtc", "ours-deflate
             "transform-rans", "transform-rans-perhead")
 
 
+def _code_digest() -> str:
+    """BLAKE2b of the codec sources (``sgl_remote_kv/codec``) and the KVTC peer's: any change to them is a
+    new point, whatever its params say."""
+    import hashlib
+
+    from sgl_remote_kv import codec
+
+    h = hashlib.blake2b(digest_size=8)
+    for f in sorted([*Path(codec.__file__).parent.glob("*.py"), Path(__file__).with_name("kvtc_peer.py")]):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
 def _key(spec: Spec, ctx: EvalContext) -> str:
-    """A point's cache key: codec, params, texts and, for the transform codec, the calibration it would use
-    (a new calibration is a new point)."""
+    """A point's cache key: codec, params, texts, the codec sources and, for the transform codec, the
+    calibration it would use."""
     texts = ",".join(sorted(t.name for t in ctx.texts))
-    params = dict(spec.params)
+    params = dict(spec.params, code=_CODE_DIGEST)
     if spec.codec == "transform":
         try:
             params["calibration"] = tune_calibration(ctx, params["quality"], params.get("group_heads")).calib_id.hex()
         except (ValueError, KeyError):
             params["calibration"] = None
     return json.dumps([spec.codec, params, texts, ctx.greedy], sort_keys=True)
+
+
+_CODE_DIGEST = _code_digest()
 
 
 def _jobs(families: list[str]) -> list[tuple[str, Spec]]:
