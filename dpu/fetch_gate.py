@@ -17,6 +17,10 @@ which case holds and admits either one fetch or all ``workers``:
 
 ``adaptive=False`` always admits ``workers`` (``--fetch-concurrency fixed``).
 
+Admission is first come, first served (a ticket per ``slot`` call): a worker that finished a fetch and
+takes the next chunk never overtakes one already waiting, so chunks enter the store in the fetch queue's
+order (a layer-wise consumer needs the lower chunks first; a pool write of layer l needs every chunk).
+
 Threads: called by the fetch workers (``slot``) and any thread (``snapshot``); one condition variable.
 """
 
@@ -54,6 +58,8 @@ class FetchGate:
         self._admitted = 0
         self._probe_left = 0
         self._probe_limit = workers
+        self._tickets = 0  # slot() calls so far
+        self._serving = 0  # the ticket admitted next
 
     def _limit_now(self) -> int:
         return self._probe_limit if self._probe_left > 0 else self.limit
@@ -81,8 +87,12 @@ class FetchGate:
             yield Fetch()
             return
         with self._cv:
-            while self._in_flight >= self._limit_now():
+            ticket = self._tickets
+            self._tickets += 1
+            while ticket != self._serving or self._in_flight >= self._limit_now():
                 self._cv.wait()
+            self._serving += 1
+            self._cv.notify_all()  # the next ticket may fit too
             self._admit()
             start = time.perf_counter()
             self._tick(start)

@@ -107,3 +107,26 @@ def test_fixed_concurrency_admits_every_worker_and_misses_are_no_samples():
     assert adaptive.rate == {"alone": None, "shared": None}
     with pytest.raises(ValueError):
         FetchGate(0)
+
+
+def test_admission_is_first_come_first_served():
+    """A worker that comes back for the next fetch never overtakes one already waiting at the gate."""
+    gate = FetchGate(2, probe_len=1, probe_every=1000)
+    gate.limit = 1  # as chosen on a bandwidth-bound link (no fetch here reports bytes: no sample moves it)
+    order: list[str] = []
+    first = gate.slot()
+    first.__enter__()
+    waiting = threading.Thread(target=lambda: _enter(gate, "waiting", order))
+    waiting.start()
+    time.sleep(0.05)  # "waiting" now blocks at the gate
+    # the first holder leaves and comes straight back, as a fetch worker taking its next chunk does
+    first.__exit__(None, None, None)
+    _enter(gate, "returning", order)
+    waiting.join(5)
+    assert order == ["waiting", "returning"]
+
+
+def _enter(gate: FetchGate, name: str, order: list[str]) -> None:
+    with gate.slot():
+        order.append(name)
+        time.sleep(0.01)
