@@ -18,6 +18,8 @@ ever reaches the caller (who then recomputes the KV). On top of the backend it a
 - integrity framing (``framing.py``: payload length, write time, tenant tag, CRC over key and all of
   it): a truncated, corrupt or misplaced blob is a miss (kind ``corrupt``) and is deleted best-effort,
   so a corrupt value is never served.
+- streamed gets (``stream_get``, ``streaming.py``) for backends that can read a value in pieces: same
+  breaker, deadline, framing, negative cache and counters, the pieces handed out as they arrive;
 - counters (hits, misses, bytes, latency per op, errors by kind, circuit state) via ``stats()``;
 - an optional error listener ``on_error(op, kind, n)`` called for every failed call (after its
   retries), every call refused by an open breaker (kind ``breaker_open``) and every corrupt value
@@ -48,6 +50,7 @@ from .base import Counters, KVStore, StoreError, StoreStats, open_store, redact_
 from .breaker import CircuitBreaker, worst
 from .framing import frame, unframe
 from .keys import SHARED_TAG
+from .streaming import StreamedGet, StreamOutcome, StreamPlan
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -209,18 +212,8 @@ class StoreClient:
         except cf.TimeoutError as e:
             fut.cancel()
             return "timeout", e
-        except StoreError as e:
-            return e.kind, e
         except Exception as e:  # the "every failure is a miss" boundary: counted and logged by caller
-            if isinstance(e, TimeoutError):
-                return "timeout", e
-            if isinstance(e, ConnectionError):
-                return "unavailable", e
-            if isinstance(e, ValueError):
-                return "invalid", e
-            if isinstance(e, OSError):  # e.g. a read-only or full embedded store: "io:EROFS"
-                return f"io:{errno.errorcode.get(e.errno or 0, 'error')}", e
-            return type(e).__name__, e
+            return _kind(e), e
 
     # -- negative cache --------------------------------------------------------------------------
     def _neg_hit(self, key: bytes, now: float) -> bool:
@@ -311,6 +304,56 @@ class StoreClient:
             self._notify("get_many", "corrupt", len(corrupt))
             self._call("delete_many", lambda s: s.delete_many(corrupt))
 
+    def stream_get(self, key: bytes, max_bytes: int, piece_bytes: int) -> StreamedGet | None:
+        """``key``'s value as it arrives (``streaming.StreamedGet``), or ``None`` where this client cannot
+        stream it: the backend has no ``stream_get`` (or is not open yet), the key was just found absent,
+        or the read breaker refuses (``get_many`` then answers, with its own counting). ``max_bytes``:
+        the longest acceptable payload."""
+        store = self._store
+        if store is None or not hasattr(store, "stream_get"):
+            return None
+        with self._neg_lock:
+            if self._neg_hit(key, time.monotonic()):
+                return None
+        if not self._read_breaker.allow():
+            return None
+        cfg = self.config
+        plan = StreamPlan(piece_bytes, max_bytes, cfg.timeout_s, cfg.min_mb_s * 1024 * 1024, self._avg_blob,
+                          cfg.retries, cfg.retry_backoff_s)  # fmt: skip
+        return StreamedGet(key, plan, lambda: store.stream_get(key, piece_bytes), self._pool.submit, _kind,
+                           self._stream_done)  # fmt: skip
+
+    def _stream_done(self, s: StreamedGet, seconds: float) -> None:
+        """Account a finished ``StreamedGet`` like the ``get_many`` of one key (the consumer's thread)."""
+        self._counters.latency("get_many", seconds)
+        if s.attempts > 1:
+            self._counters.add(retries=s.attempts - 1)
+        out = s.outcome
+        if out is StreamOutcome.ABORTED:
+            self._read_breaker.neutral()
+            return
+        if out is StreamOutcome.FAILED:
+            self._note_error("get_many", s.error, StoreError(s.error))
+            if s.error == "invalid":  # caller misuse, not a store failure
+                self._read_breaker.neutral()
+            else:
+                self._read_breaker.failure()
+            self._notify("get_many", s.error)
+            self._counters.add(misses=1)
+            return
+        self._read_breaker.success()
+        if out is StreamOutcome.OK:
+            self._note_sizes([s.received])
+            self._counters.add(hits=1, bytes_read=s.received)
+            return
+        self._counters.add(misses=1)
+        if out is StreamOutcome.ABSENT:
+            self._neg_add([s.key])
+            return
+        self._note_error("get_many", "corrupt", StoreError(f"corrupt streamed value: {s.error}"))
+        self._notify("get_many", "corrupt")
+        self._call("delete_many", lambda st: st.delete_many([s.key]))
+
     def put_many(self, items: Sequence[tuple[bytes, bytes]], tenant_tag: bytes = SHARED_TAG) -> int:
         """Store items best-effort; returns how many were stored (failed batches are dropped).
         ``tenant_tag``: framed with every value (``keys.tenant_tag`` of the writer's request)."""
@@ -358,6 +401,21 @@ class StoreClient:
                 self._store.close()
             except Exception as e:  # closing is best-effort; a dead store must not raise here
                 self._note_error("close", type(e).__name__, e)
+
+
+def _kind(e: BaseException) -> str:
+    """The error kind of a failed backend call (``StoreError.kind``, or from the exception's type)."""
+    if isinstance(e, StoreError):
+        return e.kind
+    if isinstance(e, TimeoutError):
+        return "timeout"
+    if isinstance(e, ConnectionError):
+        return "unavailable"
+    if isinstance(e, ValueError):
+        return "invalid"
+    if isinstance(e, OSError):  # e.g. a read-only or full embedded store: "io:EROFS"
+        return f"io:{errno.errorcode.get(e.errno or 0, 'error')}"
+    return type(e).__name__
 
 
 def open_client(

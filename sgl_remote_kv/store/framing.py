@@ -64,3 +64,60 @@ def unframe(key: bytes, blob: bytes) -> bytes | None:
     """The payload of a framed blob, or ``None`` if it is truncated, corrupt or not for ``key``."""
     f = read_frame(key, blob)
     return None if f is None else f.payload
+
+
+HEADER_MAX = _HEADER.size  # the longest frame header (version 2)
+
+
+class FrameError(ValueError):
+    """A streamed value is not a valid frame (bad header, more or fewer bytes than it claims, bad CRC)."""
+
+
+class FrameReader:
+    """``read_frame`` for a value that arrives in pieces, in order: ``feed`` returns the payload bytes of
+    each piece (the frame header is held back until whole); ``finish`` checks the length and the CRC over
+    key, header fields and payload (so a value framed for another key, or changed between pieces, fails).
+    ``payload_len`` is known once the header is in. Raises ``FrameError``. One thread."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+        self._head = b""
+        self._crc = 0
+        self._want = 0  # the stored CRC
+        self.payload_len: int | None = None
+        self.received = 0  # payload bytes fed so far
+
+    def feed(self, piece) -> memoryview:
+        data = memoryview(piece).cast("B")
+        while self.payload_len is None and len(data):
+            need = self._header_size() if len(self._head) >= 5 else 5
+            take = need - len(self._head)
+            self._head += bytes(data[:take])
+            data = data[take:]
+            if len(self._head) >= 5 and len(self._head) == self._header_size():
+                self._open_header()
+        if self.payload_len is None:
+            return data
+        if len(data) > self.payload_len - self.received:
+            raise FrameError("the value is longer than its frame header says")
+        self._crc = zlib.crc32(data, self._crc)
+        self.received += len(data)
+        return data
+
+    def _header_size(self) -> int:
+        magic, version = self._head[:4], self._head[4]
+        if magic != _MAGIC or version not in (1, 2):
+            raise FrameError("not a framed value (magic or version)")
+        return _HEADER_V1.size if version == 1 else _HEADER.size
+
+    def _open_header(self) -> None:
+        _, version, length, crc = _HEADER_V1.unpack_from(self._head)
+        meta = self._head[_HEADER_V1.size :] if version == 2 else b""
+        self._crc, self._want, self.payload_len = zlib.crc32(meta, zlib.crc32(self._key)), crc, length
+
+    def finish(self) -> None:
+        """The whole value was fed: ``FrameError`` unless it is complete and its CRC matches."""
+        if self.payload_len is None or self.received != self.payload_len:
+            raise FrameError("the value is shorter than its frame header says")
+        if self._crc != self._want:
+            raise FrameError("frame checksum mismatch (corrupt, changed while read, or not this key's)")

@@ -199,11 +199,52 @@ class RedisStore(RedisKV):
         batch: int = 32,
         auth: dict[str, Any] | None = None,
     ) -> None:
-        client = redis.Redis(
-            host=host, port=port, db=db, **(auth or {}), **connection_kwargs(timeout_s)
-        )
+        client = redis.Redis(host=host, port=port, db=db, **(auth or {}), **connection_kwargs(timeout_s))
         super().__init__(client, "redis", prefix, ttl_s, batch)
         self.address = (host, port)
+
+    def stream_get(self, key: bytes, piece_bytes: int) -> Iterator[bytes]:
+        """The value of ``key`` in pieces of at most ``piece_bytes``, in order; nothing if absent.
+
+        One pooled connection: ``STRLEN`` and the first ``GETRANGE``, then every other ``GETRANGE`` in one
+        write (pipelined, so the link stays busy while the pieces are consumed). Each piece is its own
+        command: a value rewritten or evicted between them comes out changed or short, which the store
+        framing's length and CRC catch (``framing.FrameReader``). A generator closed early, or a failed
+        read, disconnects the connection (replies may still be in flight) before it goes back to the pool.
+        Raises ``StoreError`` kinds like every call here; runs on the caller's thread."""
+        check_keys([key])
+        if piece_bytes < 1:
+            raise ValueError("piece_bytes must be >= 1")
+        rk, pool = self._k(key), self._r.connection_pool
+        with translate_errors():
+            conn = pool.get_connection()
+        clean = False
+        try:
+            with translate_errors():
+                conn.send_packed_command(
+                    conn.pack_commands([("STRLEN", rk), ("GETRANGE", rk, 0, piece_bytes - 1)])
+                )
+                total = int(conn.read_response())
+                first = conn.read_response()
+                rest = [
+                    ("GETRANGE", rk, o, min(o + piece_bytes, total) - 1)
+                    for o in range(piece_bytes, total, piece_bytes)
+                ]
+                if rest:
+                    conn.send_packed_command(conn.pack_commands(rest))
+            self._counters.add(hits=int(total > 0), misses=int(total == 0), bytes_read=total)
+            if first:
+                yield first
+            for _ in rest:
+                with translate_errors():
+                    piece = conn.read_response()
+                if piece:
+                    yield piece
+            clean = True
+        finally:
+            if not clean:
+                conn.disconnect()
+            pool.release(conn)
 
 
 def connection_kwargs(timeout_s: float) -> dict[str, Any]:
@@ -270,7 +311,6 @@ def auth_kwargs(url: str, opts: dict[str, str]) -> dict[str, Any]:
     if "cert" in opts:
         out.update(ssl_certfile=opts["cert"], ssl_keyfile=opts["key"])
     return out
-
 
 
 def open_redis(url: str) -> RedisStore:
