@@ -49,7 +49,8 @@ from collections.abc import Callable
 import numpy as np
 
 from sgl_remote_kv.codec.errors import ChunkError, CorruptChunk, ForeignChunk
-from sgl_remote_kv.codec.format import layer_section
+from sgl_remote_kv.codec.format import header_len, layer_section
+from sgl_remote_kv.store.streaming import StreamOutcome
 
 from .buffers import ChunkRegion, StagingBuffers, layer_bytes
 from .fetch_gate import FetchGate
@@ -165,15 +166,16 @@ class Pipeline:
             self._fail(task, "internal", f"{type(e).__name__}: {e}")
         if stage != "fetch":
             self._slab_finished(task)
-        elif not task.fetch_reported:  # else its queued slabs own the chunk (and now skip it)
+            return
+        if not task.fetch_reported:
             self._fetched(task, False)
-            self._slab_finished(task, whole_chunk=True)
+        self._release_fetch(task)  # slabs already queued skip the failed chunk and finish it
 
-    def _fetched(self, task: ChunkTask, ok: bool) -> None:
+    def _fetched(self, task: ChunkTask, ok: bool, streamed: bool = False) -> None:
         """A chunk left the fetch stage (``ok``: parsed, slabs pending). Emits ``ChunksVerified`` when it
-        was the job's last chunk to do so; queues its slabs (``round_barrier``: the round's, layer-major,
-        when it was the round's last).
-        Must run before the chunk's ``_slab_finished`` (which may end the job and free the round)."""
+        was the job's last chunk to do so; queues its slabs unless ``streamed`` (queued as they arrived;
+        ``round_barrier``: the round's, layer-major, when it was the round's last).
+        Must run before the fetch's ``_release_fetch`` (which may end the job and free the round)."""
         job = task.job
         with job.lock:
             task.fetch_reported = True
@@ -184,7 +186,7 @@ class Pipeline:
             self.emit(job.peer, job.verified_message())
         ready = self._rounds.fetched(task, ok)
         if not self.cfg.round_barrier:  # this chunk's slabs start now (the queue orders them)
-            ready = [task] if ok else []
+            ready = [task] if ok and not streamed else []
         for slab in layer_major(ready, job.layout.num_layers, self.cfg.layer_group):
             self._forward("inflate", slab)
 
@@ -221,13 +223,23 @@ class Pipeline:
             # under the lock, like ChunkDone: before any thread can end the job and send JobDone
             self.emit(job.peer, ChunkFailed(job.job, task.region.index, kind, detail[:500], store_error))
 
-    def _slab_finished(self, task: ChunkTask, whole_chunk: bool = False) -> None:
+    def _release_fetch(self, task: ChunkTask) -> None:
+        """The fetch stage is done with the chunk (its slabs, if any, hold it on)."""
+        with task.job.lock:
+            if not task.fetch_held:
+                return
+            task.fetch_held = False
+        self._slab_finished(task)
+
+    def _slab_finished(self, task: ChunkTask) -> None:
+        """One holder of the chunk (a slab, or the fetch: ``_release_fetch``) is done with it."""
         job = task.job
         with job.lock:
-            task.pending = 0 if whole_chunk else task.pending - 1
+            task.pending -= 1
             if task.pending > 0:
                 return
             task.blob = task.header = task.own = None
+            task.held = []
             job.terminal += 1
             if task.failed:
                 job.failed += 1
@@ -276,40 +288,128 @@ class Pipeline:
     def _fetch(self, task: ChunkTask) -> int:
         if self._skip(task):
             self._fetched(task, False)
-            self._slab_finished(task, whole_chunk=True)
+            self._release_fetch(task)
             return 0
         job = task.job
-        dest = job.dests[task.region.index]
+        key = job.dests[task.region.index].key
+        stream = None
+        if self.cfg.stream_piece and not self.cfg.round_barrier and hasattr(self.store, "stream_get"):
+            stream = self.store.stream_get(key, self._max_blob(task), self.cfg.stream_piece)
+        if stream is not None:
+            return self._fetch_streamed(task, stream)
         self._store_err.kind = ""
         with self.gate.slot() as admitted:
-            blob = self.store.get_many([dest.key])[0]
+            blob = self.store.get_many([key])[0]
             admitted.nbytes = len(blob) if blob is not None else 0
         if blob is None:
             self._fail(task, *_miss_kind(self._store_err.kind))
             self._fetched(task, False)
-            self._slab_finished(task, whole_chunk=True)
+            self._release_fetch(task)
             return 0
-        hdr = job.codec.parse(blob, job.fingerprint)
+        self._open_chunk(task, blob, job.codec.parse(blob, job.fingerprint))
+        ref = self._copy_blob(job, blob)
+        with job.lock:
+            task.pending += -(-job.layout.num_layers // max(1, self.cfg.layer_group))
+            task.wire_bytes = len(blob)
+            job.blob_refs[task.region.index] = ref
+        self._fetched(task, True)
+        self._release_fetch(task)
+        return len(blob)
+
+    def _max_blob(self, task: ChunkTask) -> int:
+        """The longest blob accepted for a chunk: twice its decoded size plus 1 MiB (no codec comes near)."""
+        lay = task.job.layout
+        return 4 * lay.num_layers * layer_bytes(lay, task.region.tokens) + (1 << 20)
+
+    def _open_chunk(self, task: ChunkTask, blob, hdr):
+        """Check a parsed header against the chunk's region; attach blob and header to the task."""
+        job = task.job
         if hdr.num_tokens != task.region.tokens:
             raise CorruptChunk(f"chunk holds {hdr.num_tokens} tokens, expected {task.region.tokens}")
         for layer in range(job.layout.num_layers):
             if job.codec.scratch_bytes(hdr, layer) > task.region.infl_layer:
                 raise CorruptChunk("lossless output larger than the inflate occupancy")
-        n_slabs = -(-job.layout.num_layers // max(1, self.cfg.layer_group))
-        ref = self._copy_blob(job, blob)
+        own = None
         if not self.cfg.prealloc:
             lay, r = job.layout, task.region
-            task.own = (
-                np.empty(2 * lay.num_layers * layer_bytes(lay, r.tokens), np.uint8),
-                np.empty(lay.num_layers * r.infl_layer, np.uint8),
-            )
+            own = (np.empty(2 * lay.num_layers * layer_bytes(lay, r.tokens), np.uint8),
+                   np.empty(lay.num_layers * r.infl_layer, np.uint8))  # fmt: skip
         with job.lock:
-            task.blob, task.header, task.wire_bytes = blob, hdr, len(blob)
+            task.blob, task.header, task.own = blob, hdr, own
             task.decoded = [0] * job.layout.num_layers
-            task.pending = n_slabs
+        return hdr
+
+    def _fetch_streamed(self, task: ChunkTask, stream) -> int:
+        """Receive a chunk in pieces into one buffer; verify and queue each layer group once its sections
+        are in; hold the slabs' ``LayerDone`` until the store frame verified (``ChunkTask.verified``)."""
+        job = task.job
+        with job.lock:
+            task.verified = False
+        buf, hdr, filled, next_lo = None, None, 0, 0
+        pieces = stream.pieces()
+        try:
+            with self.gate.slot() as admitted:
+                for piece in pieces:
+                    if buf is None:  # the frame's length, bounded by max_bytes
+                        buf = np.empty(stream.payload_len, np.uint8)
+                    buf[filled : filled + len(piece)] = np.frombuffer(piece, np.uint8)
+                    filled += len(piece)
+                    if hdr is None:
+                        need = header_len(buf[:filled])
+                        if need is None or filled < need:
+                            continue
+                        hdr = self._open_chunk(task, buf, job.codec.parse(buf[:need], job.fingerprint,
+                                                                          complete=False))  # fmt: skip
+                        if hdr.blob_len != len(buf):
+                            raise CorruptChunk(
+                                f"chunk header claims {hdr.blob_len} bytes, the store value holds {len(buf)}"
+                            )
+                    next_lo = self._queue_arrived(task, buf, hdr, filled, next_lo)
+                    if self._skip(task):
+                        break
+                admitted.nbytes = filled if stream.outcome is StreamOutcome.OK else 0
+        finally:
+            pieces.close()
+        if stream.outcome is StreamOutcome.OK and next_lo < job.layout.num_layers:
+            raise CorruptChunk(
+                "the store value ends before its chunk header"
+            )  # (a whole header was never in)
+        if stream.outcome is not StreamOutcome.OK:
+            if stream.outcome is not StreamOutcome.ABORTED:  # (aborted: this chunk failed or was cancelled)
+                self._fail(task, *_miss_kind(_stream_kind(stream)))
+            self._fetched(task, False)
+            self._release_fetch(task)
+            return 0
+        ref = self._copy_blob(job, buf)
+        with self._stats_lock:
+            self.stats["fetch"].streamed += 1
+        with job.lock:
+            task.wire_bytes = filled
             job.blob_refs[task.region.index] = ref
-        self._fetched(task, True)
-        return len(blob)
+            task.verified = True
+            held, task.held = task.held, []
+        for lo, n in held:
+            self.emit(job.peer, LayerDone(job.job, task.region.index, lo, n))
+        self._fetched(task, True, streamed=True)
+        self._release_fetch(task)
+        return filled
+
+    def _queue_arrived(self, task: ChunkTask, buf: np.ndarray, hdr, filled: int, lo: int) -> int:
+        """Queue the layer groups from ``lo`` whose sections are all in ``buf[:filled]`` (each section's CRC
+        checked first); the first layer not yet queued."""
+        n_layers, g = task.job.layout.num_layers, max(1, self.cfg.layer_group)
+        while lo < n_layers:
+            hi = min(n_layers, lo + g)
+            last = hdr.layers[hi - 1]
+            if last.offset + last.length > filled:
+                break
+            for layer in range(lo, hi):
+                layer_section(buf, hdr, layer, verify=True)
+            with task.job.lock:
+                task.pending += 1
+            self._forward("inflate", (task, lo, hi))
+            lo = hi
+        return lo
 
     def _inflate(self, item: tuple[ChunkTask, int, int]) -> int:
         task, lo, hi = item
@@ -352,9 +452,21 @@ class Pipeline:
             ko, vo = d.k_off + layer * d.layer_stride, d.v_off + layer * d.layer_stride
             job.dest[ko : ko + lb] = k[layer].reshape(-1).view(np.uint8)
             job.dest[vo : vo + lb] = v[layer].reshape(-1).view(np.uint8)
-        self.emit(job.peer, LayerDone(job.job, task.region.index, lo, hi - lo))
+        with job.lock:
+            hold = not task.verified  # a streamed blob's frame is not verified yet: tell the host then
+            if hold:
+                task.held.append((lo, hi - lo))
+        if not hold:
+            self.emit(job.peer, LayerDone(job.job, task.region.index, lo, hi - lo))
         self._slab_finished(task)
         return 2 * (hi - lo) * lb
+
+
+def _stream_kind(stream) -> str:
+    """The store client's error kind of a streamed get that ended without a value ("" when absent)."""
+    if stream.outcome is StreamOutcome.ABSENT:
+        return ""
+    return "corrupt" if stream.outcome is StreamOutcome.CORRUPT else stream.error or "error"
 
 
 def _miss_kind(store_kind: str) -> tuple[str, str, str]:

@@ -51,6 +51,9 @@ class DataPlaneSettings:
     # "adaptive": the fetch workers admit 1 or all of them at once, measured from the link (``fetch_gate``);
     # "fixed": always all of them
     fetch_concurrency: str = "adaptive"
+    # read store values in pieces of this many KiB and decode each layer group once its bytes are in
+    # (``StoreClient.stream_get``; Redis only, else whole gets); 0: always whole-value gets
+    stream_piece_kib: int = 64
     log_level: str = "WARNING"
     debug: Debug = field(default_factory=Debug)
 
@@ -61,6 +64,8 @@ class DataPlaneSettings:
             raise ValueError("layer_group, queue_depth, slots and slot_bytes must be >= 1")
         if not 0 < self.inflate_ratio <= 64 or not 0 < self.store_timeout_s <= 600:
             raise ValueError("inflate_ratio must be in (0, 64], store_timeout_s in (0, 600]")
+        if not 0 <= self.stream_piece_kib <= 1 << 20:
+            raise ValueError("stream_piece_kib must be in [0, 1048576]")
         if self.fetch_concurrency not in FETCH_CONCURRENCY:
             raise ValueError(f"fetch_concurrency must be one of {FETCH_CONCURRENCY}")
 
@@ -73,6 +78,7 @@ class DataPlaneSettings:
             queue_depth=self.queue_depth,
             stage_cpus=stage_cpus,
             adaptive_fetch=self.fetch_concurrency == "adaptive",
+            stream_piece=self.stream_piece_kib * 1024,
             serial=self.debug.serial,
             prealloc=not self.debug.no_prealloc,
             round_barrier=self.debug.round_barrier,
@@ -140,6 +146,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fetch-concurrency", choices=FETCH_CONCURRENCY, default=d.fetch_concurrency,
                    help="adaptive: one fetch at a time where concurrent fetches only share the link's "
                    "bandwidth, all --fetch-workers where they add throughput (measured); fixed: always all")  # fmt: skip
+    p.add_argument("--stream-piece-kib", type=int, default=d.stream_piece_kib,
+                   help="read store values in pieces of this many KiB, decoding layers as they arrive "
+                   "(Redis stores); 0: whole-value gets")  # fmt: skip
     p.add_argument("--log-level", default=d.log_level)
     p.add_argument("--ablation-serial", action="store_true", help="benchmark ablation: no pipelining")
     p.add_argument("--ablation-no-prealloc", action="store_true", help="benchmark ablation: no prealloc")
@@ -162,6 +171,7 @@ def from_namespace(ns: argparse.Namespace, **overrides) -> DataPlaneSettings:
         pin_stages=ns.pin_stages,
         store_timeout_s=ns.store_timeout,
         fetch_concurrency=ns.fetch_concurrency,
+        stream_piece_kib=ns.stream_piece_kib,
         log_level=ns.log_level,
         debug=debug,
     )

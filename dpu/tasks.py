@@ -4,7 +4,8 @@ table of admitted rounds (which chunks of a round are through fetch, which slot 
 Threads: ``JobState`` is created by the server thread and mutated by pipeline workers under its
 ``lock``; a ``ChunkTask`` under its job's ``lock``; ``RoundTable`` is thread-safe (its own lock). Nothing
 here owns a buffer: a chunk's staging regions belong to the worker holding one of its slabs
-(``pipeline.py``), its blob (``bytes`` from the store client) to the task until the chunk is terminal.
+(``pipeline.py``), its blob (``bytes`` from the store client, or the array a streamed blob is received
+into) to the task until the chunk is terminal.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from sgl_remote_kv.types import numpy_storage_dtype
 
@@ -37,6 +40,7 @@ class PipelineConfig:
     queue_depth: int  # items per stage queue
     stage_cpus: tuple[tuple[int, ...], ...]  # per stage (STAGES order): cores to pin to, or ()
     adaptive_fetch: bool  # fetch concurrency 1 or fetch_workers, from the link (``fetch_gate``)
+    stream_piece: int  # bytes per piece of a streamed store read; 0: whole-value gets
     # Ablations (benchmarks only): run a chunk's four stages back to back on the fetch worker, and/or
     # allocate a chunk's staging buffers per chunk instead of using the pre-allocated slot regions.
     serial: bool
@@ -104,14 +108,21 @@ class ChunkTask:
     region: ChunkRegion
     slot: int
     round_id: int
-    blob: bytes | None = None
+    blob: bytes | np.ndarray | None = None  # the whole blob, or the buffer a streamed one arrives in
     header: object = None
     decoded: list[int] = field(default_factory=list)  # per layer: bytes the lossless stage wrote
-    pending: int = 0  # slabs not yet finished
+    # holders not yet finished: the fetch stage (``fetch_held``) and each slab queued so far; the chunk is
+    # terminal when it drops to 0
+    pending: int = 1
+    fetch_held: bool = True
     failed: bool = False
     own: tuple | None = None  # (src, inflate) arrays allocated per chunk (no-prealloc ablation only)
     wire_bytes: int = 0
     fetch_reported: bool = False  # ``_fetched`` ran for this chunk
+    # False while a streamed blob's store frame is unverified: its DMA'd slabs' ``LayerDone`` wait in
+    # ``held`` (first layer, count) until it passed, and are dropped if it fails
+    verified: bool = True
+    held: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -121,6 +132,7 @@ class StageStats:
     busy_s: float = 0.0  # wall time inside the stage's work (includes waiting for a core or the GIL)
     cpu_s: float = 0.0  # thread CPU time inside the stage's work
     errors: int = 0
+    streamed: int = 0  # (fetch) chunks received in pieces, decoding as they arrived
 
 
 class RoundTable:

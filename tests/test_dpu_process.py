@@ -33,14 +33,11 @@ from sgl_remote_kv.dpu.settings import DataPlaneSettings
 from sgl_remote_kv.codec.base import decode
 from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
+from tests.fixtures.dpu_clients import dp_spec
+
+pytest_plugins = ["fixtures.dpu_clients"]
 
 CB = chunk_bytes(LAYOUT, CHUNK)
-
-
-def _spec(**kw) -> DataPlaneSettings:
-    base = dict(workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * CB, store_timeout_s=2.0)
-    base.update(kw)
-    return DataPlaneSettings(**base)
 
 
 @contextlib.contextmanager
@@ -55,31 +52,6 @@ def _raw_dealer(client: DpuClient) -> Iterator[zmq.Socket]:
     finally:
         s.close()
         ctx.term()
-
-
-@pytest.fixture
-def make_client():
-    clients: list[DpuClient] = []
-
-    def make(url: str, codec, fp=FP, dest_chunks: int = 3, on_write=None, **cfg_kw) -> DpuClient:
-        spec = cfg_kw.pop("process", _spec())
-        cfg = DpuClientConfig(
-            url,
-            dest_slots=2,
-            dest_slot_bytes=dest_chunks * chunk_bytes(fp.layout, CHUNK),
-            process=spec,
-            **cfg_kw,
-        )
-        c = DpuClient(cfg, fp, codec, on_write=on_write)
-        c.start()
-        clients.append(c)
-        return c
-
-    yield make
-    for c in clients:
-        proc = c._proc.proc
-        c.close()
-        assert proc.poll() is not None  # reaped
 
 
 def _assert_pool_equals_decode(target, blobs, n, fp=FP):
@@ -127,7 +99,7 @@ def test_real_smollm2_kv_bit_exact(tmp_path, make_client):
     url = f"file://{tmp_path}/store"
     keys, blobs = put_chunks(url, codec, chunks, fp)
     c = make_client(
-        url, codec, fp, dest_chunks=2, process=_spec(slot_bytes=2 * chunk_bytes(lay, CHUNK), layer_group=5)
+        url, codec, fp, dest_chunks=2, process=dp_spec(slot_bytes=2 * chunk_bytes(lay, CHUNK), layer_group=5)
     )
     target = make_pool(lay, 512, n * CHUNK)
     res = c.fetch("real", keys, CHUNK, target, timeout=60)
@@ -178,7 +150,7 @@ def _closed_port() -> int:
 def test_store_down_is_all_misses(tmp_path, make_client):
     codec = codecs()["lossless"]
     keys, _ = put_chunks(f"file://{tmp_path}/store", codec, random_chunks(3, seed=2))
-    c = make_client(f"redis://:hunter2@127.0.0.1:{_closed_port()}/0", codec, process=_spec(store_timeout_s=0.5))
+    c = make_client(f"redis://:hunter2@127.0.0.1:{_closed_port()}/0", codec, process=dp_spec(store_timeout_s=0.5))
     # the store URL reaches the data plane on stdin: its password is not in the process list
     assert "hunter2" not in Path(f"/proc/{c._proc.pid}/cmdline").read_text()
     errors: list[tuple[str, str, int]] = []
@@ -213,7 +185,7 @@ def test_store_timeout_and_framing_corruption_keep_their_kind(tmp_path, make_cli
     assert errors == [("get", "corrupt", 1)]
     res = c.fetch("again", keys, CHUNK, None, timeout=30)  # the data plane's client deleted the value
     assert res.hit_chunks == 1 and res.failures[1] == "miss"
-    slow = make_client(_slow_url(tmp_path, 2.0), codec, process=_spec(store_timeout_s=0.3))
+    slow = make_client(_slow_url(tmp_path, 2.0), codec, process=dp_spec(store_timeout_s=0.3))
     slow.on_store_error = lambda op, kind, n: errors.append((op, kind, n))
     res = slow.fetch("slow", keys[:1], CHUNK, None, timeout=30)
     assert res.hit_chunks == 0 and res.failures[0] == "store_timeout"
@@ -333,7 +305,7 @@ def test_sigterm_shuts_down_cleanly(tmp_path):
     codec = codecs()["lossless"]
     url = f"file://{tmp_path}/store"
     keys, _ = put_chunks(url, codec, random_chunks(1, seed=13))
-    c = DpuClient(DpuClientConfig(url, dest_slot_bytes=2 * CB, process=_spec()), FP, codec)
+    c = DpuClient(DpuClientConfig(url, dest_slot_bytes=2 * CB, process=dp_spec()), FP, codec)
     c.start()
     try:
         assert c.fetch("t", keys, CHUNK, None, timeout=30).hit_chunks == 1
@@ -447,7 +419,7 @@ def test_dpu_cpus_flag_pins_the_data_plane(tmp_path, make_client):
         with pytest.raises(SystemExit):
             parser.parse_args(["--remote-kv-dpu-cpus", bad])
     want = max(os.sched_getaffinity(0))  # one core we may use (core 1 on the 2-core box)
-    c = make_client(f"file://{tmp_path}/store", codecs()["lossless"], process=_spec(cpus=(want,), workers=(2, 1, 1, 1)))
+    c = make_client(f"file://{tmp_path}/store", codecs()["lossless"], process=dp_spec(cpus=(want,), workers=(2, 1, 1, 1)))
     assert sorted(os.sched_getaffinity(c.pid)) == [want]
     deadline = time.monotonic() + 10
     while c.last_pong is None and time.monotonic() < deadline:

@@ -110,9 +110,12 @@ class Codec(ABC):
         blob,
         fingerprint: ModelFingerprint,
         limits: Limits = DEFAULT_LIMITS,
+        *,
+        complete: bool = True,
     ) -> ChunkHeader:
-        """``parse_header`` plus: the blob was made by this codec with these params and tables."""
-        hdr = parse_header(blob, fingerprint, limits)
+        """``parse_header`` plus: the blob was made by this codec with these params and tables.
+        ``complete=False``: ``blob`` is the front of a blob still arriving (see ``parse_header``)."""
+        hdr = parse_header(blob, fingerprint, limits, complete=complete)
         if hdr.codec_id != self.codec_id or hdr.params != self.params_bytes():
             raise ForeignChunk(f"chunk of codec {hdr.codec_id} {hdr.params[:80]!r}, not {self!r}")
         self._check_aux(hdr, fingerprint)

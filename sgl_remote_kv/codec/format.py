@@ -60,6 +60,7 @@ __all__ = [
     "ChunkHeader",
     "pack",
     "parse_header",
+    "header_len",
     "layer_section",
     "canonical_params",
     "crc32",
@@ -209,16 +210,31 @@ def _read_layers(blob, base: int, nl: int, header_len: int, payload_len: int) ->
     return tuple(layers)
 
 
+def header_len(prefix) -> int | None:
+    """The header length a blob's first bytes claim (``None`` before the fixed header is in): how many
+    bytes a streaming reader needs before ``parse_header(..., complete=False)``. ``CorruptChunk`` on a bad
+    magic; the length itself is checked by ``parse_header``."""
+    if len(prefix) < FIXED.size:
+        return None
+    fields = FIXED.unpack_from(prefix, 0)
+    if fields[0] != MAGIC:
+        raise CorruptChunk("bad magic")
+    return max(fields[11], FIXED.size)
+
+
 def parse_header(
     blob,
     expected: ModelFingerprint | None,
     limits: Limits = DEFAULT_LIMITS,
     *,
     verify_payload: bool = True,
+    complete: bool = True,
 ) -> ChunkHeader:
     """Parse and verify a blob's header (and, by default, every section's CRC).
 
-    Raises only ``ChunkError`` subclasses. ``expected=None`` skips the fingerprint check (tools only).
+    ``complete=False``: ``blob`` is the front of a blob still arriving (at least ``header_len`` bytes);
+    the header is verified, the payload not (``layer_section(..., verify=True)`` each section once it
+    is in). Raises only ``ChunkError`` subclasses. ``expected=None`` skips the fingerprint check (tools only).
     """
     blob = memoryview(blob).cast("B") if not isinstance(blob, bytes | bytearray) else blob
     n = len(blob)
@@ -232,11 +248,15 @@ def parse_header(
         raise UnsupportedVersion(f"format version {version}, this build reads {FORMAT_VERSION}")
     if flags:
         raise CorruptChunk(f"unknown flags {flags:#x}")
-    _check_limits(fields, n, limits)
     (_, _, _, codec_id, params_len, digest, nl, nh, hd, dt, nt, header_len, payload_len, aux) = fields
     total = header_len + payload_len
-    if n != total:
+    _check_limits(fields, total if not complete else n, limits)
+    if complete and n != total:
         raise CorruptChunk(f"blob is {n} bytes, header claims {total}")
+    if not complete:
+        if n < header_len:
+            raise CorruptChunk(f"{n} bytes hold no whole header of {header_len}")
+        verify_payload = False
     (hcrc,) = CRC.unpack_from(blob, header_len - CRC.size)
     if crc32(blob[: header_len - CRC.size]) != hcrc:
         raise CorruptChunk("header checksum mismatch")

@@ -9,7 +9,10 @@ Faults (all off by default, so ``FaultyStore(inner)`` behaves exactly like ``inn
 - ``drop_rate``: a put silently does not store a key; a get returns ``None`` for a present key;
 - ``unavailable_fraction``: keys whose digest falls in that fraction of the key space always fail
   (partial availability, e.g. one shard of a cluster down). Chosen by key bytes, not by chance.
-- ``down``: every operation raises ``StoreUnavailable`` (a full outage).
+- ``down``: every operation raises ``StoreUnavailable`` (a full outage);
+- ``piece_latency_s``: a streamed get (``stream_get``, offered only where the inner store has it) sleeps
+  this long before every piece after the first (a slow link mid-value); the faults above apply to it as
+  to a get of one key (before its first piece; a corrupt value has a byte flipped in one piece).
 
 Randomness comes from ``random.Random(seed)`` under a lock: single-threaded runs are deterministic.
 ``set_faults`` swaps the configuration at runtime (e.g. take the store down, then bring it back).
@@ -24,7 +27,7 @@ import dataclasses
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -41,6 +44,7 @@ class FaultConfig:
     drop_rate: float = 0.0
     unavailable_fraction: float = 0.0
     down: bool = False
+    piece_latency_s: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -61,6 +65,8 @@ class FaultyStore:
         self._lock = threading.Lock()
         self._injected: dict[str, int] = {}
         self.set_faults(faults or FaultConfig())
+        if hasattr(inner, "stream_get"):  # a capability: offered only where the inner store streams
+            self.stream_get = self._stream_get
 
     def _count(self, kind: str, n: int = 1) -> None:
         with self._lock:
@@ -119,6 +125,22 @@ class FaultyStore:
                 v = bytes(buf)
             out.append(v)
         return out
+
+    def _stream_get(self, key: bytes, piece_bytes: int) -> Iterator[bytes]:
+        self._before([key])
+        if self._chance(self.faults.drop_rate):
+            self._count("drop_get")
+            return
+        flip = self._chance(self.faults.corrupt_rate)
+        for i, piece in enumerate(self.inner.stream_get(key, piece_bytes)):
+            if i and self.faults.piece_latency_s:
+                time.sleep(self.faults.piece_latency_s)
+            if flip:
+                flip, buf = False, bytearray(piece)
+                buf[len(buf) // 2] ^= 0xFF
+                self._count("corrupt")
+                piece = bytes(buf)
+            yield piece
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
         self._before([k for k, _ in items])
