@@ -7,20 +7,22 @@ KV pool through the pool's ``KVWriter`` (what a server's receiver thread does). 
 ``--reps`` fetches (after one warm-up); reported: the median time from ``submit`` to the result, the
 wire floor (the hit chunks' compressed bytes / link rate), their ratio (target <= 1.2x), and the median
 tail after the last byte: ``FetchResult`` time minus the time the store's last reply left the link,
-approximated as submit + floor. Variants (all in one run, interleaved per rep so they see the same
-load) are the data plane's ordering ablation and the host's write policy:
+approximated as submit + floor. A reference row ``raw GETs (no decode)`` times plain sequential redis-py
+GETs of the same values from this process: what the link (TCP/IP framing included, ~4% over the floor)
+gives with no decoding at all. Variants (all in one run, interleaved per rep so they see the same load) are
+the data plane's ordering and store-read ablations:
 
-- ``round barrier``: slabs of a round start decoding only once every chunk of the round was fetched
-  (the previous design; ``Debug.round_barrier``);
-- ``as fetched``: a chunk's slabs start as soon as it was fetched, lower layer groups first (default);
-- ``as fetched + eager writes``: also write each run of finished layers into the pool at once
-  (``DpuClientConfig.eager_writes``) instead of one write per host round at the end;
-- ``same, 1 fetch worker``: and one fetch worker instead of two (two share the link, so two chunks
-  land at once and both decodes follow the last byte);
-- ``same, adaptive fetch concurrency`` (the default): two fetch workers, admitting one or both as the
-  data plane measures the link (``dpu/fetch_gate.py``); the other variants fix the concurrency. Each
-  variant's data plane lives through all rates of a codec (640, 320, 160 Mbit/s in turn), so the gate
-  must follow each change of rate.
+- ``round barrier, whole gets``: slabs of a round start decoding only once every chunk of the round was
+  fetched, whole-value gets, one pool write per host round (the first design; ``Debug.round_barrier``);
+- ``as fetched, whole gets``: a chunk's slabs start as soon as its whole value arrived, lower layer groups
+  first; each run of finished layers written into the pool at once; the fetch gate (``dpu/fetch_gate.py``)
+  admits one fetch or both workers as it measures the link (the default before streamed gets);
+- ``streamed, 1 fetch worker``: values read in pieces (``--stream-piece-kib``), each layer group decoded
+  once its bytes are in; one fetch worker;
+- ``streamed (default)``: the same with two fetch workers behind the adaptive gate.
+
+Each variant's data plane lives through all rates of a codec (640, 320, 160 Mbit/s in turn), so the gate
+must follow each change of rate.
 
 Codecs: the DPU default (``transform``, Deflate; needs the model's calibration) and ``quant_deflate``.
 Writes ``docs/results/dpu_floor.json`` and prints a table. Needs root (network namespaces).
@@ -39,12 +41,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import redis
 import torch
 from sgl_remote_kv.dpu.buffers import chunk_bytes
 from sgl_remote_kv.dpu.settings import DataPlaneSettings, Debug
 
 from benchmarks import kvdata
-from benchmarks.e2e_server import shaped_store
+from benchmarks.e2e_server import REDIS_PORT, shaped_store
 from benchmarks.netshape import netns_supported
 from sgl_remote_kv.codec import calibration
 from sgl_remote_kv.codec.base import default_codec, get_codec
@@ -52,17 +55,18 @@ from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
 from sgl_remote_kv.control.jobs import KVTarget
 from sgl_remote_kv.kvpool import PoolTensors, writer_for
 from sgl_remote_kv.store.client import open_client
+from sgl_remote_kv.store.redis_store import redis_key
 from sgl_remote_kv.types import DEFAULT_QUALITY
 
+RAW = "raw GETs (no decode)"
 OUT = kvdata.REPO / "docs" / "results" / "dpu_floor.json"
 CHUNK = 256
 FIXED = {"fetch_concurrency": "fixed"}
 VARIANTS = {  # name -> (data-plane debug settings, client config overrides, data-plane settings overrides)
-    "round barrier": ({"round_barrier": True}, {"eager_writes": False}, FIXED),
-    "as fetched": ({}, {"eager_writes": False}, FIXED),
-    "as fetched + eager writes": ({}, {"eager_writes": True}, FIXED),
-    "same, 1 fetch worker": ({}, {"eager_writes": True}, {"workers": (1, 1, 1, 1)}),
-    "same, adaptive fetch concurrency": ({}, {"eager_writes": True}, {}),
+    "round barrier, whole gets": ({"round_barrier": True}, {"eager_writes": False}, {**FIXED, "stream_piece_kib": 0}),
+    "as fetched, whole gets": ({}, {}, {"stream_piece_kib": 0}),
+    "streamed, 1 fetch worker": ({}, {}, {"workers": (1, 1, 1, 1)}),
+    "streamed (default)": ({}, {}, {}),
 }
 
 
@@ -133,12 +137,18 @@ def main(argv: list[str] | None = None) -> int:
             sc = open_client(store.url)
             sc.put_many(list(zip(keys, blobs, strict=True)))
             sc.close()
+            raw = redis.Redis(host=store.link.ns_addr, port=REDIS_PORT)
             clients = {v: _client(store.url, fp, codec, cpus, d, o, n, st) for v, (d, o, st) in variants.items()}
             try:
                 for rate in rates:
                     store.set_rate(rate)
-                    got: dict[str, list[tuple[float, int]]] = {v: [] for v in variants}
+                    got: dict[str, list[tuple[float, int]]] = {v: [] for v in [RAW, *variants]}
                     for rep in range(a.reps + 1):
+                        t0 = time.perf_counter()
+                        for k in keys:
+                            raw.get(redis_key(k))
+                        if rep:
+                            got[RAW].append((time.perf_counter() - t0, sum(map(len, blobs))))
                         for v, c in clients.items():
                             target = _target(fp, n * CHUNK)
                             t0 = time.perf_counter()
@@ -157,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
                                      "over_floor": med / floor, "tail_ms": (med - floor) * 1e3,
                                      "all_s": [t for t, _ in runs],
                                      # the data plane's fetch gate at its last heartbeat (limit, rates)
-                                     "fetch_gate": json.loads(clients[v].stats().get("dataplane") or "{}").get("fetch_gate")})  # fmt: skip
+                                     "fetch_gate": json.loads(clients[v].stats().get("dataplane") or "{}").get("fetch_gate")
+                                     if v in clients else None})  # fmt: skip
                         r = rows[-1]
-                        print(f"{cname:14s} {rate:5.0f} Mbit/s  {v:26s} floor {floor * 1e3:6.1f} ms  "
+                        print(f"{cname:14s} {rate:5.0f} Mbit/s  {v:28s} floor {floor * 1e3:6.1f} ms  "
                               f"median {med * 1e3:6.1f} ms  {r['over_floor']:.2f}x  tail {r['tail_ms']:5.1f} ms",
                               flush=True)  # fmt: skip
             finally:

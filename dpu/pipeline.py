@@ -49,12 +49,13 @@ from collections.abc import Callable
 import numpy as np
 
 from sgl_remote_kv.codec.errors import ChunkError, CorruptChunk, ForeignChunk
-from sgl_remote_kv.codec.format import header_len, layer_section
+from sgl_remote_kv.codec.format import layer_section
 from sgl_remote_kv.store.streaming import StreamOutcome
 
 from .buffers import ChunkRegion, StagingBuffers, layer_bytes
 from .fetch_gate import FetchGate
 from .protocol import BlobRef, ChunkDone, ChunkFailed, JobDone, LayerDone, Message
+from .receive import ChunkReceiver
 from .tasks import STAGES, ChunkTask, JobState, PipelineConfig, RoundTable, SlabQueue, StageStats, layer_major
 
 logger = logging.getLogger(__name__)
@@ -340,51 +341,42 @@ class Pipeline:
         return hdr
 
     def _fetch_streamed(self, task: ChunkTask, stream) -> int:
-        """Receive a chunk in pieces into one buffer; verify and queue each layer group once its sections
-        are in; hold the slabs' ``LayerDone`` until the store frame verified (``ChunkTask.verified``)."""
+        """Receive a chunk in pieces (``receive.ChunkReceiver``); queue each layer group once its sections
+        are in and verified; hold the slabs' ``LayerDone`` until the store frame verified (``verified``)."""
         job = task.job
         with job.lock:
             task.verified = False
-        buf, hdr, filled, next_lo = None, None, 0, 0
+        rx = None
         pieces = stream.pieces()
         try:
             with self.gate.slot() as admitted:
                 for piece in pieces:
-                    if buf is None:  # the frame's length, bounded by max_bytes
-                        buf = np.empty(stream.payload_len, np.uint8)
-                    buf[filled : filled + len(piece)] = np.frombuffer(piece, np.uint8)
-                    filled += len(piece)
-                    if hdr is None:
-                        need = header_len(buf[:filled])
-                        if need is None or filled < need:
-                            continue
-                        hdr = self._open_chunk(task, buf, job.codec.parse(buf[:need], job.fingerprint,
-                                                                          complete=False))  # fmt: skip
-                        if hdr.blob_len != len(buf):
-                            raise CorruptChunk(
-                                f"chunk header claims {hdr.blob_len} bytes, the store value holds {len(buf)}"
-                            )
-                    next_lo = self._queue_arrived(task, buf, hdr, filled, next_lo)
+                    if rx is None:  # the frame's length, bounded by max_bytes
+                        rx = ChunkReceiver(stream.payload_len, job.layout.num_layers, self.cfg.layer_group,
+                                           lambda head, buf: self._open_chunk(task, buf, job.codec.parse(
+                                               head, job.fingerprint, complete=False)))  # fmt: skip
+                    for lo, hi in rx.add(piece):
+                        with job.lock:
+                            task.pending += 1
+                        self._forward("inflate", (task, lo, hi))
                     if self._skip(task):
                         break
-                admitted.nbytes = filled if stream.outcome is StreamOutcome.OK else 0
+                admitted.nbytes = rx.filled if rx is not None and stream.outcome is StreamOutcome.OK else 0
         finally:
             pieces.close()
-        if stream.outcome is StreamOutcome.OK and next_lo < job.layout.num_layers:
-            raise CorruptChunk(
-                "the store value ends before its chunk header"
-            )  # (a whole header was never in)
         if stream.outcome is not StreamOutcome.OK:
             if stream.outcome is not StreamOutcome.ABORTED:  # (aborted: this chunk failed or was cancelled)
                 self._fail(task, *_miss_kind(_stream_kind(stream)))
             self._fetched(task, False)
             self._release_fetch(task)
             return 0
-        ref = self._copy_blob(job, buf)
+        if rx is None or not rx.complete:
+            raise CorruptChunk("the store value ends before its chunk header")
+        ref = self._copy_blob(job, rx.buf)
         with self._stats_lock:
             self.stats["fetch"].streamed += 1
         with job.lock:
-            task.wire_bytes = filled
+            task.wire_bytes = rx.filled
             job.blob_refs[task.region.index] = ref
             task.verified = True
             held, task.held = task.held, []
@@ -392,24 +384,7 @@ class Pipeline:
             self.emit(job.peer, LayerDone(job.job, task.region.index, lo, n))
         self._fetched(task, True, streamed=True)
         self._release_fetch(task)
-        return filled
-
-    def _queue_arrived(self, task: ChunkTask, buf: np.ndarray, hdr, filled: int, lo: int) -> int:
-        """Queue the layer groups from ``lo`` whose sections are all in ``buf[:filled]`` (each section's CRC
-        checked first); the first layer not yet queued."""
-        n_layers, g = task.job.layout.num_layers, max(1, self.cfg.layer_group)
-        while lo < n_layers:
-            hi = min(n_layers, lo + g)
-            last = hdr.layers[hi - 1]
-            if last.offset + last.length > filled:
-                break
-            for layer in range(lo, hi):
-                layer_section(buf, hdr, layer, verify=True)
-            with task.job.lock:
-                task.pending += 1
-            self._forward("inflate", (task, lo, hi))
-            lo = hi
-        return lo
+        return rx.filled
 
     def _inflate(self, item: tuple[ChunkTask, int, int]) -> int:
         task, lo, hi = item

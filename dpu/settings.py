@@ -53,7 +53,7 @@ class DataPlaneSettings:
     fetch_concurrency: str = "adaptive"
     # read store values in pieces of this many KiB and decode each layer group once its bytes are in
     # (``StoreClient.stream_get``; Redis only, else whole gets); 0: always whole-value gets
-    stream_piece_kib: int = 64
+    stream_piece_kib: int = 256
     log_level: str = "WARNING"
     debug: Debug = field(default_factory=Debug)
 
