@@ -82,6 +82,15 @@ CONFIGS = {
         "dpu",
         "DPU path, always fetch, data plane --fetch-concurrency fixed (two fetches at once, as before)",
     ),
+    # The same with whole-value store reads (no streamed gets): side by side with dpu_fetch, what decoding
+    # a chunk while its bytes arrive changes end to end.
+    "dpu_fetch_whole": Config(
+        "dpu_fetch_whole",
+        ("--remote-kv", "dpu", "--remote-kv-policy-margin", "1e9", "--remote-kv-dpu-args=--stream-piece-kib 0"),
+        True,
+        "dpu",
+        "DPU path, always fetch, data plane --stream-piece-kib 0 (whole-value gets, as before)",
+    ),
     # The same without a transform-codec calibration (an empty cache directory): the server writes the
     # previous default, quant_deflate; side by side with dpu_fetch, the codec change end to end.
     "dpu_fetch_nocal": Config(

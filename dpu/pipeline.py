@@ -1,10 +1,15 @@
 """The four-stage chunked pipeline: fetch -> inflate -> dequantize -> "DMA" (ShadowServe §4.2).
 
 Each stage has its own worker threads (counts from ``PipelineConfig``) and a bounded input queue.
-A chunk enters the fetch stage whole; after its header is parsed it is split into *slabs* of
-``layer_group`` consecutive layers that flow through the other three stages independently, so
-inflate, dequantization and the copy of different chunks and layers overlap. The DMA stage emits a
-``LayerDone`` per slab as soon as its layers sit in the destination region.
+A chunk is split into *slabs* of ``layer_group`` consecutive layers that flow through the other three
+stages independently, so inflate, dequantization and the copy of different chunks and layers overlap.
+Where the store streams (``StoreClient.stream_get``, ``stream_piece`` > 0) the fetch stage receives the
+value in pieces (``receive.ChunkReceiver``) and queues each slab once its sections are in and their CRCs
+passed; otherwise it gets the whole value and queues every slab after parsing it. The DMA stage emits a
+``LayerDone`` per slab as soon as its layers sit in the destination region -- for a streamed chunk only
+once the whole value's store frame verified (until then they wait in ``ChunkTask.held``; a frame that
+fails drops them and fails the chunk, so the host never uses a layer of a misplaced or changed value).
+A chunk is held by the fetch and by each slab queued so far (``ChunkTask.pending``); it is terminal at 0.
 
 Order: a chunk's slabs are queued as soon as it was fetched and parsed; every stage after fetch takes
 its input from a priority queue (``SlabQueue``, order ``tasks.slab_key``): rounds in admission order,
