@@ -3,15 +3,15 @@
 Each stage has its own worker threads (counts from ``PipelineConfig``) and a bounded input queue.
 A chunk is split into *slabs* of ``layer_group`` consecutive layers that flow through the other three
 stages independently, so inflate, dequantization and the copy of different chunks and layers overlap.
-Where the store streams (``StoreClient.stream_get``, ``stream_piece`` > 0) the fetch stage receives the
-value in pieces (``receive.ChunkReceiver``) and queues each slab once its sections are in and their CRCs
-passed; otherwise it gets the whole value and queues every slab after parsing it. The DMA stage emits a
+The fetch stage (``fetch_stage.py``) queues a streamed chunk's slabs as their bytes arrive, a whole
+value's after parsing it; it calls back into this module's chunk bookkeeping (``fetch_stage.ChunkBook``:
+``fail``, ``skip``, ``fetched``, ``release_fetch``, ``copy_blob``, ``forward``). The DMA stage emits a
 ``LayerDone`` per slab as soon as its layers sit in the destination region -- for a streamed chunk only
 once the whole value's store frame verified (until then they wait in ``ChunkTask.held``; a frame that
 fails drops them and fails the chunk, so the host never uses a layer of a misplaced or changed value).
 A chunk is held by the fetch and by each slab queued so far (``ChunkTask.pending``); it is terminal at 0.
 
-Order: a chunk's slabs are queued as soon as it was fetched and parsed; every stage after fetch takes
+Order: a chunk's slabs are queued as soon as their bytes are in and checked; every stage after fetch takes
 its input from a priority queue (``SlabQueue``, order ``tasks.slab_key``): rounds in admission order,
 lowest layer group first within a round; a layer-wise consumer's request at the place of its first
 round, lowest layer group first across all its jobs and chunks. So decoding overlaps the later fetches
@@ -36,8 +36,7 @@ client) are owned by the chunk task and dropped when the chunk is terminal.
 Failures: a ``ChunkError`` fails the chunk (kind ``corrupt``/``foreign``) and cancels every later chunk
 of the job (a prefix cache cannot use KV after a hole); an unexpected exception is caught at the
 worker boundary, counted, logged and reported as kind ``internal``. A chunk the store client returned
-no value for is ``miss`` (absent), ``corrupt`` (the value failed the store framing) or ``store_error``
-(the store call failed), with the store client's error kind in ``ChunkFailed.store_error``.
+no value for: ``fetch_stage.py``.
 
 The job/chunk records and the round table live in ``tasks.py``.
 """
@@ -53,14 +52,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from sgl_remote_kv.codec.errors import ChunkError, CorruptChunk, ForeignChunk
+from sgl_remote_kv.codec.errors import ChunkError, ForeignChunk
 from sgl_remote_kv.codec.format import layer_section
-from sgl_remote_kv.store.streaming import StreamOutcome
 
 from .buffers import ChunkRegion, StagingBuffers, layer_bytes
-from .fetch_gate import FetchGate
+from .fetch_stage import FetchStage
 from .protocol import BlobRef, ChunkDone, ChunkFailed, JobDone, LayerDone, Message
-from .receive import ChunkReceiver
 from .tasks import STAGES, ChunkTask, JobState, PipelineConfig, RoundTable, SlabQueue, StageStats, layer_major
 
 logger = logging.getLogger(__name__)
@@ -83,17 +80,13 @@ class Pipeline:
         # fetch is bounded by admission (slots x chunks per round); the others by queue_depth
         self.queues = {s: queue.Queue() if s == "fetch" else SlabQueue(cfg.queue_depth) for s in STAGES}
         self.stats = {s: StageStats() for s in STAGES}
-        self.gate = FetchGate(cfg.fetch_workers, adaptive=cfg.adaptive_fetch)
         self._stats_lock = threading.Lock()
         self._rounds = RoundTable()
-        # The store client's error kind of this thread's last failed get (its listener runs on the
-        # calling thread): tells a store failure or a value failing the store framing from a miss.
-        self._store_err = threading.local()
-        if hasattr(store, "on_error"):
-            store.on_error = self._on_store_error
+        self.fetch = FetchStage(cfg, store, self)
+        self.gate = self.fetch.gate
         self._threads: list[threading.Thread] = []
         counts = (cfg.fetch_workers, cfg.inflate_workers, cfg.dequant_workers, cfg.dma_workers)
-        work = (self._fetch, self._inflate, self._dequant, self._dma)
+        work = (self.fetch.run, self._inflate, self._dequant, self._dma)
         for si, (stage, n, fn) in enumerate(zip(STAGES, counts, work, strict=True)):
             cpus = cfg.stage_cpus[si] if si < len(cfg.stage_cpus) else ()
             for w in range(n):
@@ -128,11 +121,6 @@ class Pipeline:
         with self._stats_lock:
             return {s: vars(st).copy() for s, st in self.stats.items()}
 
-    def _on_store_error(self, op: str, kind: str, n: int = 1) -> None:
-        """The store client's error listener (runs on the calling worker thread; never raises)."""
-        if op == "get":
-            self._store_err.kind = kind
-
     # ---- worker plumbing ------------------------------------------------------------------------
     def _worker(self, stage: str, fn: Callable, cpus: tuple[int, ...]) -> None:
         if cpus:
@@ -164,20 +152,20 @@ class Pipeline:
         """An item of ``stage`` raised: fail its chunk (``ChunkError``: corrupt/foreign; anything else is
         an internal error, counted and logged) and finish the item."""
         if isinstance(e, ChunkError):
-            self._fail(task, "foreign" if isinstance(e, ForeignChunk) else "corrupt", str(e))
+            self.fail(task, "foreign" if isinstance(e, ForeignChunk) else "corrupt", str(e))
         else:
             logger.error("%s failed on job %d chunk %d", stage, task.job.job, task.region.index, exc_info=e)
             with self._stats_lock:
                 self.stats[stage].errors += 1
-            self._fail(task, "internal", f"{type(e).__name__}: {e}")
+            self.fail(task, "internal", f"{type(e).__name__}: {e}")
         if stage != "fetch":
             self._slab_finished(task)
             return
         if not task.fetch_reported:
-            self._fetched(task, False)
-        self._release_fetch(task)  # slabs already queued skip the failed chunk and finish it
+            self.fetched(task, False)
+        self.release_fetch(task)  # slabs already queued skip the failed chunk and finish it
 
-    def _fetched(self, task: ChunkTask, ok: bool, streamed: bool = False) -> None:
+    def fetched(self, task: ChunkTask, ok: bool, streamed: bool = False) -> None:
         """A chunk left the fetch stage (``ok``: parsed, slabs pending). Emits ``ChunksVerified`` when it
         was the job's last chunk to do so; queues its slabs unless ``streamed`` (queued as they arrived;
         ``round_barrier``: the round's, layer-major, when it was the round's last).
@@ -194,9 +182,9 @@ class Pipeline:
         if not self.cfg.round_barrier:  # this chunk's slabs start now (the queue orders them)
             ready = [task] if ok and not streamed else []
         for slab in layer_major(ready, job.layout.num_layers, self.cfg.layer_group):
-            self._forward("inflate", slab)
+            self.forward("inflate", slab)
 
-    def _copy_blob(self, job: JobState, blob: bytes) -> BlobRef | None:
+    def copy_blob(self, job: JobState, blob: bytes) -> BlobRef | None:
         """Copy a verified blob into the job's host-visible blob area; ``None`` if none or full."""
         with job.lock:
             off = job.blob_used
@@ -207,7 +195,7 @@ class Pipeline:
         job.dest[at : at + len(blob)] = np.frombuffer(blob, np.uint8)
         return BlobRef(at, len(blob))
 
-    def _skip(self, task: ChunkTask) -> bool:
+    def skip(self, task: ChunkTask) -> bool:
         """True if this chunk is failed or cancelled (reporting the cancellation once)."""
         job = task.job
         with job.lock:
@@ -215,10 +203,10 @@ class Pipeline:
                 return True
             cancelled = task.region.index >= job.cancel_from
         if cancelled:
-            self._fail(task, "cancelled", "")
+            self.fail(task, "cancelled", "")
         return cancelled
 
-    def _fail(self, task: ChunkTask, kind: str, detail: str, store_error: str = "") -> None:
+    def fail(self, task: ChunkTask, kind: str, detail: str, store_error: str = "") -> None:
         job = task.job
         with job.lock:
             if task.failed:
@@ -229,7 +217,7 @@ class Pipeline:
             # under the lock, like ChunkDone: before any thread can end the job and send JobDone
             self.emit(job.peer, ChunkFailed(job.job, task.region.index, kind, detail[:500], store_error))
 
-    def _release_fetch(self, task: ChunkTask) -> None:
+    def release_fetch(self, task: ChunkTask) -> None:
         """The fetch stage is done with the chunk (its slabs, if any, hold it on)."""
         with task.job.lock:
             if not task.fetch_held:
@@ -266,6 +254,10 @@ class Pipeline:
         if slot is not None:
             self.on_round_free(slot)
 
+    def count_streamed(self) -> None:
+        with self._stats_lock:
+            self.stats["fetch"].streamed += 1
+
     def _src(self, task: ChunkTask):
         if task.own is None:
             return self.buf.src_chunk(task.slot, task.region, task.job.layout, task.job.dtype)
@@ -280,7 +272,7 @@ class Pipeline:
         n = task.region.infl_layer
         return task.own[1][layer * n : (layer + 1) * n]
 
-    def _forward(self, stage: str, item) -> None:
+    def forward(self, stage: str, item) -> None:
         """Hand a slab to the next stage (inline in the serial ablation, failing only that slab)."""
         if not self.cfg.serial:
             self.queues[stage].put(item)
@@ -290,110 +282,10 @@ class Pipeline:
         except Exception as e:  # the inline stage's boundary (a worker's, in the pipelined mode)
             self._failed_item(item[0], stage, e)
 
-    # ---- the four stages (each returns the bytes it produced) -----------------------------------
-    def _fetch(self, task: ChunkTask) -> int:
-        if self._skip(task):
-            self._fetched(task, False)
-            self._release_fetch(task)
-            return 0
-        job = task.job
-        key = job.dests[task.region.index].key
-        stream = None
-        if self.cfg.stream_piece and not self.cfg.round_barrier and hasattr(self.store, "stream_get"):
-            stream = self.store.stream_get(key, self._max_blob(task), self.cfg.stream_piece)
-        if stream is not None:
-            return self._fetch_streamed(task, stream)
-        self._store_err.kind = ""
-        with self.gate.slot() as admitted:
-            blob = self.store.get_many([key])[0]
-            admitted.nbytes = len(blob) if blob is not None else 0
-        if blob is None:
-            self._fail(task, *_miss_kind(self._store_err.kind))
-            self._fetched(task, False)
-            self._release_fetch(task)
-            return 0
-        self._open_chunk(task, blob, job.codec.parse(blob, job.fingerprint))
-        ref = self._copy_blob(job, blob)
-        with job.lock:
-            task.pending += -(-job.layout.num_layers // max(1, self.cfg.layer_group))
-            task.wire_bytes = len(blob)
-            job.blob_refs[task.region.index] = ref
-        self._fetched(task, True)
-        self._release_fetch(task)
-        return len(blob)
-
-    def _max_blob(self, task: ChunkTask) -> int:
-        """The longest blob accepted for a chunk: twice its decoded size plus 1 MiB (no codec comes near)."""
-        lay = task.job.layout
-        return 4 * lay.num_layers * layer_bytes(lay, task.region.tokens) + (1 << 20)
-
-    def _open_chunk(self, task: ChunkTask, blob, hdr):
-        """Check a parsed header against the chunk's region; attach blob and header to the task."""
-        job = task.job
-        if hdr.num_tokens != task.region.tokens:
-            raise CorruptChunk(f"chunk holds {hdr.num_tokens} tokens, expected {task.region.tokens}")
-        for layer in range(job.layout.num_layers):
-            if job.codec.scratch_bytes(hdr, layer) > task.region.infl_layer:
-                raise CorruptChunk("lossless output larger than the inflate occupancy")
-        own = None
-        if not self.cfg.prealloc:
-            lay, r = job.layout, task.region
-            own = (np.empty(2 * lay.num_layers * layer_bytes(lay, r.tokens), np.uint8),
-                   np.empty(lay.num_layers * r.infl_layer, np.uint8))  # fmt: skip
-        with job.lock:
-            task.blob, task.header, task.own = blob, hdr, own
-            task.decoded = [0] * job.layout.num_layers
-        return hdr
-
-    def _fetch_streamed(self, task: ChunkTask, stream) -> int:
-        """Receive a chunk in pieces (``receive.ChunkReceiver``); queue each layer group once its sections
-        are in and verified; hold the slabs' ``LayerDone`` until the store frame verified (``verified``)."""
-        job = task.job
-        with job.lock:
-            task.verified = False
-        rx = None
-        pieces = stream.pieces()
-        try:
-            with self.gate.slot() as admitted:
-                for piece in pieces:
-                    if rx is None:  # the frame's length, bounded by max_bytes
-                        rx = ChunkReceiver(stream.payload_len, job.layout.num_layers, self.cfg.layer_group,
-                                           lambda head, buf: self._open_chunk(task, buf, job.codec.parse(
-                                               head, job.fingerprint, complete=False)))  # fmt: skip
-                    for lo, hi in rx.add(piece):
-                        with job.lock:
-                            task.pending += 1
-                        self._forward("inflate", (task, lo, hi))
-                    if self._skip(task):
-                        break
-                admitted.nbytes = rx.filled if rx is not None and stream.outcome is StreamOutcome.OK else 0
-        finally:
-            pieces.close()
-        if stream.outcome is not StreamOutcome.OK:
-            if stream.outcome is not StreamOutcome.ABORTED:  # (aborted: this chunk failed or was cancelled)
-                self._fail(task, *_miss_kind(_stream_kind(stream)))
-            self._fetched(task, False)
-            self._release_fetch(task)
-            return 0
-        if rx is None or not rx.complete:
-            raise CorruptChunk("the store value ends before its chunk header")
-        ref = self._copy_blob(job, rx.buf)
-        with self._stats_lock:
-            self.stats["fetch"].streamed += 1
-        with job.lock:
-            task.wire_bytes = rx.filled
-            job.blob_refs[task.region.index] = ref
-            task.verified = True
-            held, task.held = task.held, []
-        for lo, n in held:
-            self.emit(job.peer, LayerDone(job.job, task.region.index, lo, n))
-        self._fetched(task, True, streamed=True)
-        self._release_fetch(task)
-        return rx.filled
-
+    # ---- the three stages after fetch (each returns the bytes it produced) ----------------------
     def _inflate(self, item: tuple[ChunkTask, int, int]) -> int:
         task, lo, hi = item
-        if self._skip(task):
+        if self.skip(task):
             self._slab_finished(task)
             return 0
         codec, n = task.job.codec, 0
@@ -401,12 +293,12 @@ class Pipeline:
             out = self._infl(task, layer)
             task.decoded[layer] = codec.lossless_stage(layer_section(task.blob, task.header, layer), out)
             n += task.decoded[layer]
-        self._forward("dequant", item)
+        self.forward("dequant", item)
         return n
 
     def _dequant(self, item: tuple[ChunkTask, int, int]) -> int:
         task, lo, hi = item
-        if self._skip(task):
+        if self.skip(task):
             self._slab_finished(task)
             return 0
         job = task.job
@@ -414,12 +306,12 @@ class Pipeline:
         for layer in range(lo, hi):
             dec = self._infl(task, layer)[: task.decoded[layer]]
             job.codec.dequant_stage(task.header, layer, dec, k[layer], v[layer])
-        self._forward("dma", item)
+        self.forward("dma", item)
         return 2 * (hi - lo) * layer_bytes(job.layout, task.region.tokens)
 
     def _dma(self, item: tuple[ChunkTask, int, int]) -> int:
         task, lo, hi = item
-        if self._skip(task):
+        if self.skip(task):
             self._slab_finished(task)
             return 0
         job = task.job
@@ -440,20 +332,3 @@ class Pipeline:
             self.emit(job.peer, LayerDone(job.job, task.region.index, lo, hi - lo))
         self._slab_finished(task)
         return 2 * (hi - lo) * lb
-
-
-def _stream_kind(stream) -> str:
-    """The store client's error kind of a streamed get that ended without a value ("" when absent)."""
-    if stream.outcome is StreamOutcome.ABSENT:
-        return ""
-    return "corrupt" if stream.outcome is StreamOutcome.CORRUPT else stream.error or "error"
-
-
-def _miss_kind(store_kind: str) -> tuple[str, str, str]:
-    """``ChunkFailed`` (kind, detail, store_error) of a chunk the store client returned no value for:
-    absent (``miss``), a value failing the store framing (``corrupt``; the client deleted it), or a
-    failed store call (``store_error``). The store kind is cut to the protocol's 64 safe characters."""
-    safe = "".join(c if c.isascii() and (c.isalnum() or c in "_:.-") else "_" for c in store_kind)[:64]
-    if not safe:
-        return "miss", "", ""
-    return ("corrupt" if safe == "corrupt" else "store_error"), f"store client: {safe}", safe
