@@ -70,7 +70,7 @@ class FetchStage:
         job = task.job
         key = job.dests[task.region.index].key
         stream = None
-        if self.cfg.stream_piece and not self.cfg.round_barrier and hasattr(self.store, "stream_get"):
+        if self.cfg.stream_piece and not self.cfg.round_barrier:  # (None: the client cannot stream it)
             stream = self.store.stream_get(key, self._max_blob(task), self.cfg.stream_piece)
         if stream is not None:
             return self._fetch_streamed(task, stream)

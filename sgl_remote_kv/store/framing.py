@@ -44,20 +44,13 @@ def frame(key: bytes, payload: bytes | bytearray | memoryview, tenant_tag: bytes
 
 def read_frame(key: bytes, blob: bytes) -> Framed | None:
     """The framed value, or ``None`` if it is truncated, corrupt, of an unknown version or not for ``key``."""
-    if len(blob) < _HEADER_V1.size:
+    r = FrameReader(key)
+    try:
+        payload = bytes(r.feed(blob))
+        r.finish()
+    except FrameError:
         return None
-    magic, version, length, crc = _HEADER_V1.unpack_from(blob)
-    if magic != _MAGIC or version not in (1, 2):
-        return None
-    size = _HEADER_V1.size if version == 1 else _HEADER.size
-    if length != len(blob) - size:
-        return None
-    payload = blob[size:]
-    meta = b"" if version == 1 else blob[_HEADER_V1.size : size]
-    if zlib.crc32(payload, zlib.crc32(meta, zlib.crc32(key))) != crc:
-        return None
-    written_at, tag = _META.unpack(meta) if meta else (0, SHARED_TAG)
-    return Framed(payload, version, written_at, tag)
+    return Framed(payload, r.version, r.written_at, r.tenant_tag)
 
 
 def unframe(key: bytes, blob: bytes) -> bytes | None:
@@ -66,18 +59,16 @@ def unframe(key: bytes, blob: bytes) -> bytes | None:
     return None if f is None else f.payload
 
 
-HEADER_MAX = _HEADER.size  # the longest frame header (version 2)
-
-
 class FrameError(ValueError):
     """A streamed value is not a valid frame (bad header, more or fewer bytes than it claims, bad CRC)."""
 
 
 class FrameReader:
-    """``read_frame`` for a value that arrives in pieces, in order: ``feed`` returns the payload bytes of
-    each piece (the frame header is held back until whole); ``finish`` checks the length and the CRC over
-    key, header fields and payload (so a value framed for another key, or changed between pieces, fails).
-    ``payload_len`` is known once the header is in. Raises ``FrameError``. One thread."""
+    """The frame parser (``read_frame`` is its one-shot use): feed the value's bytes in order, in any
+    pieces; ``feed`` returns the payload bytes of each (the header is held back until whole); ``finish``
+    checks the length and the CRC over key, header fields and payload (so a value framed for another key,
+    or changed between pieces, fails). ``payload_len``, ``version``, ``written_at`` and ``tenant_tag`` are
+    known once the header is in. Raises ``FrameError``. One thread."""
 
     def __init__(self, key: bytes) -> None:
         self._key = key
@@ -86,6 +77,7 @@ class FrameReader:
         self._want = 0  # the stored CRC
         self.payload_len: int | None = None
         self.received = 0  # payload bytes fed so far
+        self.version, self.written_at, self.tenant_tag = 0, 0, SHARED_TAG  # (version 1: no time, shared)
 
     def feed(self, piece) -> memoryview:
         data = memoryview(piece).cast("B")
@@ -111,8 +103,10 @@ class FrameReader:
         return _HEADER_V1.size if version == 1 else _HEADER.size
 
     def _open_header(self) -> None:
-        _, version, length, crc = _HEADER_V1.unpack_from(self._head)
-        meta = self._head[_HEADER_V1.size :] if version == 2 else b""
+        _, self.version, length, crc = _HEADER_V1.unpack_from(self._head)
+        meta = self._head[_HEADER_V1.size :] if self.version == 2 else b""
+        if meta:
+            self.written_at, self.tenant_tag = _META.unpack(meta)
         self._crc, self._want, self.payload_len = zlib.crc32(meta, zlib.crc32(self._key)), crc, length
 
     def finish(self) -> None:
