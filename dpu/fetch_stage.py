@@ -28,7 +28,7 @@ from sgl_remote_kv.store.streaming import StreamOutcome
 
 from .buffers import layer_bytes
 from .fetch_gate import FetchGate
-from .protocol import BlobRef, LayerDone, Message
+from .protocol import BlobRef, Message
 from .receive import ChunkReceiver
 from .tasks import ChunkTask, JobState, PipelineConfig
 
@@ -155,8 +155,8 @@ class FetchStage:
             job.blob_refs[task.region.index] = ref
             task.verified = True
             held, task.held = task.held, []
-        for lo, n in held:
-            self.book.emit(job.peer, LayerDone(job.job, task.region.index, lo, n))
+        for done in held:
+            self.book.emit(job.peer, done)
         self.book.fetched(task, True, streamed=True)
         self.book.release_fetch(task)
         return rx.filled

@@ -288,13 +288,21 @@ class Pipeline:
         if self.skip(task):
             self._slab_finished(task)
             return 0
-        codec, n = task.job.codec, 0
+        job, n = task.job, 0
         for layer in range(lo, hi):
-            out = self._infl(task, layer)
-            task.decoded[layer] = codec.lossless_stage(layer_section(task.blob, task.header, layer), out)
+            out = self._codes_area(task, layer) if job.codes else self._infl(task, layer)
+            task.decoded[layer] = job.codec.lossless_stage(layer_section(task.blob, task.header, layer), out)
             n += task.decoded[layer]
-        self.forward("dequant", item)
+        if job.codes:  # the layers' codes are in the destination: the pool's writer dequantizes them
+            self._deliver(task, lo, hi, task.decoded[lo:hi])
+        else:
+            self.forward("dequant", item)
         return n
+
+    def _codes_area(self, task: ChunkTask, layer: int) -> np.ndarray:
+        d = task.job.dests[task.region.index]
+        at = d.k_off + layer * d.layer_stride
+        return task.job.dest[at : at + d.layer_stride]
 
     def _dequant(self, item: tuple[ChunkTask, int, int]) -> int:
         task, lo, hi = item
@@ -324,11 +332,18 @@ class Pipeline:
             ko, vo = d.k_off + layer * d.layer_stride, d.v_off + layer * d.layer_stride
             job.dest[ko : ko + lb] = k[layer].reshape(-1).view(np.uint8)
             job.dest[vo : vo + lb] = v[layer].reshape(-1).view(np.uint8)
+        self._deliver(task, lo, hi)
+        return 2 * (hi - lo) * lb
+
+    def _deliver(self, task: ChunkTask, lo: int, hi: int, lengths: list[int] | None = None) -> None:
+        """Layers ``lo..hi`` of the chunk are in the destination (``lengths``: output ``codes``, the bytes
+        of each): tell the host, or hold the message until a streamed blob's frame verified. Ends the slab."""
+        job = task.job
+        done = LayerDone(job.job, task.region.index, lo, hi - lo, list(lengths or ()))
         with job.lock:
             hold = not task.verified  # a streamed blob's frame is not verified yet: tell the host then
             if hold:
-                task.held.append((lo, hi - lo))
+                task.held.append(done)
         if not hold:
-            self.emit(job.peer, LayerDone(job.job, task.region.index, lo, hi - lo))
+            self.emit(job.peer, done)
         self._slab_finished(task)
-        return 2 * (hi - lo) * lb

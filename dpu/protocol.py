@@ -32,8 +32,9 @@ from typing import Annotated, Literal
 import msgspec
 
 # 2: SubmitFetch.blob_off/blob_cap, ChunksVerified; 3: ChunkFailed.store_error;
-# 4: Register / Registered / Goodbye (a client registers its regions before submitting), Pong.registered
-PROTOCOL_VERSION = 4
+# 4: Register / Registered / Goodbye (a client registers its regions before submitting), Pong.registered;
+# 5: SubmitFetch.output ("codes": the lossless stage's output for the pool's writer), LayerDone.lengths
+PROTOCOL_VERSION = 5
 MAGIC = b"SKDP"
 ENVELOPE = struct.Struct("<4sHH")
 MAX_FRAME_BYTES = 4 << 20
@@ -108,8 +109,10 @@ def decode_warmup(text: str) -> Warmup:
 class ChunkDest(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """Where one chunk's decoded KV goes in the destination region (byte offsets).
 
-    Layer ``l`` of K is written at ``k_off + l * layer_stride`` (``tokens * heads * dim * itemsize``
-    contiguous bytes), V likewise from ``v_off``.
+    Output ``kv``: layer ``l`` of K is written at ``k_off + l * layer_stride`` (``tokens * heads * dim *
+    itemsize`` contiguous bytes), V likewise from ``v_off``. Output ``codes``: layer ``l``'s lossless-stage
+    output (K and V) is written at ``k_off + l * layer_stride``, at most ``layer_stride`` bytes (at least
+    the layer's K + V bytes as KV); ``v_off`` is unused.
     """
 
     key: Key
@@ -133,6 +136,10 @@ class SubmitFetch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # plane copies the job's verified compressed blobs there before ``ChunksVerified`` (0: no copy).
     blob_off: U64 = 0
     blob_cap: U64 = 0
+    # What the data plane writes into the destination: decoded KV, or each layer's lossless-stage output
+    # (the codec's codes / symbols, ``Codec.device_dequant`` codecs only) that the pool's writer
+    # dequantizes on the device (``KVWriter.write_quantized``); then the dequant and DMA stages are skipped.
+    output: Literal["kv", "codes"] = "kv"
 
     def __post_init__(self) -> None:
         ends = [self.blob_off + self.blob_cap]
@@ -230,12 +237,18 @@ class ChunkDone(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class LayerDone(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Layers ``layer .. layer+count-1`` of ``chunk`` are in the destination region."""
+    """Layers ``layer .. layer+count-1`` of ``chunk`` are in the destination region. Output ``codes``:
+    ``lengths`` holds the bytes written for each of them (``count`` entries); output ``kv``: empty."""
 
     job: JobId
     chunk: U32
     layer: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)]
     count: Annotated[int, msgspec.Meta(ge=1, le=MAX_LAYERS)] = 1
+    lengths: Annotated[list[U64], msgspec.Meta(max_length=MAX_LAYERS)] = []
+
+    def __post_init__(self) -> None:
+        if self.lengths and len(self.lengths) != self.count:
+            raise ValueError("LayerDone.lengths must hold one length per layer")
 
 
 FAIL_KINDS = (

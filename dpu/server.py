@@ -369,14 +369,17 @@ class DataPlaneServer:
         region = check_submit(msg, client.regions, client.fingerprint, client.codec_key)
         fp, layout = client.fingerprint, client.fingerprint.layout
         codec = self.codecs.get(msg.codec, msg.codec_params)
+        if msg.output == "codes" and not codec.device_dequant:
+            raise ValueError(f"codec {msg.codec} has no device dequant stage: output must be kv")
         blob_area = (msg.blob_off, msg.blob_cap)
         # the jobs of one request share the place of its first job in the pipeline's order (``slab_key``)
         lead = next((j for j in self.jobs.values() if j.peer == peer and j.request_id == msg.request_id), None)
         if lead is not None and lead.lead is not None:
             lead = lead.lead
         job = JobState(
-            msg.job, peer, codec, fp, layout, list(msg.chunks), blob_area, region.array, msg.request_id, lead
-        )
+            msg.job, peer, codec, fp, layout, list(msg.chunks), blob_area, region.array, msg.request_id, lead,
+            codes=msg.output == "codes",
+        )  # fmt: skip
         ratio = self.cfg.settings.inflate_ratio
         rounds = plan_rounds([c.tokens for c in msg.chunks], layout, self.cfg.settings.slot_bytes, ratio)
         return job, rounds

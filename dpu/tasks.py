@@ -23,7 +23,7 @@ import numpy as np
 from sgl_remote_kv.types import numpy_storage_dtype
 
 from .buffers import ChunkRegion
-from .protocol import BlobRef, ChunkDest, ChunksVerified
+from .protocol import BlobRef, ChunkDest, ChunksVerified, LayerDone
 
 STAGES = ("fetch", "inflate", "dequant", "dma")
 
@@ -66,12 +66,16 @@ class JobState:
         dest=None,
         request_id: str = "",
         lead: JobState | None = None,
+        codes: bool = False,
     ) -> None:
         self.job, self.peer, self.codec, self.fingerprint = job, peer, codec, fingerprint
         # the client's request; ``lead``: the request's first job still active when this one arrived
         # (None: this one); ``first_round``: the id of this job's first admitted round (``slab_key``)
         self.request_id, self.lead, self.first_round = request_id, lead, -1
         self.dest = dest  # uint8 view of the destination region of the job's client (host-owned shm)
+        # True: the inflate stage writes each layer's lossless output straight into ``dest`` (output
+        # ``codes``; no dequant, no DMA); False: decoded KV through all four stages
+        self.codes = codes
         self.layout = layout
         self.dtype = numpy_storage_dtype(layout.dtype)
         self.dests = dests
@@ -120,9 +124,9 @@ class ChunkTask:
     wire_bytes: int = 0
     fetch_reported: bool = False  # ``_fetched`` ran for this chunk
     # False while a streamed blob's store frame is unverified: its DMA'd slabs' ``LayerDone`` wait in
-    # ``held`` (first layer, count) until it passed, and are dropped if it fails
+    # ``held`` until it passed, and are dropped if it fails
     verified: bool = True
-    held: list[tuple[int, int]] = field(default_factory=list)
+    held: list[LayerDone] = field(default_factory=list)
 
 
 @dataclass

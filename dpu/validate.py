@@ -110,7 +110,12 @@ def check_submit(msg: P.SubmitFetch, regions: dict[str, DestRegion], fp: ModelFi
         raise ValueError("codec differs from the client's registration")
     layout = fp.layout
     for c in msg.chunks:
-        end = layer_bytes(layout, c.tokens) + (layout.num_layers - 1) * c.layer_stride
-        if max(c.k_off, c.v_off) + end > region.size or c.layer_stride < layer_bytes(layout, c.tokens):
+        lb = layer_bytes(layout, c.tokens)
+        if msg.output == "codes":  # one area of ``layer_stride`` bytes per layer from ``k_off``
+            bad = c.k_off + layout.num_layers * c.layer_stride > region.size or c.layer_stride < 2 * lb
+        else:
+            end = lb + (layout.num_layers - 1) * c.layer_stride
+            bad = max(c.k_off, c.v_off) + end > region.size or c.layer_stride < lb
+        if bad:
             raise ValueError("chunk destination outside the destination region")
     return region

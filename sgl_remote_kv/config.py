@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 
 from sgl_remote_kv import env
-from sgl_remote_kv.types import DEFAULT_QUALITY, QUALITY_LEVELS
+from sgl_remote_kv.types import DEFAULT_QUALITY, DPU_OUTPUTS, QUALITY_LEVELS
 
 MODES = ("off", "dpu", "nvdec", "inproc", "auto")
 FLUSH_SCOPES = ("local", "tier")
@@ -37,6 +37,7 @@ class RemoteKVConfig:
     dpu_cpus: tuple[int, ...] = ()  # cores the DPU data plane pins itself to; () = automatic
     dpu_args: str = ""  # extra data-plane command-line flags (tests, benchmarks; shlex-split)
     dpu_endpoint: str = ""  # "": spawn a private data plane; else attach to the data-plane service there
+    dpu_output: str = "auto"  # what the data plane writes for the pool: kv, codes, auto (codes on a GPU pool)
     flush: str = "local"  # what /flush_cache drops: "local" (this server's cache) or also the "tier"'s chunks
 
     def __post_init__(self) -> None:
@@ -70,6 +71,8 @@ class RemoteKVConfig:
         if self.dpu_endpoint.startswith("tcp://") and not self.auth_key_file:
             raise ValueError("--remote-kv-dpu-endpoint tcp://... needs --remote-kv-auth-key-file (the endpoint's "
                              "CURVE keys are derived from that secret)")  # fmt: skip
+        if self.dpu_output not in DPU_OUTPUTS:
+            raise ValueError(f"--remote-kv-dpu-output must be one of {DPU_OUTPUTS}, got {self.dpu_output!r}")
         if not 1 <= self.nvdec_instances <= 64:
             raise ValueError(f"--remote-kv-nvdec-instances must be in [1, 64], got {self.nvdec_instances}")
 
@@ -211,6 +214,16 @@ class RemoteKVConfig:
             "then do not apply (the service has its own).",
         )
         g.add_argument(
+            "--remote-kv-dpu-output",
+            dest="remote_kv_dpu_output",
+            choices=DPU_OUTPUTS,
+            default="auto",
+            help="What the DPU data plane writes for the KV pool: kv (it decodes the KV), codes (it only "
+            "entropy-decodes; the pool's writer dequantizes / inverse-transforms, on the GPU for a GPU pool, "
+            "on this process's CPU for a CPU pool), or auto (default): codes for a GPU pool, kv for a CPU "
+            "pool. Codecs without a device dequant stage always fetch kv.",
+        )
+        g.add_argument(
             "--remote-kv-dpu-args",
             dest="remote_kv_dpu_args",
             type=_dpu_args,
@@ -289,6 +302,7 @@ class RemoteKVConfig:
             dpu_cpus=getattr(ns, "remote_kv_dpu_cpus", ()),
             dpu_args=getattr(ns, "remote_kv_dpu_args", ""),
             dpu_endpoint=getattr(ns, "remote_kv_dpu_endpoint", ""),
+            dpu_output=getattr(ns, "remote_kv_dpu_output", "auto"),
             flush=getattr(ns, "remote_kv_flush", "local"),
         )
 

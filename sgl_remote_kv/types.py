@@ -81,6 +81,10 @@ DEFAULT_QUALITY = "0.0005"
 
 ROPE_STYLES = ("neox", "gptj")
 
+# What the DPU data plane writes for the KV pool's writer (``--remote-kv-dpu-output``): decoded KV, the
+# codec's lossless-stage output (codes) that the writer dequantizes, or codes only for a device pool.
+DPU_OUTPUTS = ("auto", "kv", "codes")
+
 
 @dataclass(frozen=True)
 class RopeSpec:

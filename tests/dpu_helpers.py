@@ -84,6 +84,23 @@ def register_raw(sock, client, region: str | None = None) -> None:
     raise AssertionError("the data plane did not answer Register")
 
 
+def dataplane_stage_items(client, timeout: float = 10.0) -> dict[str, int]:
+    """Items each stage of ``client``'s data plane ran, from its heartbeat stats, once the inflate stage
+    shows work."""
+    import json
+    import time
+
+    deadline = time.monotonic() + timeout
+    items: dict[str, int] = {}
+    while time.monotonic() < deadline:
+        stats = json.loads(client.stats().get("dataplane") or "{}").get("pipeline", {})
+        items = {s: st["items"] for s, st in stats.items()}
+        if items.get("inflate"):
+            break
+        time.sleep(0.1)
+    return items
+
+
 def codecs():
     return {
         "lossless": get_codec("lossless", method="deflate", level=1),
@@ -105,6 +122,8 @@ def protocol_samples() -> list:
         P.Pong(1, 123, 42, 0, b"{}"),
         P.ChunkDone(7, 1),
         P.LayerDone(7, 1, 5, 6),
+        P.LayerDone(7, 1, 5, 2, [1000, 1024]),  # output codes: the bytes of each layer
+        P.SubmitFetch(9, "req", "quant_deflate", b"", fp, "psm_x", [dest], output="codes"),
         P.ChunkFailed(7, 2, "corrupt", "bad crc"),
         P.ChunkFailed(7, 3, "store_error", "", "timeout"),  # the data plane's store client failed
         P.ChunkFailed(7, 4, "corrupt", "", "corrupt"),  # a value failing the store framing

@@ -39,6 +39,7 @@ def test_flags_parse_into_frozen_config():
         ["--remote-kv-chunk-size", "abc"],
         ["--remote-kv-chunk-size", "0"],
         ["--remote-kv-flush", "everything"],
+        ["--remote-kv-dpu-output", "symbols"],
     ],
 )
 def test_bad_values_are_argparse_errors_naming_the_flag(argv, capsys):
@@ -61,6 +62,14 @@ def test_json_rejects_unknown_keys_and_bad_values():
         RemoteKVConfig.from_json(json.dumps({"mode": "dpu", "evil": 1}))
     with pytest.raises(ValueError, match="--remote-kv-flush"):
         RemoteKVConfig.from_json(json.dumps({"mode": "dpu", "flush": "all"}))
+    with pytest.raises(ValueError, match="--remote-kv-dpu-output"):
+        RemoteKVConfig.from_json(json.dumps({"mode": "dpu", "dpu_output": "symbols"}))
+
+
+def test_dpu_output_flag():
+    assert RemoteKVConfig.from_namespace(_parser().parse_args(["--remote-kv", "dpu"])).dpu_output == "auto"
+    ns = _parser().parse_args(["--remote-kv", "dpu", "--remote-kv-dpu-output", "codes"])
+    assert RemoteKVConfig.from_namespace(ns).dpu_output == "codes"
 
 
 def test_flush_scope_flag():

@@ -278,16 +278,24 @@ def test_layer_wait_means_layer_is_in_the_pool(tmp_path, make_client):
     assert h.wait(timeout=30).hit_chunks == 4
 
 
-def test_bad_destination_is_rejected_not_written(tmp_path, make_client):
+@pytest.mark.parametrize("case", ["past_region", "codes_past_region", "codes_area_too_small", "codes_no_device_dequant"])
+def test_bad_destination_is_rejected_not_written(tmp_path, make_client, case):
     from sgl_remote_kv.dpu import protocol as P
+    from sgl_remote_kv.dpu.buffers import layer_bytes
 
-    codec = codecs()["lossless"]
+    codec = codecs()["lossless" if case in ("past_region", "codes_no_device_dequant") else "quant"]
     url = f"file://{tmp_path}/store"
     keys, _ = put_chunks(url, codec, random_chunks(1, seed=12))
     c = make_client(url, codec)
-    dest = P.ChunkDest(keys[0], CHUNK, c.dest.size - 16, 0, 4096)  # would write past the region
+    lb = layer_bytes(LAYOUT, CHUNK)
+    dest, output = {
+        "past_region": (P.ChunkDest(keys[0], CHUNK, c.dest.size - 16, 0, 4096), "kv"),  # would write past the region
+        "codes_past_region": (P.ChunkDest(keys[0], CHUNK, c.dest.size - 3 * lb, 0, 2 * lb), "codes"),
+        "codes_area_too_small": (P.ChunkDest(keys[0], CHUNK, 0, 0, 2 * lb - 1), "codes"),  # < the layer's K + V
+        "codes_no_device_dequant": (P.ChunkDest(keys[0], CHUNK, 0, 0, 2 * lb), "codes"),  # lossless: KV only
+    }[case]
     msg = P.SubmitFetch(
-        999, "evil", codec.name, codec.params_bytes(), c._wire_fp, c.dest.name.lstrip("/"), [dest]
+        999, "evil", codec.name, codec.params_bytes(), c._wire_fp, c.dest.name.lstrip("/"), [dest], output=output
     )
     got = []
     with _raw_dealer(c) as s:

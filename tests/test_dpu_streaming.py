@@ -48,13 +48,15 @@ def _assert_chunk_unwritten(target, i):
     assert not pk.any() and not pv.any(), f"chunk {i} reached the pool"
 
 
-@pytest.mark.parametrize("codec_name", ["lossless", "quant"])
-def test_streamed_fetch_is_bit_exact_and_equals_whole_gets(redis_server, make_client, codec_name):
+@pytest.mark.parametrize("codec_name,output", [("lossless", "kv"), ("quant", "kv"), ("quant", "codes")])
+def test_streamed_fetch_is_bit_exact_and_equals_whole_gets(redis_server, make_client, codec_name, output):
+    """``codes``: the data plane only inflates (into the region, as pieces arrive) and the CPU pool's writer
+    dequantizes; the held ``LayerDone`` s carry the codes' lengths."""
     codec = codecs()[codec_name]
     url = redis_server.url
-    keys, blobs = put_chunks(url, codec, random_chunks(5, seed=11), prefix=f"s-{codec_name}".encode())
-    streaming = make_client(url, codec, process=dp_spec(stream_piece_kib=PIECE_KIB), eager_writes=True)
-    whole = make_client(url, codec, process=dp_spec(stream_piece_kib=0))
+    keys, blobs = put_chunks(url, codec, random_chunks(5, seed=11), prefix=f"s-{codec_name}-{output}".encode())
+    streaming = make_client(url, codec, process=dp_spec(stream_piece_kib=PIECE_KIB), eager_writes=True, output=output)
+    whole = make_client(url, codec, process=dp_spec(stream_piece_kib=0), output=output)
     for c, expect_streamed in ((streaming, 5), (whole, 0)):
         target = make_pool(LAYOUT, 512, 5 * CHUNK)
         res = c.fetch("r", keys, CHUNK, target, timeout=30)

@@ -19,7 +19,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from dpu_helpers import CHUNK, FP, LAYOUT, codecs, make_pool, pool_tokens, put_chunks, random_chunks
+from dpu_helpers import (
+    CHUNK,
+    FP,
+    LAYOUT,
+    codecs,
+    dataplane_stage_items,
+    make_pool,
+    pool_tokens,
+    put_chunks,
+    random_chunks,
+)
 from sgl_remote_kv.dpu.buffers import chunk_bytes
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
 from strict_device import StrictDevice, StrictKVPool
@@ -39,20 +49,20 @@ def dev():
 
 @pytest.fixture
 def client(tmp_path, request):
-    """``request.param``: ``eager_writes`` (default True)."""
+    """``request.param``: ``(eager_writes, output)`` (default ``(True, "auto")``: codes into a device pool)."""
     codec = codecs()["quant"]
     url = f"file://{tmp_path}/store"
     keys, blobs = put_chunks(url, codec, random_chunks(5, seed=21))
     spec = DataPlaneSettings(workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * CB, store_timeout_s=2.0)
-    cfg = DpuClientConfig(url, dest_slots=2, dest_slot_bytes=2 * CB, process=spec,
-                          eager_writes=getattr(request, "param", True))  # fmt: skip
+    eager, output = getattr(request, "param", (True, "auto"))
+    cfg = DpuClientConfig(url, dest_slots=2, dest_slot_bytes=2 * CB, process=spec, eager_writes=eager, output=output)
     c = DpuClient(cfg, FP, codec)
     c.start()
     yield c, keys, blobs
     c.close()
 
 
-@pytest.mark.parametrize("client", [True, False], indirect=True, ids=["eager", "per_round"])
+@pytest.mark.parametrize("client", [(True, "kv"), (False, "kv")], indirect=True, ids=["eager", "per_round"])
 def test_fetch_into_a_strict_device_pool_is_exact(client, dev):
     c, keys, blobs = client
     target = make_pool(LAYOUT, 512, 5 * CHUNK, ops=dev)
@@ -72,6 +82,46 @@ def test_fetch_into_a_strict_device_pool_is_exact(client, dev):
     assert dev.pinned == []  # unregistered before the region is unmapped
 
 
+@pytest.mark.parametrize("client", [(True, "auto"), (False, "auto")], indirect=True, ids=["eager", "per_round"])
+def test_codes_into_a_strict_device_pool_are_dequantized_on_the_device(client, dev):
+    """A device pool's default: the data plane writes codes, the pool's writer dequantizes them on the
+    device (one device dequant per layer write, nothing decoded to KV on the data plane)."""
+    c, keys, blobs = client
+    target = make_pool(LAYOUT, 512, 5 * CHUNK, ops=dev)
+    res = c.fetch("strict-codes", keys, CHUNK, target, timeout=60)
+    assert res.hit_chunks == 5 and not res.failures
+    w = target.writer
+    assert w.stats["device_dequant"] == w.stats["writes"] >= LAYOUT.num_layers  # one write per layer and round
+    assert dataplane_stage_items(c)["dequant"] == 0  # the data plane only inflated
+    for i in range(5):
+        k, v = decode(blobs[i], FP)
+        pk, pv = pool_tokens(target, LAYOUT, i * CHUNK, (i + 1) * CHUNK)
+        assert np.array_equal(k, pk) and np.array_equal(v, pv), f"chunk {i} differs"  # same dequant as the CPU's
+
+
+def test_codes_that_do_not_parse_on_the_host_are_a_miss(client, dev):
+    """The data plane's codes for layer 1 fail the host's check (a fault injected into the host's codec
+    view): that write fails, its round is a miss (kind ``write``), nothing crashes, later fetches hit."""
+    from sgl_remote_kv.codec.errors import CorruptChunk
+
+    c, keys, _ = client
+    real = c.io.codec
+
+    class Faulty:
+        def view(self, header, layer, decoded):
+            if layer == 1:
+                raise CorruptChunk("injected: codes do not parse")
+            return real.view(header, layer, decoded)
+
+    c.io.codec = Faulty()
+    res = c.fetch("bad-codes", keys[:2], CHUNK, make_pool(LAYOUT, 512, 2 * CHUNK, ops=dev), timeout=60)
+    assert res.hit_chunks == 0 and res.failures.get(0) == "write"
+    c.io.codec = real
+    res = c.fetch("good-codes", keys[:2], CHUNK, make_pool(LAYOUT, 512, 2 * CHUNK, ops=dev), timeout=60)
+    assert res.hit_chunks == 2 and not res.failures
+
+
+@pytest.mark.parametrize("client", [(True, "kv"), (True, "codes")], indirect=True, ids=["kv", "codes"])
 def test_device_fault_during_the_write_fails_the_round_never_a_hit(client, dev):
     c, keys, _ = client
     target = make_pool(LAYOUT, 512, 5 * CHUNK, ops=dev)

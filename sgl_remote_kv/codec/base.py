@@ -33,6 +33,7 @@ from sgl_remote_kv.codec.errors import ChunkError, CorruptChunk, ForeignChunk
 from sgl_remote_kv.codec.format import (
     DEFAULT_LIMITS,
     ChunkHeader,
+    ChunkShape,
     Limits,
     canonical_params,
     layer_section,
@@ -140,9 +141,10 @@ class Codec(ABC):
     ) -> None:
         """Turn ``decoded`` (the lossless stage's bytes) into KV in ``out_k``/``out_v`` ``[T, H, D]``."""
 
-    def view(self, header: ChunkHeader, layer: int, decoded):
+    def view(self, header: ChunkHeader | ChunkShape, layer: int, decoded):
         """``decoded`` (one layer's lossless-stage bytes) validated and sliced into the codec's codes view
-        (zero-copy); ``ChunkError`` if malformed. Only codecs with ``device_dequant``."""
+        (zero-copy); ``ChunkError`` if malformed. Reads only ``header.layout`` and ``header.num_tokens``.
+        Only codecs with ``device_dequant``."""
         raise NotImplementedError(f"{self.name} has no device dequant stage")
 
     def codes_stage(self, blob, header: ChunkHeader, layer: int, out: np.ndarray):

@@ -101,6 +101,16 @@ class LayerEntry:
 
 
 @dataclass(frozen=True)
+class ChunkShape:
+    """What a codec's ``view`` reads of a chunk's header: its model layout and token count. A host that
+    has only a chunk's lossless-stage output (the data plane wrote it, ``SubmitFetch.output`` codes)
+    passes this; the view still checks the output's own prelude against it."""
+
+    layout: KVLayout
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class ChunkHeader:
     """Parsed, verified header. ``layers[i]`` locates layer ``i``'s section in the blob."""
 

@@ -52,7 +52,7 @@ from sgl_remote_kv.dpu import protocol as P
 from sgl_remote_kv.dpu.buffers import DestRegion
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
 from sgl_remote_kv.kvpool import KVWriteError
-from sgl_remote_kv.types import ModelFingerprint
+from sgl_remote_kv.types import DPU_OUTPUTS, ModelFingerprint
 
 from . import shm_names
 from .dpu_process import AttachedService, DataPlaneProcess
@@ -79,8 +79,15 @@ class DpuClientConfig:
     # write each run of finished layers into the pool as soon as every chunk of the round has it (always
     # with a blob area); False: one write per host round once all its layers arrived (fewer device launches)
     eager_writes: bool = True
+    # what the data plane writes for the pool's writer: "kv" (decoded KV), "codes" (the lossless stage's
+    # output, dequantized by the writer: ``KVWriter.write_quantized``), or "auto": codes where the writer
+    # dequantizes on a device (``KVWriter.device_dequant``: a GPU pool), KV otherwise. Codes only for codecs
+    # with a device dequant stage; other codecs always fetch KV.
+    output: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.output not in DPU_OUTPUTS:
+            raise ValueError(f"data-plane output must be one of {DPU_OUTPUTS}, got {self.output!r}")
         if self.endpoint and not self.endpoint.startswith(("ipc://", "tcp://")):
             raise ValueError(f"data-plane endpoint must be ipc:// or tcp://, got {self.endpoint!r}")
         if self.endpoint.startswith("tcp://") and not self.auth_key_file:
@@ -149,7 +156,8 @@ class DpuClient:
         shm_names.sweep_stale_dirs()
         nbytes = cfg.dest_slots * (cfg.dest_slot_bytes + cfg.blob_slot_bytes)
         self.dest = DestRegion.create(nbytes, shm_names.region_name())
-        self.io = RoundIO(self.dest, self.layout, cfg.dest_slot_bytes, cfg.dest_slots, cfg.blob_slot_bytes)
+        self.io = RoundIO(self.dest, self.layout, cfg.dest_slot_bytes, cfg.dest_slots, cfg.blob_slot_bytes,
+                          self.codec)  # fmt: skip
         self.book = RoundBook(
             self.layout,
             self.io,
@@ -248,7 +256,8 @@ class DpuClient:
             raise ValueError("need one token count per key and at least one key")
         if target is not None and len(target.kv_slots) < sum(tokens):
             raise ValueError("target.kv_slots shorter than the fetched tokens")
-        h = FetchHandle(self.cv, request_id, list(keys), tokens, self.layout.num_layers, target)
+        h = FetchHandle(self.cv, request_id, list(keys), tokens, self.layout.num_layers, target,
+                        self._wants_codes(target))  # fmt: skip
         with self.cv:
             if target is not None and not any(w is target.writer for w in self._writers):
                 target.writer.register_host(self.dest.array)
@@ -287,6 +296,12 @@ class DpuClient:
         return out
 
     # ---- internals (under cv) ----------------------------------------------------------------------
+    def _wants_codes(self, target: KVTarget | None) -> bool:
+        """Fetch codes for ``target`` (``DpuClientConfig.output``)?"""
+        if target is None or not self.codec.device_dequant or self.cfg.output == "kv":
+            return False
+        return self.cfg.output == "codes" or target.writer.device_dequant
+
     def _wake(self) -> None:
         with self.cv:
             if self._wake_tx is not None:
@@ -303,8 +318,9 @@ class DpuClient:
         name = self.dest.name.lstrip("/")
         fp = self._wire_fp
         return P.SubmitFetch(
-            r.job, h.request_id, self.codec_name, self.codec_params, fp, name, dests, blob_off, blob_cap
-        )
+            r.job, h.request_id, self.codec_name, self.codec_params, fp, name, dests, blob_off, blob_cap,
+            "codes" if h.codes else "kv",
+        )  # fmt: skip
 
     # ---- receiver thread ---------------------------------------------------------------------------
     def _receiver(self) -> None:

@@ -65,6 +65,7 @@ class HostRound:
     job: int = 0
     last_event: float = 0.0
     chunk_layers: list[bytearray] = field(default_factory=list)  # per chunk of the round: layers in the region
+    code_lengths: list[list[int]] = field(default_factory=list)  # fetched as codes: per chunk, per layer, bytes
     layer_write: list[LayerWrite] = field(default_factory=list)  # per layer; WRITTEN once the write returned
     terminal: bool = False
 
@@ -84,10 +85,13 @@ class FetchHandle:
         chunk_tokens: list[int],
         num_layers: int,
         target: KVTarget | None,
+        codes: bool = False,
     ) -> None:
         self._cv = cv
         self.request_id, self.keys, self.chunk_tokens = request_id, keys, chunk_tokens
         self.num_layers, self.target = num_layers, target
+        # the data plane writes the codec's lossless output, the target's writer dequantizes (``round_io``)
+        self.codes = codes
         self.state = [PENDING] * len(keys)
         self.layers_seen = [0] * len(keys)  # per chunk: layers reported done
         self.failures: dict[int, str] = {}

@@ -3,8 +3,11 @@
 A host round occupies one destination slot laid out as K ``[L, T_round, H, D]`` then V
 ``[L, T_round, H, D]`` (T_round: the round's tokens), so finished layers of the whole round are one
 contiguous block per K/V and go into the pool in one ``KVWriter.write`` (one per round when all layers
-finish together). Called under the client's lock by the receiver thread (writes) and by ``submit``
-(offsets); the region is owned by the client (the writer registers it as pinned memory).
+finish together). A round fetched as codes (``FetchHandle.codes``: the data plane writes each layer's
+lossless-stage output, ``SubmitFetch.output``) lays its chunks out one after the other, each as ``L``
+areas of its layer's K + V bytes, and goes into the pool one ``KVWriter.write_quantized`` per layer
+(the pool's side dequantizes). Called under the client's lock by the receiver thread (writes) and by
+``submit`` (offsets); the region is owned by the client (the writer registers it as pinned memory).
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ from __future__ import annotations
 import numpy as np
 
 from sgl_remote_kv.codec.errors import ChunkError
+from sgl_remote_kv.codec.format import ChunkShape
 from sgl_remote_kv.dpu import protocol as P
 from sgl_remote_kv.dpu.buffers import DestRegion, layer_bytes
+from sgl_remote_kv.kvpool import KVWriteError
 from sgl_remote_kv.types import KVLayout, numpy_storage_dtype
 
 from .jobs import HostRound, KVTarget
@@ -23,10 +28,9 @@ class RoundIO:
     """Slot ``s`` of the region: decoded KV at ``s * slot_bytes``; its blob area (layer-wise only) at
     ``slots * slot_bytes + s * blob_bytes``, where the data plane copies the round's verified blobs."""
 
-    def __init__(
-        self, dest: DestRegion, layout: KVLayout, slot_bytes: int, slots: int = 0, blob_bytes: int = 0
-    ) -> None:
-        self.dest, self.layout, self.slot_bytes = dest, layout, slot_bytes
+    def __init__(self, dest: DestRegion, layout: KVLayout, slot_bytes: int, slots: int = 0, blob_bytes: int = 0,
+                 codec=None) -> None:  # fmt: skip
+        self.dest, self.layout, self.slot_bytes, self.codec = dest, layout, slot_bytes, codec
         self.slots, self.blob_bytes = slots, blob_bytes
         self.dtype = numpy_storage_dtype(layout.dtype)
 
@@ -56,8 +60,12 @@ class RoundIO:
         base = r.slot * self.slot_bytes
         out, t = [], 0
         for i in range(r.chunk_lo, r.chunk_hi):
-            off = base + layer_bytes(lay, t)
-            out.append(P.ChunkDest(keys[i], tokens[i], off, off + lay.num_layers * stride, stride))
+            if r.handle.codes:  # chunk after chunk, L areas of the layer's K + V bytes each
+                off = base + 2 * lay.num_layers * layer_bytes(lay, t)
+                out.append(P.ChunkDest(keys[i], tokens[i], off, off, 2 * layer_bytes(lay, tokens[i])))
+            else:
+                off = base + layer_bytes(lay, t)
+                out.append(P.ChunkDest(keys[i], tokens[i], off, off + lay.num_layers * stride, stride))
             t += tokens[i]
         return out
 
@@ -74,9 +82,33 @@ class RoundIO:
     def write_layers(self, slot: int, r: HostRound, lo: int, hi: int, n_tok: int, target: KVTarget) -> None:
         """Layers ``lo..hi`` of the round's first ``n_tok`` tokens (in ``slot``) into the pool (raises
         ``KVWriteError``)."""
-        k, v = self.round_view(slot, r)
         kv_slots = target.kv_slots[r.token_lo : r.token_lo + n_tok]
+        if r.handle.codes:
+            for layer in range(lo, hi):
+                target.writer.write_quantized(self._code_views(slot, r, layer, n_tok), kv_slots, layer)
+            return
+        k, v = self.round_view(slot, r)
         target.writer.write(k[lo:hi, :n_tok], v[lo:hi, :n_tok], kv_slots, lo)
+
+    def _code_views(self, slot: int, r: HostRound, layer: int, n_tok: int) -> list:
+        """The codec's views of ``layer`` of the round's chunks holding its first ``n_tok`` tokens, read in
+        place from the region (``KVWriteError`` if the data plane's output does not parse)."""
+        lay, base = self.layout, slot * self.slot_bytes
+        views, t = [], 0
+        for c, tokens in enumerate(r.handle.chunk_tokens[r.chunk_lo : r.chunk_hi]):
+            if t >= n_tok:
+                break
+            stride = 2 * layer_bytes(lay, tokens)
+            at = base + 2 * lay.num_layers * layer_bytes(lay, t) + layer * stride
+            n = r.code_lengths[c][layer]
+            if not 0 < n <= stride:
+                raise KVWriteError(f"chunk {r.chunk_lo + c} layer {layer}: {n} bytes of codes in a {stride}-byte area")
+            try:
+                views.append(self.codec.view(ChunkShape(lay, tokens), layer, self.dest.array[at : at + n]))
+            except ChunkError as e:  # the data plane's output does not parse: the round is a miss
+                raise KVWriteError(f"chunk {r.chunk_lo + c} layer {layer}: {e}") from e
+            t += tokens
+        return views
 
     def close(self) -> None:
         self.dest = None

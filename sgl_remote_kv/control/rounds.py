@@ -99,6 +99,8 @@ class RoundBook:
             n = sum(r.tokens for r in regions)
             r = HostRound(h, regions[0].index, regions[-1].index + 1, t, n)
             r.chunk_layers = [bytearray(self.layout.num_layers) for _ in range(r.chunk_hi - r.chunk_lo)]
+            if h.codes:
+                r.code_lengths = [[0] * self.layout.num_layers for _ in range(r.chunk_hi - r.chunk_lo)]
             r.layer_write = [LayerWrite.WAITING] * self.layout.num_layers
             h.rounds.append(r)
             self.pending.append(r)
@@ -190,7 +192,9 @@ class RoundBook:
         h = r.handle
         if isinstance(msg, P.LayerDone):
             i = r.chunk_lo + msg.chunk
-            if i < r.chunk_hi and msg.layer + msg.count <= h.num_layers:
+            if i < r.chunk_hi and msg.layer + msg.count <= h.num_layers and bool(msg.lengths) == h.codes:
+                if h.codes:
+                    r.code_lengths[msg.chunk][msg.layer : msg.layer + msg.count] = msg.lengths
                 h.layers_seen[i] += msg.count
                 r.chunk_layers[msg.chunk][msg.layer : msg.layer + msg.count] = b"\x01" * msg.count
                 self.try_write(r)

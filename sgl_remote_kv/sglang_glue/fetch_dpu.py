@@ -156,8 +156,9 @@ def start_dpu_backend(
         # tier's --remote-kv-auth-key-file); else spawn a private data plane with the settings above
         key_file = config.auth_key_file if config.dpu_endpoint else ""
         cfg = DpuClientConfig(
-            store_url=config.resolved_store_url(), process=spec, endpoint=config.dpu_endpoint, auth_key_file=key_file
-        )
+            store_url=config.resolved_store_url(), process=spec, endpoint=config.dpu_endpoint, auth_key_file=key_file,
+            output=config.dpu_output,
+        )  # fmt: skip
         if config.layerwise:  # host copies of verified blobs: compressed size <= decoded size here
             cfg = dataclasses.replace(cfg, blob_slot_bytes=cfg.dest_slot_bytes)
         client = DpuClient(
