@@ -19,7 +19,14 @@ the data plane's ordering and store-read ablations:
   admits one fetch or both workers as it measures the link (the default before streamed gets);
 - ``streamed, 1 fetch worker``: values read in pieces (``--stream-piece-kib``), each layer group decoded
   once its bytes are in; one fetch worker;
-- ``streamed (default)``: the same with two fetch workers behind the adaptive gate.
+- ``streamed (default)``: the same with two fetch workers behind the adaptive gate;
+- ``streamed, codes (dequant in the pool's writer)``: the default, but the data plane stops after the
+  lossless stage and writes codes (``--remote-kv-dpu-output codes``, a GPU pool's default); this
+  process's receiver thread dequantizes them into the CPU pool (on core ``--host-cpus``, one torch
+  thread), standing in for the GPU that does it on a GPU host.
+
+Per row also: the data plane's CPU per fetch (its stages' thread CPU, from its stats) and the host
+receiver thread's time in the pool's writer per fetch (wall; includes the dequant for ``codes``).
 
 Each variant's data plane lives through all rates of a codec (640, 320, 160 Mbit/s in turn), so the gate
 must follow each change of rate.
@@ -30,10 +37,16 @@ Writes ``docs/results/dpu_floor.json`` and prints a table. Needs root (network n
 
 from __future__ import annotations
 
+import os
+
+# One OpenMP thread per torch caller (before torch loads): this process stands for a server on one core
+# (``--host-cpus``), and the codes variant's integer GEMM runs on its receiver thread. An OpenMP team of
+# two on one core spins: that variant's pool writes took ~40x longer (1.9 s per fetch instead of ~50 ms).
+os.environ["OMP_NUM_THREADS"] = "1"
+
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -67,6 +80,7 @@ VARIANTS = {  # name -> (data-plane debug settings, client config overrides, dat
     "as fetched, whole gets": ({}, {}, {"stream_piece_kib": 0}),
     "streamed, 1 fetch worker": ({}, {}, {"workers": (1, 1, 1, 1)}),
     "streamed (default)": ({}, {}, {}),
+    "streamed, codes (dequant in the pool's writer)": ({}, {"output": "codes"}, {}),
 }
 
 
@@ -101,6 +115,12 @@ def _client(url: str, fp, codec, cpus: tuple[int, ...], debug: dict, over: dict,
     c = DpuClient(cfg, fp, codec)
     c.start()
     return c
+
+
+def _cpu(c: DpuClient) -> tuple[float, float]:
+    """(the data plane's stage CPU seconds so far, by its last heartbeat; the client's seconds in pool writes)."""
+    stages = json.loads(c.stats().get("dataplane") or "{}").get("pipeline", {})
+    return sum(st["cpu_s"] for st in stages.values()), c.stats()["write_s"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 for rate in rates:
                     store.set_rate(rate)
                     got: dict[str, list[tuple[float, int]]] = {v: [] for v in [RAW, *variants]}
+                    before = {v: _cpu(c) for v, c in clients.items()}
                     for rep in range(a.reps + 1):
                         t0 = time.perf_counter()
                         for k in keys:
@@ -158,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
                                 raise RuntimeError(f"{v}: {res.failures}")
                             if rep:  # the first fetch of each client warms it up
                                 got[v].append((dt, res.wire_bytes))
+                    time.sleep(1.5)  # a heartbeat with the last fetch's stage statistics
+                    cost = {}  # per fetch (warm-up included): (data-plane CPU ms, host time in pool writes ms)
+                    for v, c in clients.items():
+                        cost[v] = [(t1 - t0) * 1e3 / (a.reps + 1) for t0, t1 in zip(before[v], _cpu(c), strict=True)]
                     for v, runs in got.items():
                         wire = runs[0][1]
                         floor = wire * 8 / (rate * 1e6)
@@ -168,10 +193,13 @@ def main(argv: list[str] | None = None) -> int:
                                      "all_s": [t for t, _ in runs],
                                      # the data plane's fetch gate at its last heartbeat (limit, rates)
                                      "fetch_gate": json.loads(clients[v].stats().get("dataplane") or "{}").get("fetch_gate")
-                                     if v in clients else None})  # fmt: skip
+                                     if v in clients else None,
+                                     "dp_cpu_ms": cost[v][0] if v in cost else None,
+                                     "host_write_ms": cost[v][1] if v in cost else None})  # fmt: skip
                         r = rows[-1]
+                        extra = f"  DP CPU {r['dp_cpu_ms']:5.1f} ms  host write {r['host_write_ms']:5.1f} ms" if v in cost else ""
                         print(f"{cname:14s} {rate:5.0f} Mbit/s  {v:28s} floor {floor * 1e3:6.1f} ms  "
-                              f"median {med * 1e3:6.1f} ms  {r['over_floor']:.2f}x  tail {r['tail_ms']:5.1f} ms",
+                              f"median {med * 1e3:6.1f} ms  {r['over_floor']:.2f}x  tail {r['tail_ms']:5.1f} ms{extra}",
                               flush=True)  # fmt: skip
             finally:
                 for c in clients.values():
