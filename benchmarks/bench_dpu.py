@@ -8,9 +8,14 @@ For each store (embedded file store; Redis when ``redis-server`` exists) and chu
   GB/s, each stage's throughput *inside* the running pipeline (decoded bytes / the stage's busy time),
   and decoded GB/s per core of data-plane CPU (bytes / (user+sys CPU seconds of the process));
 - ablations in the same process harness: ``--ablation-serial`` (no pipeline: each chunk through all
-  four stages on one thread) and ``--ablation-no-prealloc`` (staging buffers allocated per chunk).
+  four stages on one thread) and ``--ablation-no-prealloc`` (staging buffers allocated per chunk);
+- ``codes``: the data plane's output ``codes`` (a GPU pool's default): fetch and inflate only, the
+  dequantization left to the pool's side (here: nobody; the fetch has no target). Its GB/s count the
+  decoded KV the codes stand for.
 
-Writes ``docs/results/dpu.json`` and ``docs/results/dpu.png`` and prints a table.
+``--codec``: ``quant_deflate`` (the registry default) or ``transform`` (the DPU's default where the model
+has a calibration: ``make calibration``). Writes ``docs/results/dpu.json`` (``--out``) and the PNG beside
+it, and prints a table.
 Usage: ``python -m benchmarks.bench_dpu [--quick] [--stores file,redis] [--chunk-sizes 64,256,512]``.
 """
 
@@ -28,30 +33,30 @@ from sgl_remote_kv.dpu.buffers import chunk_bytes, layer_bytes
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from benchmarks import kvdata
-from sgl_remote_kv.codec.base import default_codec
+from sgl_remote_kv.codec.base import default_codec, get_codec
 from sgl_remote_kv.codec.format import layer_section
 from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
 from sgl_remote_kv.store.client import open_client
-from sgl_remote_kv.types import KVLayout, ModelFingerprint
 
-OUT = kvdata.REPO / "docs" / "results"
-LAYOUT = KVLayout(30, 3, 64, "bfloat16")
-FP = ModelFingerprint("LlamaForCausalLM", LAYOUT, "smollm2-135m-instruct-bench")
+OUT = kvdata.REPO / "docs" / "results" / "dpu.json"
+FP = kvdata.fingerprint()  # the benchmark model's (a transform codec's calibration is looked up by it)
+LAYOUT = FP.layout
 GB = 1e9
 
 
-def load_chunks(chunk_size: int, texts) -> list[tuple[np.ndarray, np.ndarray]]:
+def load_chunks(chunk_size: int, texts) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """(K, V, position of the first token) of each chunk of each text."""
     out = []
     for t in texts:
         for i in range(t.k.shape[1] // chunk_size):
             sl = slice(i * chunk_size, (i + 1) * chunk_size)
-            out.append((np.ascontiguousarray(t.k[:, sl]), np.ascontiguousarray(t.v[:, sl])))
+            out.append((np.ascontiguousarray(t.k[:, sl]), np.ascontiguousarray(t.v[:, sl]), i * chunk_size))
     return out
 
 
 def put(url: str, codec, chunks, tag: str) -> tuple[list[bytes], list[bytes]]:
     keys = [f"{tag}-{i}".encode().ljust(32, b"\0") for i in range(len(chunks))]
-    blobs = [codec.encode(k, v, FP) for k, v in chunks]
+    blobs = [codec.encode(k, v, FP, start=s) for k, v, s in chunks]
     client = open_client(url)
     for i in range(0, len(keys), 8):
         client.put_many(list(zip(keys[i : i + 8], blobs[i : i + 8], strict=True)))
@@ -133,14 +138,19 @@ def _dp_stats(c: DpuClient) -> dict:
     return json.loads(c.last_pong.stats_json)["pipeline"]
 
 
-VARIANTS = {"pipeline": (), "no_pipeline": ("--ablation-serial",), "no_prealloc": ("--ablation-no-prealloc",)}
+VARIANTS = {  # name -> (data-plane flags, DpuClientConfig.output)
+    "pipeline": ((), "kv"),
+    "no_pipeline": (("--ablation-serial",), "kv"),
+    "no_prealloc": (("--ablation-no-prealloc",), "kv"),
+    "codes": ((), "codes"),
+}
 
 
-def _client(url: str, codec, chunk_size: int, extra: tuple[str, ...]) -> DpuClient:
+def _client(url: str, codec, chunk_size: int, extra: tuple[str, ...], output: str) -> DpuClient:
     cb = chunk_bytes(LAYOUT, chunk_size)
     spec = DataPlaneSettings.from_flags(list(extra), layer_group=5, slots=2, slot_bytes=max(cb, 8 << 20) * 2)
     cfg = DpuClientConfig(
-        url, dest_slots=4, dest_slot_bytes=max(cb, 16 << 20), process=spec, heartbeat_s=0.25
+        url, dest_slots=4, dest_slot_bytes=max(cb, 16 << 20), process=spec, heartbeat_s=0.25, output=output
     )
     c = DpuClient(cfg, FP, codec)
     c.start()
@@ -166,8 +176,9 @@ def run_dataplanes(url: str, codec, keys, chunk_size: int, reps: int) -> dict[st
     """The full design and both ablations as real data-plane processes, runs interleaved (A B C A B C
     ...) so all variants see the same background load; best of ``reps`` each. The first (JIT-warming)
     run of each variant is discarded."""
-    clients = {v: _client(url, codec, chunk_size, extra) for v, extra in VARIANTS.items()}
-    runs: dict[str, list] = {v: [] for v in VARIANTS}
+    variants = {v: x for v, x in VARIANTS.items() if v != "codes" or codec.device_dequant}
+    clients = {v: _client(url, codec, chunk_size, extra, out) for v, (extra, out) in variants.items()}
+    runs: dict[str, list] = {v: [] for v in variants}
     try:
         for rep in range(reps + 1):
             for v, c in clients.items():
@@ -232,7 +243,8 @@ def print_row(r: dict) -> None:
         f"{s['inflate']:.2f} dequant {s['dequant']:.2f} copy {s['dma']:.2f} | pipeline {p['gbps']:.2f} "
         f"({r['pipeline_vs_slowest']:.0%} of slowest) {p['gbps_per_core'] or 0:.2f}/core "
         f"({p['gbps_per_core_sw_stages']:.2f} w/o inflate+copy) cpu x{r['pipeline_cpu_vs_standalone_sum']:.2f} | no-pipe "
-        f"{r['no_pipeline']['gbps']:.2f} no-prealloc {r['no_prealloc']['gbps']:.2f}",
+        f"{r['no_pipeline']['gbps']:.2f} no-prealloc {r['no_prealloc']['gbps']:.2f}"
+        + (f" | codes {r['codes']['gbps']:.2f} ({r['codes']['gbps_per_core']:.2f}/core)" if "codes" in r else ""),
         flush=True,
     )
 
@@ -296,15 +308,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--texts", type=int, default=4, help="how many cached SmolLM2 texts (1792 tokens each)")
     p.add_argument("--replot", action="store_true", help="only redraw the PNG from the JSON")
+    p.add_argument("--codec", choices=("quant_deflate", "transform"), default="quant_deflate")
+    p.add_argument("--out", type=Path, default=OUT, help="the JSON (the PNG is written beside it)")
     ns = p.parse_args(argv)
+    png = ns.out.with_suffix(".png")
     if ns.replot:
-        plot(json.loads((OUT / "dpu.json").read_text())["rows"], OUT / "dpu.png")
+        plot(json.loads(ns.out.read_text())["rows"], png)
         return 0
     sizes = [256] if ns.quick else [int(x) for x in ns.chunk_sizes.split(",")]
     stores = ["file"] if ns.quick else ns.stores.split(",")
     reps = 1 if ns.quick else ns.reps
     texts = kvdata.load_texts()[: ns.texts]
-    codec = default_codec()
+    codec = _codec(ns.codec)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-dpu-") as tmp:
         for store in stores:
@@ -328,11 +343,23 @@ def main(argv: list[str] | None = None) -> int:
         "workers": "1 per stage, layer_group 5, 2 staging slots",
         "note": "host CPU emulation of the DPU; never run on a BlueField",
     }
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "dpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    plot(rows, OUT / "dpu.png")
-    print(f"wrote {OUT / 'dpu.json'} and {OUT / 'dpu.png'}")
+    ns.out.parent.mkdir(parents=True, exist_ok=True)
+    ns.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    plot(rows, png)
+    print(f"wrote {ns.out} and {png}")
     return 0
+
+
+def _codec(name: str):
+    if name == "quant_deflate":
+        return default_codec()
+    from sgl_remote_kv.codec import calibration
+    from sgl_remote_kv.types import DEFAULT_QUALITY
+
+    cal = calibration.find_for(FP, DEFAULT_QUALITY)
+    if cal is None:
+        raise SystemExit("no calibration for the benchmark model: make calibration")
+    return get_codec("transform", calibration=cal.calib_id.hex(), quality=DEFAULT_QUALITY, entropy="deflate")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ value's after parsing it; it calls back into this module's chunk bookkeeping (``
 once the whole value's store frame verified (until then they wait in ``ChunkTask.held``; a frame that
 fails drops them and fails the chunk, so the host never uses a layer of a misplaced or changed value).
 A chunk is held by the fetch and by each slab queued so far (``ChunkTask.pending``); it is terminal at 0.
+A job with output ``codes`` (``JobState.codes``) stops after inflate: its inflate worker writes each
+layer's lossless output straight into the destination and reports the slab (``LayerDone.lengths``); the
+dequant and DMA stages and the staging buffers are not used (the round still holds its staging slot).
 
 Order: a chunk's slabs are queued as soon as their bytes are in and checked; every stage after fetch takes
 its input from a priority queue (``SlabQueue``, order ``tasks.slab_key``): rounds in admission order,

@@ -67,7 +67,7 @@ def test_round_trip_bit_exact_with_rounds(tmp_path, make_client, codec_name):
     url = f"file://{tmp_path}/store"
     keys, blobs = put_chunks(url, codec, random_chunks(7, seed=3))
     writes: list[tuple[float, int]] = []  # the scheduler-side cost the glue exports (dataplane_write_*)
-    c = make_client(url, codec, on_write=lambda s, n: writes.append((s, n)))  # 3 chunks per host round, 2 per DP round
+    c = make_client(url, codec, on_write=lambda s, n, output: writes.append((s, n)))  # 3 chunks per host round, 2 per DP round
     target = make_pool(LAYOUT, 1024, 7 * CHUNK)
     h = c.submit("r", keys, CHUNK, target)
     assert h.wait_layer(0, timeout=30)

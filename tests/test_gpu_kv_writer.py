@@ -5,7 +5,9 @@
   pageable memory, rows not written stay untouched;
 - writes from another thread on the side stream while a forward-like kernel loop runs on the default
   stream, each layer read only after ``wait_layer``: every read sees the written KV;
-- the DPU client end to end: a real data-plane process fetches from an embedded store into a CUDA pool.
+- the DPU client end to end: a real data-plane process fetches from an embedded store into a CUDA pool,
+  as decoded KV (``--remote-kv-dpu-output kv``) and as codes the writer dequantizes on the device (the
+  CUDA default; the quantized codec bit-exact, the transform codec within float32 rounding).
 - ``write_quantized`` on the device: the quantized codec bit-exact against its CPU decode; the transform
   codec (Triton inverse transform, escapes, a sink token) within one step of the dtype of its CPU decode.
 
@@ -117,36 +119,77 @@ def test_writes_on_the_side_stream_while_a_forward_runs():
         t.join()
 
 
-def test_dpu_client_end_to_end_into_a_cuda_pool(tmp_path):
-    from dpu_helpers import CHUNK, FP, LAYOUT, codecs, put_chunks, random_chunks
+def _dpu_fetch_into_cuda(tmp_path, codec, output: str, seed: int):
+    """A real data plane fetches 5 chunks of ``codec`` into an SGLang pool on CUDA with ``output``;
+    returns (writer, slots, blobs)."""
+    from dpu_helpers import CHUNK, FP, LAYOUT, put_chunks, random_chunks
     from sgl_remote_kv.dpu.buffers import chunk_bytes
     from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
-    from sgl_remote_kv.codec.base import decode
     from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
     from sgl_remote_kv.control.jobs import KVTarget
 
-    codec = codecs()["quant"]
     url = f"file://{tmp_path}/store"
-    keys, blobs = put_chunks(url, codec, random_chunks(5, seed=3))
+    keys, blobs = put_chunks(url, codec, random_chunks(5, seed=seed))
     cb = chunk_bytes(LAYOUT, CHUNK)
     spec = DataPlaneSettings(workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * cb)
-    c = DpuClient(DpuClientConfig(url, dest_slots=2, dest_slot_bytes=2 * cb, process=spec), FP, codec)
+    cfg = DpuClientConfig(url, dest_slots=2, dest_slot_bytes=2 * cb, process=spec, output=output)
+    c = DpuClient(cfg, FP, codec)
     c.start()
     try:
-        pool = _sglang_pool(LAYOUT, 1024)
-        w = _writer(pool, LAYOUT)
+        w = _writer(_sglang_pool(LAYOUT, 1024), LAYOUT)
         slots = torch.randperm(1024)[: 5 * CHUNK]
         res = c.fetch("gpu", keys, CHUNK, KVTarget(w, slots), timeout=120)
         assert res.hit_chunks == 5 and not res.failures
-        assert w.stats["zero_copy"] >= 1  # out of the pinned destination region
-        for i in range(5):
-            k, v = decode(blobs[i], FP)
-            pk, pv = w.read(slots[i * CHUNK : (i + 1) * CHUNK])
-            np.testing.assert_array_equal(pk, k)
-            np.testing.assert_array_equal(pv, v)
     finally:
         c.close()
+    return w, slots, blobs
+
+
+@pytest.mark.parametrize("output", ["kv", "auto"])
+def test_dpu_client_end_to_end_into_a_cuda_pool(tmp_path, output):
+    """``kv``: decoded KV out of the pinned destination region (zero-copy H2D + scatter); ``auto`` on a CUDA
+    pool = codes: the data plane only inflates, the writer dequantizes on the device. Bit-exact both ways."""
+    from dpu_helpers import CHUNK, FP, codecs
+
+    from sgl_remote_kv.codec.base import decode
+
+    w, slots, blobs = _dpu_fetch_into_cuda(tmp_path, codecs()["quant"], output, seed=3)
+    if output == "kv":
+        assert w.stats["zero_copy"] >= 1  # out of the pinned destination region
+    else:
+        assert w.stats["device_dequant"] == w.stats["writes"] > 0
+    for i in range(5):
+        k, v = decode(blobs[i], FP)
+        pk, pv = w.read(slots[i * CHUNK : (i + 1) * CHUNK])
+        np.testing.assert_array_equal(pk, k)
+        np.testing.assert_array_equal(pv, v)
+
+
+def test_dpu_transform_codes_into_a_cuda_pool(tmp_path, monkeypatch):
+    """The transform codec through the data plane as codes (a CUDA pool's default): the Triton inverse
+    transform on the device; the pool holds the CPU decode up to float32 rounding."""
+    from calibration_helpers import make_calibration
+    from dpu_helpers import CHUNK, FP
+
+    from sgl_remote_kv.codec import calibration as cm
+    from sgl_remote_kv.codec import quant
+    from sgl_remote_kv.codec.base import decode, get_codec
+
+    monkeypatch.setenv("SRKV_CACHE_DIR", str(tmp_path / "cache"))  # where the data plane finds it
+    cal = make_calibration(FP, step=0.05)
+    cal.save(cm.default_dir())
+    try:
+        codec = get_codec("transform", calibration=cal.calib_id.hex())
+        w, slots, blobs = _dpu_fetch_into_cuda(tmp_path, codec, "auto", seed=6)
+        assert w.stats["device_dequant"] == w.stats["writes"] > 0
+        for i in range(5):
+            got = w.read(slots[i * CHUNK : (i + 1) * CHUNK])
+            for g, x in zip(got, decode(blobs[i], FP), strict=True):
+                g, x = quant.to_f32(g, "bfloat16"), quant.to_f32(x, "bfloat16")
+                assert np.all(np.abs(g - x) <= np.abs(x) * 2.0**-7 + 1e-4), float(np.abs(g - x).max())
+    finally:
+        cm.unregister(cal.calib_id)
 
 
 def _write_codes(codec, fp, blobs):

@@ -6,7 +6,8 @@ process (pinned away from the serving cores when the machine has enough) -- or, 
 host --, registers its region, fingerprint and codec with it (``protocol.Register``), and runs one background
 *receiver thread* that owns the ZeroMQ socket: it sends queued submissions, heartbeats, turns
 completions into per-request state (``FetchHandle``), writes finished layers of a round into the
-caller's paged KV pool through the target's ``KVWriter`` (``kvpool``), and restarts the data plane when
+caller's paged KV pool through the target's ``KVWriter`` (``kvpool``; decoded KV, or the codec's codes
+that the writer dequantizes: ``DpuClientConfig.output``), and restarts the data plane when
 it dies or hangs. In-flight chunks of a lost data plane become misses (kind ``dataplane_lost``); later
 submissions go to the new process. An attached client never starts or kills the service: when it
 misses heartbeats, or the service no longer knows it (``Pong.registered`` False: it restarted), the
@@ -110,7 +111,7 @@ class DpuClient:
         on_event: Callable[[], None] | None = None,
         on_store_error: Callable[[str, str, int], None] | None = None,
         on_restart: Callable[[str], None] | None = None,
-        on_write: Callable[[float, int], None] | None = None,
+        on_write: Callable[[float, int, str], None] | None = None,
     ) -> None:
         self.cfg, self.fingerprint, self.layout = cfg, fingerprint, fingerprint.layout
         self.codec, self.codec_name, self.codec_params = codec, codec.name, codec.params_bytes()
@@ -135,7 +136,7 @@ class DpuClient:
         self._tmp = shm_names.run_dir()  # endpoint + log; swept by a later client if we die unclosed
         self.on_store_error = on_store_error  # (op, kind, n): the data plane's store client failures
         self.on_restart = on_restart  # (reason: "exited" | "hung" | "restarted"): replaced / reconnected
-        self.on_write = on_write  # (seconds, layers): the receiver thread wrote a round's layers into the pool
+        self.on_write = on_write  # (seconds, layers, output): the receiver thread wrote a round's layers
         self.book: RoundBook | None = None  # created in ``start`` (needs the region)
         self._thread: threading.Thread | None = None
         self._running = False
@@ -297,10 +298,10 @@ class DpuClient:
 
     # ---- internals (under cv) ----------------------------------------------------------------------
     def _wants_codes(self, target: KVTarget | None) -> bool:
-        """Fetch codes for ``target`` (``DpuClientConfig.output``)?"""
-        if target is None or not self.codec.device_dequant or self.cfg.output == "kv":
+        """Fetch codes for ``target`` (``DpuClientConfig.output``; ``None``: fetch and discard)?"""
+        if not self.codec.device_dequant or self.cfg.output == "kv":
             return False
-        return self.cfg.output == "codes" or target.writer.device_dequant
+        return self.cfg.output == "codes" or (target is not None and target.writer.device_dequant)
 
     def _wake(self) -> None:
         with self.cv:
@@ -314,7 +315,7 @@ class DpuClient:
         """The ``SubmitFetch`` of round ``r`` (slot and job id already assigned; under ``cv``)."""
         h = r.handle
         blob_off, blob_cap = self.io.blob_area(r.slot)
-        dests = self.io.chunk_dests(r, h.keys, h.chunk_tokens)
+        dests = self.io.chunk_dests(r, h.keys, h.chunk_tokens, h.codes)
         name = self.dest.name.lstrip("/")
         fp = self._wire_fp
         return P.SubmitFetch(

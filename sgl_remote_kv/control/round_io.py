@@ -54,13 +54,14 @@ class RoundIO:
             raise ChunkError("verified chunk holds the wrong number of tokens")
         return blobs, headers
 
-    def chunk_dests(self, r: HostRound, keys: list[bytes], tokens: list[int]) -> list[P.ChunkDest]:
+    def chunk_dests(self, r: HostRound, keys: list[bytes], tokens: list[int], codes: bool = False) -> list[P.ChunkDest]:
+        """Where the data plane writes each chunk of round ``r`` (``codes``: the round is fetched as codes)."""
         lay = self.layout
         stride = layer_bytes(lay, r.tokens)
         base = r.slot * self.slot_bytes
         out, t = [], 0
         for i in range(r.chunk_lo, r.chunk_hi):
-            if r.handle.codes:  # chunk after chunk, L areas of the layer's K + V bytes each
+            if codes:  # chunk after chunk, L areas of the layer's K + V bytes each
                 off = base + 2 * lay.num_layers * layer_bytes(lay, t)
                 out.append(P.ChunkDest(keys[i], tokens[i], off, off, 2 * layer_bytes(lay, tokens[i])))
             else:

@@ -66,7 +66,8 @@ class RoundBook:
     """See module docstring. ``submit_msg(round)`` builds the ``SubmitFetch`` of a round given a slot and
     a job id; ``counters`` is the client's counter dict; ``on_finished`` (may be None) is called when a
     fetch finished; ``eager``: write each layer as soon as it is in the region (layer-wise consumers);
-    ``on_write(seconds, layers)`` (may be None) after every write of a round's layers into the pool
+    ``on_write(seconds, layers, output)`` (may be None) after every write of a round's layers into the pool
+    (``output``: ``"kv"`` or ``"codes"``, what the data plane wrote for it)
     (the receiver thread's time in the pool's ``KVWriter``, failed writes included)."""
 
     def __init__(
@@ -79,7 +80,7 @@ class RoundBook:
         counters: dict,
         on_finished: Callable[[], None] | None,
         eager: bool = False,
-        on_write: Callable[[float, int], None] | None = None,
+        on_write: Callable[[float, int, str], None] | None = None,
     ) -> None:
         self.layout, self.io, self.slot_bytes, self.eager = layout, io, slot_bytes, eager
         self._on_write = on_write
@@ -289,7 +290,7 @@ class RoundBook:
         if ran:
             self.counters["write_s"] += seconds
             if self._on_write is not None:
-                self._on_write(seconds, op.hi - op.lo)
+                self._on_write(seconds, op.hi - op.lo, "codes" if h.codes else "kv")
             if error is None:
                 self._written(r, op.lo, op.hi, op.valid)
             else:

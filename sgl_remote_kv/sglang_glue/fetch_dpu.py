@@ -143,7 +143,7 @@ def start_dpu_backend(
     if it cannot start or refuses this client -- the caller falls back.
     ``on_store_error(op, kind, n)``: the data plane's store client failures (per failed chunk);
     ``on_restart(reason)``: the data plane was replaced (``exited`` / ``hung``) or, attached, a reconnect
-    (``hung`` / ``restarted``); ``on_write(seconds, layers)``: the client's receiver thread wrote fetched
+    (``hung`` / ``restarted``); ``on_write(seconds, layers, output)``: the client's receiver thread wrote fetched
     layers into the pool."""
     try:
         from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig

@@ -97,11 +97,13 @@ class RemoteKVMetrics:
         """A DPU data plane was replaced (the DPU client's receiver thread): ``exited`` or ``hung``."""
         self._inc("dataplane_restarts", reason=reason if reason in RESTART_REASONS else "hung")
 
-    def dataplane_write(self, seconds: float, layers: int) -> None:
+    def dataplane_write(self, seconds: float, layers: int, output: str = "kv") -> None:
         """The DPU client's receiver thread (in this scheduler process) spent ``seconds`` writing ``layers``
-        fetched layers of one round into the pool: what the scheduler side of the DPU path costs."""
-        self._inc("dataplane_write_seconds", seconds)
-        self._inc("dataplane_write_layers", layers)
+        fetched layers of one round into the pool: what the scheduler side of the DPU path costs.
+        ``output``: what the data plane wrote (``kv``, or ``codes`` this side dequantized)."""
+        output = output if output in ("kv", "codes") else "kv"
+        self._inc("dataplane_write_seconds", seconds, output=output)
+        self._inc("dataplane_write_layers", layers, output=output)
 
     def hit(self, tokens: int, chunks: int, codec: str, quality: str | None = None) -> None:
         """A remote hit installed ``tokens`` (``chunks`` chunks) decoded by ``codec`` (a registry name) at
@@ -205,10 +207,14 @@ def _build_prometheus() -> dict:
         "dataplane_restarts": Counter(p + "dataplane_restarts", "DPU data plane processes replaced", ["reason"]),
         "dataplane_write_seconds": Counter(
             p + "dataplane_write_seconds",
-            "Seconds the DPU client's receiver thread (scheduler process) spent writing fetched KV into the pool",
+            "Seconds the DPU client's receiver thread (scheduler process) spent writing fetched KV into the pool, "
+            "by what the data plane wrote (kv, or codes dequantized on this side)",
+            ["output"],
         ),
         "dataplane_write_layers": Counter(
-            p + "dataplane_write_layers", "Layer writes (one round's chunks, one layer) of the DPU client into the pool"
+            p + "dataplane_write_layers",
+            "Layer writes (one round's chunks, one layer) of the DPU client into the pool, by output",
+            ["output"],
         ),
         "slot_wait": Histogram(
             p + "slot_wait_seconds", "Time a fetch waited for KV slots before it started (bounded by slot_wait_s)",

@@ -63,7 +63,7 @@ class PathParts:
     wakeup: threading.Event
     on_store_error: object = None  # (op, kind, n): the data plane's own store client's failures
     on_restart: object = None  # (reason): the data plane was replaced
-    on_pool_write: object = None  # (seconds, layers): the DPU client's receiver thread wrote into the pool
+    on_pool_write: object = None  # (seconds, layers, output): the DPU client's receiver thread wrote into the pool
 
 
 def inproc_path(parts: PathParts) -> FetchPath:
