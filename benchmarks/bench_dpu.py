@@ -21,9 +21,15 @@ Usage: ``python -m benchmarks.bench_dpu [--quick] [--stores file,redis] [--chunk
 
 from __future__ import annotations
 
+import os
+
+# The standalone stages run on one thread, as each data-plane worker does (it sets the same before torch
+# loads): with torch's default team, the transform codec's integer GEMM spreads over every core and its
+# process CPU time counts the team's spinning too.
+os.environ["OMP_NUM_THREADS"] = "1"
+
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
