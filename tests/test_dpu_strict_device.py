@@ -6,7 +6,9 @@ its completion event.
 
 - a fetch into the strict pool is a bit-exact hit, one write per host round, the region registered once;
 - a write that fails (the device faults) or never completes (the device hangs) fails the round's chunks
-  with kind ``write``: the fetch reports no hit for them, and no reader is let through unfenced.
+  with kind ``write``: the fetch reports no hit for them, and no reader is let through unfenced;
+- output ``codes`` (a device pool's default): the data plane only inflates, the writer dequantizes on the
+  device, exactly; codes the host cannot parse, or a device fault, fail the round (``write``).
 
 The old code (``control/scatter.py``: ``pool[layer][slots] = host_src[layer]`` on the receiver thread,
 the layer marked scattered *before* the write, the exception swallowed by the receiver's boundary)
