@@ -83,7 +83,8 @@ ROPE_STYLES = ("neox", "gptj")
 
 # What the DPU data plane writes for the KV pool's writer (``--remote-kv-dpu-output``): decoded KV, the
 # codec's lossless-stage output (codes) that the writer dequantizes, or codes only for a device pool.
-DPU_OUTPUTS = ("auto", "kv", "codes")
+DPU_JOB_OUTPUTS = ("kv", "codes")  # what a data-plane job writes (``SubmitFetch.output``)
+DPU_OUTPUTS = ("auto", *DPU_JOB_OUTPUTS)
 
 
 @dataclass(frozen=True)

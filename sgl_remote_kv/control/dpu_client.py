@@ -319,8 +319,7 @@ class DpuClient:
         name = self.dest.name.lstrip("/")
         fp = self._wire_fp
         return P.SubmitFetch(
-            r.job, h.request_id, self.codec_name, self.codec_params, fp, name, dests, blob_off, blob_cap,
-            "codes" if h.codes else "kv",
+            r.job, h.request_id, self.codec_name, self.codec_params, fp, name, dests, blob_off, blob_cap, h.output
         )  # fmt: skip
 
     # ---- receiver thread ---------------------------------------------------------------------------

@@ -92,6 +92,7 @@ class FetchHandle:
         self.num_layers, self.target = num_layers, target
         # the data plane writes the codec's lossless output, the target's writer dequantizes (``round_io``)
         self.codes = codes
+        self.output = "codes" if codes else "kv"  # ``SubmitFetch.output``, the metrics' label
         self.state = [PENDING] * len(keys)
         self.layers_seen = [0] * len(keys)  # per chunk: layers reported done
         self.failures: dict[int, str] = {}

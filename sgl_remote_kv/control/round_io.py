@@ -61,9 +61,9 @@ class RoundIO:
         base = r.slot * self.slot_bytes
         out, t = [], 0
         for i in range(r.chunk_lo, r.chunk_hi):
-            if codes:  # chunk after chunk, L areas of the layer's K + V bytes each
-                off = base + 2 * lay.num_layers * layer_bytes(lay, t)
-                out.append(P.ChunkDest(keys[i], tokens[i], off, off, 2 * layer_bytes(lay, tokens[i])))
+            if codes:
+                off, area = self._codes_area(r.slot, t, tokens[i])
+                out.append(P.ChunkDest(keys[i], tokens[i], off, off, area))
             else:
                 off = base + layer_bytes(lay, t)
                 out.append(P.ChunkDest(keys[i], tokens[i], off, off + lay.num_layers * stride, stride))
@@ -94,22 +94,26 @@ class RoundIO:
     def _code_views(self, slot: int, r: HostRound, layer: int, n_tok: int) -> list:
         """The codec's views of ``layer`` of the round's chunks holding its first ``n_tok`` tokens, read in
         place from the region (``KVWriteError`` if the data plane's output does not parse)."""
-        lay, base = self.layout, slot * self.slot_bytes
         views, t = [], 0
         for c, tokens in enumerate(r.handle.chunk_tokens[r.chunk_lo : r.chunk_hi]):
             if t >= n_tok:
                 break
-            stride = 2 * layer_bytes(lay, tokens)
-            at = base + 2 * lay.num_layers * layer_bytes(lay, t) + layer * stride
-            n = r.code_lengths[c][layer]
-            if not 0 < n <= stride:
-                raise KVWriteError(f"chunk {r.chunk_lo + c} layer {layer}: {n} bytes of codes in a {stride}-byte area")
+            off, area = self._codes_area(slot, t, tokens)
+            at, n = off + layer * area, r.code_lengths[c][layer]
+            if not 0 < n <= area:
+                raise KVWriteError(f"chunk {r.chunk_lo + c} layer {layer}: {n} bytes of codes in a {area}-byte area")
             try:
-                views.append(self.codec.view(ChunkShape(lay, tokens), layer, self.dest.array[at : at + n]))
+                views.append(self.codec.view(ChunkShape(self.layout, tokens), layer, self.dest.array[at : at + n]))
             except ChunkError as e:  # the data plane's output does not parse: the round is a miss
                 raise KVWriteError(f"chunk {r.chunk_lo + c} layer {layer}: {e}") from e
             t += tokens
         return views
+
+    def _codes_area(self, slot: int, t: int, tokens: int) -> tuple[int, int]:
+        """(offset, bytes per layer) of the codes of a chunk of ``tokens`` tokens that starts ``t`` tokens into
+        a round in ``slot``: chunk after chunk, ``L`` areas of the layer's K + V bytes each."""
+        lay = self.layout
+        return slot * self.slot_bytes + 2 * lay.num_layers * layer_bytes(lay, t), 2 * layer_bytes(lay, tokens)
 
     def close(self) -> None:
         self.dest = None

@@ -290,7 +290,7 @@ class RoundBook:
         if ran:
             self.counters["write_s"] += seconds
             if self._on_write is not None:
-                self._on_write(seconds, op.hi - op.lo, "codes" if h.codes else "kv")
+                self._on_write(seconds, op.hi - op.lo, h.output)
             if error is None:
                 self._written(r, op.lo, op.hi, op.valid)
             else:

@@ -25,6 +25,7 @@ from sgl_remote_kv.codec.base import codec_names
 from sgl_remote_kv.store.breaker import rank
 from sgl_remote_kv.types import (
     DECISIONS,
+    DPU_JOB_OUTPUTS,
     EXACT_OUTCOMES,
     LOOKUP_RESULTS,
     QUALITY_LEVELS,
@@ -101,7 +102,7 @@ class RemoteKVMetrics:
         """The DPU client's receiver thread (in this scheduler process) spent ``seconds`` writing ``layers``
         fetched layers of one round into the pool: what the scheduler side of the DPU path costs.
         ``output``: what the data plane wrote (``kv``, or ``codes`` this side dequantized)."""
-        output = output if output in ("kv", "codes") else "kv"
+        output = output if output in DPU_JOB_OUTPUTS else "kv"
         self._inc("dataplane_write_seconds", seconds, output=output)
         self._inc("dataplane_write_layers", layers, output=output)
 
