@@ -3,6 +3,9 @@
 ``SGLangServer`` is a context manager: it launches ``python -m sglang.launch_server`` in its own process
 group with the CPU platform plugin enabled when asked, waits for ``/health``, and on exit sends SIGTERM to
 the whole group (SIGKILL after a grace period) so no scheduler subprocess outlives it, also on failure.
+A port picked here (``ServerSpec.port`` 0) can be taken by another process before the server binds it;
+the server then logs the bind error and hangs instead of exiting: that start fails fast (``PortInUse``)
+and is retried on another free port (at most ``START_ATTEMPTS`` times).
 """
 
 from __future__ import annotations
@@ -26,6 +29,14 @@ CPU_ARGS = (
     "--device", "cpu", "--sleep-on-idle",
     "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
 )  # fmt: skip
+
+
+START_ATTEMPTS = 3
+BIND_ERROR = "address already in use"  # uvicorn's log line when the HTTP port is taken
+
+
+class PortInUse(RuntimeError):
+    """The server could not bind its HTTP port."""
 
 
 def free_port() -> int:
@@ -52,10 +63,13 @@ class SGLangServer:
 
     def __init__(self, spec: ServerSpec):
         self.spec = spec
-        self.port = spec.port or free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(spec.log_path) if spec.log_path else Path(f"/tmp/srkv-server-{self.port}.log")
         self.proc: subprocess.Popen | None = None
+        self._use_port(spec.port or free_port())
+
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(self.spec.log_path) if self.spec.log_path else Path(f"/tmp/srkv-server-{self.port}.log")
 
     def command(self) -> list[str]:
         cmd = [
@@ -78,6 +92,20 @@ class SGLangServer:
         return cmd + list(self.spec.extra_args)
 
     def start(self) -> SGLangServer:
+        """Launch and wait for ``/health``; on a taken port (``PortInUse``) retry on another free port
+        unless ``ServerSpec.port`` fixed it."""
+        attempt = 1
+        while True:
+            try:
+                return self._start_once()
+            except PortInUse:
+                if self.spec.port or attempt >= START_ATTEMPTS:
+                    raise
+                logger.warning("port %d was taken before the server bound it; retrying on another", self.port)
+                self._use_port(free_port())
+                attempt += 1
+
+    def _start_once(self) -> SGLangServer:
         child_env = dict(os.environ, **self.spec.env)
         if self.spec.cpu:
             child_env[env.CPU_PLATFORM] = "1"
@@ -103,6 +131,8 @@ class SGLangServer:
                     f"server exited with {self.proc.returncode} during startup; "
                     f"last log lines:\n{self.log_tail()}"
                 )
+            if BIND_ERROR in self.log_text():
+                raise PortInUse(f"port {self.port} is taken:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
                     if r.status == 200:

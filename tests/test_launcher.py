@@ -1,0 +1,71 @@
+"""The server launcher when its HTTP port is taken between picking it and the server binding it (seen in CI:
+uvicorn logs the bind error and the server hangs instead of exiting, so the start waited its whole
+timeout). A stand-in server (a child process, the fault) plays that: the launcher fails that start fast
+and retries on another free port; with a fixed port it fails fast with ``PortInUse``."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import time
+
+import pytest
+
+from sgl_remote_kv.launcher import PortInUse, ServerSpec, SGLangServer
+
+FAKE = textwrap.dedent(
+    """
+    import http.server, os, sys, time
+    port, marker = int(sys.argv[1]), sys.argv[2]
+    if not os.path.exists(marker):  # the first start: its port was taken; it says so and hangs
+        open(marker, "w").close()
+        print(f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): "
+              "address already in use", flush=True)
+        time.sleep(600)
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+    """
+)
+
+
+class FakeServer(SGLangServer):
+    script = marker = ""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", self.script, str(self.port), self.marker]
+
+
+def _server(tmp_path, port: int = 0) -> FakeServer:
+    srv = FakeServer(ServerSpec(model_path="unused", cpu=False, port=port, startup_timeout_s=60,
+                                log_path=str(tmp_path / f"server-{port}.log")))  # fmt: skip
+    srv.script, srv.marker = FAKE, str(tmp_path / "first-start")
+    return srv
+
+
+def test_a_taken_port_is_retried_on_another(tmp_path):
+    srv = _server(tmp_path)
+    first = srv.port
+    t0 = time.monotonic()
+    with srv:
+        assert srv.port != first and time.monotonic() - t0 < 20  # not the 60 s startup timeout
+        import urllib.request
+
+        with urllib.request.urlopen(srv.base_url + "/health", timeout=5) as r:
+            assert r.status == 200
+    assert not srv._alive()
+
+
+def test_a_fixed_port_that_is_taken_fails_fast(tmp_path):
+    from sgl_remote_kv.launcher import free_port
+
+    srv = _server(tmp_path, port=free_port())
+    t0 = time.monotonic()
+    with pytest.raises(PortInUse, match="is taken"):
+        srv.start()
+    assert time.monotonic() - t0 < 20
+    assert not srv._alive()  # the hung first start was stopped
