@@ -1,5 +1,5 @@
-"""The transform codec's inverse transform (``codec.inverse``): 16-bit decode matrices and the exact integer
-GEMM, against a float64 reference of the same math."""
+"""The transform codec's CPU decode (``codec.inverse``): 16-bit decode matrices and the exact integer GEMM,
+against a float64 reference of the same math; the mean, RoPE and storage dtype applied in the same pass."""
 
 from __future__ import annotations
 
@@ -17,6 +17,15 @@ def _tables(groups=2, gd=24, seed=0):
     basis = np.linalg.qr(rng.standard_normal((2, groups, gd, gd)))[0].astype(np.float32)
     steps = rng.uniform(0.005, 0.3, (2, groups, gd)).astype(np.float32)  # spanning 60x, like a real level
     return steps, basis, InverseTables.build(steps, basis)
+
+
+def _inverse(tab, kv, group, sym, esc, scale):
+    """(x [n_g, T, gd] float32, escapes used): ``decode`` with no mean, no RoPE, float32 out."""
+    gd = tab.col.shape[-1]
+    n_g, t_n = sym.shape[0] // gd, sym.shape[1]
+    out = np.full((t_n, n_g, gd), np.nan, np.float32)
+    used = tab.decode(kv, group, sym, esc, scale, np.zeros((n_g, gd), np.float32), None, 8, 0, out)
+    return out.transpose(1, 0, 2), used
 
 
 def _symbols(rng, c_n, t_n, escape_rate=0.02):
@@ -49,12 +58,40 @@ def test_inverse_equals_the_float64_reference_with_escapes_and_a_group_offset(t_
     sym, esc, q = _symbols(rng, 2 * 16, t_n)  # a rank holding groups 1 and 2
     scale = rng.uniform(0.1, 3.0, t_n).astype(np.float32)
     for kv in (0, 1):
-        x, used = tab.inverse(kv, 1, sym, esc, scale)
+        x, used = _inverse(tab, kv, 1, sym, esc, scale)
         assert used == esc.size and x.shape == (2, t_n, 16)
         for g in range(2):
             w = tab.weff[kv, 1 + g].astype(np.float64)
             want = (q[g * 16 : (g + 1) * 16].T * scale[:, None].astype(np.float64)) @ w
             np.testing.assert_allclose(x[g], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("style", [0, 1])
+def test_decode_adds_the_mean_applies_rope_and_rounds_to_the_storage_dtype(style):
+    """Mean and RoPE (K) per head_dim block as ``transform_ops.apply_rope`` does them; fp16 / bf16 output is
+    the float32 output rounded, bit for bit."""
+    from sgl_remote_kv.codec import transform_ops as ops
+    from sgl_remote_kv.types import RopeSpec
+
+    _, _, tab = _tables(groups=2, gd=32, seed=7)
+    rng = np.random.default_rng(7)
+    t_n, start = 40, 300
+    sym, esc, _ = _symbols(rng, 64, t_n)
+    scale = rng.uniform(0.1, 3.0, t_n).astype(np.float32)
+    mean = rng.standard_normal((2, 32)).astype(np.float32)
+    rope = RopeSpec(theta=10000.0, rotary_dim=16, style="neox" if style == 0 else "gptj")
+    cos, sin = ops.rope_tables(rope, start, t_n)
+    x, _ = _inverse(tab, 0, 0, sym, esc, scale)
+    want = (x.transpose(1, 0, 2) + mean).reshape(t_n, 4, 16).copy()  # [T, heads of 16, 16]
+    ops.apply_rope(want, rope, start, 1.0)
+    out = np.empty((t_n, 2, 32), np.float32)
+    assert tab.decode(0, 0, sym, esc, scale, mean, (cos, sin, style), 16, 0, out) == esc.size
+    np.testing.assert_allclose(out.reshape(want.shape), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    half = torch.from_numpy(out)
+    for mode, dt in ((1, torch.float16), (2, torch.bfloat16)):
+        bits = np.empty((t_n, 2, 32), np.uint16)
+        tab.decode(0, 0, sym, esc, scale, mean, (cos, sin, style), 16, mode, bits)
+        np.testing.assert_array_equal(bits, half.to(dt).view(torch.int16).numpy().view(np.uint16))
 
 
 @pytest.mark.parametrize("gd", [16, 64, 192])
@@ -80,10 +117,10 @@ def test_an_escaped_code_decodes_to_the_same_float_as_the_symbol():
     rng = np.random.default_rng(4)
     sym, esc, q = _symbols(rng, 32, 50, escape_rate=0.0)
     scale = rng.uniform(0.1, 3.0, 50).astype(np.float32)
-    want = tab.inverse(1, 0, sym, esc, scale)[0].copy()
+    want = _inverse(tab, 1, 0, sym, esc, scale)[0].copy()
     at = rng.random(sym.shape) < 0.1
     sym2 = np.where(at, 0, sym).astype(np.uint8)
-    x, used = tab.inverse(1, 0, sym2, q[at].astype(np.int16), scale)
+    x, used = _inverse(tab, 1, 0, sym2, q[at].astype(np.int16), scale)
     assert used == at.sum() > 10
     np.testing.assert_array_equal(x, want)
 
@@ -94,21 +131,21 @@ def test_escapes_that_run_out_or_are_left_over_are_reported():
     sym, esc, _ = _symbols(rng, 16, 40, escape_rate=0.1)
     assert esc.size > 2
     scale = np.ones(40, np.float32)
-    assert tab.inverse(0, 0, sym, esc[:-1], scale)[1] == -1  # one escape symbol without its value
-    assert tab.inverse(0, 0, sym, np.concatenate([esc, esc[:1]]), scale)[1] == esc.size  # a value left over
+    assert _inverse(tab, 0, 0, sym, esc[:-1], scale)[1] == -1  # one escape symbol without its value
+    assert _inverse(tab, 0, 0, sym, np.concatenate([esc, esc[:1]]), scale)[1] == esc.size  # a value left over
 
 
 def test_concurrent_threads_each_get_their_own_work_arrays():
     _, _, tab = _tables(groups=1, gd=32)
     rng = np.random.default_rng(9)
     cases = [_symbols(rng, 32, t, 0.01) + (rng.uniform(0.5, 2, t).astype(np.float32),) for t in (64, 64, 33)]
-    want = [tab.inverse(0, 0, s, e, sc)[0].copy() for s, e, _, sc in cases]
+    want = [_inverse(tab, 0, 0, s, e, sc)[0].copy() for s, e, _, sc in cases]
     bad = []
 
     def run(i):
         s, e, _, sc = cases[i]
         for _ in range(200):
-            x, _ = tab.inverse(0, 0, s, e, sc)
+            x, _ = _inverse(tab, 0, 0, s, e, sc)
             if not np.array_equal(x, want[i]):
                 bad.append(i)
                 return

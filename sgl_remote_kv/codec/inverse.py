@@ -1,4 +1,5 @@
-"""The transform codec's inverse transform on the CPU: an exact integer GEMM over the symbols.
+"""The transform codec's decode stage on the CPU: an exact integer GEMM over the symbols, then the mean,
+RoPE and the storage dtype in the same pass.
 
 Per (layer, K/V, head group) a token's coefficients come back as ``x = (q * s) @ W`` (before the mean and
 RoPE) with ``W[c, j] = step[c] * basis[j, c]``: q the integer code of component c, s the token's scale.
@@ -13,12 +14,14 @@ computes the same real numbers up to float32 rounding. Per call (one layer, K or
     tot   = acc_hi * 256 + acc_lo                                   int64
     escapes: tot[t, :] += (q + 128) * wi[c, :]                     (the true code minus the -128 used)
     x[t, j] = float32(tot[t, j]) * (col[j] * s[t])
+    out[t, g, :] = storage dtype of RoPE_t(x[t, :] + mean)   (RoPE for K only, per head_dim block)
 
 So x is a function of the codes alone: an escaped value decodes exactly as if it had been a symbol.
+``_decode_group`` does everything after the GEMM in one call per head group (no float32 [T, C]
+intermediate).
 
-Threads: tables are immutable. ``inverse`` works in per-thread arrays (no allocation once warm); what it
-returns is that thread's work array, valid until the thread's next call. The GEMM (torch) and the kernels
-(numba) release the GIL. It never changes torch's thread settings: the data-plane process runs torch on
+Threads: tables are immutable. ``decode`` works in per-thread arrays (no allocation once warm) and writes
+only the caller's output. The GEMM (torch) and the kernel (numba) release the GIL. It never changes torch's thread settings: the data-plane process runs torch on
 one thread per caller; elsewhere the GEMM uses the process's torch threads.
 """
 
@@ -31,41 +34,70 @@ import numpy as np
 import torch
 from numba import njit
 
+from sgl_remote_kv.codec import quant
+
 _BITS_HI = 256  # W ~= (hi * 256 + lo) * col
 _WMAX = 127 * _BITS_HI  # |hi * 256 + lo| <= 32512 keeps hi in [-127, 127] and lo in [-128, 127]
 _tls = threading.local()
+_NO_ROPE = np.zeros((1, 1), np.float32)  # the cos/sin of a V decode (unused)
+_EMPTY32 = np.empty((1, 1, 1), np.float32)  # the unused output of ``_decode_group``
+_EMPTY16 = np.empty((1, 1, 1), np.uint16)
 
 
 @njit(nogil=True, cache=True)
-def _combine(acc, wi, col, scale, sym, esc, n, tot, x):
-    """One head group: ``acc`` [T, 2 * gd] int32 (hi | lo sums), ``wi`` [gd, gd] int32 (the group's decode
+def _decode_group(acc, wi, col, scale, sym, esc, n, tot, mean, cos, sin, style, rope, head_dim, mode, g, out32,
+                  out16):  # fmt: skip
+    """One head group ``g``: ``acc`` [T, 2 * gd] int32 (hi | lo sums), ``wi`` [gd, gd] int32 (the group's decode
     matrix as integers), ``sym`` [gd, T] (its symbols), escapes from ``esc[n]`` on (component-major), ``tot``
-    [T, gd] int64 work -> ``x`` [T, gd] float32. Each escape's true code is added in integers, so a value
-    decodes to the same float whether it was coded as a symbol or escaped. Returns the next escape index,
-    or -1 when the escapes run out."""
-    t_n, gd = x.shape
+    [T, gd] int64 work, ``mean`` [gd] -> ``out32[:, g]`` (mode 0, float32) or ``out16[:, g]`` (1 fp16 / 2
+    bf16 bits), both [T, G, gd]. Each escape's true code is added in integers, so a value decodes to the same
+    float whether it was coded as a symbol or escaped. Returns the next escape index, or -1 when the escapes
+    run out."""
+    t_n, gd = tot.shape
     for t in range(t_n):
         for j in range(gd):
             tot[t, j] = np.int64(acc[t, j]) * _BITS_HI + acc[t, gd + j]
     for c in range(gd):
-        row = sym[c]
+        srow = sym[c]
         zeros = 0
         for t in range(t_n):  # branch-free (vectorized): most rows hold no escape
-            zeros += row[t] == 0
+            zeros += srow[t] == 0
         if zeros == 0:
             continue
         for t in range(t_n):
-            if row[t] == 0:
+            if srow[t] == 0:
                 if n >= esc.shape[0]:
                     return -1
                 d = np.int64(esc[n]) + 128  # the true code minus the -128 the GEMM used
                 n += 1
                 for j in range(gd):
                     tot[t, j] += d * wi[c, j]
+    row = np.empty(gd, np.float32)
+    half = head_dim // 2
     for t in range(t_n):
         s = scale[t]
         for j in range(gd):
-            x[t, j] = np.float32(tot[t, j]) * (col[j] * s)
+            x = np.float32(tot[t, j]) * (col[j] * s)  # rounded to float32 before the mean is added
+            row[j] = x + mean[j]
+        if rope and style == 0:  # the style test outside the loops keeps them vectorizable
+            for o in range(0, gd, head_dim):
+                for i in range(half):
+                    c, sn = cos[t, i], sin[t, i]
+                    a, b = row[o + i], row[o + i + half]
+                    row[o + i], row[o + i + half] = a * c - b * sn, b * c + a * sn
+        elif rope:
+            for o in range(0, gd, head_dim):
+                for i in range(half):
+                    c, sn = cos[t, i], sin[t, i]
+                    a, b = row[o + 2 * i], row[o + 2 * i + 1]
+                    row[o + 2 * i], row[o + 2 * i + 1] = a * c - b * sn, b * c + a * sn
+        if mode == 0:
+            for j in range(gd):
+                out32[t, g, j] = row[j]
+        elif mode == 1:
+            quant._f32_to_f16_bits(row, row.view(np.uint32), out16[t, g])
+        else:
+            quant._f32_to_bf16_bits(row.view(np.uint32), out16[t, g])
     return n
 
 
@@ -96,23 +128,28 @@ class InverseTables:
             a.setflags(write=False)
         return cls(w2, wi, col, weff)
 
-    def inverse(self, kv: int, group: int, sym: np.ndarray, esc: np.ndarray,
-                scale: np.ndarray) -> tuple[np.ndarray, int]:  # fmt: skip
-        """``sym`` [n_g * gd, T] uint8 (component-major), ``esc`` int16 escape values, ``scale`` [T] float32
-        -> (x [n_g, T, gd] float32, escapes consumed or -1). x is this thread's work array."""
+    def decode(self, kv: int, group: int, sym: np.ndarray, esc: np.ndarray, scale: np.ndarray, mean: np.ndarray,
+               rope: tuple[np.ndarray, np.ndarray, int] | None, head_dim: int, mode: int, out: np.ndarray) -> int:  # fmt: skip
+        """``sym`` [n_g * gd, T] uint8 (component-major), ``esc`` int16 escape values, ``scale`` [T] float32,
+        ``mean`` [n_g, gd] float32, ``rope`` (cos, sin, style) of the T positions or ``None`` (V) -> ``out``
+        [T, n_g, gd]: float32 (``mode`` 0) or uint16 holding fp16 (1) / bf16 (2) bits. Returns the escapes
+        consumed, or -1 when they ran out (``out`` is then partly written)."""
         gd = self.col.shape[-1]
         c_n, t_n = sym.shape
         n_g = c_n // gd
-        codes, codes_t, acc, acc_np, tot, x = _work(t_n, gd, n_g)
+        codes, codes_t, acc, acc_np, tot = _work(t_n, gd)
+        cos, sin, style = rope if rope is not None else (_NO_ROPE, _NO_ROPE, 0)
+        out32, out16 = (out, _EMPTY16) if mode == 0 else (_EMPTY32, out)
         used = 0
         for g in range(n_g):
             gsym = sym[g * gd : (g + 1) * gd]
             np.bitwise_xor(gsym, 0x80, out=codes)
             _int_gemm(codes_t, self.w2[kv, group + g], acc)
-            used = _combine(acc_np, self.wi[kv, group + g], self.col[kv, group + g], scale, gsym, esc, used, tot, x[g])
+            used = _decode_group(acc_np, self.wi[kv, group + g], self.col[kv, group + g], scale, gsym, esc, used,
+                                 tot, mean[g], cos, sin, style, rope is not None, head_dim, mode, g, out32, out16)  # fmt: skip
             if used < 0:
                 break
-        return x, used
+        return used
 
 
 def _int_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
@@ -124,20 +161,19 @@ def _int_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         torch._int_mm(a, b, out=out)
 
 
-def _work(t_n: int, gd: int, n_g: int):
-    """This thread's work arrays for (T, gd, groups): codes [gd, T] uint8 and its int8 transpose as a
-    tensor, acc [T, 2 * gd] int32 (tensor and array), tot [T, gd] int64, x [n_g, T, gd] float32."""
+def _work(t_n: int, gd: int):
+    """This thread's work arrays for (T, gd): codes [gd, T] uint8 and its int8 transpose as a tensor, acc
+    [T, 2 * gd] int32 (tensor and array), tot [T, gd] int64."""
     cache = getattr(_tls, "work", None)
     if cache is None:
         cache = _tls.work = {}
-    key = (t_n, gd, n_g)
+    key = (t_n, gd)
     w = cache.get(key)
     if w is None:
         if len(cache) >= 8:
             cache.clear()
         codes = np.empty((gd, t_n), np.uint8)
         acc = torch.empty((t_n, 2 * gd), dtype=torch.int32)
-        x = np.empty((n_g, t_n, gd), np.float32)
         tot = np.empty((t_n, gd), np.int64)
-        w = cache[key] = (codes, torch.from_numpy(codes).view(torch.int8).t(), acc, acc.numpy(), tot, x)
+        w = cache[key] = (codes, torch.from_numpy(codes).view(torch.int8).t(), acc, acc.numpy(), tot)
     return w

@@ -301,15 +301,11 @@ class TransformView:
         tables = cal.inverse_tables(self.codec.quality, self.layer)
         escs = (self.esc[: self.nk], self.esc[self.nk :])
         for kv, out in enumerate((out_k, out_v)):
-            x, used = tables.inverse(kv, self.group, self.sym[kv], escs[kv], self.scales[kv])
+            flat = out.reshape(t_n, n_g, gd)
+            used = tables.decode(kv, self.group, self.sym[kv], escs[kv], self.scales[kv], cal.mean[self.layer, kv, gs],
+                                 (cos, sin, style) if kv == 0 else None, cal.head_dim, mode,
+                                 flat if mode == 0 else flat.view(np.uint16))  # fmt: skip
             if used != escs[kv].size:
                 raise CorruptChunk("escape count does not match the symbols")
-            flat = out.reshape(t_n, n_g, gd)
-            if mode == 0:
-                ops.finish(x, cal.mean[self.layer, kv, gs], cos, sin, style, kv == 0, cal.head_dim, 0, flat,
-                           ops.EMPTY16)  # fmt: skip
-            else:
-                ops.finish(x, cal.mean[self.layer, kv, gs], cos, sin, style, kv == 0, cal.head_dim, mode,
-                           ops.EMPTY32, flat.view(np.uint16))  # fmt: skip
             if self.n_sink:
                 flat.view(np.uint8).reshape(t_n, -1)[: self.n_sink] = self.sinks[kv]

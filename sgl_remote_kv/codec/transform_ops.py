@@ -1,6 +1,6 @@
 """The transform codec's numerics, shared by its encoder/decoder (``transform.py``), the calibration and the
-benchmarks: RoPE undo/redo, the forward transform, per-token scales, quantization to symbols and the
-float32 finish of a decoded layer (numba kernels, GIL released), plus ``roundtrip`` / ``symbols``, which
+benchmarks: RoPE undo/redo, the forward transform, per-token scales, quantization to symbols (numba
+kernels, GIL released; the decode's kernel is ``codec.inverse``), plus ``roundtrip`` / ``symbols``, which
 run one layer through the codec's own kernels for the calibration.
 
 Symbols: ``q + ZERO`` for an ordinary code, ``ESC`` for an escape (the value goes to the escape list).
@@ -16,13 +16,10 @@ import numpy as np
 from numba import njit
 
 from sgl_remote_kv.codec import calibration as calib_mod
-from sgl_remote_kv.codec import quant
 from sgl_remote_kv.types import RopeSpec
 
 ESC = 0
 ZERO = 128
-EMPTY32 = np.empty((1, 1, 1), np.float32)  # the unused output of ``finish``
-EMPTY16 = np.empty((1, 1, 1), np.uint16)
 
 
 # ---- kernels (numba, GIL released) ----------------------------------------------------------
@@ -73,39 +70,6 @@ def quantize(y, steps, scale, freq, ctx0, sym, esc):
                     s = ESC
                 sym[c, t] = s
     return n
-
-
-@njit(nogil=True, cache=True)
-def finish(x, mean, cos, sin, style, rope, head_dim, mode, out32, out16):
-    """x [G, T, C] float32 (transform inverse) + mean [G, C], RoPE applied per ``head_dim`` block when
-    ``rope``, written as [T, G, C] into ``out32`` (mode 0) or as fp16 (1) / bf16 (2) bits into ``out16``."""
-    h_n, t_n, d = x.shape
-    half = head_dim // 2
-    row = np.empty(d, np.float32)
-    rbits = row.view(np.uint32)
-    for t in range(t_n):
-        for h in range(h_n):
-            for j in range(d):
-                row[j] = x[h, t, j] + mean[h, j]
-            if rope and style == 0:  # the style test outside the loops keeps them vectorizable
-                for o in range(0, d, head_dim):
-                    for i in range(half):
-                        c, s = cos[t, i], sin[t, i]
-                        a, b = row[o + i], row[o + i + half]
-                        row[o + i], row[o + i + half] = a * c - b * s, b * c + a * s
-            elif rope:
-                for o in range(0, d, head_dim):
-                    for i in range(half):
-                        c, s = cos[t, i], sin[t, i]
-                        a, b = row[o + 2 * i], row[o + 2 * i + 1]
-                        row[o + 2 * i], row[o + 2 * i + 1] = a * c - b * s, b * c + a * s
-            if mode == 0:
-                for j in range(d):
-                    out32[t, h, j] = row[j]
-            elif mode == 1:
-                quant._f32_to_f16_bits(row, rbits, out16[t, h])
-            else:
-                quant._f32_to_bf16_bits(rbits, out16[t, h])
 
 
 @functools.lru_cache(maxsize=64)
@@ -218,10 +182,11 @@ def roundtrip(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np
     n = quantize(y, steps, s, np.empty((0, calib_mod.SYMBOLS), np.uint16), 0, sym, esc)
     if n < 0:
         raise ValueError(f"layer {layer}: values do not fit the escape format ({n})")
-    xr, _ = cal.inverse_tables(level, layer).inverse(kv, group, sym, esc[:n], s)
     out = np.empty((t_n, y.shape[0], cal.group_dim), np.float32)
     cos, sin = rope_tables(cal.rope, start, t_n)
-    finish(xr, cal.mean[layer, kv, gs], cos, sin, rope_style(cal.rope), kv == 0, cal.head_dim, 0, out, EMPTY16)
+    rope = (cos, sin, rope_style(cal.rope)) if kv == 0 else None
+    cal.inverse_tables(level, layer).decode(kv, group, sym, esc[:n], s, cal.mean[layer, kv, gs], rope, cal.head_dim, 0,
+                                            out)  # fmt: skip
     out = out.reshape(x.shape)
     out[:n_sink] = x[:n_sink]
     return out
