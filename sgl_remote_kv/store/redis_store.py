@@ -37,6 +37,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from . import resp_reader
 from .base import (
     KEY_BYTES,
     Counters,
@@ -207,7 +208,8 @@ class RedisStore(RedisKV):
         """The value of ``key`` in pieces of at most ``piece_bytes``, in order; nothing if absent.
 
         One pooled connection: ``STRLEN`` and the first ``GETRANGE``, then every other ``GETRANGE`` in one
-        write (pipelined, so the link stays busy while the pieces are consumed). Each piece is its own
+        write (pipelined, so the link stays busy while the pieces are consumed); on a plain TCP connection
+        the replies are read by ``resp_reader`` (a wake-up per piece, not per TCP segment). Each piece is its own
         command: a value rewritten or evicted between them comes out changed or short, which the store
         framing's length and CRC catch (``framing.FrameReader``). A generator closed early, or a failed
         read, disconnects the connection (replies may still be in flight) before it goes back to the pool.
@@ -218,14 +220,16 @@ class RedisStore(RedisKV):
         rk, pool = self._k(key), self._r.connection_pool
         with translate_errors():
             conn = pool.get_connection()
-        clean = False
+        clean, raw = False, None
         try:
             with translate_errors():
                 conn.send_packed_command(
                     conn.pack_commands([("STRLEN", rk), ("GETRANGE", rk, 0, piece_bytes - 1)])
                 )
-                total = int(conn.read_response())
-                first = conn.read_response()
+                raw = resp_reader.RespReader(conn) if resp_reader.usable(conn) else None
+                read_bulk = raw.bulk if raw else conn.read_response
+                total = raw.integer() if raw else int(conn.read_response())
+                first = read_bulk()
                 rest = [
                     ("GETRANGE", rk, o, min(o + piece_bytes, total) - 1)
                     for o in range(piece_bytes, total, piece_bytes)
@@ -237,11 +241,13 @@ class RedisStore(RedisKV):
                 yield first
             for _ in rest:
                 with translate_errors():
-                    piece = conn.read_response()
+                    piece = read_bulk()
                 if piece:
                     yield piece
             clean = True
         finally:
+            if raw is not None and not raw.close():
+                clean = False
             if not clean:
                 conn.disconnect()
             pool.release(conn)
