@@ -76,7 +76,9 @@ def test_round_trip_bit_exact_with_rounds(tmp_path, make_client, codec_name):
     assert res.wire_bytes == sum(map(len, blobs))  # the codec blobs the store returned
     assert h.layer_is_ready(LAYOUT.num_layers - 1)
     assert len(h.rounds) == 3
-    assert sum(n for _, n in writes) == 3 * LAYOUT.num_layers and all(s >= 0 for s, _ in writes)
+    # one layer write per layer of each run of chunks written together: per round at least, per chunk at most
+    assert 3 * LAYOUT.num_layers <= sum(n for _, n in writes) <= 7 * LAYOUT.num_layers
+    assert all(s >= 0 for s, _ in writes)
     assert sum(s for s, _ in writes) == pytest.approx(c.counters["write_s"])
     _assert_pool_equals_decode(target, blobs, 7)
     dp = c.stats()

@@ -173,25 +173,27 @@ def test_close_with_a_wedged_device_does_not_hang(client, dev):
         dev.reset()  # the region is unmapped now: the wedged copies must never run
 
 
-def test_a_finished_chunk_whose_round_was_never_written_is_not_a_hit():
-    """One write per round: chunk 0 of a 2-chunk round finished, chunk 1 was lost with the data plane
-    before the round's write ran. Chunk 0's KV never reached the pool, so the hit is 0 chunks, not 1."""
+def test_a_finished_chunk_whose_layers_never_reached_the_pool_is_not_a_hit():
+    """Chunk 0 of a 2-chunk round finished, chunk 1 was lost with the data plane. Chunk 0 is a hit only
+    once every one of its layers was written into the pool (``mark_in_pool`` runs after a write returned);
+    with one layer missing it is not."""
     import threading
 
-    from sgl_remote_kv.control.jobs import DONE, FetchHandle, HostRound, KVTarget, LayerWrite
+    from sgl_remote_kv.control.jobs import DONE, FetchHandle, HostRound, KVTarget
     from sgl_remote_kv.kvpool import PoolTensors, writer_for
 
     k = [torch.zeros(8, LAYOUT.num_kv_heads, LAYOUT.head_dim, dtype=torch.bfloat16) for _ in range(LAYOUT.num_layers)]
     target = KVTarget(writer_for(PoolTensors(k, k), LAYOUT), torch.arange(2 * CHUNK))
-    for written, hit in ((False, 0), (True, 1)):
-        h = FetchHandle(threading.Condition(), "r", [b"a" * 32, b"b" * 32], [CHUNK, CHUNK], LAYOUT.num_layers, target)
-        state = LayerWrite.WRITTEN if written else LayerWrite.WAITING
-        r = HostRound(h, 0, 2, 0, 2 * CHUNK, layer_write=[state] * LAYOUT.num_layers, terminal=True)
-        h.rounds.append(r)
+    n = LAYOUT.num_layers
+    for written, hit in ((0, 0), (n - 1, 0), (n, 1)):
+        h = FetchHandle(threading.Condition(), "r", [b"a" * 32, b"b" * 32], [CHUNK, CHUNK], n, target)
+        h.rounds.append(HostRound(h, 0, 2, 0, 2 * CHUNK, terminal=True))
+        h.mark_in_pool(0, 1, 0, written)
         h.state[0] = DONE
         h.mark_failed(1, "dataplane_lost")
         assert h.check_finished()
         assert h.result().hit_chunks == hit
+        assert h.layer_ready[0] == (written > 0) and h.layer_ready[n - 1] == (written == n)
 
 
 def test_a_hung_write_holds_up_neither_submit_nor_another_cancel_and_cancel_waits_for_its_own(client, dev):

@@ -46,12 +46,14 @@ class FetchResult:
 
 
 class LayerWrite(enum.IntEnum):
-    """A round's layer on its way into the pool: not ready or not handed out yet (``WAITING``), queued for
-    or in the receiver thread's write outside the lock (``QUEUED``), in the pool (``WRITTEN``)."""
+    """One layer of one chunk of a round on its way into the pool: not in the destination region yet
+    (``ABSENT``), there but not handed out (``WAITING``), queued for or in the receiver thread's write
+    outside the lock (``QUEUED``), in the pool (``WRITTEN``)."""
 
-    WAITING = 0
-    QUEUED = 1
-    WRITTEN = 2
+    ABSENT = 0
+    WAITING = 1
+    QUEUED = 2
+    WRITTEN = 3
 
 
 @dataclass
@@ -64,14 +66,9 @@ class HostRound:
     slot: int = -1
     job: int = 0
     last_event: float = 0.0
-    chunk_layers: list[bytearray] = field(default_factory=list)  # per chunk of the round: layers in the region
+    chunk_layers: list[bytearray] = field(default_factory=list)  # per chunk of the round, per layer: LayerWrite
     code_lengths: list[list[int]] = field(default_factory=list)  # fetched as codes: per chunk, per layer, bytes
-    layer_write: list[LayerWrite] = field(default_factory=list)  # per layer; WRITTEN once the write returned
     terminal: bool = False
-
-    @property
-    def all_written(self) -> bool:
-        return all(w == LayerWrite.WRITTEN for w in self.layer_write)
 
 
 class FetchHandle:
@@ -98,7 +95,8 @@ class FetchHandle:
         self.failures: dict[int, str] = {}
         self.wire_bytes = [0] * len(keys)
         self.first_fail = len(keys)
-        self.layer_ready = [0] * num_layers  # per layer: chunks whose layer is in the pool
+        self.in_pool = [bytearray(num_layers) for _ in keys]  # per chunk, per layer: 1 once the write returned
+        self.layer_ready = [0] * num_layers  # per layer: leading chunks whose layer is in the pool
         self.rounds: list[HostRound] = []
         self.cancelled = False
         self.writing = 0  # layer runs queued for or in a write into the pool (the handle finishes after)
@@ -152,16 +150,11 @@ class FetchHandle:
 
     # ---- client side (under cv) --------------------------------------------------------------------
     def _result(self) -> FetchResult:
-        """The hit ends at the first failed chunk, and before any round whose layers were not all written
-        into the pool (a finished chunk whose round never got its write is not a hit)."""
+        """The hit ends at the first failed chunk, and before the first chunk whose layers were not all
+        written into the pool (a finished chunk whose write never ran is not a hit)."""
         hit = self.first_fail
         if self.target is not None:
-            for r in self.rounds:  # in chunk order (``RoundBook.add``)
-                if r.chunk_lo >= hit:
-                    break
-                if not r.all_written:
-                    hit = r.chunk_lo
-                    break
+            hit = min(hit, *self.layer_ready)
         return FetchResult(
             self.request_id,
             hit,
@@ -184,6 +177,15 @@ class FetchHandle:
         self.verified_s = time.monotonic() - self.t0
         self.verified.set()
         return True
+
+    def mark_in_pool(self, lo: int, hi: int, layer_lo: int, layer_hi: int) -> None:
+        """Layers ``layer_lo..layer_hi`` of chunks ``lo..hi`` are in the pool; advances ``layer_ready``."""
+        for c in range(lo, hi):
+            self.in_pool[c][layer_lo:layer_hi] = b"\x01" * (layer_hi - layer_lo)
+        n = len(self.keys)
+        for layer in range(layer_lo, layer_hi):
+            while self.layer_ready[layer] < n and self.in_pool[self.layer_ready[layer]][layer]:
+                self.layer_ready[layer] += 1
 
     def mark_failed(self, index: int, kind: str) -> None:
         """Chunk ``index`` failed (also a chunk the data plane finished whose write into the pool failed)."""

@@ -1,9 +1,9 @@
 """Destination-region layout of host rounds, and the writes out of it into the KV pool.
 
 A host round occupies one destination slot laid out as K ``[L, T_round, H, D]`` then V
-``[L, T_round, H, D]`` (T_round: the round's tokens), so finished layers of the whole round are one
-contiguous block per K/V and go into the pool in one ``KVWriter.write`` (one per round when all layers
-finish together). A round fetched as codes (``FetchHandle.codes``: the data plane writes each layer's
+``[L, T_round, H, D]`` (T_round: the round's tokens); a write takes a run of layers of a run of the round's
+chunks (``rounds.RoundBook.try_write``) as one ``KVWriter.write`` of a ``[layers, tokens, H, D]`` view (each
+layer's tokens contiguous; the whole block contiguous when it spans the round). A round fetched as codes (``FetchHandle.codes``: the data plane writes each layer's
 lossless-stage output, ``SubmitFetch.output``) lays its chunks out one after the other, each as ``L``
 areas of its layer's K + V bytes, and goes into the pool one ``KVWriter.write_quantized`` per layer
 (the pool's side dequantizes). Called under the client's lock by the receiver thread (writes) and by
@@ -80,33 +80,33 @@ class RoundIO:
         v = self.dest.array[base + n : base + 2 * n].view(self.dtype).reshape(shape)
         return k, v
 
-    def write_layers(self, slot: int, r: HostRound, lo: int, hi: int, n_tok: int, target: KVTarget) -> None:
-        """Layers ``lo..hi`` of the round's first ``n_tok`` tokens (in ``slot``) into the pool (raises
-        ``KVWriteError``)."""
-        kv_slots = target.kv_slots[r.token_lo : r.token_lo + n_tok]
+    def write_layers(self, slot: int, r: HostRound, c0: int, c1: int, lo: int, hi: int, t0: int, n_tok: int,
+                     target: KVTarget) -> None:  # fmt: skip
+        """Layers ``lo..hi`` of the round's chunks ``c0..c1`` (``n_tok`` tokens from the round's token ``t0``,
+        in ``slot``) into the pool (raises ``KVWriteError``)."""
+        kv_slots = target.kv_slots[r.token_lo + t0 : r.token_lo + t0 + n_tok]
         if r.handle.codes:
             for layer in range(lo, hi):
-                target.writer.write_quantized(self._code_views(slot, r, layer, n_tok), kv_slots, layer)
+                target.writer.write_quantized(self._code_views(slot, r, layer, c0, c1), kv_slots, layer)
             return
         k, v = self.round_view(slot, r)
-        target.writer.write(k[lo:hi, :n_tok], v[lo:hi, :n_tok], kv_slots, lo)
+        target.writer.write(k[lo:hi, t0 : t0 + n_tok], v[lo:hi, t0 : t0 + n_tok], kv_slots, lo)
 
-    def _code_views(self, slot: int, r: HostRound, layer: int, n_tok: int) -> list:
-        """The codec's views of ``layer`` of the round's chunks holding its first ``n_tok`` tokens, read in
-        place from the region (``KVWriteError`` if the data plane's output does not parse)."""
-        views, t = [], 0
-        for c, tokens in enumerate(r.handle.chunk_tokens[r.chunk_lo : r.chunk_hi]):
-            if t >= n_tok:
-                break
-            off, area = self._codes_area(slot, t, tokens)
+    def _code_views(self, slot: int, r: HostRound, layer: int, c0: int, c1: int) -> list:
+        """The codec's views of ``layer`` of the round's chunks ``c0..c1``, read in place from the region
+        (``KVWriteError`` if the data plane's output does not parse)."""
+        tokens = r.handle.chunk_tokens[r.chunk_lo : r.chunk_hi]
+        views, t = [], sum(tokens[:c0])
+        for c in range(c0, c1):
+            off, area = self._codes_area(slot, t, tokens[c])
             at, n = off + layer * area, r.code_lengths[c][layer]
             if not 0 < n <= area:
                 raise KVWriteError(f"chunk {r.chunk_lo + c} layer {layer}: {n} bytes of codes in a {area}-byte area")
             try:
-                views.append(self.codec.view(ChunkShape(self.layout, tokens), layer, self.dest.array[at : at + n]))
+                views.append(self.codec.view(ChunkShape(self.layout, tokens[c]), layer, self.dest.array[at : at + n]))
             except ChunkError as e:  # the data plane's output does not parse: the round is a miss
                 raise KVWriteError(f"chunk {r.chunk_lo + c} layer {layer}: {e}") from e
-            t += tokens
+            t += tokens[c]
         return views
 
     def _codes_area(self, slot: int, t: int, tokens: int) -> tuple[int, int]:

@@ -18,9 +18,11 @@ and running writes: the handle finishes only when it is 0, and ``DpuClient.cance
 caller frees the KV slots right after). A layer counts as in the pool only after the write returned; a
 write that raises fails the round's chunks (kind ``write``) exactly like a chunk the data plane failed on,
 so it is never a hit; a queued write of a round that is cancelled or past a miss by then is dropped.
-With ``eager`` (the client's default) each run of layers is written as soon as every chunk of the round
-before the first miss has it, overlapping the data plane's decode of later layers; without it a round is
-written once all its layers are in the region: one write (one scatter launch on a GPU) per round.
+With ``eager`` (the client's default) each chunk's run of layers is written as soon as it is in the region
+(runs of consecutive chunks with the same layers in one write), overlapping the data plane's fetch and
+decode of later chunks and layers, so only the last chunk's write follows its last byte; without it a round
+is written once all its layers are in the region: one write (one scatter launch on a GPU) per round. A chunk
+counts as in the pool layer by layer only as a prefix in chunk order (``FetchHandle.mark_in_pool``).
 Process lifecycle, heartbeats and restarts stay in ``dpu_client.py``.
 """
 
@@ -46,13 +48,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WriteOp:
-    """Layers ``lo..hi`` of ``round``'s first ``valid`` chunks (``tokens`` tokens), read from ``slot``."""
+    """Layers ``lo..hi`` of ``round``'s chunks ``c0..c1`` (indices within the round; ``tokens`` tokens from
+    the round's token ``t0`` on), read from ``slot``."""
 
     round: HostRound
     slot: int
+    c0: int
+    c1: int
     lo: int
     hi: int
-    valid: int
+    t0: int
     tokens: int
 
 
@@ -65,7 +70,7 @@ def failure_kind(msg: P.ChunkFailed) -> str:
 class RoundBook:
     """See module docstring. ``submit_msg(round)`` builds the ``SubmitFetch`` of a round given a slot and
     a job id; ``counters`` is the client's counter dict; ``on_finished`` (may be None) is called when a
-    fetch finished; ``eager``: write each layer as soon as it is in the region (layer-wise consumers);
+    fetch finished; ``eager``: write each chunk's layers as soon as they are in the region;
     ``on_write(seconds, layers, output)`` (may be None) after every write of a round's layers into the pool
     (``output``: ``"kv"`` or ``"codes"``, what the data plane wrote for it)
     (the receiver thread's time in the pool's ``KVWriter``, failed writes included)."""
@@ -99,10 +104,9 @@ class RoundBook:
         for regions in plan_rounds(h.chunk_tokens, self.layout, self.slot_bytes, 1.0):
             n = sum(r.tokens for r in regions)
             r = HostRound(h, regions[0].index, regions[-1].index + 1, t, n)
-            r.chunk_layers = [bytearray(self.layout.num_layers) for _ in range(r.chunk_hi - r.chunk_lo)]
+            r.chunk_layers = [bytearray(self.layout.num_layers) for _ in range(r.chunk_hi - r.chunk_lo)]  # ABSENT
             if h.codes:
                 r.code_lengths = [[0] * self.layout.num_layers for _ in range(r.chunk_hi - r.chunk_lo)]
-            r.layer_write = [LayerWrite.WAITING] * self.layout.num_layers
             h.rounds.append(r)
             self.pending.append(r)
             t += n
@@ -197,7 +201,10 @@ class RoundBook:
                 if h.codes:
                     r.code_lengths[msg.chunk][msg.layer : msg.layer + msg.count] = msg.lengths
                 h.layers_seen[i] += msg.count
-                r.chunk_layers[msg.chunk][msg.layer : msg.layer + msg.count] = b"\x01" * msg.count
+                row = r.chunk_layers[msg.chunk]
+                for layer in range(msg.layer, msg.layer + msg.count):
+                    if row[layer] == LayerWrite.ABSENT:
+                        row[layer] = LayerWrite.WAITING
                 self.try_write(r)
         elif isinstance(msg, P.ChunkDone):
             i = r.chunk_lo + msg.chunk
@@ -231,45 +238,52 @@ class RoundBook:
         self.drop_pending(h)
 
     def try_write(self, r: HostRound) -> None:
-        """Queue the layers whose chunks (those before the first miss) are all in the region, as one write
-        per run of consecutive layers (per round, unless ``eager``)."""
+        """Queue the layers in the region of the round's chunks before the first miss: one write per run of
+        consecutive layers of a chunk, runs of consecutive chunks with the same layers merged (unless
+        ``eager``: nothing until every such layer is in the region, then one write for the round)."""
         h = r.handle
-        valid = max(0, min(r.chunk_hi, h.first_fail) - r.chunk_lo)
         if h.cancelled:
             return
-        done = r.chunk_layers[:valid]  # a layer is ready when every chunk of the valid prefix has it
-        waiting = [w == LayerWrite.WAITING for w in r.layer_write]
-        ready = [waiting[i] and all(c[i] for c in done) for i in range(h.num_layers)]
-        if not self.eager and not all(rd or not wt for wt, rd in zip(waiting, ready, strict=True)):
+        valid = max(0, min(r.chunk_hi, h.first_fail) - r.chunk_lo)
+        rows = r.chunk_layers[:valid]
+        if not self.eager and any(LayerWrite.ABSENT in row for row in rows):
             return  # one write per round, once every layer is in the region
-        layer = 0
-        while layer < h.num_layers:
-            if not ready[layer]:
-                layer += 1
-                continue
-            hi = layer
-            while hi < h.num_layers and ready[hi]:
-                hi += 1
-            if valid and h.target is not None:
-                n_tok = sum(h.chunk_tokens[r.chunk_lo : r.chunk_lo + valid])
-                self.writes.append(WriteOp(r, r.slot, layer, hi, valid, n_tok))
+        runs: list[list[int]] = []  # [c0, c1, lo, hi]
+        for c, row in enumerate(rows):
+            layer = 0
+            while layer < h.num_layers:
+                if row[layer] != LayerWrite.WAITING:
+                    layer += 1
+                    continue
+                hi = layer
+                while hi < h.num_layers and row[hi] == LayerWrite.WAITING:
+                    hi += 1
+                if runs and runs[-1][1] == c and runs[-1][2:] == [layer, hi]:
+                    runs[-1][1] = c + 1
+                else:
+                    runs.append([c, c + 1, layer, hi])
+                layer = hi
+        lead = h.chunk_tokens[r.chunk_lo : r.chunk_hi]
+        for c0, c1, lo, hi in runs:
+            for row in rows[c0:c1]:
+                row[lo:hi] = bytes([LayerWrite.QUEUED]) * (hi - lo)
+            if h.target is not None:
+                self.writes.append(WriteOp(r, r.slot, c0, c1, lo, hi, sum(lead[:c0]), sum(lead[c0:c1])))
                 h.writing += 1
-                r.layer_write[layer:hi] = [LayerWrite.QUEUED] * (hi - layer)
             else:
-                self._written(r, layer, hi, valid)
-            layer = hi
+                self._written(r, c0, c1, lo, hi)
 
-    def _written(self, r: HostRound, lo: int, hi: int, valid: int) -> None:
-        r.layer_write[lo:hi] = [LayerWrite.WRITTEN] * (hi - lo)
-        for i in range(lo, hi):
-            r.handle.layer_ready[i] += valid
+    def _written(self, r: HostRound, c0: int, c1: int, lo: int, hi: int) -> None:
+        for row in r.chunk_layers[c0:c1]:
+            row[lo:hi] = bytes([LayerWrite.WRITTEN]) * (hi - lo)
+        r.handle.mark_in_pool(r.chunk_lo + c0, r.chunk_lo + c1, lo, hi)
 
     def next_write(self) -> WriteOp | None:
         """The next queued write to run, dropping those of rounds cancelled or past a miss since."""
         while self.writes:
             op = self.writes.popleft()
             h = op.round.handle
-            if not h.cancelled and op.round.chunk_lo < h.first_fail:
+            if not h.cancelled and op.round.chunk_lo + op.c0 < h.first_fail:
                 return op
             self.write_done(op, None, 0.0)
         return None
@@ -278,7 +292,8 @@ class RoundBook:
         """Run ``op`` (outside ``cv``; receiver thread): (the write's error or None, seconds)."""
         t0 = time.perf_counter()
         try:
-            self.io.write_layers(op.slot, op.round, op.lo, op.hi, op.tokens, op.round.handle.target)
+            self.io.write_layers(op.slot, op.round, op.c0, op.c1, op.lo, op.hi, op.t0, op.tokens,
+                                 op.round.handle.target)  # fmt: skip
         except KVWriteError as e:
             return e, time.perf_counter() - t0
         return None, time.perf_counter() - t0
@@ -292,9 +307,9 @@ class RoundBook:
             if self._on_write is not None:
                 self._on_write(seconds, op.hi - op.lo, h.output)
             if error is None:
-                self._written(r, op.lo, op.hi, op.valid)
+                self._written(r, op.c0, op.c1, op.lo, op.hi)
             else:
-                self._fail_from(r, r.chunk_lo, "write")
+                self._fail_from(r, r.chunk_lo + op.c0, "write")
                 self.counters["write_failed"] += 1
                 logger.warning("KV write for %s failed; its round is a miss: %s", h.request_id, error)
         self._check_finished(h)

@@ -7,7 +7,8 @@ file's logic runs in CI exactly as it runs on a GPU.
 
 One ``write`` of ``n`` layers:
 1. host source: zero-copy when ``k`` and ``v`` lie in a registered (pinned) region (the DPU destination
-   region, ``register_host``); otherwise copied into a grow-only pinned staging buffer;
+   region, ``register_host``), whole or as contiguous layer planes (one upload per layer then); otherwise
+   copied into a grow-only pinned staging buffer;
 2. H2D copies of K, V and the slots into a grow-only device staging buffer, on the side stream;
 3. ONE scatter launch for all ``2n`` layer planes (K then V) into the paged pool, on the side stream;
 4. one event recorded after it, which becomes the completion event of each of the ``n`` layers;
@@ -101,6 +102,11 @@ class DeviceKVWriter(KVWriter):
         lo = a.__array_interface__["data"][0]
         return a.flags.c_contiguous and any(s <= lo and lo + a.nbytes <= e for s, e, _ in self._regions)
 
+    def _pinned_planes(self, a: np.ndarray) -> bool:
+        """``a`` [n, t, H, D] is pinned in place, whole or as n contiguous layer planes (a token range of
+        a round: ``round_io`` writes chunks of a round as they arrive)."""
+        return self._pinned(a) or (len(a) > 0 and all(self._pinned(p) for p in a))
+
     # ---- write ---------------------------------------------------------------------------------------
     def _write(self, k: np.ndarray, v: np.ndarray, slots: torch.Tensor, layer_lo: int) -> None:
         """In bounded pieces: at most ``MAX_TOKENS`` tokens (the scatter's grid) and about
@@ -120,10 +126,13 @@ class DeviceKVWriter(KVWriter):
         kv_bytes, slot_bytes = 2 * n * plane, idx.numel() * 8
         so = _align(kv_bytes)  # the slots' offset (an int64 view needs an aligned offset)
         dev = self._device_buffer(so + slot_bytes)
-        if self._pinned(k) and self._pinned(v):
+        if self._pinned_planes(k) and self._pinned_planes(v):
             self.stats["zero_copy"] += 1
-            self.ops.upload(dev[: kv_bytes // 2], _bytes(torch.from_numpy(k)))
-            self.ops.upload(dev[kv_bytes // 2 : kv_bytes], _bytes(torch.from_numpy(v)))
+            for src, at in ((k, 0), (v, kv_bytes // 2)):  # one upload, or one per layer of a strided source
+                parts = [src] if src.flags.c_contiguous else list(src)
+                for i, part in enumerate(parts):
+                    o = at + i * part.nbytes
+                    self.ops.upload(dev[o : o + part.nbytes], _bytes(torch.from_numpy(part)))
             host_slots = self._host_buffer(slot_bytes)[:slot_bytes]
             host_slots.view(torch.int64).copy_(idx)
             self.ops.upload(dev[so : so + slot_bytes], host_slots)

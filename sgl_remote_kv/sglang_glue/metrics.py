@@ -100,7 +100,8 @@ class RemoteKVMetrics:
 
     def dataplane_write(self, seconds: float, layers: int, output: str = "kv") -> None:
         """The DPU client's receiver thread (in this scheduler process) spent ``seconds`` writing ``layers``
-        fetched layers of one round into the pool: what the scheduler side of the DPU path costs.
+        fetched layers of a run of a round's chunks into the pool: what the scheduler side of the DPU path
+        costs.
         ``output``: what the data plane wrote (``kv``, or ``codes`` this side dequantized)."""
         output = output if output in DPU_JOB_OUTPUTS else "kv"
         self._inc("dataplane_write_seconds", seconds, output=output)
@@ -214,7 +215,7 @@ def _build_prometheus() -> dict:
         ),
         "dataplane_write_layers": Counter(
             p + "dataplane_write_layers",
-            "Layer writes (one round's chunks, one layer) of the DPU client into the pool, by output",
+            "Layer writes (one layer of a run of a round's chunks) of the DPU client into the pool, by output",
             ["output"],
         ),
         "slot_wait": Histogram(
