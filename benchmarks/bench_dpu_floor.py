@@ -25,8 +25,9 @@ the data plane's ordering and store-read ablations:
   process's receiver thread dequantizes them into the CPU pool (on core ``--host-cpus``, one torch
   thread), standing in for the GPU that does it on a GPU host.
 
-Per row also: the data plane's CPU per fetch (its stages' thread CPU, from its stats) and the host
-receiver thread's time in the pool's writer per fetch (wall; includes the dequant for ``codes``).
+Per row also: the data plane's CPU per fetch (its stages' thread CPU, from its stats, and the whole process's,
+store client threads included) and the host receiver thread's time in the pool's writer per fetch (wall;
+includes the dequant for ``codes``).
 
 Each variant's data plane lives through all rates of a codec (640, 320, 160 Mbit/s in turn), so the gate
 must follow each change of rate.
@@ -117,10 +118,16 @@ def _client(url: str, fp, codec, cpus: tuple[int, ...], debug: dict, over: dict,
     return c
 
 
-def _cpu(c: DpuClient) -> tuple[float, float]:
-    """(the data plane's stage CPU seconds so far, by its last heartbeat; the client's seconds in pool writes)."""
+def _cpu(c: DpuClient) -> tuple[float, float, float]:
+    """(the data plane's stage CPU seconds so far, by its last heartbeat; the client's seconds in pool writes;
+    the data-plane process's CPU seconds: stages, store client threads, server thread)."""
     stages = json.loads(c.stats().get("dataplane") or "{}").get("pipeline", {})
-    return sum(st["cpu_s"] for st in stages.values()), c.stats()["write_s"]
+    return sum(st["cpu_s"] for st in stages.values()), c.stats()["write_s"], _process_cpu_s(c.pid)
+
+
+def _process_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,9 +202,11 @@ def main(argv: list[str] | None = None) -> int:
                                      "fetch_gate": json.loads(clients[v].stats().get("dataplane") or "{}").get("fetch_gate")
                                      if v in clients else None,
                                      "dp_cpu_ms": cost[v][0] if v in cost else None,
-                                     "host_write_ms": cost[v][1] if v in cost else None})  # fmt: skip
+                                     "host_write_ms": cost[v][1] if v in cost else None,
+                                     "dp_process_cpu_ms": cost[v][2] if v in cost else None})  # fmt: skip
                         r = rows[-1]
-                        extra = f"  DP CPU {r['dp_cpu_ms']:5.1f} ms  host write {r['host_write_ms']:5.1f} ms" if v in cost else ""
+                        extra = (f"  DP CPU {r['dp_cpu_ms']:5.1f} ms (process {r['dp_process_cpu_ms']:5.1f})  "
+                                 f"host write {r['host_write_ms']:5.1f} ms" if v in cost else "")  # fmt: skip
                         print(f"{cname:14s} {rate:5.0f} Mbit/s  {v:28s} floor {floor * 1e3:6.1f} ms  "
                               f"median {med * 1e3:6.1f} ms  {r['over_floor']:.2f}x  tail {r['tail_ms']:5.1f} ms{extra}",
                               flush=True)  # fmt: skip
