@@ -1,4 +1,4 @@
-"""``store.resp_reader``: a streamed get's replies read off the socket with a low-water mark.
+"""``store.resp_reader``: the standalone Redis backend's read replies read off the socket with a low-water mark.
 
 Against a real redis-server: the pieces are the value's, the pooled connection gets its mark back, an
 error reply or a value changed between pieces never stalls. Against a stand-in server on a TCP socket
@@ -48,6 +48,13 @@ def test_pieces_come_through_the_reader_and_the_pooled_connection_gets_its_mark_
     finally:
         resp_reader.RespReader.bulk = real
     assert b"".join(pieces) == v and len(pieces) == 11 and len(used) == 11
+    used.clear()
+    resp_reader.RespReader.bulk = spy
+    try:  # whole values too: a batch of GETs, an absent key among them
+        got = st.get_many([b"k" * 32, b"z" * 32, b"k" * 32])
+    finally:
+        resp_reader.RespReader.bulk = real
+    assert got == [v, None, v] and len(used) == 3
     conn = st._r.connection_pool.get_connection()
     assert _lowat(conn._sock) == 1
     st._r.connection_pool.release(conn)
@@ -156,6 +163,8 @@ def test_bad_replies_raise_redis_errors(pair, data, error):
     assert r.close() and _lowat(c) == 1
 
 
-def test_only_plain_tcp_connections_are_read_directly():
+def test_only_plain_tcp_resp2_connections_are_read_directly(redis_server):
+    resp3 = redis.Redis(host="127.0.0.1", port=redis_server.port, protocol=3).connection_pool.get_connection()
+    assert resp3._sock is not None and not resp_reader.usable(resp3)  # RESP3 nulls and pushes: redis-py reads
     assert not resp_reader.usable(redis.connection.UnixDomainSocketConnection(path="/nonexistent"))
     assert not resp_reader.usable(redis.connection.Connection())  # not connected: no socket

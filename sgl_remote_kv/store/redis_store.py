@@ -137,12 +137,15 @@ class RedisKV:
         out: list[bytes | None] = []
         with self._counters.timed("get_many"):
             for chunk in self._batches(keys):
-                out.extend(self._run("get", chunk))
+                out.extend(self._get_batch(chunk))
         hits = sum(v is not None for v in out)
         self._counters.add(
             hits=hits, misses=len(out) - hits, bytes_read=sum(len(v) for v in out if v is not None)
         )
         return out
+
+    def _get_batch(self, chunk: Sequence[bytes]) -> list[bytes | None]:
+        return self._run("get", chunk)
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
         """One ``SET`` per key, pipelined in batches; see the module docstring for atomicity."""
@@ -204,12 +207,24 @@ class RedisStore(RedisKV):
         super().__init__(client, "redis", prefix, ttl_s, batch)
         self.address = (host, port)
 
+    def _get_batch(self, chunk: Sequence[bytes]) -> list[bytes | None]:
+        """The ``GET``s of a batch, pipelined on one connection (values as bytes-like objects)."""
+        rp = _Replies(self._r.connection_pool)
+        clean = False
+        try:
+            with translate_errors():
+                rp.send([("GET", self._k(k)) for k in chunk])
+                out = [rp.bulk() for _ in chunk]
+            clean = True
+            return out
+        finally:
+            rp.close(clean)
+
     def stream_get(self, key: bytes, piece_bytes: int) -> Iterator[bytes]:
         """The value of ``key`` in pieces of at most ``piece_bytes``, in order; nothing if absent.
 
         One pooled connection: ``STRLEN`` and the first ``GETRANGE``, then every other ``GETRANGE`` in one
-        write (pipelined, so the link stays busy while the pieces are consumed); on a plain TCP connection
-        the replies are read by ``resp_reader`` (a wake-up per piece, not per TCP segment). Each piece is its own
+        write (pipelined, so the link stays busy while the pieces are consumed). Each piece is its own
         command: a value rewritten or evicted between them comes out changed or short, which the store
         framing's length and CRC catch (``framing.FrameReader``). A generator closed early, or a failed
         read, disconnects the connection (replies may still be in flight) before it goes back to the pool.
@@ -217,40 +232,61 @@ class RedisStore(RedisKV):
         check_keys([key])
         if piece_bytes < 1:
             raise ValueError("piece_bytes must be >= 1")
-        rk, pool = self._k(key), self._r.connection_pool
-        with translate_errors():
-            conn = pool.get_connection()
-        clean, raw = False, None
+        rk = self._k(key)
+        rp = _Replies(self._r.connection_pool)
+        clean = False
         try:
             with translate_errors():
-                conn.send_packed_command(
-                    conn.pack_commands([("STRLEN", rk), ("GETRANGE", rk, 0, piece_bytes - 1)])
-                )
-                raw = resp_reader.RespReader(conn) if resp_reader.usable(conn) else None
-                read_bulk = raw.bulk if raw else conn.read_response
-                total = raw.integer() if raw else int(conn.read_response())
-                first = read_bulk()
+                rp.send([("STRLEN", rk), ("GETRANGE", rk, 0, piece_bytes - 1)])
+                total = rp.integer()
+                first = rp.bulk()
                 rest = [
                     ("GETRANGE", rk, o, min(o + piece_bytes, total) - 1)
                     for o in range(piece_bytes, total, piece_bytes)
                 ]
                 if rest:
-                    conn.send_packed_command(conn.pack_commands(rest))
+                    rp.send(rest)
             self._counters.add(hits=int(total > 0), misses=int(total == 0), bytes_read=total)
             if first:
                 yield first
             for _ in rest:
                 with translate_errors():
-                    piece = read_bulk()
+                    piece = rp.bulk()
                 if piece:
                     yield piece
             clean = True
         finally:
-            if raw is not None and not raw.close():
-                clean = False
-            if not clean:
-                conn.disconnect()
-            pool.release(conn)
+            rp.close(clean)
+
+
+class _Replies:
+    """Commands sent on one pooled connection of a standalone server and their replies read back in order:
+    by ``resp_reader`` on a plain TCP connection (a wake-up per value or 128 KiB piece, not per TCP
+    segment), else by redis-py's parser. ``close(clean)`` gives the connection back, disconnected first
+    unless every reply was read (``clean``) and the reader's socket setting was restored. Raises redis-py's
+    exceptions (callers wrap ``translate_errors``)."""
+
+    def __init__(self, pool) -> None:
+        self._pool = pool
+        with translate_errors():
+            self.conn = pool.get_connection()
+        self._raw = resp_reader.RespReader(self.conn) if resp_reader.usable(self.conn) else None
+
+    def send(self, commands: list[tuple]) -> None:
+        self.conn.send_packed_command(self.conn.pack_commands(commands))
+
+    def integer(self) -> int:
+        return self._raw.integer() if self._raw else int(self.conn.read_response())
+
+    def bulk(self):
+        return self._raw.bulk() if self._raw else self.conn.read_response()
+
+    def close(self, clean: bool) -> None:
+        if self._raw is not None and not self._raw.close():
+            clean = False
+        if not clean:
+            self.conn.disconnect()
+        self._pool.release(self.conn)
 
 
 def connection_kwargs(timeout_s: float) -> dict[str, Any]:
@@ -260,6 +296,7 @@ def connection_kwargs(timeout_s: float) -> dict[str, Any]:
         "socket_connect_timeout": timeout_s,
         "socket_read_size": _READ_SIZE,
         "retry": Retry(NoBackoff(), 0),  # StoreClient owns retries
+        "protocol": 2,  # RESP2 (redis-py 8 defaults to RESP3): what ``resp_reader`` parses; no push messages
     }
 
 

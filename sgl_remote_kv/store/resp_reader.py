@@ -1,7 +1,8 @@
-"""Replies of a streamed get read straight off a redis-py connection's socket (``RedisStore.stream_get``).
+"""Replies of the standalone Redis backend's reads (``RedisStore.get_many``, ``stream_get``) read straight
+off a redis-py connection's socket.
 
 redis-py's parser reads whatever the socket holds: on a slow link that is a TCP segment or two per read, so
-a 256 KiB ``GETRANGE`` reply costs a hundred-odd wake-ups, each a trip through the parser's Python loop
+a 256 KiB ``GETRANGE`` reply (or a whole chunk's ``GET``) costs a hundred-odd wake-ups, each a trip through the parser's Python loop
 (measured: at 160 Mbit/s the data plane's two store threads spent more CPU than its inflate stage). This
 reader parses the RESP2 replies itself (integers, bulk strings, errors) and reads each bulk string into one
 buffer of its announced length, with ``SO_RCVLOWAT`` set to the bytes of the reply still to come (at most
@@ -9,8 +10,9 @@ buffer of its announced length, with ``SO_RCVLOWAT`` set to the bytes of the rep
 never exceeds what the server already announced it will send, so a read cannot wait for bytes that never
 come; header lines are read with a mark of 1.
 
-Relies on redis-py internals (checked in ``usable``): a plain TCP ``redis.connection.Connection`` whose
-``_sock`` is the socket, and a parser holding no bytes when the commands were sent (true for a pooled
+Relies on redis-py internals (checked in ``usable``): a plain TCP ``redis.connection.Connection`` speaking
+RESP2 (``redis_store.connection_kwargs`` asks for it; redis-py 8 defaults to RESP3) whose ``_sock`` is the
+socket, and a parser holding no bytes when the commands were sent (true for a pooled
 connection whose earlier replies were all read: ``RedisStore`` disconnects a connection that failed or
 was abandoned mid-reply). TLS and unix-socket connections keep redis-py's parser.
 
@@ -35,8 +37,12 @@ _MAX_LINE = 64 << 10
 
 
 def usable(conn) -> bool:
-    """True for a connection this reader can read from (plain TCP, a socket open)."""
-    return type(conn) is redis.connection.Connection and isinstance(getattr(conn, "_sock", None), socket.socket)
+    """True for a connection this reader can read from (plain TCP, RESP2, a socket open)."""
+    return (
+        type(conn) is redis.connection.Connection
+        and getattr(conn, "protocol", None) == 2
+        and isinstance(getattr(conn, "_sock", None), socket.socket)
+    )
 
 
 class RespReader:
