@@ -16,8 +16,8 @@ and reports back (``write_done``) before it handles the next event or sends anyt
 cannot be handed that slot again before the write read it. ``FetchHandle.writing`` counts a handle's queued
 and running writes: the handle finishes only when it is 0, and ``DpuClient.cancel`` waits for it (the
 caller frees the KV slots right after). A layer counts as in the pool only after the write returned; a
-write that raises fails the round's chunks (kind ``write``) exactly like a chunk the data plane failed on,
-so it is never a hit; a queued write of a round that is cancelled or past a miss by then is dropped.
+write that raises fails its chunks and the round's later ones (kind ``write``) exactly like a chunk the data
+plane failed on, so it is never a hit; a queued write of a round that is cancelled or past a miss by then is dropped.
 With ``eager`` (the client's default) each chunk's run of layers is written as soon as it is in the region
 (runs of consecutive chunks with the same layers in one write), overlapping the data plane's fetch and
 decode of later chunks and layers, so only the last chunk's write follows its last byte; without it a round
@@ -239,7 +239,7 @@ class RoundBook:
 
     def try_write(self, r: HostRound) -> None:
         """Queue the layers in the region of the round's chunks before the first miss: one write per run of
-        consecutive layers of a chunk, runs of consecutive chunks with the same layers merged (unless
+        consecutive layers of a chunk, runs of consecutive chunks with the same layers merged (without
         ``eager``: nothing until every such layer is in the region, then one write for the round)."""
         h = r.handle
         if h.cancelled:
