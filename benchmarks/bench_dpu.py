@@ -131,7 +131,8 @@ def standalone(url: str, codec, keys, blobs, chunk_size: int, reps: int) -> dict
 
 
 # ---- the real data-plane process --------------------------------------------------------------------
-def _cpu_s(pid: int) -> float:
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far, all its threads."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -167,11 +168,11 @@ def _client(url: str, codec, chunk_size: int, extra: tuple[str, ...], output: st
 def _one_run(c: DpuClient, keys, chunk_size: int) -> tuple[float, float, dict, dict]:
     """All requests (1792 tokens each) in flight at once; (wall, DP CPU, stage busy, stage CPU)."""
     per_req = max(1, 1792 // chunk_size)
-    before, cpu0 = _dp_stats(c), _cpu_s(c.pid)
+    before, cpu0 = _dp_stats(c), process_cpu_s(c.pid)
     t0 = time.perf_counter()
     hs = [c.submit(f"r{i}", keys[i : i + per_req], chunk_size, None) for i in range(0, len(keys), per_req)]
     res = [h.wait(300) for h in hs]
-    wall, cpu = time.perf_counter() - t0, _cpu_s(c.pid) - cpu0
+    wall, cpu = time.perf_counter() - t0, process_cpu_s(c.pid) - cpu0
     assert sum(r.hit_chunks for r in res) == len(keys), [r.failures for r in res if r.failures]
     after = _dp_stats(c)
     busy = {s: after[s]["busy_s"] - before[s]["busy_s"] for s in after}

@@ -61,6 +61,7 @@ from sgl_remote_kv.dpu.buffers import chunk_bytes
 from sgl_remote_kv.dpu.settings import DataPlaneSettings, Debug
 
 from benchmarks import kvdata
+from benchmarks.bench_dpu import process_cpu_s
 from benchmarks.e2e_server import REDIS_PORT, shaped_store
 from benchmarks.netshape import netns_supported
 from sgl_remote_kv.codec import calibration
@@ -122,12 +123,8 @@ def _cpu(c: DpuClient) -> tuple[float, float, float]:
     """(the data plane's stage CPU seconds so far, by its last heartbeat; the client's seconds in pool writes;
     the data-plane process's CPU seconds: stages, store client threads, server thread)."""
     stages = json.loads(c.stats().get("dataplane") or "{}").get("pipeline", {})
-    return sum(st["cpu_s"] for st in stages.values()), c.stats()["write_s"], _process_cpu_s(c.pid)
+    return sum(st["cpu_s"] for st in stages.values()), c.stats()["write_s"], process_cpu_s(c.pid)
 
-
-def _process_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> int:

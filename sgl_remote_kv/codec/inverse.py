@@ -21,7 +21,8 @@ So x is a function of the codes alone: an escaped value decodes exactly as if it
 intermediate).
 
 Threads: tables are immutable. ``decode`` works in per-thread arrays (no allocation once warm) and writes
-only the caller's output. The GEMM (torch) and the kernel (numba) release the GIL. It never changes torch's thread settings: the data-plane process runs torch on
+only the caller's output. The GEMM (torch) and the kernel (numba) release the GIL. It never changes torch's
+thread settings: the data-plane process runs torch on
 one thread per caller; elsewhere the GEMM uses the process's torch threads.
 """
 

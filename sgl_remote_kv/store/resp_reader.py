@@ -2,8 +2,9 @@
 off a redis-py connection's socket.
 
 redis-py's parser reads whatever the socket holds: on a slow link that is a TCP segment or two per read, so
-a 256 KiB ``GETRANGE`` reply (or a whole chunk's ``GET``) costs a hundred-odd wake-ups, each a trip through the parser's Python loop
-(measured: at 160 Mbit/s the data plane's two store threads spent more CPU than its inflate stage). This
+a 256 KiB ``GETRANGE`` reply (or a whole chunk's ``GET``) costs a hundred-odd wake-ups, each a trip through
+the parser's Python loop (measured: at 160 Mbit/s the data plane's two store threads spent more CPU than its
+inflate stage). This
 reader parses the RESP2 replies itself (integers, bulk strings, errors) and reads each bulk string into one
 buffer of its announced length, with ``SO_RCVLOWAT`` set to the bytes of the reply still to come (at most
 ``LOWAT_MAX``): the kernel wakes the reader when that much is in, not per segment. The low-water mark
@@ -12,8 +13,8 @@ come; header lines are read with a mark of 1.
 
 Relies on redis-py internals (checked in ``usable``): a plain TCP ``redis.connection.Connection`` speaking
 RESP2 (``redis_store.connection_kwargs`` asks for it; redis-py 8 defaults to RESP3) whose ``_sock`` is the
-socket, and a parser holding no bytes when the commands were sent (true for a pooled
-connection whose earlier replies were all read: ``RedisStore`` disconnects a connection that failed or
+socket, and a parser holding no bytes when the commands were sent (true for a pooled connection whose
+earlier replies were all read: ``RedisStore`` disconnects a connection that failed or
 was abandoned mid-reply). TLS and unix-socket connections keep redis-py's parser.
 
 Errors raise redis-py's exception types (``redis_store.translate_errors`` maps them): ``TimeoutError``
@@ -119,6 +120,6 @@ class RespReader:
         try:
             return read(arg)
         except TimeoutError as e:  # socket.timeout
-            raise redis.exceptions.TimeoutError("timeout reading a streamed reply") from e
+            raise redis.exceptions.TimeoutError("timeout reading a reply") from e
         except OSError as e:
             raise redis.exceptions.ConnectionError(f"{type(e).__name__}: {e}") from e
