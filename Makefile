@@ -23,6 +23,7 @@ demo: calibration
 
 lint: setup
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 # Default suite: everything not marked slow (e2e server tests included). CI runs exactly this.
 test: calibration lint

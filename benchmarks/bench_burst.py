@@ -46,16 +46,22 @@ def main() -> None:
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     model = str(ensure_model())
-    wl = Workload(groups=a.groups, per_group=a.per_group, system_len=a.system_len, question_len=64, output_len=8)
+    wl = Workload(
+        groups=a.groups, per_group=a.per_group, system_len=a.system_len, question_len=64, output_len=8
+    )
     with tempfile.TemporaryDirectory(prefix="srkv-burst-") as tmp:
         work = Path(tmp)
         store = f"file://{work / 'store'}"
         with _server(model, store, a.pool_tokens) as srv:  # phase 1: compute and write back
-            first = run_harness(srv.base_url, model, wl, work / "a.jsonl", float("inf"), False, work / "h.log")
+            first = run_harness(
+                srv.base_url, model, wl, work / "a.jsonl", float("inf"), False, work / "h.log"
+            )
             written = wait_writeback_idle(srv.base_url)
         with _server(model, store, a.pool_tokens) as srv:  # phase 2: the burst, from the store
             before = scrape(srv.base_url)
-            burst = run_harness(srv.base_url, model, wl, work / "b.jsonl", float("inf"), False, work / "h.log")
+            burst = run_harness(
+                srv.base_url, model, wl, work / "b.jsonl", float("inf"), False, work / "h.log"
+            )
             d = delta(scrape(srv.base_url), before)
     n = a.groups * a.per_group
     waits = metric(d, "remote_kv_slot_waits_total")
@@ -70,18 +76,22 @@ def main() -> None:
         "failures_no_kv_slots": _failures(d, "no_kv_slots"),
         "slot_waits": waits,
         "slot_wait_mean_s": metric(d, "remote_kv_slot_wait_seconds_sum") / waits if waits else 0.0,
-        "slot_waits_over_10s": waits - sum(v for k, v in d.items() if k.endswith('slot_wait_seconds_bucket{le="10.0"}')),
-        "kv_wait_mean_s": metric(d, "remote_kv_kv_wait_seconds_sum") / max(1.0, metric(d, "remote_kv_kv_wait_seconds_count")),
+        "slot_waits_over_10s": waits
+        - sum(v for k, v in d.items() if k.endswith('slot_wait_seconds_bucket{le="10.0"}')),
+        "kv_wait_mean_s": metric(d, "remote_kv_kv_wait_seconds_sum")
+        / max(1.0, metric(d, "remote_kv_kv_wait_seconds_count")),
         "ttft_p50_ms_cold": first.get("median_ttft_ms"),
         "ttft_p50_ms_burst": burst.get("median_ttft_ms"),
         "ttft_p99_ms_burst": burst.get("p99_ttft_ms"),
         "ttft_max_s_burst": max([t for t in burst.get("ttfts", []) if t] or [0.0]),
         "e2e_p99_ms_burst": burst.get("p99_e2e_latency_ms"),
-        "storage_tokens_burst": sum(int((d or {}).get("storage", 0) or 0) for d in burst.get("cached_tokens_details", [])),
+        "storage_tokens_burst": sum(
+            int((d or {}).get("storage", 0) or 0) for d in burst.get("cached_tokens_details", [])
+        ),
         "errors_burst": sum(1 for e in burst.get("errors", []) if e),
         "duration_s_cold": first.get("duration"),
         "duration_s_burst": burst.get("duration"),
-    }  # fmt: skip
+    }
     print(f"\n{'metric':32s} value")
     for k, v in row.items():
         print(f"{k:32s} {v:.3f}" if isinstance(v, float) else f"{k:32s} {v}")

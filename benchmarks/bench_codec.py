@@ -77,8 +77,13 @@ class EvalContext:
             dk, dv, nbytes, te, td = _roundtrip(t, encode, decode, self.repeat if timing else 1)
             raw, blob, enc_t, dec_t = raw + t.k.nbytes + t.v.nbytes, blob + nbytes, enc_t + te, dec_t + td
             q = self.quality(t, dk, dv)
-            per_text[t.name] = {**q, "ratio": (t.k.nbytes + t.v.nbytes) / nbytes, "blob_bytes": nbytes,
-                                "bf16_bytes": t.k.nbytes + t.v.nbytes, "role": t.role}  # fmt: skip
+            per_text[t.name] = {
+                **q,
+                "ratio": (t.k.nbytes + t.v.nbytes) / nbytes,
+                "blob_bytes": nbytes,
+                "bf16_bytes": t.k.nbytes + t.v.nbytes,
+                "role": t.role,
+            }
         row = {"codec": label, "ratio": raw / blob, "bits_per_value": 16 * blob / raw}
         row["encode_mb_s"] = raw / enc_t / 1e6 if timing else None
         row["decode_mb_s"] = raw / dec_t / 1e6 if timing else None
@@ -105,8 +110,13 @@ class EvalContext:
 
     def measure_codec(self, label: str, codec, timing: bool = True, **extra) -> dict:
         fp = self.fingerprint
-        row = self.measure(label, lambda k, v, s: codec.encode(k, v, fp, start=s), lambda b: codec.decode(b, fp),
-                           timing, **extra)  # fmt: skip
+        row = self.measure(
+            label,
+            lambda k, v, s: codec.encode(k, v, fp, start=s),
+            lambda b: codec.decode(b, fp),
+            timing,
+            **extra,
+        )
         row["params"] = codec.params()
         row.setdefault("impl", type(codec).__name__)
         return row
@@ -205,15 +215,22 @@ def tune_calibration(ctx: EvalContext, quality: str, group_heads: int | None = N
     cal = calibration.find_for(fp, quality)
     if group_heads is not None:
         want = group_heads * fp.layout.head_dim
-        cands = [c for c in calibration.registered() if c.model_key == cal.model_key and c.group_dim == want
-                 and quality in c.levels]  # fmt: skip
+        cands = [
+            c
+            for c in calibration.registered()
+            if c.model_key == cal.model_key and c.group_dim == want and quality in c.levels
+        ]
         if not cands:
-            raise ValueError(f"no calibration with {group_heads} heads per group: calibrate --group-heads {group_heads}")
+            raise ValueError(
+                f"no calibration with {group_heads} heads per group: calibrate --group-heads {group_heads}"
+            )
         cal = cands[-1]
     fitted_on = set(json.loads(cal.report).get("texts", []))
     tune = {Path(t.path).name for t in ctx.texts if t.role == "tune"}
     if not fitted_on or not fitted_on <= tune:
-        raise ValueError(f"calibration {cal.calib_id.hex()} was fitted on {sorted(fitted_on)}, not on tune texts only")
+        raise ValueError(
+            f"calibration {cal.calib_id.hex()} was fitted on {sorted(fitted_on)}, not on tune texts only"
+        )
     return cal
 
 
@@ -241,8 +258,12 @@ def table_specs() -> list[Spec]:
     from sgl_remote_kv.codec.base import DEFAULT_K_BINS, DEFAULT_V_BINS
 
     for codec, fam in (("quant_deflate", "ours-deflate"), ("quant_rans", "ours-rans")):
-        for kb, vb, gran, cs in (("256", "256", "token", False), ("256", "256", "head", False),
-                                 ("256", "256", "head", True), ("256", "128", "token", False)):  # fmt: skip
+        for kb, vb, gran, cs in (
+            ("256", "256", "token", False),
+            ("256", "256", "head", False),
+            ("256", "256", "head", True),
+            ("256", "128", "token", False),
+        ):
             tag = f"K{kb}/V{vb} bins/{gran}" + (" + key channel scales" if cs else "")
             specs.append(quant(f"ours {codec} ({tag})", fam, codec, kb, vb, gran, cs))
         tag = f"codec default K{DEFAULT_K_BINS}/V{DEFAULT_V_BINS}/token"
@@ -258,8 +279,14 @@ def recommended_specs() -> list[Spec]:
     out = []
     for key, r in rec.items():
         if r and r.get("codec_name"):
-            out.append(Spec(f"RECOMMENDED {key}: {r['codec']}", r["family"], r["codec_name"],
-                            tuple(sorted(r["params"].items()))))  # fmt: skip
+            out.append(
+                Spec(
+                    f"RECOMMENDED {key}: {r['codec']}",
+                    r["family"],
+                    r["codec_name"],
+                    tuple(sorted(r["params"].items())),
+                )
+            )
     return out
 
 
@@ -346,8 +373,10 @@ def run(ctx: EvalContext, specs: list[Spec], extra_files: list[Path], producers:
         row = spec_row(ctx, spec)
         if row is not None:
             rows.append(row)
-            print(f"  {spec.label}: ratio {row['ratio']:.2f} kl {row['kl']:.5f} ({time.perf_counter() - t0:.0f} s)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"  {spec.label}: ratio {row['ratio']:.2f} kl {row['kl']:.5f} ({time.perf_counter() - t0:.0f} s)",
+                file=sys.stderr,
+            )
     for producer in discovered_producers() if producers else []:
         rows.extend(producer(ctx))
     for f in extra_files:
@@ -377,9 +406,14 @@ def main(argv: list[str] | None = None) -> int:
         old = json.loads(args.out.read_text())["rows"]
         rows = [fresh.pop(r["codec"], r) for r in old] + list(fresh.values())
     print(format_table(rows))
-    meta = {"texts": kvdata.describe(ctx.texts), "chunk_tokens": CHUNK, "greedy_tokens": quality.GREEDY,
-            "runtime_s": round(time.perf_counter() - t0, 1), "timing": "single thread, best of --repeat",
-            "quality": "mean over texts; kl nats KL(recompute||decoded) over 64 teacher-forced tokens"}  # fmt: skip
+    meta = {
+        "texts": kvdata.describe(ctx.texts),
+        "chunk_tokens": CHUNK,
+        "greedy_tokens": quality.GREEDY,
+        "runtime_s": round(time.perf_counter() - t0, 1),
+        "timing": "single thread, best of --repeat",
+        "quality": "mean over texts; kl nats KL(recompute||decoded) over 64 teacher-forced tokens",
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {args.out} ({meta['runtime_s']} s)")

@@ -51,8 +51,10 @@ UNIFORM = ("256", "192", "128", "96", "64", "32")
 
 def _scaled_cachegen(f: int) -> tuple[str, str]:
     """CacheGen's layer-group shape with f times its bins (capped at 256)."""
-    return tuple(",".join(f"{min(256, int(b) * f)}@{s}" for b, s in (p.split("@") for p in x.split(",")))
-                 for x in (CACHEGEN_K, CACHEGEN_V))  # fmt: skip
+    return tuple(
+        ",".join(f"{min(256, int(b) * f)}@{s}" for b, s in (p.split("@") for p in x.split(",")))
+        for x in (CACHEGEN_K, CACHEGEN_V)
+    )
 
 
 def family_specs(family: str) -> list[Spec]:
@@ -63,17 +65,27 @@ def family_specs(family: str) -> list[Spec]:
         for gran, cs in (("token", False), ("head", True), ("token", True), ("head", False)):
             for b in UNIFORM if (gran, cs) == ("token", False) else UNIFORM[:-1]:
                 out.append(quant(f"{b}b/{gran}{'+kcs' if cs else ''}", family, codec, b, b, gran, cs))
-        asym = [quant(f"K{kb}/V{vb}/{g}{'+kcs' if cs else ''}", family, codec, kb, vb, g, cs)
-                for kb, vb, g, cs in (("256", "128", "token", False), ("128", "256", "token", False),
-                                      ("256", "192", "token", False), ("256", "96", "token", False),
-                                      ("256", "64", "token", False), ("192", "96", "token", False),
-                                      ("256", "128", "head", True), ("256", "64", "head", True))]  # fmt: skip
+        asym = [
+            quant(f"K{kb}/V{vb}/{g}{'+kcs' if cs else ''}", family, codec, kb, vb, g, cs)
+            for kb, vb, g, cs in (
+                ("256", "128", "token", False),
+                ("128", "256", "token", False),
+                ("256", "192", "token", False),
+                ("256", "96", "token", False),
+                ("256", "64", "token", False),
+                ("192", "96", "token", False),
+                ("256", "128", "head", True),
+                ("256", "64", "head", True),
+            )
+        ]
         from sgl_remote_kv.codec.base import DEFAULT_K_BINS, DEFAULT_V_BINS
 
         dv = DEFAULT_V_BINS
-        extra = [quant(f"codec default K{DEFAULT_K_BINS}/V{dv}/token", family, codec, DEFAULT_K_BINS, dv),
-                 quant("K128+4 exact/V128/token", family, codec, "128", "128", k_outliers=4),
-                 quant(f"K128+4 exact/V{dv}/token", family, codec, "128", dv, k_outliers=4)]  # fmt: skip
+        extra = [
+            quant(f"codec default K{DEFAULT_K_BINS}/V{dv}/token", family, codec, DEFAULT_K_BINS, dv),
+            quant("K128+4 exact/V128/token", family, codec, "128", "128", k_outliers=4),
+            quant(f"K128+4 exact/V{dv}/token", family, codec, "128", dv, k_outliers=4),
+        ]
         n = len(UNIFORM)
         return out[:n] + extra + asym[:6] + out[n : n + 4] + asym[6:] + out[n + 4 :]
     if family in ("cachegen", "shadowserve"):
@@ -87,13 +99,24 @@ def family_specs(family: str) -> list[Spec]:
         from sgl_remote_kv.codec.calibration import LEVELS
 
         entropy = family.split("-")[1]
-        return [Spec(f"transform {entropy} KL<={lv}", family, "transform", (("entropy", entropy), ("quality", lv)))
-                for lv in LEVELS]  # fmt: skip
+        return [
+            Spec(
+                f"transform {entropy} KL<={lv}", family, "transform", (("entropy", entropy), ("quality", lv))
+            )
+            for lv in LEVELS
+        ]
     if family == "transform-rans-perhead":
         from sgl_remote_kv.codec.calibration import LEVELS
 
-        return [Spec(f"transform rans, per-head transform, KL<={lv}", family, "transform",
-                     (("entropy", "rans"), ("group_heads", 1), ("quality", lv))) for lv in LEVELS]  # fmt: skip
+        return [
+            Spec(
+                f"transform rans, per-head transform, KL<={lv}",
+                family,
+                "transform",
+                (("entropy", "rans"), ("group_heads", 1), ("quality", lv)),
+            )
+            for lv in LEVELS
+        ]
     if family == "kvtc":
         return [Spec(f"KVTC {b} bits/value", family, "kvtc", (("bits", b),)) for b in KVTC_BITS]
     if family == "int8":
@@ -103,8 +126,18 @@ def family_specs(family: str) -> list[Spec]:
     raise KeyError(family)
 
 
-FAMILIES = ("lossless", "int8", "shadowserve", "cachegen", "kvtc", "ours-deflate", "ours-rans", "transform-deflate",
-            "transform-rans", "transform-rans-perhead")
+FAMILIES = (
+    "lossless",
+    "int8",
+    "shadowserve",
+    "cachegen",
+    "kvtc",
+    "ours-deflate",
+    "ours-rans",
+    "transform-deflate",
+    "transform-rans",
+    "transform-rans-perhead",
+)
 
 
 def _code_digest() -> str:
@@ -127,7 +160,9 @@ def _key(spec: Spec, ctx: EvalContext) -> str:
     params = dict(spec.params, code=_CODE_DIGEST)
     if spec.codec == "transform":
         try:
-            params["calibration"] = tune_calibration(ctx, params["quality"], params.get("group_heads")).calib_id.hex()
+            params["calibration"] = tune_calibration(
+                ctx, params["quality"], params.get("group_heads")
+            ).calib_id.hex()
         except (ValueError, KeyError):
             params["calibration"] = None
     return json.dumps([spec.codec, params, texts, ctx.greedy], sort_keys=True)
@@ -167,8 +202,11 @@ def sweep(ctx: EvalContext, families: list[str]) -> list[dict]:
             row["eval_s"] = round(time.perf_counter() - t0, 1)
             cache[key] = row
             POINTS_CACHE.write_text(json.dumps(cache))
-            print(f"  {fam:12s} {spec.label:40s} ratio {row['ratio']:6.2f} kl {row['kl']:.5f} "
-                  f"top1 {row['top1']:.3f} ({row['eval_s']} s)", file=sys.stderr)  # fmt: skip
+            print(
+                f"  {fam:12s} {spec.label:40s} ratio {row['ratio']:6.2f} kl {row['kl']:.5f} "
+                f"top1 {row['top1']:.3f} ({row['eval_s']} s)",
+                file=sys.stderr,
+            )
         points.append({**cache[key], "family": fam, "codec": spec.label})
     return points
 
@@ -202,10 +240,16 @@ def best_at_floors(points: list[dict], tune_role: str = "tune", report_role: str
                 continue
             m, p = max(ok, key=lambda mp: mp[0]["ratio"])
             held = subset_metrics(p, report_role)
-            out[fname][fam] = {"codec": p["codec"], "codec_name": p["codec_name"], "params": p["params"],
-                               "family": fam, "tune": m, "heldout": held,
-                               "heldout_meets_floor": bool(held and meets(held, floor)),
-                               "all": subset_metrics(p, None)}  # fmt: skip
+            out[fname][fam] = {
+                "codec": p["codec"],
+                "codec_name": p["codec_name"],
+                "params": p["params"],
+                "family": fam,
+                "tune": m,
+                "heldout": held,
+                "heldout_meets_floor": bool(held and meets(held, floor)),
+                "all": subset_metrics(p, None),
+            }
     return out
 
 
@@ -218,8 +262,10 @@ def peer_comparison(best: dict, points: list[dict] | None = None) -> dict:
         ours = [v for f, v in fams.items() if f in OURS and v]
         peers = [v for f, v in fams.items() if f in PEERS and v]
         if ours and peers:
-            res[fname] = _gain(max(ours, key=lambda v: v["heldout"]["ratio"]),
-                               max(peers, key=lambda v: v["heldout"]["ratio"]))  # fmt: skip
+            res[fname] = _gain(
+                max(ours, key=lambda v: v["heldout"]["ratio"]),
+                max(peers, key=lambda v: v["heldout"]["ratio"]),
+            )
     for fname, floor in FLOORS.items():
         ours, peers = [], []
         for p in points or []:
@@ -228,15 +274,23 @@ def peer_comparison(best: dict, points: list[dict] | None = None) -> dict:
                 v = {"codec": p["codec"], "family": p["family"], "heldout": h}
                 (ours if p["family"] in OURS else peers if p["family"] in PEERS else []).append(v)
         if ours and peers:
-            res[f"{fname}_heldout"] = _gain(max(ours, key=lambda v: v["heldout"]["ratio"]),
-                                            max(peers, key=lambda v: v["heldout"]["ratio"]))  # fmt: skip
+            res[f"{fname}_heldout"] = _gain(
+                max(ours, key=lambda v: v["heldout"]["ratio"]),
+                max(peers, key=lambda v: v["heldout"]["ratio"]),
+            )
     return res
 
 
 def _gain(o: dict, p: dict) -> dict:
-    return {"ours": o["codec"], "ours_family": o["family"], "ours_ratio": o["heldout"]["ratio"],
-            "peer": p["codec"], "peer_family": p["family"], "peer_ratio": p["heldout"]["ratio"],
-            "gain": o["heldout"]["ratio"] / p["heldout"]["ratio"]}  # fmt: skip
+    return {
+        "ours": o["codec"],
+        "ours_family": o["family"],
+        "ours_ratio": o["heldout"]["ratio"],
+        "peer": p["codec"],
+        "peer_family": p["family"],
+        "peer_ratio": p["heldout"]["ratio"],
+        "gain": o["heldout"]["ratio"] / p["heldout"]["ratio"],
+    }
 
 
 def recommend(best: dict) -> dict:
@@ -314,10 +368,19 @@ def main(argv: list[str] | None = None) -> int:
     ctx.memo_only = args.cached_only
     points = sweep(ctx, [f for f in args.families.split(",") if f])
     best = best_at_floors(points)
-    meta = {"texts": kvdata.describe(ctx.texts), "floors": FLOORS, "runtime_s": round(time.perf_counter() - t0, 1),
-            "selection": "best ratio on role=tune texts; reported on role=heldout texts"}  # fmt: skip
-    res = {"meta": meta, "best_at_floor": best, "peer_comparison": peer_comparison(best, points),
-           "recommended": recommend(best), "points": points}  # fmt: skip
+    meta = {
+        "texts": kvdata.describe(ctx.texts),
+        "floors": FLOORS,
+        "runtime_s": round(time.perf_counter() - t0, 1),
+        "selection": "best ratio on role=tune texts; reported on role=heldout texts",
+    }
+    res = {
+        "meta": meta,
+        "best_at_floor": best,
+        "peer_comparison": peer_comparison(best, points),
+        "recommended": recommend(best),
+        "points": points,
+    }
     args.out.write_text(json.dumps(res, indent=1))
     for metric in ("kl", "top1"):
         plot(points, metric, args.out.with_name(f"codec_rd_{metric}.png"))
@@ -333,12 +396,16 @@ def print_summary(res: dict) -> None:
                 print(f"  {fam:14s} no config meets the floor")
                 continue
             h, t = v["heldout"], v["tune"]
-            print(f"  {fam:14s} {v['codec']:38s} tune ratio {t['ratio']:.2f} kl {t['kl']:.5f} top1 {t['top1']:.3f}"
-                  f" | held-out ratio {h['ratio']:.2f} kl {h['kl']:.5f} top1 {h['top1']:.3f}"
-                  f"{'' if v['heldout_meets_floor'] else '  (misses floor on held-out)'}")  # fmt: skip
+            print(
+                f"  {fam:14s} {v['codec']:38s} tune ratio {t['ratio']:.2f} kl {t['kl']:.5f} top1 {t['top1']:.3f}"
+                f" | held-out ratio {h['ratio']:.2f} kl {h['kl']:.5f} top1 {h['top1']:.3f}"
+                f"{'' if v['heldout_meets_floor'] else '  (misses floor on held-out)'}"
+            )
     for fname, c in res["peer_comparison"].items():
-        print(f"{fname}: ours {c['ours_ratio']:.2f} ({c['ours']}) vs best peer {c['peer_ratio']:.2f} "
-              f"({c['peer_family']}: {c['peer']}) = {c['gain']:.2f}x")  # fmt: skip
+        print(
+            f"{fname}: ours {c['ours_ratio']:.2f} ({c['ours']}) vs best peer {c['peer_ratio']:.2f} "
+            f"({c['peer_family']}: {c['peer']}) = {c['gain']:.2f}x"
+        )
     print(f"runtime {res['meta']['runtime_s']} s")
 
 

@@ -35,14 +35,24 @@ def codecs(fp) -> list[tuple[str, object]]:
 
     out = [("quant_deflate (previous default)", default_codec())]
     full = calibration.find_for(fp, DEFAULT_QUALITY)
-    per_head = [c for c in calibration.registered() if c.model_key == full.model_key and c.group_dim == fp.layout.head_dim]
+    per_head = [
+        c
+        for c in calibration.registered()
+        if c.model_key == full.model_key and c.group_dim == fp.layout.head_dim
+    ]
     for label, cal in (("transform", full), ("transform per-head", per_head[-1] if per_head else None)):
         if cal is None:
             print(f"skip {label}: no such calibration (calibrate --group-heads 1)", file=sys.stderr)
             continue
         for entropy in ("deflate", "rans"):
-            out.append((f"{label} {entropy} {DEFAULT_QUALITY}",
-                        get_codec("transform", calibration=cal.calib_id.hex(), quality=DEFAULT_QUALITY, entropy=entropy)))  # fmt: skip
+            out.append(
+                (
+                    f"{label} {entropy} {DEFAULT_QUALITY}",
+                    get_codec(
+                        "transform", calibration=cal.calib_id.hex(), quality=DEFAULT_QUALITY, entropy=entropy
+                    ),
+                )
+            )
     return out
 
 
@@ -70,8 +80,13 @@ def measure(codec, fp, chunks, repeat: int) -> dict:
                 t2 = time.thread_time()
                 lossless, dequant = lossless + t1 - t0, dequant + t2 - t1
     mb = raw * repeat / 1e6
-    return {"ratio": raw / sum(map(len, blobs)), "lossless_mb_s": mb / lossless, "dequant_mb_s": mb / dequant,
-            "decode_mb_s": mb / (lossless + dequant), "encode_mb_s": raw / 1e6 / enc}  # fmt: skip
+    return {
+        "ratio": raw / sum(map(len, blobs)),
+        "lossless_mb_s": mb / lossless,
+        "dequant_mb_s": mb / dequant,
+        "decode_mb_s": mb / (lossless + dequant),
+        "encode_mb_s": raw / 1e6 / enc,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,18 +98,30 @@ def main(argv: list[str] | None = None) -> int:
     fp = kvdata.fingerprint()
     text = next(t for t in kvdata.load_texts([args.text]) if t.name == args.text)
     n = text.k.shape[1]
-    chunks = [(np.ascontiguousarray(text.k[:, s : s + 256]), np.ascontiguousarray(text.v[:, s : s + 256]), s)
-              for s in range(0, n - 255, 256)]  # fmt: skip
+    chunks = [
+        (np.ascontiguousarray(text.k[:, s : s + 256]), np.ascontiguousarray(text.v[:, s : s + 256]), s)
+        for s in range(0, n - 255, 256)
+    ]
     rows = []
-    print(f"{'codec':40s} {'ratio':>6s} {'lossless':>9s} {'dequant':>9s} {'decode':>9s} {'encode':>9s}  (MB/s per core)")
+    print(
+        f"{'codec':40s} {'ratio':>6s} {'lossless':>9s} {'dequant':>9s} {'decode':>9s} {'encode':>9s}  (MB/s per core)"
+    )
     for label, codec in codecs(fp):
         codec.decode(codec.encode(*chunks[0][:2], fp, start=chunks[0][2]), fp)  # kernels compiled / loaded
         r = {"codec": label, "params": codec.params(), **measure(codec, fp, chunks, args.repeat)}
         rows.append(r)
-        print(f"{label:40s} {r['ratio']:6.2f} {r['lossless_mb_s']:9.0f} {r['dequant_mb_s']:9.0f} "
-              f"{r['decode_mb_s']:9.0f} {r['encode_mb_s']:9.0f}")  # fmt: skip
-    meta = {"text": args.text, "chunks": len(chunks), "repeat": args.repeat, "threads": 1,
-            "cpu": kvdata.cpu_model(), "unit": "MB of decoded bf16 KV per CPU-second of one thread"}  # fmt: skip
+        print(
+            f"{label:40s} {r['ratio']:6.2f} {r['lossless_mb_s']:9.0f} {r['dequant_mb_s']:9.0f} "
+            f"{r['decode_mb_s']:9.0f} {r['encode_mb_s']:9.0f}"
+        )
+    meta = {
+        "text": args.text,
+        "chunks": len(chunks),
+        "repeat": args.repeat,
+        "threads": 1,
+        "cpu": kvdata.cpu_model(),
+        "unit": "MB of decoded bf16 KV per CPU-second of one thread",
+    }
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -93,9 +93,17 @@ def attention_only_ms(dtype: torch.dtype, backend_cls, prefix: int, layers: int 
         t0 = time.perf_counter()
         for _ in range(layers):
             backend._run_sdpa_forward_extend(
-                q, torch.empty_like(q), k, v, req_to_token, *lens, None,
-                scaling=dim**-0.5, enable_gqa=True, causal=True,
-            )  # fmt: skip
+                q,
+                torch.empty_like(q),
+                k,
+                v,
+                req_to_token,
+                *lens,
+                None,
+                scaling=dim**-0.5,
+                enable_gqa=True,
+                causal=True,
+            )
         best = min(best, time.perf_counter() - t0)
     return round(best * 1e3, 3)
 

@@ -251,7 +251,11 @@ def print_row(r: dict) -> None:
         f"({r['pipeline_vs_slowest']:.0%} of slowest) {p['gbps_per_core'] or 0:.2f}/core "
         f"({p['gbps_per_core_sw_stages']:.2f} w/o inflate+copy) cpu x{r['pipeline_cpu_vs_standalone_sum']:.2f} | no-pipe "
         f"{r['no_pipeline']['gbps']:.2f} no-prealloc {r['no_prealloc']['gbps']:.2f}"
-        + (f" | codes {r['codes']['gbps']:.2f} ({r['codes']['gbps_per_core']:.2f}/core)" if "codes" in r else ""),
+        + (
+            f" | codes {r['codes']['gbps']:.2f} ({r['codes']['gbps_per_core']:.2f}/core)"
+            if "codes" in r
+            else ""
+        ),
         flush=True,
     )
 

@@ -78,7 +78,11 @@ OUT = kvdata.REPO / "docs" / "results" / "dpu_floor.json"
 CHUNK = 256
 FIXED = {"fetch_concurrency": "fixed"}
 VARIANTS = {  # name -> (data-plane debug settings, client config overrides, data-plane settings overrides)
-    "round barrier, whole gets": ({"round_barrier": True}, {"eager_writes": False}, {**FIXED, "stream_piece_kib": 0}),
+    "round barrier, whole gets": (
+        {"round_barrier": True},
+        {"eager_writes": False},
+        {**FIXED, "stream_piece_kib": 0},
+    ),
     "as fetched, whole gets": ({}, {}, {"stream_piece_kib": 0}),
     "streamed, 1 fetch worker": ({}, {}, {"workers": (1, 1, 1, 1)}),
     "streamed (default)": ({}, {}, {}),
@@ -92,8 +96,9 @@ def _codecs(fp) -> dict[str, object]:
     if cal is None:
         print("skip transform: no calibration for the model (make calibration)", file=sys.stderr)
     else:
-        out["transform"] = get_codec("transform", calibration=cal.calib_id.hex(), quality=DEFAULT_QUALITY,
-                                     entropy="deflate")  # fmt: skip
+        out["transform"] = get_codec(
+            "transform", calibration=cal.calib_id.hex(), quality=DEFAULT_QUALITY, entropy="deflate"
+        )
     out["quant_deflate"] = default_codec()
     return out
 
@@ -107,13 +112,20 @@ def _target(fp, tokens: int) -> KVTarget:
     return KVTarget(writer_for(PoolTensors(k, v), lay), slots)
 
 
-def _client(url: str, fp, codec, cpus: tuple[int, ...], debug: dict, over: dict, chunks: int,
-            settings: dict) -> DpuClient:  # fmt: skip
+def _client(
+    url: str, fp, codec, cpus: tuple[int, ...], debug: dict, over: dict, chunks: int, settings: dict
+) -> DpuClient:
     cb = chunk_bytes(fp.layout, CHUNK)
     spec = DataPlaneSettings.from_flags([], cpus=cpus, **settings)
     spec = dataclasses.replace(spec, debug=Debug(**debug))
-    cfg = DpuClientConfig(url, dest_slots=2, dest_slot_bytes=max(cb * chunks, 64 << 20), process=spec,
-                          start_timeout_s=60, **over)  # fmt: skip
+    cfg = DpuClientConfig(
+        url,
+        dest_slots=2,
+        dest_slot_bytes=max(cb * chunks, 64 << 20),
+        process=spec,
+        start_timeout_s=60,
+        **over,
+    )
     c = DpuClient(cfg, fp, codec)
     c.start()
     return c
@@ -126,7 +138,6 @@ def _cpu(c: DpuClient) -> tuple[float, float, float]:
     return sum(st["cpu_s"] for st in stages.values()), c.stats()["write_s"], process_cpu_s(c.pid)
 
 
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", default="640,320,160", help="link rates, Mbit/s")
@@ -135,8 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpus", default="1", help="the data plane's cores")
     ap.add_argument("--host-cpus", default="0", help="this process's and the store's cores (the server's)")
     ap.add_argument("--codecs", default="transform,quant_deflate")
-    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
-                    help="a subset of the variants (names as in the table, quoted)")  # fmt: skip
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        default=list(VARIANTS),
+        help="a subset of the variants (names as in the table, quoted)",
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args(argv)
     variants = {v: VARIANTS[v] for v in a.variants}
@@ -148,8 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     fp = kvdata.fingerprint()
     text = kvdata.load_texts()[0]
     n = a.chunks
-    pieces = [(np.ascontiguousarray(text.k[:, i * CHUNK : (i + 1) * CHUNK]),
-               np.ascontiguousarray(text.v[:, i * CHUNK : (i + 1) * CHUNK]), i * CHUNK) for i in range(n)]  # fmt: skip
+    pieces = [
+        (
+            np.ascontiguousarray(text.k[:, i * CHUNK : (i + 1) * CHUNK]),
+            np.ascontiguousarray(text.v[:, i * CHUNK : (i + 1) * CHUNK]),
+            i * CHUNK,
+        )
+        for i in range(n)
+    ]
     cpus = tuple(int(x) for x in a.cpus.split(","))
     codecs = {k: v for k, v in _codecs(fp).items() if k in a.codecs.split(",")}
     rates = [float(r) for r in a.rates.split(",")]
@@ -162,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             sc.put_many(list(zip(keys, blobs, strict=True)))
             sc.close()
             raw = redis.Redis(host=store.link.ns_addr, port=REDIS_PORT)
-            clients = {v: _client(store.url, fp, codec, cpus, d, o, n, st) for v, (d, o, st) in variants.items()}
+            clients = {
+                v: _client(store.url, fp, codec, cpus, d, o, n, st) for v, (d, o, st) in variants.items()
+            }
             try:
                 for rate in rates:
                     store.set_rate(rate)
@@ -186,34 +210,62 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(1.5)  # a heartbeat with the last fetch's stage statistics
                     cost = {}  # per fetch (warm-up included): (data-plane CPU ms, host time in pool writes ms)
                     for v, c in clients.items():
-                        cost[v] = [(t1 - t0) * 1e3 / (a.reps + 1) for t0, t1 in zip(before[v], _cpu(c), strict=True)]
+                        cost[v] = [
+                            (t1 - t0) * 1e3 / (a.reps + 1) for t0, t1 in zip(before[v], _cpu(c), strict=True)
+                        ]
                     for v, runs in got.items():
                         wire = runs[0][1]
                         floor = wire * 8 / (rate * 1e6)
                         med = statistics.median(t for t, _ in runs)
-                        rows.append({"codec": cname, "rate_mbit": rate, "variant": v, "wire_bytes": wire,
-                                     "floor_s": floor, "median_s": med, "min_s": min(t for t, _ in runs),
-                                     "over_floor": med / floor, "tail_ms": (med - floor) * 1e3,
-                                     "all_s": [t for t, _ in runs],
-                                     # the data plane's fetch gate at its last heartbeat (limit, rates)
-                                     "fetch_gate": json.loads(clients[v].stats().get("dataplane") or "{}").get("fetch_gate")
-                                     if v in clients else None,
-                                     "dp_cpu_ms": cost[v][0] if v in cost else None,
-                                     "host_write_ms": cost[v][1] if v in cost else None,
-                                     "dp_process_cpu_ms": cost[v][2] if v in cost else None})  # fmt: skip
+                        rows.append(
+                            {
+                                "codec": cname,
+                                "rate_mbit": rate,
+                                "variant": v,
+                                "wire_bytes": wire,
+                                "floor_s": floor,
+                                "median_s": med,
+                                "min_s": min(t for t, _ in runs),
+                                "over_floor": med / floor,
+                                "tail_ms": (med - floor) * 1e3,
+                                "all_s": [t for t, _ in runs],
+                                # the data plane's fetch gate at its last heartbeat (limit, rates)
+                                "fetch_gate": json.loads(clients[v].stats().get("dataplane") or "{}").get(
+                                    "fetch_gate"
+                                )
+                                if v in clients
+                                else None,
+                                "dp_cpu_ms": cost[v][0] if v in cost else None,
+                                "host_write_ms": cost[v][1] if v in cost else None,
+                                "dp_process_cpu_ms": cost[v][2] if v in cost else None,
+                            }
+                        )
                         r = rows[-1]
-                        extra = (f"  DP CPU {r['dp_cpu_ms']:5.1f} ms (process {r['dp_process_cpu_ms']:5.1f})  "
-                                 f"host write {r['host_write_ms']:5.1f} ms" if v in cost else "")  # fmt: skip
-                        print(f"{cname:14s} {rate:5.0f} Mbit/s  {v:28s} floor {floor * 1e3:6.1f} ms  "
-                              f"median {med * 1e3:6.1f} ms  {r['over_floor']:.2f}x  tail {r['tail_ms']:5.1f} ms{extra}",
-                              flush=True)  # fmt: skip
+                        extra = (
+                            f"  DP CPU {r['dp_cpu_ms']:5.1f} ms (process {r['dp_process_cpu_ms']:5.1f})  "
+                            f"host write {r['host_write_ms']:5.1f} ms"
+                            if v in cost
+                            else ""
+                        )
+                        print(
+                            f"{cname:14s} {rate:5.0f} Mbit/s  {v:28s} floor {floor * 1e3:6.1f} ms  "
+                            f"median {med * 1e3:6.1f} ms  {r['over_floor']:.2f}x  tail {r['tail_ms']:5.1f} ms{extra}",
+                            flush=True,
+                        )
             finally:
                 for c in clients.values():
                     c.close()
-    meta = {"chunks": n, "chunk_tokens": CHUNK, "reps": a.reps, "cpus": a.cpus, "host_cpus": a.host_cpus,
-            "text": text.name,
-            "pool": "CPU (HostKVWriter), bf16", "cpu": kvdata.cpu_model(),
-            "note": "floor = hit chunks' compressed bytes / rate (no TCP/IP overhead); one fetch at a time"}  # fmt: skip
+    meta = {
+        "chunks": n,
+        "chunk_tokens": CHUNK,
+        "reps": a.reps,
+        "cpus": a.cpus,
+        "host_cpus": a.host_cpus,
+        "text": text.name,
+        "pool": "CPU (HostKVWriter), bf16",
+        "cpu": kvdata.cpu_model(),
+        "note": "floor = hit chunks' compressed bytes / rate (no TCP/IP overhead); one fetch at a time",
+    }
     a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(f"wrote {a.out}")
     return 0

@@ -35,9 +35,18 @@ REQ_TOKENS = 1792
 
 def _client(url: str, codec, chunk: int, cpus: tuple[int, ...], endpoint: str = "") -> DpuClient:
     cb = chunk_bytes(LAYOUT, chunk)
-    spec = DataPlaneSettings.from_flags([], cpus=cpus, layer_group=5, slots=2, slot_bytes=max(cb, 8 << 20) * 2)
-    cfg = DpuClientConfig(url, dest_slots=4, dest_slot_bytes=max(cb, 16 << 20), process=spec, endpoint=endpoint,
-                          heartbeat_s=0.25, start_timeout_s=60)  # fmt: skip
+    spec = DataPlaneSettings.from_flags(
+        [], cpus=cpus, layer_group=5, slots=2, slot_bytes=max(cb, 8 << 20) * 2
+    )
+    cfg = DpuClientConfig(
+        url,
+        dest_slots=4,
+        dest_slot_bytes=max(cb, 16 << 20),
+        process=spec,
+        endpoint=endpoint,
+        heartbeat_s=0.25,
+        start_timeout_s=60,
+    )
     c = DpuClient(cfg, FP, codec)
     c.start()
     c.fetch("warm", [b"warm".ljust(32, b"\0")], chunk, None, timeout=120)  # a miss: spins up threads
@@ -65,8 +74,11 @@ def _run(clients: list[DpuClient], keys: list[bytes], chunk: int, pids: list[int
     t0 = time.perf_counter()
     for t in threads:
         t.join()
-    return {"wall_s": max(done_at) - t0, "client_s": [d - t0 for d in done_at],
-            "cpu_s": sum(_cpu_s(p) for p in pids) - cpu0}  # fmt: skip
+    return {
+        "wall_s": max(done_at) - t0,
+        "client_s": [d - t0 for d in done_at],
+        "cpu_s": sum(_cpu_s(p) for p in pids) - cpu0,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,14 +98,31 @@ def main(argv: list[str] | None = None) -> int:
         keys, blobs = put(url, codec, load_chunks(a.chunk, texts), "svc")
         decoded = 2 * chunk_bytes(LAYOUT, a.chunk) * len(keys)  # both clients fetch every chunk
         ep = f"ipc://{tmp}/dpu.sock"
-        cmd = [sys.executable, "-m", "sgl_remote_kv.dpu", "--endpoint", ep, "--store", url, "--cpus", a.cpus,
-               "--layer-group", "5", "--slots", "4", "--slot-bytes", str(max(chunk_bytes(LAYOUT, a.chunk), 8 << 20) * 2)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "sgl_remote_kv.dpu",
+            "--endpoint",
+            ep,
+            "--store",
+            url,
+            "--cpus",
+            a.cpus,
+            "--layer-group",
+            "5",
+            "--slots",
+            "4",
+            "--slot-bytes",
+            str(max(chunk_bytes(LAYOUT, a.chunk), 8 << 20) * 2),
+        ]
         svc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(f"{tmp}/service.log", "wb"))
         try:
             shared = [_client(url, codec, a.chunk, cpus, ep) for _ in range(2)]
             private = [_client(url, codec, a.chunk, cpus) for _ in range(2)]
-            modes = {"one service, two clients": (shared, [svc.pid]),
-                     "two private data planes": (private, [c.pid for c in private])}  # fmt: skip
+            modes = {
+                "one service, two clients": (shared, [svc.pid]),
+                "two private data planes": (private, [c.pid for c in private]),
+            }
             runs: dict[str, list[dict]] = {m: [] for m in modes}
             for rep in range(a.reps + 1):
                 for m, (clients, pids) in modes.items():
@@ -109,15 +138,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'mode':28s} {'wall s':>7s} {'GB/s':>6s} {'DP CPU s':>8s} {'GB/s/core':>9s}  clients' finish (s)")
     for m, rs in runs.items():
         best = min(rs, key=lambda r: r["wall_s"])
-        row = {"mode": m, **best, "gbps": decoded / best["wall_s"] / GB,
-               "gbps_per_core": decoded / best["cpu_s"] / GB if best["cpu_s"] > 0 else None,
-               "all_walls_s": [r["wall_s"] for r in rs]}  # fmt: skip
+        row = {
+            "mode": m,
+            **best,
+            "gbps": decoded / best["wall_s"] / GB,
+            "gbps_per_core": decoded / best["cpu_s"] / GB if best["cpu_s"] > 0 else None,
+            "all_walls_s": [r["wall_s"] for r in rs],
+        }
         rows.append(row)
-        print(f"{m:28s} {row['wall_s']:7.2f} {row['gbps']:6.2f} {row['cpu_s']:8.2f} {row['gbps_per_core'] or 0:9.2f}  "
-              f"{', '.join(f'{x:.2f}' for x in row['client_s'])}")  # fmt: skip
-    meta = {"codec": codec.name, "chunk_tokens": a.chunk, "chunks_per_client": len(keys), "cpus": a.cpus,
-            "staging": "service: 4 slots; private: 2 slots each (same total)",
-            "decoded_bytes_total": decoded, "reps": a.reps, "cpu": kvdata.cpu_model()}  # fmt: skip
+        print(
+            f"{m:28s} {row['wall_s']:7.2f} {row['gbps']:6.2f} {row['cpu_s']:8.2f} {row['gbps_per_core'] or 0:9.2f}  "
+            f"{', '.join(f'{x:.2f}' for x in row['client_s'])}"
+        )
+    meta = {
+        "codec": codec.name,
+        "chunk_tokens": a.chunk,
+        "chunks_per_client": len(keys),
+        "cpus": a.cpus,
+        "staging": "service: 4 slots; private: 2 slots each (same total)",
+        "decoded_bytes_total": decoded,
+        "reps": a.reps,
+        "cpu": kvdata.cpu_model(),
+    }
     a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(f"wrote {a.out}")
     return 0

@@ -68,9 +68,19 @@ logger = logging.getLogger(__name__)
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 SUMMARY_KEYS = (
-    "completed", "request_throughput", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
-    "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms", "mean_itl_ms", "mean_e2e_latency_ms", "duration",
-)  # fmt: skip
+    "completed",
+    "request_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p90_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p90_tpot_ms",
+    "mean_itl_ms",
+    "mean_e2e_latency_ms",
+    "duration",
+)
 
 
 def summarize(res: dict) -> dict:
@@ -110,9 +120,14 @@ class Bench:
         }
         logger.info(
             "%s: TTFT mean %.0f ms p90 %.0f ms, TPOT %.1f ms, %.3f req/s, remote hit %d tok, paths %s",
-            tag, out["mean_ttft_ms"] or 0, out["p90_ttft_ms"] or 0, out["mean_tpot_ms"] or 0,
-            out["request_throughput"] or 0, out["remote"]["hit_tokens"], out["remote"]["paths"],
-        )  # fmt: skip
+            tag,
+            out["mean_ttft_ms"] or 0,
+            out["p90_ttft_ms"] or 0,
+            out["mean_tpot_ms"] or 0,
+            out["request_throughput"] or 0,
+            out["remote"]["hit_tokens"],
+            out["remote"]["paths"],
+        )
         return out
 
     def warm(self, srv) -> dict:
@@ -212,8 +227,9 @@ class Bench:
         flush = lambda: flush_device_cache(srv.base_url)  # noqa: E731
         res = interference(srv.base_url, self.prompts, self.a.decode_tokens, flush)
         res["link_rate_mbit"] = self.a.curve_link_rate if cfg.remote else None
-        res["device_hit_baseline"] = interference(srv.base_url, self.prompts, self.a.decode_tokens, flush,
-                                                  device_hits=True)  # fmt: skip
+        res["device_hit_baseline"] = interference(
+            srv.base_url, self.prompts, self.a.decode_tokens, flush, device_hits=True
+        )
         return res
 
     @staticmethod

@@ -59,9 +59,22 @@ def compare(ref: list[list[int]], other: list[list[int]]) -> dict:
 
 def run_codec(model: str, codec: str, prompts: list[list[int]], tokens: int, workdir: Path) -> dict:
     store = workdir / f"store-{codec}"
-    args = ("--enable-metrics", "--enable-cache-report", "--attention-backend", "torch_native",
-            "--remote-kv", "dpu", "--remote-kv-store", f"file://{store}", "--remote-kv-codec", codec,
-            "--remote-kv-chunk-size", str(CHUNK), "--remote-kv-policy-margin", "1e9")  # fmt: skip
+    args = (
+        "--enable-metrics",
+        "--enable-cache-report",
+        "--attention-backend",
+        "torch_native",
+        "--remote-kv",
+        "dpu",
+        "--remote-kv-store",
+        f"file://{store}",
+        "--remote-kv-codec",
+        codec,
+        "--remote-kv-chunk-size",
+        str(CHUNK),
+        "--remote-kv-policy-margin",
+        "1e9",
+    )
     with SGLangServer(ServerSpec(model_path=model, extra_args=args)) as srv:
         url = srv.base_url
 
@@ -86,8 +99,11 @@ def run_codec(model: str, codec: str, prompts: list[list[int]], tokens: int, wor
         "remote_hit_tokens_per_prompt": sum(storage) / len(storage),
         "local_hit_tokens_per_prompt": sum(m["cached_tokens"] for m in meta_local) / len(meta_local),
         "exact_cached_tokens_per_prompt": sum(m["cached_tokens"] for m in meta_exact) / len(meta_exact),
-        "served_by": sorted(re.findall(r'codec="([^"]+)"', " ".join(k for k, v in metrics.items()
-                                                                   if "hit_tokens_total" in k and v))),  # fmt: skip
+        "served_by": sorted(
+            re.findall(
+                r'codec="([^"]+)"', " ".join(k for k, v in metrics.items() if "hit_tokens_total" in k and v)
+            )
+        ),
         "exact_requests": {k: v for k, v in metrics.items() if "exact_requests_total" in k and v},
     }
     log.info("%s: %s", codec, row)

@@ -83,8 +83,12 @@ def do_sweep(tune, fp, tiling: str) -> tuple[dict, dict]:
         blobs[res] = [codec.encode(k, v, fp) for k, v in chunks]
         enc = time.perf_counter() - t0
         size = sum(len(b) for b in blobs[res])
-        out[res] = {"ratio": raw / size, "bytes": size, "encode_mb_s": raw / enc / 1e6,
-                    **codec.frame_layout(bench_codec.CHUNK, 3, 64).describe()}  # fmt: skip
+        out[res] = {
+            "ratio": raw / size,
+            "bytes": size,
+            "encode_mb_s": raw / enc / 1e6,
+            **codec.frame_layout(bench_codec.CHUNK, 3, 64).describe(),
+        }
         log(f"sweep {res} tok/frame: ratio {raw / size:.3f} ({enc:.0f} s)")
     return {"chunks": len(chunks), "bf16_bytes": raw, "per_resolution": out}, blobs
 
@@ -113,11 +117,13 @@ def do_long(texts, fp, choice: dict) -> dict:
     """Whole 1,792-token prefixes as single chunks (a tune and a held-out text)."""
     picks = [t for t in texts if t.role == "tune"][:1] + [t for t in texts if t.role == "heldout"][:1]
     codecs = {
-        f"ours {choice['tiling']} {choice['tokens_per_frame']} tok/frame": hevc(choice["tiling"], choice["tokens_per_frame"]),
+        f"ours {choice['tiling']} {choice['tokens_per_frame']} tok/frame": hevc(
+            choice["tiling"], choice["tokens_per_frame"]
+        ),
         f"ours {choice['tiling']} 256 tok/frame": hevc(choice["tiling"], 256),
         "naive llm.265": hevc(bench_rows.naive_tiling_spec(), 0, grid_cols=1),
         "quant_deflate": get_codec("quant_deflate", **bench_rows.QUANT),
-    }  # fmt: skip
+    }
     out = {"texts": [t.name for t in picks], "tokens": kvdata.PREFIX, "ratio": {}}
     for label, codec in codecs.items():
         raw = size = 0
@@ -186,12 +192,17 @@ def do_adaptive(blobs: dict, fp, tiling: str, instances: int, rounds: int, repea
         {**bench_rows.QUANT, "tiling": tiling, "resolutions": sorted(blobs)}, "cpu", instances
     )
     with DecoderPool(instances) as pool:
-        table = adaptive.load_or_profile(key, lambda: adaptive.profile(pool, fp, blobs, lambda: (lambda fc: None)),
-                                         refresh=True)  # fmt: skip
+        table = adaptive.load_or_profile(
+            key, lambda: adaptive.profile(pool, fp, blobs, lambda: lambda fc: None), refresh=True
+        )
     log(f"profile: {table}")
     runs = run_fetch(blobs, fp, table, instances, rounds, repeats)
-    return {"profile": json.loads(table.to_json()), "profile_path": str(adaptive.default_path(key)),
-            "trace": TRACE_DOC, **runs}  # fmt: skip
+    return {
+        "profile": json.loads(table.to_json()),
+        "profile_path": str(adaptive.default_path(key)),
+        "trace": TRACE_DOC,
+        **runs,
+    }
 
 
 def merge_codec_json(rows: list[dict]) -> None:
@@ -234,9 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     fp = kvdata.fingerprint()
     texts = kvdata.load_texts(names)
     tune = [t for t in texts if t.role == "tune"] or texts[:1]
-    doc: dict = {"meta": {"texts": kvdata.describe(texts), "chunk_tokens": bench_codec.CHUNK,
-                          "quant": bench_rows.QUANT, "device": "cpu (FFmpeg hevc software decoder)",
-                          "encoder": "libx265 lossless=1 preset fast pools=1", "cores": os.cpu_count()}}  # fmt: skip
+    doc: dict = {
+        "meta": {
+            "texts": kvdata.describe(texts),
+            "chunk_tokens": bench_codec.CHUNK,
+            "quant": bench_rows.QUANT,
+            "device": "cpu (FFmpeg hevc software decoder)",
+            "encoder": "libx265 lossless=1 preset fast pools=1",
+            "cores": os.cpu_count(),
+        }
+    }
     if args.only:
         doc = {**old, **doc}
     if "search" in only or "search" not in doc:

@@ -182,12 +182,16 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def print_table(result: dict) -> None:
-    print(f"\n{'backend':<15}{'MB':>4}{'put p50 ms':>12}{'put MB/s':>10}{'get p50 ms':>12}{'get p95 ms':>12}"
-          f"{'get MB/s':>10}{'batch MB/s':>12}")  # fmt: skip
+    print(
+        f"\n{'backend':<15}{'MB':>4}{'put p50 ms':>12}{'put MB/s':>10}{'get p50 ms':>12}{'get p95 ms':>12}"
+        f"{'get MB/s':>10}{'batch MB/s':>12}"
+    )
     for name, rows in result["backends"].items():
         for r in rows:
-            print(f"{name:<15}{r['size_mb']:>4}{r['put_p50_ms']:>12.2f}{r['put_mb_s']:>10.0f}{r['get_p50_ms']:>12.2f}"
-                  f"{r['get_p95_ms']:>12.2f}{r['get_mb_s']:>10.0f}{r['batched_get_mb_s']:>12.0f}")  # fmt: skip
+            print(
+                f"{name:<15}{r['size_mb']:>4}{r['put_p50_ms']:>12.2f}{r['put_mb_s']:>10.0f}{r['get_p50_ms']:>12.2f}"
+                f"{r['get_p95_ms']:>12.2f}{r['get_mb_s']:>10.0f}{r['batched_get_mb_s']:>12.0f}"
+            )
     shaped = result["shaped"]
     if shaped["status"] != "ok":
         print(f"\nshaped link: {shaped['status']} {shaped.get('reason', '')}")

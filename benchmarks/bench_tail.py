@@ -31,8 +31,16 @@ OUT = Path(__file__).resolve().parent.parent / "docs" / "results" / "tail.json"
 
 
 def _server(model: str, store: str, tail: int) -> SGLangServer:
-    args = ("--enable-metrics", "--enable-cache-report", "--remote-kv", "dpu", "--remote-kv-store", store,
-            "--remote-kv-tail-tokens", str(tail))  # fmt: skip
+    args = (
+        "--enable-metrics",
+        "--enable-cache-report",
+        "--remote-kv",
+        "dpu",
+        "--remote-kv-store",
+        store,
+        "--remote-kv-tail-tokens",
+        str(tail),
+    )
     return SGLangServer(ServerSpec(model_path=model, extra_args=args))
 
 
@@ -57,9 +65,14 @@ def run(model: str, prompts: list[list[int]], tail: int, work: Path) -> dict:
             hit.append(storage)
             local.append(_ttft(srv.base_url, ids)[0])
         hits = metric(scrape(srv.base_url), "remote_kv_hit_tokens_total")
-    return {"tail_tokens": tail, "remote_ttft_s": remote, "local_ttft_s": local, "storage_tokens": hit,
-            "hit_tokens_total": hits,
-            "ratio_remote_over_local": [r / loc for r, loc in zip(remote, local, strict=True)]}  # fmt: skip
+    return {
+        "tail_tokens": tail,
+        "remote_ttft_s": remote,
+        "local_ttft_s": local,
+        "storage_tokens": hit,
+        "hit_tokens_total": hits,
+        "ratio_remote_over_local": [r / loc for r, loc in zip(remote, local, strict=True)],
+    }
 
 
 def main() -> None:
@@ -75,11 +88,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="srkv-tail-") as tmp:
         rows = [run(model, prompts, tail, Path(tmp)) for tail in (0, 64)]
     print(f"\nprompt {a.tokens} tokens = {chunks} chunks of 256 + {extra} (+1 computed); {a.prompts} prompts")
-    print(f"{'tail tokens':>12} {'storage tokens':>15} {'remote TTFT s':>14} {'local TTFT s':>13} {'remote/local':>13}")
+    print(
+        f"{'tail tokens':>12} {'storage tokens':>15} {'remote TTFT s':>14} {'local TTFT s':>13} {'remote/local':>13}"
+    )
     for r in rows:
-        print(f"{r['tail_tokens']:>12} {statistics.median(r['storage_tokens']):>15.0f} "
-              f"{statistics.median(r['remote_ttft_s']):>14.3f} {statistics.median(r['local_ttft_s']):>13.3f} "
-              f"{statistics.median(r['ratio_remote_over_local']):>13.2f}")  # fmt: skip
+        print(
+            f"{r['tail_tokens']:>12} {statistics.median(r['storage_tokens']):>15.0f} "
+            f"{statistics.median(r['remote_ttft_s']):>14.3f} {statistics.median(r['local_ttft_s']):>13.3f} "
+            f"{statistics.median(r['ratio_remote_over_local']):>13.2f}"
+        )
     a.out.write_text(json.dumps({"tokens": a.tokens, "prompts": a.prompts, "rows": rows}, indent=2) + "\n")
     print(f"\nwrote {a.out}")
 

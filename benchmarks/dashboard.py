@@ -38,17 +38,25 @@ def grafana_dashboard() -> dict:
     out = []
     for i, p in enumerate(panels()):
         targets = [
-            {"refId": chr(65 + j), "expr": expr, "legendFormat": _legend(name, expr),
-             "datasource": {"type": "prometheus", "uid": "${datasource}"}}
+            {
+                "refId": chr(65 + j),
+                "expr": expr,
+                "legendFormat": _legend(name, expr),
+                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            }
             for j, (name, expr) in enumerate(p["exprs"].items())
-        ]  # fmt: skip
-        out.append({
-            "id": i + 1, "type": "timeseries", "title": p["title"],
-            "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
-            "datasource": {"type": "prometheus", "uid": "${datasource}"},
-            "fieldConfig": {"defaults": {"unit": _grafana_unit(p["unit"])}, "overrides": []},
-            "targets": targets,
-        })  # fmt: skip
+        ]
+        out.append(
+            {
+                "id": i + 1,
+                "type": "timeseries",
+                "title": p["title"],
+                "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
+                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                "fieldConfig": {"defaults": {"unit": _grafana_unit(p["unit"])}, "overrides": []},
+                "targets": targets,
+            }
+        )
     return {
         "title": "sgl-remote-kv: remote KV tier",
         "uid": "sgl-remote-kv",
@@ -73,8 +81,14 @@ def _grafana_unit(unit: str) -> str:
 # Prometheus 2.x negotiates OpenMetrics, and prometheus_client then escapes the ':' of SGLang's metric names
 # to '_' (sglang_prompt_tokens_total); Prometheus 3 keeps them. This relabelling restores SGLang's names, so
 # the same queries work on both (examples/monitoring/prometheus.yml carries it too).
-SGLANG_NAMES = [{"source_labels": ["__name__"], "regex": "sglang_(.*)", "target_label": "__name__",
-                 "replacement": "sglang:$1"}]  # fmt: skip
+SGLANG_NAMES = [
+    {
+        "source_labels": ["__name__"],
+        "regex": "sglang_(.*)",
+        "target_label": "__name__",
+        "replacement": "sglang:$1",
+    }
+]
 
 
 @contextlib.contextmanager
@@ -88,20 +102,32 @@ def prometheus(target: str, workdir: Path, scrape_s: float = 1.0) -> Iterator[st
         )
     port = free_port()
     cfg = workdir / "prometheus.yml"
-    cfg.write_text(json.dumps({  # JSON is YAML
-        "global": {"scrape_interval": f"{scrape_s:g}s", "evaluation_interval": f"{scrape_s:g}s"},
-        "rule_files": [str(KIT / "remote_kv.rules.yml")],
-        "scrape_configs": [{
-            "job_name": "sglang", "static_configs": [{"targets": [target]}],
-            "metric_relabel_configs": SGLANG_NAMES,
-        }],
-    }))  # fmt: skip
+    cfg.write_text(
+        json.dumps(
+            {  # JSON is YAML
+                "global": {"scrape_interval": f"{scrape_s:g}s", "evaluation_interval": f"{scrape_s:g}s"},
+                "rule_files": [str(KIT / "remote_kv.rules.yml")],
+                "scrape_configs": [
+                    {
+                        "job_name": "sglang",
+                        "static_configs": [{"targets": [target]}],
+                        "metric_relabel_configs": SGLANG_NAMES,
+                    }
+                ],
+            }
+        )
+    )
     log = open(workdir / "prometheus.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        [exe, f"--config.file={cfg}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            exe,
+            f"--config.file={cfg}",
+            f"--storage.tsdb.path={workdir / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60

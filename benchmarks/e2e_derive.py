@@ -32,8 +32,13 @@ def _cfgs(result: dict) -> dict:
 def scaling(result: dict, kv_bytes_per_token: int) -> dict:
     # every side-by-side recompute reference (fresh prompt of the probe's length), else the recompute
     # config's probes
-    refs = [p["prompt_tokens"] / p["recompute_ref_s"]
-            for c in _cfgs(result).values() for r in c["runs"] for p in r["probe"] if p.get("recompute_ref_s")]  # fmt: skip
+    refs = [
+        p["prompt_tokens"] / p["recompute_ref_s"]
+        for c in _cfgs(result).values()
+        for r in c["runs"]
+        for p in r["probe"]
+        if p.get("recompute_ref_s")
+    ]
     rec = _cfgs(result).get("recompute")
     rows = [p["prompt_tokens"] / p["latency_s"] for r in (rec or {}).get("runs", []) for p in r["probe"]]
     if not (refs or rows):

@@ -190,8 +190,11 @@ def plot_probe_ratio(result: dict, out: Path) -> None:
         color = plt.get_cmap("tab20")(k % 20)
         jitter = 1 + 0.04 * (k - len(cfgs) / 2)  # configs side by side around each rate
         for hit, style in ((True, {"color": color}), (False, {"facecolors": "none", "edgecolors": color})):
-            pts = [(x * jitter, p["latency_s"] / p["recompute_ref_s"]) for x, p in rows
-                   if bool(p.get("remote_hit_tokens")) == hit]  # fmt: skip
+            pts = [
+                (x * jitter, p["latency_s"] / p["recompute_ref_s"])
+                for x, p in rows
+                if bool(p.get("remote_hit_tokens")) == hit
+            ]
             if pts:
                 label = f"{_label(name, c)}" + ("" if hit else " (not fetched)")
                 ax.scatter(*zip(*pts, strict=True), s=20, label=label, **style)

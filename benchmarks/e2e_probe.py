@@ -55,12 +55,18 @@ def probe_prompts(model_path: str, n: int, chunks: int, chunk_size: int = 256) -
     return out
 
 
-def generate(base_url: str, input_ids: list[int], max_new_tokens: int = 1, timeout: float = 600,
-             **sampling) -> dict:  # fmt: skip
+def generate(
+    base_url: str, input_ids: list[int], max_new_tokens: int = 1, timeout: float = 600, **sampling
+) -> dict:
     """Greedy ``/generate`` of ``max_new_tokens`` (EOS ignored); ``sampling``: more sampling params."""
     body = {
         "input_ids": input_ids,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, **sampling},
+        "sampling_params": {
+            "max_new_tokens": max_new_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            **sampling,
+        },
     }
     req = urllib.request.Request(
         base_url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
@@ -155,7 +161,9 @@ def _summ(gaps: list[float]) -> dict:
     return {"n": len(gaps), "mean_s": statistics.fmean(gaps), "median_s": statistics.median(gaps)}
 
 
-def interference(base_url: str, prompts: list[list[int]], n_tokens: int, flush, device_hits: bool = False) -> dict:
+def interference(
+    base_url: str, prompts: list[list[int]], n_tokens: int, flush, device_hits: bool = False
+) -> dict:
     """TPOT of a running decode alone and while ``prompts`` are served one after another.
 
     ``flush()`` empties the device cache before the loaded phase, so each prompt is a remote fetch

@@ -68,7 +68,13 @@ CONFIGS = {
     # side with dpu_fetch, what decoding chunks as they arrive changes end to end.
     "dpu_fetch_barrier": Config(
         "dpu_fetch_barrier",
-        ("--remote-kv", "dpu", "--remote-kv-policy-margin", "1e9", "--remote-kv-dpu-args=--ablation-round-barrier"),
+        (
+            "--remote-kv",
+            "dpu",
+            "--remote-kv-policy-margin",
+            "1e9",
+            "--remote-kv-dpu-args=--ablation-round-barrier",
+        ),
         True,
         "dpu",
         "DPU path, always fetch, data plane ablation --ablation-round-barrier (the previous order)",
@@ -77,7 +83,13 @@ CONFIGS = {
     # dpu_fetch, what adaptive fetch concurrency changes end to end.
     "dpu_fetch_fixed": Config(
         "dpu_fetch_fixed",
-        ("--remote-kv", "dpu", "--remote-kv-policy-margin", "1e9", "--remote-kv-dpu-args=--fetch-concurrency fixed"),
+        (
+            "--remote-kv",
+            "dpu",
+            "--remote-kv-policy-margin",
+            "1e9",
+            "--remote-kv-dpu-args=--fetch-concurrency fixed",
+        ),
         True,
         "dpu",
         "DPU path, always fetch, data plane --fetch-concurrency fixed (two fetches at once, as before)",
@@ -86,7 +98,13 @@ CONFIGS = {
     # a chunk while its bytes arrive changes end to end.
     "dpu_fetch_whole": Config(
         "dpu_fetch_whole",
-        ("--remote-kv", "dpu", "--remote-kv-policy-margin", "1e9", "--remote-kv-dpu-args=--stream-piece-kib 0"),
+        (
+            "--remote-kv",
+            "dpu",
+            "--remote-kv-policy-margin",
+            "1e9",
+            "--remote-kv-dpu-args=--stream-piece-kib 0",
+        ),
         True,
         "dpu",
         "DPU path, always fetch, data plane --stream-piece-kib 0 (whole-value gets, as before)",

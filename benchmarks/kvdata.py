@@ -161,16 +161,24 @@ def load_texts(names: list[str] | None = None, model_tok=None) -> list[TextKV]:
 
 def describe(texts: list[TextKV]) -> list[dict]:
     return [
-        {"name": t.name, "role": t.role, "path": t.path, "total_tokens": t.total_tokens,
-         "prefix_tokens": len(t.prefix_ids), "cont_tokens": len(t.cont_ids)}
+        {
+            "name": t.name,
+            "role": t.role,
+            "path": t.path,
+            "total_tokens": t.total_tokens,
+            "prefix_tokens": len(t.prefix_ids),
+            "cont_tokens": len(t.cont_ids),
+        }
         for t in texts
-    ]  # fmt: skip
+    ]
 
 
 def cpu_model() -> str:
     """This machine's CPU model name (for benchmark metadata)."""
     try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        return next(
+            line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         return "unknown"
 

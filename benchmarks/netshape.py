@@ -69,10 +69,21 @@ class ShapedLink:
                 continue
             burst = tbf_burst_bytes(rate_mbit)
             _run(
-                "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-                "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms",
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                f"{rate_mbit}mbit",
+                "burst",
+                str(burst),
+                "latency",
+                "100ms",
                 netns=ns,
-            )  # fmt: skip
+            )
 
     def qdisc(self) -> str:
         return _run("tc", "-s", "qdisc", "show", "dev", self.ns_if, netns=self.netns).stdout

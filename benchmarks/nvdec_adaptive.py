@@ -66,8 +66,15 @@ class ProfileTable:
     @classmethod
     def from_json(cls, text: str) -> ProfileTable:
         d = json.loads(text)
-        return cls(tuple(d["resolutions"]), tuple(d["loads"]), tuple(tuple(r) for r in d["latency"]),
-                   tuple(d["penalty"]), tuple(d["size_bytes"]), int(d["instances"]), d.get("key", ""))  # fmt: skip
+        return cls(
+            tuple(d["resolutions"]),
+            tuple(d["loads"]),
+            tuple(tuple(r) for r in d["latency"]),
+            tuple(d["penalty"]),
+            tuple(d["size_bytes"]),
+            int(d["instances"]),
+            d.get("key", ""),
+        )
 
 
 class BandwidthEstimator:
@@ -141,8 +148,14 @@ def _timed_batch(pool, fingerprint, blobs: list, sink_factory: Callable[[], Call
     return statistics.mean(f.result().decode_s for f in futs)
 
 
-def profile(pool, fingerprint, blobs: Mapping[int, list], sink_factory: Callable[[], Callable],
-            repeats: int = 2, key: str = "") -> ProfileTable:  # fmt: skip
+def profile(
+    pool,
+    fingerprint,
+    blobs: Mapping[int, list],
+    sink_factory: Callable[[], Callable],
+    repeats: int = 2,
+    key: str = "",
+) -> ProfileTable:
     """Measure the table with the real ``pool``: for each resolution and load L, decode L chunks at once.
 
     ``blobs[res]`` holds sample chunks (>= ``pool.instances``) encoded at ``res``. Penalty: the mean extra
@@ -169,8 +182,9 @@ def profile(pool, fingerprint, blobs: Mapping[int, list], sink_factory: Callable
     return ProfileTable(tuple(res_list), loads, tuple(latency), tuple(penalty), sizes, pool.instances, key)
 
 
-def load_or_profile(key: str, build: Callable[[], ProfileTable], refresh: bool = False,
-                    path: Path | None = None) -> ProfileTable:  # fmt: skip
+def load_or_profile(
+    key: str, build: Callable[[], ProfileTable], refresh: bool = False, path: Path | None = None
+) -> ProfileTable:
     """The stored table for ``key``; profiled with ``build()`` and saved if missing, stale or ``refresh``."""
     path = path or default_path(key)
     if not refresh and path.exists():

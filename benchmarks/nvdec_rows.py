@@ -39,11 +39,17 @@ def codecs(choice: dict | None = None) -> list[tuple[str, str, HevcCodec]]:
     heads_dims = c["tiling"]
     ours = HevcCodec(**QUANT, tiling=heads_dims, tokens_per_frame=c["tokens_per_frame"])
     return [
-        (f"hevc lossless, KVFetcher layout ({heads_dims}, {c['tokens_per_frame']} tok/frame, 256 bins/head)",
-         "hevc-ours", ours),
-        ("hevc lossless, naive llm.265 layout ([tokens x channels] frame, 256 bins/head)", "hevc-naive",
-         HevcCodec(**QUANT, tiling=naive_tiling_spec(), tokens_per_frame=0, grid_cols=1)),
-    ]  # fmt: skip
+        (
+            f"hevc lossless, KVFetcher layout ({heads_dims}, {c['tokens_per_frame']} tok/frame, 256 bins/head)",
+            "hevc-ours",
+            ours,
+        ),
+        (
+            "hevc lossless, naive llm.265 layout ([tokens x channels] frame, 256 bins/head)",
+            "hevc-naive",
+            HevcCodec(**QUANT, tiling=naive_tiling_spec(), tokens_per_frame=0, grid_cols=1),
+        ),
+    ]
 
 
 def naive_tiling_spec(heads: int = 3, dim: int = 64) -> str:

@@ -110,5 +110,11 @@ def run_fetch(blobs: dict, fp, table, instances: int, rounds: int, repeats: int 
             runs.setdefault(label, []).append(fetch(order, blobs, fp, table, trace, instances, policy))
     mean = {k: sum(r["fetch_s"] for r in v) / len(v) for k, v in runs.items()}
     best_fixed = min((v, k) for k, v in mean.items() if k.startswith("fixed"))
-    return {"trace_bytes_per_s": trace, "chunks": len(order), "repeats": repeats, "mean_fetch_s": mean,
-            "runs": runs, "best_fixed": best_fixed[1]}  # fmt: skip
+    return {
+        "trace_bytes_per_s": trace,
+        "chunks": len(order),
+        "repeats": repeats,
+        "mean_fetch_s": mean,
+        "runs": runs,
+        "best_fixed": best_fixed[1],
+    }

@@ -55,8 +55,12 @@ def greedy_tokens(model, cache, first: int, n: int = GREEDY) -> np.ndarray:
     toks, cur = [], first
     pos = cache.get_seq_length()
     for _ in range(n):
-        out = model(input_ids=torch.tensor([[cur]]), past_key_values=cache,
-                    position_ids=torch.tensor([[pos]]), use_cache=True)  # fmt: skip
+        out = model(
+            input_ids=torch.tensor([[cur]]),
+            past_key_values=cache,
+            position_ids=torch.tensor([[pos]]),
+            use_cache=True,
+        )
         cur = int(out.logits[0, -1].argmax())
         toks.append(cur)
         pos += 1
@@ -95,8 +99,12 @@ def _greedy_after_crop(model, cache, logits0: torch.Tensor, pos: int) -> np.ndar
     cur = int(logits0.argmax())
     toks = [cur]
     for i in range(GREEDY - 1):
-        out = model(input_ids=torch.tensor([[cur]]), past_key_values=cache,
-                    position_ids=torch.tensor([[pos + i]]), use_cache=True)  # fmt: skip
+        out = model(
+            input_ids=torch.tensor([[cur]]),
+            past_key_values=cache,
+            position_ids=torch.tensor([[pos + i]]),
+            use_cache=True,
+        )
         cur = int(out.logits[0, -1].argmax())
         toks.append(cur)
     return np.asarray(toks, dtype=np.int64)

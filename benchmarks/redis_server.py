@@ -148,8 +148,15 @@ class RedisCluster:
                 self.nodes.append(node.start())
             addrs = [f"127.0.0.1:{s.port}" for s in self.nodes]
             r = subprocess.run(
-                ["redis-cli", "--cluster", "create", *addrs, "--cluster-replicas", str(self.replicas),
-                 "--cluster-yes"],  # fmt: skip
+                [
+                    "redis-cli",
+                    "--cluster",
+                    "create",
+                    *addrs,
+                    "--cluster-replicas",
+                    str(self.replicas),
+                    "--cluster-yes",
+                ],
                 capture_output=True,
                 text=True,
                 timeout=timeout,

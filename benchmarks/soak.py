@@ -245,9 +245,16 @@ def run(args) -> dict:
             rs.stop(kill=True)
     total = {
         k: sum(r[k] for r in results)
-        for k in ("requests", "tokens_compared", "wrong_tokens", "remote_hit_tokens", "recoveries",
-                  "fault_episodes", "dataplane_restarts")
-    }  # fmt: skip
+        for k in (
+            "requests",
+            "tokens_compared",
+            "wrong_tokens",
+            "remote_hit_tokens",
+            "recoveries",
+            "fault_episodes",
+            "dataplane_restarts",
+        )
+    }
     faults = {k: sum(r["faults"][k] for r in results) for k in FAULT_KINDS}
     return {
         **total,
@@ -289,9 +296,13 @@ def leg_spec(model: str, leg: str, store_addr: str, write_flag: Path, log: str) 
     if tp > 1:
         env["SGLANG_CPU_OMP_THREADS_BIND"] = TP_BIND[tp]
     return ServerSpec(
-        model_path=model, extra_args=extra, max_total_tokens=8192, log_path=log, env=env,
+        model_path=model,
+        extra_args=extra,
+        max_total_tokens=8192,
+        log_path=log,
+        env=env,
         startup_timeout_s=600,
-    )  # fmt: skip
+    )
 
 
 def references(srv, proxy: TcpProxy, convs) -> dict[tuple[int, int], list[int]]:

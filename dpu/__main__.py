@@ -37,22 +37,39 @@ def build_parser() -> argparse.ArgumentParser:
         "so a password in it never shows in the process list (the host's way)",
     )
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process (the host) goes away")
-    p.add_argument("--auth-key-file", default="",
-                   help="shared secret (the serving side's --remote-kv-auth-key-file): the endpoint speaks "
-                   "ZeroMQ CURVE with keys derived from it; required for tcp://")  # fmt: skip
-    p.add_argument("--client-timeout", type=float, default=10.0,
-                   help="drop a registered client (cancel its jobs, release its regions) that sent nothing "
-                   "for this many seconds (clients heartbeat every 0.5 s); 0: never")  # fmt: skip
-    p.add_argument("--allow-fingerprint", action="append", default=[], metavar="HEX",
-                   help="serve only models with this fingerprint digest (64 hex digits; repeatable; "
-                   "default: any model)")  # fmt: skip
-    p.add_argument("--store-endpoint", default="",
-                   help="also serve the store to hosts that cannot reach it (lookups, write-backs; they use "
-                   "--remote-kv-store dpu+ipc:///path): ZeroMQ endpoint of the store proxy; tcp:// needs "
-                   "--auth-key-file")  # fmt: skip
+    p.add_argument(
+        "--auth-key-file",
+        default="",
+        help="shared secret (the serving side's --remote-kv-auth-key-file): the endpoint speaks "
+        "ZeroMQ CURVE with keys derived from it; required for tcp://",
+    )
+    p.add_argument(
+        "--client-timeout",
+        type=float,
+        default=10.0,
+        help="drop a registered client (cancel its jobs, release its regions) that sent nothing "
+        "for this many seconds (clients heartbeat every 0.5 s); 0: never",
+    )
+    p.add_argument(
+        "--allow-fingerprint",
+        action="append",
+        default=[],
+        metavar="HEX",
+        help="serve only models with this fingerprint digest (64 hex digits; repeatable; default: any model)",
+    )
+    p.add_argument(
+        "--store-endpoint",
+        default="",
+        help="also serve the store to hosts that cannot reach it (lookups, write-backs; they use "
+        "--remote-kv-store dpu+ipc:///path): ZeroMQ endpoint of the store proxy; tcp:// needs "
+        "--auth-key-file",
+    )
     p.add_argument("--settings-json", help="every tunable as DataPlaneSettings JSON (the host's way)")
-    p.add_argument("--warm", help="protocol.Warmup JSON: decode one synthetic chunk of this codec and model "
-                   "before serving (the host's way; first jobs then do not load kernels)")  # fmt: skip
+    p.add_argument(
+        "--warm",
+        help="protocol.Warmup JSON: decode one synthetic chunk of this codec and model "
+        "before serving (the host's way; first jobs then do not load kernels)",
+    )
     add_flags(p)
     return p
 

@@ -43,8 +43,15 @@ class Fetch:
 
 
 class FetchGate:
-    def __init__(self, workers: int, adaptive: bool = True, gain: float = 1.2, alpha: float = 0.25,
-                 probe_every: int = 24, probe_len: int = 4) -> None:  # fmt: skip
+    def __init__(
+        self,
+        workers: int,
+        adaptive: bool = True,
+        gain: float = 1.2,
+        alpha: float = 0.25,
+        probe_every: int = 24,
+        probe_len: int = 4,
+    ) -> None:
         if workers < 1 or probe_len < 1 or probe_every <= probe_len or not 0 < alpha <= 1:
             raise ValueError("bad fetch gate parameters")
         self.workers, self.adaptive = workers, adaptive and workers > 1
@@ -122,7 +129,9 @@ class FetchGate:
 
     def snapshot(self) -> dict:
         with self._cv:
-            return {"limit": self.limit,  # the chosen one, probes aside (``workers`` when not adaptive)
-                    "probing": self._probe_left > 0,
-                    "alone_mb_s": round((self.rate["alone"] or 0) / 1e6, 2),
-                    "shared_mb_s": round((self.rate["shared"] or 0) / 1e6, 2)}  # fmt: skip
+            return {
+                "limit": self.limit,  # the chosen one, probes aside (``workers`` when not adaptive)
+                "probing": self._probe_left > 0,
+                "alone_mb_s": round((self.rate["alone"] or 0) / 1e6, 2),
+                "shared_mb_s": round((self.rate["shared"] or 0) / 1e6, 2),
+            }

@@ -109,8 +109,10 @@ class FetchStage:
         own = None
         if not self.cfg.prealloc:
             lay, r = job.layout, task.region
-            own = (np.empty(2 * lay.num_layers * layer_bytes(lay, r.tokens), np.uint8),
-                   np.empty(lay.num_layers * r.infl_layer, np.uint8))  # fmt: skip
+            own = (
+                np.empty(2 * lay.num_layers * layer_bytes(lay, r.tokens), np.uint8),
+                np.empty(lay.num_layers * r.infl_layer, np.uint8),
+            )
         with job.lock:
             task.blob, task.header, task.own = blob, hdr, own
             task.decoded = [0] * job.layout.num_layers
@@ -128,9 +130,14 @@ class FetchStage:
             with self.gate.slot() as admitted:
                 for piece in pieces:
                     if rx is None:  # the frame's length, bounded by max_bytes
-                        rx = ChunkReceiver(stream.payload_len, job.layout.num_layers, self.cfg.layer_group,
-                                           lambda head, buf: self._open_chunk(task, buf, job.codec.parse(
-                                               head, job.fingerprint, complete=False)))  # fmt: skip
+                        rx = ChunkReceiver(
+                            stream.payload_len,
+                            job.layout.num_layers,
+                            self.cfg.layer_group,
+                            lambda head, buf: self._open_chunk(
+                                task, buf, job.codec.parse(head, job.fingerprint, complete=False)
+                            ),
+                        )
                     for lo, hi in rx.add(piece):
                         with job.lock:
                             task.pending += 1

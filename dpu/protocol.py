@@ -339,8 +339,20 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {k: msgspec.msgpack.Decoder(cls) for k, cls in KINDS.items()}
 
 Message = (
-    SubmitFetch | Cancel | Heartbeat | Pong | ChunkDone | LayerDone | ChunkFailed | JobDone | ChunksVerified
-    | Register | Registered | Goodbye | StoreRequest | StoreReply
+    SubmitFetch
+    | Cancel
+    | Heartbeat
+    | Pong
+    | ChunkDone
+    | LayerDone
+    | ChunkFailed
+    | JobDone
+    | ChunksVerified
+    | Register
+    | Registered
+    | Goodbye
+    | StoreRequest
+    | StoreReply
 )
 
 

@@ -130,7 +130,9 @@ class DataPlaneServer:
         self.codecs = Codecs()
         self._stop = False
         self.counters = {"submitted": 0, "rejected": 0, "bad_frames": 0, "cancels": 0, "handler_errors": 0}
-        self.counters.update({"registered": 0, "register_refused": 0, "register_deferred": 0, "clients_dropped": 0})
+        self.counters.update(
+            {"registered": 0, "register_refused": 0, "register_deferred": 0, "clients_dropped": 0}
+        )
 
     # ---- called from any thread -------------------------------------------------------------------
     def _push(self, frames: list[bytes]) -> None:
@@ -218,7 +220,12 @@ class DataPlaneServer:
             stats["clients"] = len(self.clients)
             stats["auth_refused"] = self.zap.refused if self.zap else 0
             pong = P.Pong(
-                msg.seq, msg.sent_ns, os.getpid(), len(self.jobs), json.dumps(stats).encode(), peer in self.clients
+                msg.seq,
+                msg.sent_ns,
+                os.getpid(),
+                len(self.jobs),
+                json.dumps(stats).encode(),
+                peer in self.clients,
             )
             self.router.send_multipart([peer, P.encode(pong)], zmq.NOBLOCK)
         elif isinstance(msg, P.Register):
@@ -261,7 +268,9 @@ class DataPlaneServer:
         self.counters["registered"] += 1
         logger.info("client %r registered (regions %s)", msg.label, sorted(client.regions))
         timeout_ms = int(self.cfg.client_timeout_s * 1000)
-        self.router.send_multipart([peer, P.encode(P.Registered(True, "", timeout_ms, os.getpid()))], zmq.NOBLOCK)
+        self.router.send_multipart(
+            [peer, P.encode(P.Registered(True, "", timeout_ms, os.getpid()))], zmq.NOBLOCK
+        )
 
     def _new_client(self, peer: bytes, msg: P.Register, replaced: set[bytes]) -> ClientState:
         """Validate a registration and map its regions; ``ValueError`` with a clear reason otherwise."""
@@ -270,8 +279,10 @@ class DataPlaneServer:
         fp = fingerprint(msg.fingerprint)
         allowed = self.cfg.allowed_fingerprints
         if allowed and fp.digest() not in allowed:
-            raise ValueError(f"foreign fingerprint: this data plane does not serve model {fp.architecture!r} "
-                             f"({fp.weights_id!r}, tp {fp.tp_rank}/{fp.tp_size})")  # fmt: skip
+            raise ValueError(
+                f"foreign fingerprint: this data plane does not serve model {fp.architecture!r} "
+                f"({fp.weights_id!r}, tp {fp.tp_rank}/{fp.tp_size})"
+            )
         codec = self.codecs.get(msg.codec, msg.codec_params)
         held = {n: c.label for c in self.clients.values() if c.peer not in replaced for n in c.regions}
         held.update({n: c.label for c in self.leaving if c.session != msg.session for n in c.regions})
@@ -373,13 +384,24 @@ class DataPlaneServer:
             raise ValueError(f"codec {msg.codec} has no device dequant stage: output must be kv")
         blob_area = (msg.blob_off, msg.blob_cap)
         # the jobs of one request share the place of its first job in the pipeline's order (``slab_key``)
-        lead = next((j for j in self.jobs.values() if j.peer == peer and j.request_id == msg.request_id), None)
+        lead = next(
+            (j for j in self.jobs.values() if j.peer == peer and j.request_id == msg.request_id), None
+        )
         if lead is not None and lead.lead is not None:
             lead = lead.lead
         job = JobState(
-            msg.job, peer, codec, fp, layout, list(msg.chunks), blob_area, region.array, msg.request_id, lead,
+            msg.job,
+            peer,
+            codec,
+            fp,
+            layout,
+            list(msg.chunks),
+            blob_area,
+            region.array,
+            msg.request_id,
+            lead,
             codes=msg.output == "codes",
-        )  # fmt: skip
+        )
         ratio = self.cfg.settings.inflate_ratio
         rounds = plan_rounds([c.tokens for c in msg.chunks], layout, self.cfg.settings.slot_bytes, ratio)
         return job, rounds

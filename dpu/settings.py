@@ -18,7 +18,15 @@ from .tasks import STAGES, PipelineConfig
 
 FETCH_CONCURRENCY = ("adaptive", "fixed")
 HOST_FLAGS = frozenset(
-    {"--endpoint", "--store", "--parent-pid", "--settings-json", "--auth-key-file", "--client-timeout", "--warm"}
+    {
+        "--endpoint",
+        "--store",
+        "--parent-pid",
+        "--settings-json",
+        "--auth-key-file",
+        "--client-timeout",
+        "--warm",
+    }
 )
 
 
@@ -71,7 +79,9 @@ class DataPlaneSettings:
 
     def pipeline(self) -> PipelineConfig:
         cpus = self.cpus or ()
-        stage_cpus = tuple((cpus[i % len(cpus)],) for i in range(len(STAGES))) if self.pin_stages and cpus else ()
+        stage_cpus = (
+            tuple((cpus[i % len(cpus)],) for i in range(len(STAGES))) if self.pin_stages and cpus else ()
+        )
         return PipelineConfig(
             *self.workers,
             layer_group=self.layer_group,
@@ -134,7 +144,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
     d = DataPlaneSettings()
     for i, stage in enumerate(STAGES):
-        p.add_argument(f"--{stage}-workers", type=int, default=d.workers[i], help=f"threads of the {stage} stage")
+        p.add_argument(
+            f"--{stage}-workers", type=int, default=d.workers[i], help=f"threads of the {stage} stage"
+        )
     p.add_argument("--layer-group", type=int, default=d.layer_group, help="layers per pipeline work item")
     p.add_argument("--queue-depth", type=int, default=d.queue_depth, help="items per inter-stage queue")
     p.add_argument("--slots", type=int, default=d.slots, help="round slots in the staging buffers")
@@ -143,23 +155,38 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus", type=cpu_list_arg, default=(), help="pin the process to these cores (e.g. 2-3)")
     p.add_argument("--pin-stages", action="store_true", help="pin each stage to one core of --cpus")
     p.add_argument("--store-timeout", type=float, default=d.store_timeout_s, help="seconds per store call")
-    p.add_argument("--fetch-concurrency", choices=FETCH_CONCURRENCY, default=d.fetch_concurrency,
-                   help="adaptive: one fetch at a time where concurrent fetches only share the link's "
-                   "bandwidth, all --fetch-workers where they add throughput (measured); fixed: always all")  # fmt: skip
-    p.add_argument("--stream-piece-kib", type=int, default=d.stream_piece_kib,
-                   help="read store values in pieces of this many KiB, decoding layers as they arrive "
-                   "(Redis stores); 0: whole-value gets")  # fmt: skip
+    p.add_argument(
+        "--fetch-concurrency",
+        choices=FETCH_CONCURRENCY,
+        default=d.fetch_concurrency,
+        help="adaptive: one fetch at a time where concurrent fetches only share the link's "
+        "bandwidth, all --fetch-workers where they add throughput (measured); fixed: always all",
+    )
+    p.add_argument(
+        "--stream-piece-kib",
+        type=int,
+        default=d.stream_piece_kib,
+        help="read store values in pieces of this many KiB, decoding layers as they arrive "
+        "(Redis stores); 0: whole-value gets",
+    )
     p.add_argument("--log-level", default=d.log_level)
     p.add_argument("--ablation-serial", action="store_true", help="benchmark ablation: no pipelining")
     p.add_argument("--ablation-no-prealloc", action="store_true", help="benchmark ablation: no prealloc")
-    p.add_argument("--ablation-round-barrier", action="store_true",
-                   help="benchmark ablation: decode a round only after its last fetch")  # fmt: skip
+    p.add_argument(
+        "--ablation-round-barrier",
+        action="store_true",
+        help="benchmark ablation: decode a round only after its last fetch",
+    )
     p.add_argument("--dma-delay-s", type=float, default=0.0, help="fault injection: sleep per DMA'd slab")
 
 
 def from_namespace(ns: argparse.Namespace, **overrides) -> DataPlaneSettings:
-    debug = Debug(serial=ns.ablation_serial, no_prealloc=ns.ablation_no_prealloc,
-                  round_barrier=ns.ablation_round_barrier, dma_delay_s=ns.dma_delay_s)  # fmt: skip
+    debug = Debug(
+        serial=ns.ablation_serial,
+        no_prealloc=ns.ablation_no_prealloc,
+        round_barrier=ns.ablation_round_barrier,
+        dma_delay_s=ns.dma_delay_s,
+    )
     fields = dict(
         workers=tuple(getattr(ns, f"{s}_workers") for s in STAGES),
         layer_group=ns.layer_group,

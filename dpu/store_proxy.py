@@ -46,7 +46,9 @@ class StoreProxyConfig:
         if not self.endpoint.startswith(("ipc://", "tcp://")):
             raise ValueError(f"store endpoint {self.endpoint!r}: ipc:// or tcp:// expected")
         if self.endpoint.startswith("tcp://") and not self.auth_key:
-            raise ValueError("a tcp:// store endpoint needs --auth-key-file (the store would be open to anyone)")
+            raise ValueError(
+                "a tcp:// store endpoint needs --auth-key-file (the store would be open to anyone)"
+            )
         if self.workers < 1:
             raise ValueError("workers must be >= 1")
 

@@ -195,7 +195,9 @@ def slab_key(task: ChunkTask, lo: int) -> tuple[int, int, int, int]:
     into two jobs must not finish the first before the second's layer 0 (a real server test caught it)."""
     job = task.job
     if job.blob_cap:
-        lead = job.lead if job.lead is not None and job.lead.first_round >= 0 else job  # (lead: not cancelled)
+        lead = (
+            job.lead if job.lead is not None and job.lead.first_round >= 0 else job
+        )  # (lead: not cancelled)
         return (lead.first_round, lo, task.round_id, task.region.index)
     return (task.round_id, lo, task.round_id, task.region.index)
 

@@ -94,8 +94,9 @@ def attach_regions(names: list[str], held: dict[str, str]) -> dict[str, DestRegi
     return regions
 
 
-def check_submit(msg: P.SubmitFetch, regions: dict[str, DestRegion], fp: ModelFingerprint,
-                 codec_key: tuple[str, bytes]) -> DestRegion:  # fmt: skip
+def check_submit(
+    msg: P.SubmitFetch, regions: dict[str, DestRegion], fp: ModelFingerprint, codec_key: tuple[str, bytes]
+) -> DestRegion:
     """Check a job against its client's registration (``regions``, model ``fp``, ``codec_key``): the
     destination region is the client's, and the blob area and every chunk's layers lie inside it.
     Returns the destination region."""

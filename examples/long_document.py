@@ -81,8 +81,10 @@ def _metrics(base_url: str) -> tuple[dict[str, float], float]:
 def chat(base_url: str, document: str, question: str, max_tokens: int) -> tuple[str, float, dict, dict]:
     client = OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="EMPTY")
     model = client.models.list().data[0].id
-    messages = [{"role": "system", "content": "Answer questions about this document.\n\n" + document},
-                {"role": "user", "content": question}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "Answer questions about this document.\n\n" + document},
+        {"role": "user", "content": question},
+    ]
     answer, ttft, _, usage, details = stream_chat(client, model, messages, max_tokens)
     return answer, ttft, usage, details
 
@@ -93,9 +95,19 @@ def ask(base_url: str, server: str, path: str, doc: tuple[str, int | None], q: i
     hits1, fetch1 = _metrics(base_url)
     served = {c: n - hits0.get(c, 0.0) for c, n in hits1.items() if n > hits0.get(c, 0.0)}
     storage = int(details.get("storage") or 0)
-    return Row(server, path, doc[0], q, ttft, usage.get("prompt_tokens", 0), int(details.get("device") or 0),
-               storage, (fetch1 - fetch0) if storage else None, max(served, key=served.get) if served else None,
-               answer)  # fmt: skip
+    return Row(
+        server,
+        path,
+        doc[0],
+        q,
+        ttft,
+        usage.get("prompt_tokens", 0),
+        int(details.get("device") or 0),
+        storage,
+        (fetch1 - fetch0) if storage else None,
+        max(served, key=served.get) if served else None,
+        answer,
+    )
 
 
 def warm_up(base_url: str) -> None:
@@ -141,21 +153,27 @@ def phase_b(server_b: str, max_tokens: int = 40) -> list[Row]:
     """Server B (fresh, same store): warm up, a first remote hit (the second document), then question 2
     about the document (remote hit)."""
     warm_up(server_b)
-    return [ask(server_b, "B", "first remote hit (fresh server)", SECOND_DOCUMENT, 2, max_tokens),
-            ask(server_b, "B", "remote hit", DOCUMENT, 2, max_tokens)]  # fmt: skip
+    return [
+        ask(server_b, "B", "first remote hit (fresh server)", SECOND_DOCUMENT, 2, max_tokens),
+        ask(server_b, "B", "remote hit", DOCUMENT, 2, max_tokens),
+    ]
 
 
 def table(rows: list[Row], width: int = 56) -> str:
-    head = (f"{'server':6} {'path':31} {'document':10} {'Q':1} {'TTFT':>8} {'prompt':>6} {'device':>6} "
-            f"{'remote':>6} {'fetch':>7} {'codec':13}  answer")  # fmt: skip
+    head = (
+        f"{'server':6} {'path':31} {'document':10} {'Q':1} {'TTFT':>8} {'prompt':>6} {'device':>6} "
+        f"{'remote':>6} {'fetch':>7} {'codec':13}  answer"
+    )
     out = [head]
     for r in rows:
         answer = r.answer.replace("\n", " ")
         answer = answer if len(answer) <= width else answer[: width - 3] + "..."
         fetch = f"{r.fetch_s * 1000:5.0f}ms" if r.fetch_s is not None else "      -"
-        out.append(f"{r.server:6} {r.path:31} {r.document:10} {r.question:1d} {r.ttft_s * 1000:6.0f}ms "
-                   f"{r.prompt_tokens:6d} {r.cached_device:6d} {r.cached_storage:6d} {fetch} {r.codec or '-':13}  "
-                   f"{answer}")  # fmt: skip
+        out.append(
+            f"{r.server:6} {r.path:31} {r.document:10} {r.question:1d} {r.ttft_s * 1000:6.0f}ms "
+            f"{r.prompt_tokens:6d} {r.cached_device:6d} {r.cached_storage:6d} {fetch} {r.codec or '-':13}  "
+            f"{answer}"
+        )
     return "\n".join(out)
 
 

@@ -71,4 +71,3 @@ def scatter_triton(
     _scatter_kernel[grid](
         src.contiguous(), bases, slots.to(torch.int64), t, row, ELEM=_TL_TYPES[dtype], BLOCK=block
     )
-

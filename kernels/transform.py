@@ -54,12 +54,16 @@ class TransformConsts:
     meanr: object
 
     @staticmethod
-    def build(steps: np.ndarray, basis: np.ndarray, mean: np.ndarray, head_dim: int, style: int) -> TransformConsts:
+    def build(
+        steps: np.ndarray, basis: np.ndarray, mean: np.ndarray, head_dim: int, style: int
+    ) -> TransformConsts:
         """``steps`` [2, G, gd], ``basis`` [2, G, gd, gd] (rows = components), ``mean`` [2, G, gd]."""
         gd = basis.shape[-1]
         perm, sign = rotation(gd, head_dim, style)
         bt = np.array(basis.transpose(0, 1, 3, 2), dtype=np.float32, order="C")  # fresh, writable arrays
-        btr = np.array(bt[0][:, :, perm] * sign, dtype=np.float32, order="C")  # (bt @ R)[:, j] = sign_j * bt[:, perm_j]
+        btr = np.array(
+            bt[0][:, :, perm] * sign, dtype=np.float32, order="C"
+        )  # (bt @ R)[:, j] = sign_j * bt[:, perm_j]
         meanr = np.array(mean[0][:, perm] * sign, dtype=np.float32, order="C")
         f32 = lambda a: np.array(a, dtype=np.float32, order="C")  # noqa: E731
         return TransformConsts(f32(steps), bt, btr, f32(mean), meanr)
@@ -102,8 +106,17 @@ def resolve_escapes(sym: torch.Tensor, esc: torch.Tensor) -> torch.Tensor:
     return q
 
 
-def inverse_reference(q: torch.Tensor, scales: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      consts: TransformConsts, head_dim: int, style: int, rope: bool, out: torch.Tensor) -> None:  # fmt: skip
+def inverse_reference(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    consts: TransformConsts,
+    head_dim: int,
+    style: int,
+    rope: bool,
+    out: torch.Tensor,
+) -> None:
     """``q`` [2, C, T] float32, ``scales`` [2, T] float32, ``cos``/``sin`` [T, head_dim/2] float32 ->
     ``out`` [2, T, C] (the KV dtype), in place."""
     _, c, t = q.shape
@@ -122,10 +135,31 @@ def inverse_reference(q: torch.Tensor, scales: torch.Tensor, cos: torch.Tensor, 
 if triton is not None:
 
     @triton.jit
-    def _inverse_kernel(q_ptr, s_ptr, cos_ptr, sin_ptr, steps_ptr, bt_ptr, btr_ptr, mean_ptr, meanr_ptr, out_ptr,
-                        T, C, GD, HALF, HEAD_DIM, N_G, OUT_KV_STRIDE,
-                        ROPE: tl.constexpr, GPTJ_STYLE: tl.constexpr, OUT_BF16: tl.constexpr,
-                        BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    def _inverse_kernel(
+        q_ptr,
+        s_ptr,
+        cos_ptr,
+        sin_ptr,
+        steps_ptr,
+        bt_ptr,
+        btr_ptr,
+        mean_ptr,
+        meanr_ptr,
+        out_ptr,
+        T,
+        C,
+        GD,
+        HALF,
+        HEAD_DIM,
+        N_G,
+        OUT_KV_STRIDE,
+        ROPE: tl.constexpr,
+        GPTJ_STYLE: tl.constexpr,
+        OUT_BF16: tl.constexpr,
+        BT: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
         pid_kg = tl.program_id(0)  # kv * N_G + g
         kv = pid_kg // N_G
         g = pid_kg % N_G
@@ -140,16 +174,25 @@ if triton is not None:
             ks = k0 + tl.arange(0, BK)
             kmask = ks < GD
             # q is component-major [2, C, T]: element (t, i) of the group's tile at (kv*C + g*GD + i)*T + t
-            qt = tl.load(q_ptr + (kv * C + g * GD + ks[None, :]) * T + rows[:, None],
-                         mask=rmask[:, None] & kmask[None, :], other=0.0)  # fmt: skip
+            qt = tl.load(
+                q_ptr + (kv * C + g * GD + ks[None, :]) * T + rows[:, None],
+                mask=rmask[:, None] & kmask[None, :],
+                other=0.0,
+            )
             st = tl.load(steps_ptr + pid_kg * GD + ks, mask=kmask, other=0.0)
             y = (qt * st[None, :]) * s[:, None]
-            b = tl.load(bt_ptr + (pid_kg * GD + ks[:, None]) * GD + cols[None, :],
-                        mask=kmask[:, None] & cmask[None, :], other=0.0)  # fmt: skip
+            b = tl.load(
+                bt_ptr + (pid_kg * GD + ks[:, None]) * GD + cols[None, :],
+                mask=kmask[:, None] & cmask[None, :],
+                other=0.0,
+            )
             acc += tl.dot(y, b, input_precision="ieee")
             if do_rope:
-                br = tl.load(btr_ptr + (g * GD + ks[:, None]) * GD + cols[None, :],
-                             mask=kmask[:, None] & cmask[None, :], other=0.0)  # fmt: skip
+                br = tl.load(
+                    btr_ptr + (g * GD + ks[:, None]) * GD + cols[None, :],
+                    mask=kmask[:, None] & cmask[None, :],
+                    other=0.0,
+                )
                 acc_r += tl.dot(y, br, input_precision="ieee")
         x = acc + tl.load(mean_ptr + pid_kg * GD + cols, mask=cmask, other=0.0)[None, :]
         if do_rope:
@@ -172,9 +215,20 @@ if triton is not None:
         tl.store(o, x.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
-def inverse_triton(q: torch.Tensor, scales: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   consts: TransformConsts, head_dim: int, style: int, rope: bool, out: torch.Tensor,
-                   bt_block: int = 32, bn: int = 64, bk: int = 32) -> None:  # fmt: skip
+def inverse_triton(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    consts: TransformConsts,
+    head_dim: int,
+    style: int,
+    rope: bool,
+    out: torch.Tensor,
+    bt_block: int = 32,
+    bn: int = 64,
+    bk: int = 32,
+) -> None:
     """Triton version of ``inverse_reference`` (same arguments; every tensor contiguous, on one device, but
     ``out`` may be a token slice ``[2, t, C]`` of a longer ``[2, T, C]`` buffer)."""
     if triton is None:
@@ -184,7 +238,28 @@ def inverse_triton(q: torch.Tensor, scales: torch.Tensor, cos: torch.Tensor, sin
     if n_g * gd != c or out.shape != (2, t, c) or out.stride()[1:] != (c, 1):
         raise ValueError(f"q {tuple(q.shape)}, {n_g} groups of {gd}, out {tuple(out.shape)} disagree")
     grid = (2 * n_g, triton.cdiv(t, bt_block), triton.cdiv(gd, bn))
-    _inverse_kernel[grid](q, scales, cos, sin, consts.steps, consts.bt, consts.btr, consts.mean, consts.meanr, out,
-                          t, c, gd, head_dim // 2, head_dim, n_g, out.stride(0),
-                          ROPE=rope, GPTJ_STYLE=style == GPTJ, OUT_BF16=out.dtype == torch.bfloat16,
-                          BT=bt_block, BN=bn, BK=bk)  # fmt: skip
+    _inverse_kernel[grid](
+        q,
+        scales,
+        cos,
+        sin,
+        consts.steps,
+        consts.bt,
+        consts.btr,
+        consts.mean,
+        consts.meanr,
+        out,
+        t,
+        c,
+        gd,
+        head_dim // 2,
+        head_dim,
+        n_g,
+        out.stride(0),
+        ROPE=rope,
+        GPTJ_STYLE=style == GPTJ,
+        OUT_BF16=out.dtype == torch.bfloat16,
+        BT=bt_block,
+        BN=bn,
+        BK=bk,
+    )

@@ -59,7 +59,9 @@ class _Progress:
             try:
                 self.writer.write(k[lo:hi], v[lo:hi], h.kv_slots[chunk * c : (chunk + 1) * c], lo)
             except KVWriteError as e:
-                logger.warning("NVDEC write of %s chunk %d failed; a miss from there: %s", h.request_id, chunk, e)
+                logger.warning(
+                    "NVDEC write of %s chunk %d failed; a miss from there: %s", h.request_id, chunk, e
+                )
                 with self.lock:
                     h._fail_from(chunk, FailureKind.WRITE.value)
                 return
@@ -79,8 +81,17 @@ class NvdecFetchBackend(ThreadedFetchBackend):
     direct = True  # the caller reserves the slots; frames land there as they decode
     tails = False  # full chunks only: an hevc chunk's frame layout is fixed by the chunk size
 
-    def __init__(self, client, pool: DecoderPool, codec, fingerprint: ModelFingerprint, chunk_size: int,
-                 kv_writer: KVWriter, fetch_threads: int = 1, on_done=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client,
+        pool: DecoderPool,
+        codec,
+        fingerprint: ModelFingerprint,
+        chunk_size: int,
+        kv_writer: KVWriter,
+        fetch_threads: int = 1,
+        on_done=None,
+    ) -> None:
         super().__init__(client, codec, fingerprint, chunk_size, workers=fetch_threads, on_done=on_done)
         self.pool, self.kv_writer = pool, kv_writer
 
@@ -110,9 +121,14 @@ class NvdecFetchBackend(ThreadedFetchBackend):
         shape = (lay.num_layers, c, lay.num_kv_heads, lay.head_dim)
         futs = []
         for i in range(handle.ok_chunks):
-            k, v = np.empty(shape, numpy_storage_dtype(lay.dtype)), np.empty(shape, numpy_storage_dtype(lay.dtype))
+            k, v = (
+                np.empty(shape, numpy_storage_dtype(lay.dtype)),
+                np.empty(shape, numpy_storage_dtype(lay.dtype)),
+            )
             restore = SlotWriter(k, v, np.arange(c), lay.dtype)  # the chunk's host staging rows
-            futs.append(self.pool.submit(blobs[i], self.fingerprint, progress.sink(i, restore, k, v), chunk_id=i))
+            futs.append(
+                self.pool.submit(blobs[i], self.fingerprint, progress.sink(i, restore, k, v), chunk_id=i)
+            )
         for i, fut in enumerate(futs):  # every future is awaited: no worker writes after we return
             try:
                 res = fut.result()

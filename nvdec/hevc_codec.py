@@ -91,9 +91,20 @@ class HevcCodec(Codec):
     codec_id = CODEC_ID
     sub_chunks = False  # the frame layout is fixed by the chunk size
 
-    def __init__(self, k_bins="256", v_bins="256", granularity="head", k_channel_scale=False,
-                 tiling="1x3/8x8", tokens_per_frame=0, grid_cols=0, min_side=lo.NVENC_MIN_SIDE,
-                 *, device="cpu", preset="fast"):  # fmt: skip
+    def __init__(
+        self,
+        k_bins="256",
+        v_bins="256",
+        granularity="head",
+        k_channel_scale=False,
+        tiling="1x3/8x8",
+        tokens_per_frame=0,
+        grid_cols=0,
+        min_side=lo.NVENC_MIN_SIDE,
+        *,
+        device="cpu",
+        preset="fast",
+    ):
         self.spec = quant.QuantSpec.make(k_bins, v_bins, granularity, k_channel_scale)
         self.tiling = lo.Tiling.parse(str(tiling))
         self.tokens_per_frame, self.grid_cols, self.min_side = (
@@ -106,8 +117,13 @@ class HevcCodec(Codec):
         self.device, self.preset = device, preset
 
     def params(self) -> dict:
-        return {**self.spec.params(), "tiling": self.tiling.spec(), "tokens_per_frame": self.tokens_per_frame,
-                "grid_cols": self.grid_cols, "min_side": self.min_side}  # fmt: skip
+        return {
+            **self.spec.params(),
+            "tiling": self.tiling.spec(),
+            "tokens_per_frame": self.tokens_per_frame,
+            "grid_cols": self.grid_cols,
+            "min_side": self.min_side,
+        }
 
     def frame_layout(self, tokens: int, heads: int, dim: int) -> lo.FrameLayout:
         return lo.FrameLayout(
@@ -129,9 +145,7 @@ class HevcCodec(Codec):
             layers = range(g, min(g + GROUP, lay.num_layers))
             sections.append(self._encode_group(k, v, layers, lay.dtype))
             sections += [b""] * (len(layers) - 1)
-        return pack(
-            self.codec_id, self.params_bytes(), fingerprint, k.shape[1], sections
-        )
+        return pack(self.codec_id, self.params_bytes(), fingerprint, k.shape[1], sections)
 
     def _encode_group(self, k, v, layers: range, dtype: str) -> bytes:
         t, h, d = k.shape[1:]
@@ -198,8 +212,11 @@ class HevcCodec(Codec):
             buf = np.concatenate([chunk, np.zeros(2 * t * h * d, np.uint8)])
             view = quant.split_layer(self.spec, buf, first + j, t, h, d)
             cs = view.k_cs.astype(np.float32) if view.k_cs.size else np.empty(0, np.float32)
-            out.append(LayerSide(view.mk, view.mv, view.k_scales.astype(np.float32),
-                                 view.v_scales.astype(np.float32), cs))  # fmt: skip
+            out.append(
+                LayerSide(
+                    view.mk, view.mv, view.k_scales.astype(np.float32), view.v_scales.astype(np.float32), cs
+                )
+            )
         if o != len(gs.side):
             raise CorruptChunk("hevc side info length mismatch")
         return out
@@ -286,8 +303,9 @@ class HevcCodec(Codec):
         start = U32.size * GROUP + sum(lens[:j])
         if start + lens[j] > buf.size:
             raise CorruptChunk("hevc group buffer truncated")
-        view = quant.split_layer(self.spec, buf[start : start + lens[j]], layer, header.num_tokens,
-                                 lay.num_kv_heads, lay.head_dim)  # fmt: skip
+        view = quant.split_layer(
+            self.spec, buf[start : start + lens[j]], layer, header.num_tokens, lay.num_kv_heads, lay.head_dim
+        )
         quant.dequant_layer(view, lay.dtype, out_k, out_v)
 
     def decode(self, blob, fingerprint, limits=None, *, decoder=None):

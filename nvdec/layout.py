@@ -132,8 +132,14 @@ class FrameLayout:
 
     def describe(self) -> dict:
         h, w = self.size
-        return {"tiling": self.tiling.spec(), "tokens_per_frame": self.tokens_per_frame, "frames": self.frames,
-                "height": h, "width": w, "content": list(self.content)}  # fmt: skip
+        return {
+            "tiling": self.tiling.spec(),
+            "tokens_per_frame": self.tokens_per_frame,
+            "frames": self.frames,
+            "height": h,
+            "width": w,
+            "content": list(self.content),
+        }
 
 
 def _pad_side(n: int, min_side: int) -> int:

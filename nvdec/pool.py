@@ -250,5 +250,12 @@ class DecoderPool:
             job.sink(fc)
             frames += 1
         self._count("frames", frames)
-        return ChunkResult(job.chunk_id, hdr.num_tokens, frames, len(job.blob), t0 - job.enqueued,
-                           time.perf_counter() - t0, time.thread_time() - c0)  # fmt: skip
+        return ChunkResult(
+            job.chunk_id,
+            hdr.num_tokens,
+            frames,
+            len(job.blob),
+            t0 - job.enqueued,
+            time.perf_counter() - t0,
+            time.thread_time() - c0,
+        )

@@ -45,8 +45,12 @@ def server_table(tests: list[dict]) -> list[str]:
         m = SERVER.search(t["nodeid"])
         if m:
             rows[m.group(2)][m.group(1)] = t
-    out = ["## Server kits (real CPU servers, SmolLM2-135M, float32, lossless codec)", "",
-           "| kit case | plain SGLang | tier on | after restart | why |", "|---|---|---|---|---|"]  # fmt: skip
+    out = [
+        "## Server kits (real CPU servers, SmolLM2-135M, float32, lossless codec)",
+        "",
+        "| kit case | plain SGLang | tier on | after restart | why |",
+        "|---|---|---|---|---|",
+    ]
     for case, by_target in rows.items():
         cells = [_cell(by_target[t]) if t in by_target else "*not run*" for t in ("plain", "tier", "restart")]
         why = next(
@@ -66,10 +70,14 @@ def unit_table(tests: list[dict]) -> list[str]:
             agg[scenario][variant][t["outcome"]] += 1
             if t["outcome"] == "skipped" and t["detail"]:
                 skips[scenario].add(t["detail"].removeprefix("Skipped: "))
-    out = ["## Unit kit (`unified_radix_cache`: every kit config, pools on the CPU)", "",
-           "Configs passed / run per cache; skipped configs and why in the last column.", "",
-           "| scenario | kit's UnifiedRadixCache | ours, tier off | ours, tier on | skipped because |",
-           "|---|---|---|---|---|"]  # fmt: skip
+    out = [
+        "## Unit kit (`unified_radix_cache`: every kit config, pools on the CPU)",
+        "",
+        "Configs passed / run per cache; skipped configs and why in the last column.",
+        "",
+        "| scenario | kit's UnifiedRadixCache | ours, tier off | ours, tier on | skipped because |",
+        "|---|---|---|---|---|",
+    ]
     for scenario, by_variant in agg.items():
         cells = []
         for v in ("sglang", "tier_off", "tier_on"):

@@ -90,8 +90,14 @@ def long_document(model: Path, mode: str, json_path: str | None) -> int:
     import long_document as ld  # examples/long_document.py
 
     with tempfile.TemporaryDirectory(prefix="srkv-demo-store-") as store:
-        extra = ("--remote-kv", mode, "--remote-kv-store", f"file://{store}", "--enable-metrics",
-                 "--enable-cache-report")  # fmt: skip
+        extra = (
+            "--remote-kv",
+            mode,
+            "--remote-kv-store",
+            f"file://{store}",
+            "--enable-metrics",
+            "--enable-cache-report",
+        )
         spec = ServerSpec(model_path=str(model), extra_args=extra)
         rows = []
         for name, phase in (("A", ld.phase_a), ("B", ld.phase_b)):
@@ -105,8 +111,16 @@ def long_document(model: Path, mode: str, json_path: str | None) -> int:
                     )
                     return 1
     cfg = RemoteKVConfig(mode=mode)
-    ld.report(rows, json_path, measured=time.strftime("%Y-%m-%d"), remote_kv=mode, store="file",
-              chunk_size=cfg.chunk_size, codec_flag=cfg.codec, cpus=os.cpu_count())  # fmt: skip
+    ld.report(
+        rows,
+        json_path,
+        measured=time.strftime("%Y-%m-%d"),
+        remote_kv=mode,
+        store="file",
+        chunk_size=cfg.chunk_size,
+        codec_flag=cfg.codec,
+        cpus=os.cpu_count(),
+    )
     logging.info("servers stopped; demo done")
     return 0 if all(r.answer for r in rows) else 1
 

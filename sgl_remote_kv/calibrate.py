@@ -80,9 +80,13 @@ class Scorer:
         p = min(PREFIX, (len(ids) - CONT) // 256 * 256)
         layers_mod = getattr(getattr(self.model, "model", None), "layers", None) or []
         qs: dict[int, np.ndarray] = {}
-        hooks = [lay.self_attn.q_proj.register_forward_hook(
-                    lambda _m, _i, o, i=i: qs.__setitem__(i, o[0, FIT_SKIP:p].detach().numpy()))
-                 for i, lay in enumerate(layers_mod) if hasattr(getattr(lay, "self_attn", None), "q_proj")]  # fmt: skip
+        hooks = [
+            lay.self_attn.q_proj.register_forward_hook(
+                lambda _m, _i, o, i=i: qs.__setitem__(i, o[0, FIT_SKIP:p].detach().numpy())
+            )
+            for i, lay in enumerate(layers_mod)
+            if hasattr(getattr(lay, "self_attn", None), "q_proj")
+        ]
         with self.torch.no_grad():
             out = self.model(input_ids=self.torch.from_numpy(ids[None, : p + CONT]), use_cache=True)
         for h in hooks:
@@ -94,7 +98,9 @@ class Scorer:
         q = None
         if len(qs) == k.shape[0]:
             d = k.shape[3]
-            q = np.stack([np.mean(np.square(qs[i].reshape(qs[i].shape[0], -1, d)), axis=0) for i in range(len(qs))])
+            q = np.stack(
+                [np.mean(np.square(qs[i].reshape(qs[i].shape[0], -1, d)), axis=0) for i in range(len(qs))]
+            )
         return Text(path.name, ids[:p], ids[p : p + CONT], k, v, logp, q)
 
     def out_proj(self, layer: int) -> np.ndarray | None:
@@ -109,13 +115,22 @@ class Scorer:
         from transformers import DynamicCache
 
         torch = self.torch
-        pairs = [(torch.from_numpy(np.ascontiguousarray(k[i].transpose(1, 0, 2)))[None],
-                  torch.from_numpy(np.ascontiguousarray(v[i].transpose(1, 0, 2)))[None]) for i in range(k.shape[0])]  # fmt: skip
+        pairs = [
+            (
+                torch.from_numpy(np.ascontiguousarray(k[i].transpose(1, 0, 2)))[None],
+                torch.from_numpy(np.ascontiguousarray(v[i].transpose(1, 0, 2)))[None],
+            )
+            for i in range(k.shape[0])
+        ]
         cache = DynamicCache(ddp_cache_data=pairs, config=self.model.config)
         n = k.shape[1]
         with torch.no_grad():
-            out = self.model(input_ids=torch.from_numpy(t.cont[None]), past_key_values=cache,
-                             position_ids=torch.arange(n, n + len(t.cont))[None], use_cache=True)  # fmt: skip
+            out = self.model(
+                input_ids=torch.from_numpy(t.cont[None]),
+                past_key_values=cache,
+                position_ids=torch.arange(n, n + len(t.cont))[None],
+                use_cache=True,
+            )
         logp = torch.log_softmax(out.logits[0].float(), -1)
         kl = (t.base_logp.exp() * (t.base_logp - logp)).sum(-1).clamp_min(0)
         top1 = (t.base_logp.argmax(-1) == logp.argmax(-1)).float().mean()
@@ -139,7 +154,9 @@ def fit_basis(texts: list[Text], rope: RopeSpec, groups: int) -> tuple[np.ndarra
     basis = np.zeros((n_l, 2, groups, c, c), np.float32)
     for layer in range(n_l):
         for kv in range(2):
-            x = np.concatenate([position_free(t, layer, kv, rope)[FIT_SKIP:] for t in texts]).astype(np.float64)
+            x = np.concatenate([position_free(t, layer, kv, rope)[FIT_SKIP:] for t in texts]).astype(
+                np.float64
+            )
             x = x.reshape(x.shape[0], groups, c)
             for g in range(groups):
                 mu = x[:, g].mean(0)
@@ -168,7 +185,9 @@ def step_shape(scorer: Scorer, texts: list[Text], basis: np.ndarray, rope: RopeS
         for h in range(n_kv):
             e = qe[h * per_kv : (h + 1) * per_kv].sum(0)
             half = d // 2
-            pair = (e[:half] + e[half:]) / 2 if rope.style == "neox" else np.repeat((e[0::2] + e[1::2]) / 2, 2)
+            pair = (
+                (e[:half] + e[half:]) / 2 if rope.style == "neox" else np.repeat((e[0::2] + e[1::2]) / 2, 2)
+            )
             w_k[h * d : (h + 1) * d] = np.concatenate([pair, pair]) if rope.style == "neox" else pair
             if wo is not None:
                 cols = [wo[:, qh * d : (qh + 1) * d] for qh in range(h * per_kv, (h + 1) * per_kv)]
@@ -194,8 +213,17 @@ def _uniform_freq(n_l: int, c: int) -> np.ndarray:
 
 
 class Calibrator:
-    def __init__(self, scorer: Scorer, texts: list[Text], key: bytes, rope: RopeSpec, mean, basis,
-                 shape: np.ndarray, sinks: int = SINKS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        scorer: Scorer,
+        texts: list[Text],
+        key: bytes,
+        rope: RopeSpec,
+        mean,
+        basis,
+        shape: np.ndarray,
+        sinks: int = SINKS,
+    ) -> None:
         self.scorer, self.texts, self.key, self.rope, self.sinks = scorer, texts, key, rope, sinks
         self.mean, self.basis, self.step_shape = mean, basis, shape
         n_l, _, groups, c = mean.shape
@@ -204,14 +232,20 @@ class Calibrator:
         self.evals = 0
 
     def provisional(self, steps: np.ndarray) -> calib_mod.Calibration:
-        return calib_mod.Calibration(self.key, self.rope, self.mean, self.basis, {PROBE: steps},
-                                     {PROBE: self._freq}, sinks=self.sinks)  # fmt: skip
+        return calib_mod.Calibration(
+            self.key, self.rope, self.mean, self.basis, {PROBE: steps}, {PROBE: self._freq}, sinks=self.sinks
+        )
 
     def _code(self, cal: calib_mod.Calibration, a: np.ndarray, layer: int, kv: int) -> np.ndarray:
         g_n = self.shape[2]
         hg = a.shape[2] // g_n
-        return np.concatenate([transform_ops.roundtrip(cal, PROBE, layer, kv, a[layer][:, g * hg : (g + 1) * hg],
-                                                   0, g) for g in range(g_n)], axis=1)  # fmt: skip
+        return np.concatenate(
+            [
+                transform_ops.roundtrip(cal, PROBE, layer, kv, a[layer][:, g * hg : (g + 1) * hg], 0, g)
+                for g in range(g_n)
+            ],
+            axis=1,
+        )
 
     def score(self, steps: np.ndarray, only: tuple[int, int] | None = None) -> tuple[float, float]:
         """Mean (KL, top-1) over the texts with KV coded at ``steps`` (only one (layer, kv) if given)."""
@@ -299,11 +333,19 @@ def fingerprint_for(model_path: Path, cfg: dict) -> ModelFingerprint:
     n_kv = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     lay = KVLayout(cfg["num_hidden_layers"], n_kv, d, "float32")
-    return ModelFingerprint((cfg.get("architectures") or ["unknown"])[0], lay, model_identity(model_path, cfg))
+    return ModelFingerprint(
+        (cfg.get("architectures") or ["unknown"])[0], lay, model_identity(model_path, cfg)
+    )
 
 
-def calibrate(model_path: Path, text_paths: list[Path], levels: tuple[str, ...] = calib_mod.LEVELS,
-              out_dir: Path | None = None, group_heads: int | None = None, log=print) -> calib_mod.Calibration:  # fmt: skip
+def calibrate(
+    model_path: Path,
+    text_paths: list[Path],
+    levels: tuple[str, ...] = calib_mod.LEVELS,
+    out_dir: Path | None = None,
+    group_heads: int | None = None,
+    log=print,
+) -> calib_mod.Calibration:
     """Fit and save a calibration; ``group_heads``: KV heads per transform (default all of them)."""
     cfg = json.loads((model_path / "config.json").read_text())
     rope = RopeSpec.from_hf_config(cfg)
@@ -317,21 +359,36 @@ def calibrate(model_path: Path, text_paths: list[Path], levels: tuple[str, ...] 
     texts = [scorer.text(p) for p in text_paths]
     log(f"texts: {', '.join(f'{t.name} ({len(t.prefix)}+{len(t.cont)} tokens)' for t in texts)}")
     mean, basis = fit_basis(texts, rope, heads // group_heads)
-    cal = Calibrator(scorer, texts, calib_mod.model_key(fp), rope, mean, basis, step_shape(scorer, texts, basis, rope))
+    cal = Calibrator(
+        scorer, texts, calib_mod.model_key(fp), rope, mean, basis, step_shape(scorer, texts, basis, rope)
+    )
     sens = cal.sensitivity()
     log(f"sensitivity measured ({cal.evals} evaluations, {time.monotonic() - t0:.0f} s)")
     steps, freq, rows = {}, {}, []
     for lv in levels:
         s, row = cal.level_steps(sens, float(lv))
         steps[lv], freq[lv] = s, cal.tables(s)
-        rows.append({"level": lv, **row, "mean_step_k": float(s[:, 0].mean()), "mean_step_v": float(s[:, 1].mean())})
-        log(f"level {lv}: KL {row['kl']:.5f} top-1 {row['top1']:.3f} on the calibration texts "
-            f"(mean step K {rows[-1]['mean_step_k']:.3f} V {rows[-1]['mean_step_v']:.3f})")  # fmt: skip
-    report = {"texts": [t.name for t in texts], "prefix": PREFIX, "cont": CONT, "margin": MARGIN, "group_heads": group_heads,
-              "ref_step": REF_STEP, "levels": rows, "sensitivity": sens.tolist(),
-              "seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
-    result = calib_mod.Calibration(cal.key, rope, mean, basis, steps, freq, json.dumps(report, sort_keys=True),
-                                   sinks=cal.sinks)  # fmt: skip
+        rows.append(
+            {"level": lv, **row, "mean_step_k": float(s[:, 0].mean()), "mean_step_v": float(s[:, 1].mean())}
+        )
+        log(
+            f"level {lv}: KL {row['kl']:.5f} top-1 {row['top1']:.3f} on the calibration texts "
+            f"(mean step K {rows[-1]['mean_step_k']:.3f} V {rows[-1]['mean_step_v']:.3f})"
+        )
+    report = {
+        "texts": [t.name for t in texts],
+        "prefix": PREFIX,
+        "cont": CONT,
+        "margin": MARGIN,
+        "group_heads": group_heads,
+        "ref_step": REF_STEP,
+        "levels": rows,
+        "sensitivity": sens.tolist(),
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+    result = calib_mod.Calibration(
+        cal.key, rope, mean, basis, steps, freq, json.dumps(report, sort_keys=True), sinks=cal.sinks
+    )
     path = result.save(out_dir)
     calib_mod.register(result)
     log(f"wrote {path} ({cal.evals} model evaluations, {time.monotonic() - t0:.0f} s)")
@@ -341,16 +398,30 @@ def calibrate(model_path: Path, text_paths: list[Path], levels: tuple[str, ...] 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", type=Path, required=True, help="local HF model directory")
-    ap.add_argument("--text", type=Path, action="append", default=None,
-                    help=f"calibration text file (repeatable; default: {', '.join(map(str, DEFAULT_TEXTS))})")
+    ap.add_argument(
+        "--text",
+        type=Path,
+        action="append",
+        default=None,
+        help=f"calibration text file (repeatable; default: {', '.join(map(str, DEFAULT_TEXTS))})",
+    )
     ap.add_argument("--levels", default=",".join(calib_mod.LEVELS), help="quality levels (KL targets) to fit")
-    ap.add_argument("--tp", type=int, default=1, help="TP size the servers run with (each rank's heads: one group)")
-    ap.add_argument("--group-heads", type=int, default=None,
-                    help="KV heads per transform (default: all of one rank's); 1 = a third of the decode work "
-                         "on a 3-head model, at some ratio")  # fmt: skip
+    ap.add_argument(
+        "--tp", type=int, default=1, help="TP size the servers run with (each rank's heads: one group)"
+    )
+    ap.add_argument(
+        "--group-heads",
+        type=int,
+        default=None,
+        help="KV heads per transform (default: all of one rank's); 1 = a third of the decode work "
+        "on a 3-head model, at some ratio",
+    )
     ap.add_argument("--out", type=Path, default=None, help=f"directory (default {calib_mod.default_dir()})")
-    ap.add_argument("--if-missing", action="store_true",
-                    help="do nothing when a calibration of this model, TP size and every level exists")  # fmt: skip
+    ap.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="do nothing when a calibration of this model, TP size and every level exists",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -361,7 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model_path.is_dir() or not (args.model_path / "config.json").is_file():
         ap.error(f"{args.model_path} is not a model directory with a config.json")
     if not texts or missing:
-        ap.error(f"no calibration text (missing: {', '.join(map(str, missing)) or 'all defaults'}); pass --text FILE")
+        ap.error(
+            f"no calibration text (missing: {', '.join(map(str, missing)) or 'all defaults'}); pass --text FILE"
+        )
     if bad or not levels:
         ap.error(f"levels must be among {','.join(calib_mod.LEVELS)}")
     cfg = json.loads((args.model_path / "config.json").read_text())
@@ -372,10 +445,17 @@ def main(argv: list[str] | None = None) -> int:
     group_heads = args.group_heads or heads // args.tp
     if args.if_missing:
         calib_mod.load_dir(args.out) if args.out else calib_mod.load_dir()
-        have = [c for c in calib_mod.registered() if c.model_key == calib_mod.model_key(fp)
-                and c.group_dim == group_heads * fp.layout.head_dim and set(levels) <= set(c.levels)]  # fmt: skip
+        have = [
+            c
+            for c in calib_mod.registered()
+            if c.model_key == calib_mod.model_key(fp)
+            and c.group_dim == group_heads * fp.layout.head_dim
+            and set(levels) <= set(c.levels)
+        ]
         if have:
-            print(f"calibration {have[-1].calib_id.hex()} exists for this model ({group_heads} heads per group)")
+            print(
+                f"calibration {have[-1].calib_id.hex()} exists for this model ({group_heads} heads per group)"
+            )
             return 0
     try:
         calibrate(args.model_path, texts, levels, args.out, group_heads)

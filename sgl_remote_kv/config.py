@@ -67,10 +67,14 @@ class RemoteKVConfig:
         if self.flush not in FLUSH_SCOPES:
             raise ValueError(f"--remote-kv-flush must be one of {FLUSH_SCOPES}, got {self.flush!r}")
         if self.dpu_endpoint and not self.dpu_endpoint.startswith(("ipc://", "tcp://")):
-            raise ValueError(f"--remote-kv-dpu-endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.dpu_endpoint!r}")
+            raise ValueError(
+                f"--remote-kv-dpu-endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.dpu_endpoint!r}"
+            )
         if self.dpu_endpoint.startswith("tcp://") and not self.auth_key_file:
-            raise ValueError("--remote-kv-dpu-endpoint tcp://... needs --remote-kv-auth-key-file (the endpoint's "
-                             "CURVE keys are derived from that secret)")  # fmt: skip
+            raise ValueError(
+                "--remote-kv-dpu-endpoint tcp://... needs --remote-kv-auth-key-file (the endpoint's "
+                "CURVE keys are derived from that secret)"
+            )
         if self.dpu_output not in DPU_OUTPUTS:
             raise ValueError(f"--remote-kv-dpu-output must be one of {DPU_OUTPUTS}, got {self.dpu_output!r}")
         if not 1 <= self.nvdec_instances <= 64:

@@ -26,9 +26,14 @@ from sgl_remote_kv import env
 logger = logging.getLogger(__name__)
 
 CPU_ARGS = (
-    "--device", "cpu", "--sleep-on-idle",
-    "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
-)  # fmt: skip
+    "--device",
+    "cpu",
+    "--sleep-on-idle",
+    "--cuda-graph-backend-decode",
+    "disabled",
+    "--cuda-graph-backend-prefill",
+    "disabled",
+)
 
 
 START_ATTEMPTS = 3
@@ -69,7 +74,9 @@ class SGLangServer:
     def _use_port(self, port: int) -> None:
         self.port = port
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(self.spec.log_path) if self.spec.log_path else Path(f"/tmp/srkv-server-{self.port}.log")
+        self.log_path = (
+            Path(self.spec.log_path) if self.spec.log_path else Path(f"/tmp/srkv-server-{self.port}.log")
+        )
 
     def command(self) -> list[str]:
         cmd = [

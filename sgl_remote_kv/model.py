@@ -106,7 +106,9 @@ def model_identity(model_path: str | Path, hf_config=None) -> str:
     from sgl_remote_kv.types import RopeSpec
 
     p = Path(model_path)
-    base = weights_identity(p) if p.is_dir() else hashlib.sha256(f"model-name:{model_path}".encode()).hexdigest()
+    base = (
+        weights_identity(p) if p.is_dir() else hashlib.sha256(f"model-name:{model_path}".encode()).hexdigest()
+    )
     if hf_config is None:
         cfg_file = p / "config.json"
         hf_config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}

@@ -57,9 +57,13 @@ def check_store_url(url: str) -> str:
         return url  # a plain filesystem path
     scheme = inner.split("://", 1)[0].lower()
     if scheme not in base._REGISTRY or scheme in ("auth", "faulty"):
-        known = ", ".join(f"{s}://" for s in ("file", "redis", "rediss", "redis+cluster", "rediss+cluster",
-                                                "dpu+ipc", "dpu+tcp"))  # fmt: skip
-        raise ValueError(f"store URL {redact_url(url)!r}: unknown scheme {scheme!r} (known: {known}, or a plain path)")
+        known = ", ".join(
+            f"{s}://"
+            for s in ("file", "redis", "rediss", "redis+cluster", "rediss+cluster", "dpu+ipc", "dpu+tcp")
+        )
+        raise ValueError(
+            f"store URL {redact_url(url)!r}: unknown scheme {scheme!r} (known: {known}, or a plain path)"
+        )
     try:
         parts = urlsplit(inner)
     except ValueError as e:
@@ -72,7 +76,9 @@ def check_store_url(url: str) -> str:
         return url
     if scheme == "dpu+ipc":  # a data-plane service's store proxy on this host (a socket file)
         if parts.netloc or not parts.path.startswith("/"):
-            raise ValueError(f"store URL {redact_url(url)!r}: dpu+ipc URLs need an absolute path (dpu+ipc:///path)")
+            raise ValueError(
+                f"store URL {redact_url(url)!r}: dpu+ipc URLs need an absolute path (dpu+ipc:///path)"
+            )
         return url
     if not parts.netloc:
         raise ValueError(f"store URL {redact_url(url)!r}: missing host")

@@ -233,7 +233,9 @@ class KVFidelity(str, Enum):
             return cls(value)
         except ValueError:
             allowed = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"custom_params[{REQUEST_PARAM!r}] must be one of {allowed}, got {value!r}") from None
+            raise ValueError(
+                f"custom_params[{REQUEST_PARAM!r}] must be one of {allowed}, got {value!r}"
+            ) from None
 
 
 REQUEST_PARAM = "remote_kv"  # the custom_params key of KVFidelity

@@ -155,21 +155,39 @@ def req(rid: str, tokens: int, base: int = 0):
     return types.SimpleNamespace(rid=rid, ids=list(range(base, base + tokens)))
 
 
-def make_queue(capacity: int = 4096, fraction: float = 0.5, slot_wait_s: float = 5.0, layerwise=None,
-               agreement: Agreement | None = None, margin: float | None = None, fp: ModelFingerprint = FP,
-               tail: int = 0):  # fmt: skip
+def make_queue(
+    capacity: int = 4096,
+    fraction: float = 0.5,
+    slot_wait_s: float = 5.0,
+    layerwise=None,
+    agreement: Agreement | None = None,
+    margin: float | None = None,
+    fp: ModelFingerprint = FP,
+    tail: int = 0,
+):
     """A queue over fresh doubles (``tail``: tail sub-chunk tokens, 0 = off); returns a namespace
     (q, tree, host, be, stored(req, chunks[, codec][, subs]), c)."""
     tree, host, be, store = Tree(capacity), Host(), Backend(), Store()
     keys = KeySpace(fp, CODEC, C)
     pcfg = PolicyConfig(mode="dpu") if margin is None else PolicyConfig(mode="dpu", margin=margin)
     c = Collaborators(
-        tree=tree, host=host, paths={PathName.DPU: FetchPath(PathName.DPU, be, CODEC)},
-        policy=Policy(pcfg, available=("dpu",)), metrics=RemoteKVMetrics(), lookup=store.lookup,
-        delete=lambda ks: None, keys=keys.keys_for, tail_keys=keys.tail_keys, agreement=agreement or Agreement(),
-        bytes_per_token=fp.layout.bytes_per_token(), wakeup=threading.Event(), layerwise=layerwise,
-    )  # fmt: skip
-    settings = AdmissionSettings(chunk_size=C, tail_granule=tail, slot_wait_s=slot_wait_s, max_pool_fraction=fraction)
+        tree=tree,
+        host=host,
+        paths={PathName.DPU: FetchPath(PathName.DPU, be, CODEC)},
+        policy=Policy(pcfg, available=("dpu",)),
+        metrics=RemoteKVMetrics(),
+        lookup=store.lookup,
+        delete=lambda ks: None,
+        keys=keys.keys_for,
+        tail_keys=keys.tail_keys,
+        agreement=agreement or Agreement(),
+        bytes_per_token=fp.layout.bytes_per_token(),
+        wakeup=threading.Event(),
+        layerwise=layerwise,
+    )
+    settings = AdmissionSettings(
+        chunk_size=C, tail_granule=tail, slot_wait_s=slot_wait_s, max_pool_fraction=fraction
+    )
     q = WaitingForKV(c, settings)
 
     def stored(r, chunks: int, codec=None, subs: int = 0) -> None:

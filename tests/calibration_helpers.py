@@ -10,8 +10,16 @@ from sgl_remote_kv.codec import rans, transform_ops
 from sgl_remote_kv.types import ModelFingerprint, RopeSpec
 
 
-def make_calibration(fp: ModelFingerprint, levels=("0.0005", "0.001", "0.01"), step=0.05, seed=0, rope=None, groups=1,
-                     sinks=1, register=True) -> cm.Calibration:  # fmt: skip
+def make_calibration(
+    fp: ModelFingerprint,
+    levels=("0.0005", "0.001", "0.01"),
+    step=0.05,
+    seed=0,
+    rope=None,
+    groups=1,
+    sinks=1,
+    register=True,
+) -> cm.Calibration:
     """A calibration of ``fp``'s model (all its KV heads: ``num_kv_heads * tp_size``) in ``groups`` head
     groups; level i gets step ``step * (i + 1)`` on every component."""
     lay = fp.layout
@@ -21,7 +29,9 @@ def make_calibration(fp: ModelFingerprint, levels=("0.0005", "0.001", "0.01"), s
     rng = np.random.default_rng(seed)
     basis = np.linalg.qr(rng.standard_normal((lay.num_layers, 2, groups, c, c)))[0].astype(np.float32)
     mean = rng.standard_normal((lay.num_layers, 2, groups, c)).astype(np.float32) * 0.1
-    steps = {lv: np.full((lay.num_layers, 2, groups, c), step * (1 + i), np.float32) for i, lv in enumerate(levels)}
+    steps = {
+        lv: np.full((lay.num_layers, 2, groups, c), step * (1 + i), np.float32) for i, lv in enumerate(levels)
+    }
     flat = np.zeros((lay.num_layers * 2 * groups * c, cm.SYMBOLS))
     flat[:, 100:157] = 10.0  # a window around symbol 128 (q = 0); the rest is escaped under rANS
     flat[:, transform_ops.ESC] = 1.0

@@ -53,5 +53,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         import sglang
 
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        meta = {"sglang": sglang.__version__, "machine": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M")}
+        meta = {
+            "sglang": sglang.__version__,
+            "machine": platform.node(),
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+        }
         Path(path).write_text(json.dumps({"meta": meta, "tests": _CONFORMANCE}, indent=1) + "\n")

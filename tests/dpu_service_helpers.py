@@ -32,7 +32,9 @@ def rank_fp(rank: int, size: int = 2) -> ModelFingerprint:
 def random_kv(n: int, seed: int):
     rng = np.random.default_rng(seed)
     shape = (LAYOUT32.num_layers, CHUNK, LAYOUT32.num_kv_heads, LAYOUT32.head_dim)
-    return [(rng.standard_normal(shape, np.float32), rng.standard_normal(shape, np.float32)) for _ in range(n)]
+    return [
+        (rng.standard_normal(shape, np.float32), rng.standard_normal(shape, np.float32)) for _ in range(n)
+    ]
 
 
 class Service:
@@ -43,7 +45,15 @@ class Service:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Service:
-        cmd = [sys.executable, "-m", "sgl_remote_kv.dpu", "--endpoint", self.endpoint, "--store", self.store_url]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sgl_remote_kv.dpu",
+            "--endpoint",
+            self.endpoint,
+            "--store",
+            self.store_url,
+        ]
         cmd += ["--fetch-workers", "1", "--layer-group", "2", "--log-level", "INFO", *self.flags]
         started = self.log.read_bytes().count(b"serving on") if self.log.exists() else 0
         with open(self.log, "ab") as log:
@@ -78,7 +88,9 @@ def service_env(tmp_path: Path):
         kw.setdefault("heartbeat_s", 0.2)
         kw.setdefault("heartbeat_timeout_s", 1.5)
         kw.setdefault("start_timeout_s", 30.0)
-        cfg = DpuClientConfig(url, dest_slots=2, dest_slot_bytes=dest_chunks * CB, endpoint=svc.endpoint, **kw)
+        cfg = DpuClientConfig(
+            url, dest_slots=2, dest_slot_bytes=dest_chunks * CB, endpoint=svc.endpoint, **kw
+        )
         c = DpuClient(cfg, fp, codecs()["lossless"])
         clients.append(c)
         c.start()
@@ -146,9 +158,12 @@ def ask(s, msg, want=P.Registered, timeout: float = 20.0):
 def register_msg(fp: ModelFingerprint, regions: list[str], digest: bytes | None = None) -> P.Register:
     lay = fp.layout
     wire = P.Fingerprint(
-        fp.architecture, P.Layout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype),
-        fp.weights_id, fp.tp_rank, fp.tp_size, digest or fp.digest(),
-    )  # fmt: skip
+        fp.architecture,
+        P.Layout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype),
+        fp.weights_id,
+        fp.tp_rank,
+        fp.tp_size,
+        digest or fp.digest(),
+    )
     codec = codecs()["lossless"]
     return P.Register(os.urandom(16), "raw", wire, codec.name, codec.params_bytes(), regions)
-

@@ -66,5 +66,3 @@ def _assert_same(a: list[np.ndarray], b: list[np.ndarray]) -> None:
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         assert x.shape == y.shape and x.dtype == y.dtype == np.uint8, i
         assert np.array_equal(x, y), f"frame {i}: {int((x != y).sum())} samples differ"
-
-

@@ -41,12 +41,42 @@ class UnorderedWrite(RuntimeError):
     """A pool plane was written outside the device stream (no completion event covers it)."""
 
 
-_WRITES = {"__setitem__", "index_put_", "index_put", "index_copy_", "index_copy", "scatter_",
-           "masked_scatter_", "copy_", "fill_", "zero_", "index_fill_", "put_", "add_", "mul_"}  # fmt: skip
+_WRITES = {
+    "__setitem__",
+    "index_put_",
+    "index_put",
+    "index_copy_",
+    "index_copy",
+    "scatter_",
+    "masked_scatter_",
+    "copy_",
+    "fill_",
+    "zero_",
+    "index_fill_",
+    "put_",
+    "add_",
+    "mul_",
+}
 _TRANSFERS = {"copy_", "to", "cpu"}
-_META = {"__get__", "size", "dim", "numel", "stride", "is_contiguous", "data_ptr", "element_size",
-         "untyped_storage", "__len__", "storage_offset", "view", "reshape", "as_subclass",
-         "__repr__", "__format__", "__hash__"}  # fmt: skip  (metadata: not reads of the data)
+_META = {
+    "__get__",
+    "size",
+    "dim",
+    "numel",
+    "stride",
+    "is_contiguous",
+    "data_ptr",
+    "element_size",
+    "untyped_storage",
+    "__len__",
+    "storage_offset",
+    "view",
+    "reshape",
+    "as_subclass",
+    "__repr__",
+    "__format__",
+    "__hash__",
+}  # (metadata: not reads of the data)
 
 
 def _tensors(obj):
@@ -193,10 +223,25 @@ class StrictDevice:
     def constant(self, array: np.ndarray) -> DeviceTensor:
         return self.tensor(torch.from_numpy(np.array(array)))  # a writable copy
 
-    def inverse_transform(self, sym, esc, scales, cos, sin, consts, head_dim: int, style: int, sinks, out) -> None:
+    def inverse_transform(
+        self, sym, esc, scales, cos, sin, consts, head_dim: int, style: int, sinks, out
+    ) -> None:
         from sgl_remote_kv.kernels.transform import inverse_reference, resolve_escapes
 
-        for t in (sym, esc, scales, cos, sin, sinks, out, consts.steps, consts.bt, consts.btr, consts.mean, consts.meanr):
+        for t in (
+            sym,
+            esc,
+            scales,
+            cos,
+            sin,
+            sinks,
+            out,
+            consts.steps,
+            consts.bt,
+            consts.btr,
+            consts.mean,
+            consts.meanr,
+        ):
             if not isinstance(t, DeviceTensor):
                 raise RuntimeError("inverse_transform operands must all be on the device (strict device)")
 
@@ -266,8 +311,11 @@ class StrictDevice:
             target = args[0] if args else None
             vals = list(_tensors((args[1:], kwargs)))
             value = vals[-1] if vals else None
-            if name not in _TRANSFERS and value is not None and value.dim() > 0 and not (
-                isinstance(value, DeviceTensor)
+            if (
+                name not in _TRANSFERS
+                and value is not None
+                and value.dim() > 0
+                and not (isinstance(value, DeviceTensor))
             ):
                 raise RuntimeError(
                     f"{name}: Expected all tensors to be on the same device, but found at least two "

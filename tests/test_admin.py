@@ -44,8 +44,10 @@ N = 15  # values that ``fill`` stores
 
 def _blob(codec: str, fp: ModelFingerprint, seed: int) -> bytes:
     rng = np.random.default_rng(seed)
-    k, v = (rng.standard_normal((LAYOUT.num_layers, T, LAYOUT.num_kv_heads, LAYOUT.head_dim), dtype=np.float32)
-            for _ in range(2))  # fmt: skip
+    k, v = (
+        rng.standard_normal((LAYOUT.num_layers, T, LAYOUT.num_kv_heads, LAYOUT.head_dim), dtype=np.float32)
+        for _ in range(2)
+    )
     return get_codec(codec).encode(k, v, fp)
 
 
@@ -119,8 +121,13 @@ def test_every_value_is_classified(file_store):
     assert {e[k].kind for k in kinds["good"]} == {ValueKind.CHUNK, ValueKind.V1_CHUNK}
     assert e[_key(7)].kind is ValueKind.GENERATION and e[_key(14)].kind is ValueKind.GENERATION
     assert [e[_key(i)].kind for i in (8, 9, 10, 11, 12, 13)] == [
-        ValueKind.CORRUPT_FRAME, ValueKind.CORRUPT_FRAME, ValueKind.FOREIGN, ValueKind.BAD_LAYER_CRC,
-        ValueKind.BAD_HEADER, ValueKind.CORRUPT_FRAME]  # fmt: skip
+        ValueKind.CORRUPT_FRAME,
+        ValueKind.CORRUPT_FRAME,
+        ValueKind.FOREIGN,
+        ValueKind.BAD_LAYER_CRC,
+        ValueKind.BAD_HEADER,
+        ValueKind.CORRUPT_FRAME,
+    ]
     assert e[_key(3)].tenant == tenant_tag(tenant_salt("t1", None)).hex() and e[_key(0)].tenant == "shared"
     v1 = e[_key(6)]  # a version-1 frame carries no time and no tenant tag
     assert v1.kind is ValueKind.V1_CHUNK and v1.written_at is None and v1.tenant == "untagged"
@@ -131,8 +138,14 @@ def test_stats_counts_exactly(file_store):
     report = cli.stats(list(_entries(url, deep=False).values()), NOW)
     # stats reads headers only: the value with a bad layer CRC counts as a chunk here (verify finds it)
     assert report["values"] == N
-    assert report["by_kind"] == {"chunk": 7, "v1_chunk": 1, "generation": 2, "corrupt_frame": 3, "foreign": 1,
-                                 "bad_header": 1}  # fmt: skip
+    assert report["by_kind"] == {
+        "chunk": 7,
+        "v1_chunk": 1,
+        "generation": 2,
+        "corrupt_frame": 3,
+        "foreign": 1,
+        "bad_header": 1,
+    }
     groups = {(g["fingerprint"], g["codec"], g["tenant"]): g for g in report["groups"]}
     a = FP_A.digest().hex()[:16]
     shared_a = groups[(a, "lossless", "shared")]
@@ -215,7 +228,9 @@ def test_redis_store_and_the_console_script(redis_server):
     kinds = fill(s)
     s.close()
     script = Path(sys.executable).with_name("sgl-remote-kv-admin")
-    out = subprocess.run([str(script), "stats", "--store", url, "--json"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [str(script), "stats", "--store", url, "--json"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["values"] == N

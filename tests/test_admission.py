@@ -47,7 +47,9 @@ def test_remote_hit_is_reserved_fetched_installed_and_released(world):
     _park(w, r)
     w.q.poll()  # lookup hit -> RESERVE -> slots reserved -> FETCH in the same pass
     p = w.q.parked["a"]
-    assert p.phase is Phase.FETCH and len(p.kv_slots) == 5 * C and w.tree.cap - len(w.tree.free_slots) == 5 * C
+    assert (
+        p.phase is Phase.FETCH and len(p.kv_slots) == 5 * C and w.tree.cap - len(w.tree.free_slots) == 5 * C
+    )
     assert w.q.held_slots() == 5 * C
     w.be.finish("a")
     w.q.poll()

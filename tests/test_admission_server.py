@@ -58,7 +58,10 @@ def test_burst_larger_than_the_pool_finishes_exact_with_bounded_slot_waits(model
     assert hit_chunks >= 2 * CHUNKS, m  # prefixes came from the store despite the small pool
     waits = m.get("sglang:remote_kv_slot_waits_total", 0)
     assert waits >= 1, m  # the burst really had to wait for KV slots
-    under_10s = sum(v for k, v in m.items() if k.startswith("sglang:remote_kv_slot_wait_seconds_bucket")
-                    and 'le="10.0"' in k)  # fmt: skip
+    under_10s = sum(
+        v
+        for k, v in m.items()
+        if k.startswith("sglang:remote_kv_slot_wait_seconds_bucket") and 'le="10.0"' in k
+    )
     assert under_10s == waits, m
     assert "leak" not in log.lower() and "Traceback" not in log

@@ -60,23 +60,34 @@ def test_real_calibration_holds_on_a_held_out_text(model_dir):
     scorer = calibrate.Scorer(Path(model_dir))
     text = scorer.text(HELD_OUT)
     lay = fp.layout
-    bfp = ModelFingerprint(fp.architecture, KVLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, "bfloat16"),
-                           fp.weights_id)  # fmt: skip
+    bfp = ModelFingerprint(
+        fp.architecture, KVLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, "bfloat16"), fp.weights_id
+    )
     k16, v16 = _bf16(text.k), _bf16(text.v)
     sizes, decoded = {}, {}
-    codecs = {"transform": get_codec("transform", calibration=cal.calib_id.hex(), quality=cm.DEFAULT_LEVEL,
-                                     entropy="deflate"), "quant_deflate": default_codec()}  # fmt: skip
+    codecs = {
+        "transform": get_codec(
+            "transform", calibration=cal.calib_id.hex(), quality=cm.DEFAULT_LEVEL, entropy="deflate"
+        ),
+        "quant_deflate": default_codec(),
+    }
     for name, codec in codecs.items():
         ks, vs, n = [], [], 0
         for s in range(0, k16.shape[1], 256):
-            blob = codec.encode(np.ascontiguousarray(k16[:, s : s + 256]), np.ascontiguousarray(v16[:, s : s + 256]),
-                                bfp, start=s)  # fmt: skip
+            blob = codec.encode(
+                np.ascontiguousarray(k16[:, s : s + 256]),
+                np.ascontiguousarray(v16[:, s : s + 256]),
+                bfp,
+                start=s,
+            )
             n += len(blob)
             k, v = codec.decode(blob, bfp)
             ks.append(k)
             vs.append(v)
         sizes[name] = n
-        decoded[name] = [(np.concatenate(x, axis=1).astype(np.uint32) << 16).view(np.float32) for x in (ks, vs)]
+        decoded[name] = [
+            (np.concatenate(x, axis=1).astype(np.uint32) << 16).view(np.float32) for x in (ks, vs)
+        ]
     kl, top1 = scorer.kl(text, *decoded["transform"])
     assert kl <= 0.001 and top1 >= 0.95, (kl, top1)
     assert sizes["transform"] < sizes["quant_deflate"] * 0.9, sizes
@@ -86,11 +97,29 @@ def test_real_calibration_holds_on_a_held_out_text(model_dir):
 def test_the_command_fits_a_calibration_end_to_end(model_dir, tmp_path):
     """~3 min: one text, one level, into a directory of its own; the result loads and codes."""
     text = calibrate.DEFAULT_TEXTS[0]
-    assert calibrate.main(["--model-path", model_dir, "--text", str(text), "--levels", "0.01",
-                           "--out", str(tmp_path)]) == 0  # fmt: skip
+    assert (
+        calibrate.main(
+            ["--model-path", model_dir, "--text", str(text), "--levels", "0.01", "--out", str(tmp_path)]
+        )
+        == 0
+    )
     (path,) = tmp_path.glob("*.npz")
     cal = cm.Calibration.load(path)
     assert cal.levels == ("0.01",) and cal.model_key == cm.model_key(_fp(model_dir)[0])
-    assert calibrate.main(["--model-path", model_dir, "--text", str(text), "--levels", "0.01",
-                           "--out", str(tmp_path), "--if-missing"]) == 0  # fmt: skip
+    assert (
+        calibrate.main(
+            [
+                "--model-path",
+                model_dir,
+                "--text",
+                str(text),
+                "--levels",
+                "0.01",
+                "--out",
+                str(tmp_path),
+                "--if-missing",
+            ]
+        )
+        == 0
+    )
     assert len(list(tmp_path.glob("*.npz"))) == 1

@@ -29,8 +29,9 @@ def _rotate(x, start, sign, rope=ROPE):
     return x
 
 
-def make_calibration(levels=("0.0005", "0.001", "0.01"), step=0.05, seed=0, key_fp=None, rope=ROPE, groups=1,
-                     sinks=1) -> cm.Calibration:  # fmt: skip
+def make_calibration(
+    levels=("0.0005", "0.001", "0.01"), step=0.05, seed=0, key_fp=None, rope=ROPE, groups=1, sinks=1
+) -> cm.Calibration:
     return calibration_helpers.make_calibration(key_fp or fp(), levels, step, seed, rope, groups, sinks)
 
 
@@ -176,9 +177,13 @@ def test_token_scales_are_log_coded_and_fall_back_to_floats_when_their_range_doe
     fmt, raw, back = ops.code_scales([rms, rms * 3])
     assert fmt == ops.SCALE_LOG8 and len(raw) == ops.scale_bytes(fmt, 300) == 8 + 600
     for want, got in zip((rms, rms * 3), back, strict=True):
-        assert got[0] == 0 and np.all(np.abs(got[1:] / want[1:] - 1) <= 2 ** (0.5 / ops.LOG8_STEPS) - 1 + 1e-6)
+        assert got[0] == 0 and np.all(
+            np.abs(got[1:] / want[1:] - 1) <= 2 ** (0.5 / ops.LOG8_STEPS) - 1 + 1e-6
+        )
     buf = np.frombuffer(raw, np.uint8)
-    np.testing.assert_array_equal(ops.read_scales(buf, 0, fmt, 300), np.stack(back))  # what decoders read back
+    np.testing.assert_array_equal(
+        ops.read_scales(buf, 0, fmt, 300), np.stack(back)
+    )  # what decoders read back
     wide = rms.copy()
     wide[5] = wide[1:].min() * 2.0**9  # 9 octaves > 254 codes
     fmt, raw, back = ops.code_scales([rms, wide])
@@ -300,15 +305,21 @@ def test_calibration_rejects_malformed_tables():
     with pytest.raises(cm.CalibrationError, match="positive"):
         cm.Calibration(c.model_key, ROPE, c.mean, c.basis, {"0.001": -c.steps["0.001"]}, c.freq)
     with pytest.raises(cm.CalibrationError, match="unknown levels"):
-        cm.Calibration(c.model_key, ROPE, c.mean, c.basis, {"0.3": c.steps["0.001"]}, {"0.3": c.freq["0.001"]})
+        cm.Calibration(
+            c.model_key, ROPE, c.mean, c.basis, {"0.3": c.steps["0.001"]}, {"0.3": c.freq["0.001"]}
+        )
     with pytest.raises(cm.CalibrationError, match="rotary dim"):
         cm.Calibration(c.model_key, RopeSpec(1e4, 24), c.mean, c.basis, c.steps, c.freq)
 
 
 def test_rope_spec_from_hf_configs():
-    assert RopeSpec.from_hf_config({"rope_parameters": {"rope_theta": 1e5, "rope_type": "default"},
-                                    "head_dim": 64}) == RopeSpec(1e5, 64)  # fmt: skip
-    assert RopeSpec.from_hf_config({"rope_theta": 5e5, "hidden_size": 512, "num_attention_heads": 8}).rotary_dim == 64
+    assert RopeSpec.from_hf_config(
+        {"rope_parameters": {"rope_theta": 1e5, "rope_type": "default"}, "head_dim": 64}
+    ) == RopeSpec(1e5, 64)
+    assert (
+        RopeSpec.from_hf_config({"rope_theta": 5e5, "hidden_size": 512, "num_attention_heads": 8}).rotary_dim
+        == 64
+    )
     with pytest.raises(ValueError, match="head size"):
         RopeSpec.from_hf_config({"rope_theta": 1e4})
     with pytest.raises(ValueError, match="llama3"):

@@ -74,7 +74,9 @@ def test_dpu_output_flag():
 
 def test_flush_scope_flag():
     assert RemoteKVConfig.from_namespace(_parser().parse_args(["--remote-kv", "dpu"])).flush == "local"
-    ns = _parser().parse_args(["--remote-kv", "dpu", "--remote-kv-flush", "tier", "--remote-kv-store", "file:///x"])
+    ns = _parser().parse_args(
+        ["--remote-kv", "dpu", "--remote-kv-flush", "tier", "--remote-kv-store", "file:///x"]
+    )
     assert RemoteKVConfig.from_namespace(ns).flush == "tier"
     with pytest.raises(ValueError, match="--remote-kv"):
         RemoteKVConfig.from_json(json.dumps({"mode": "nope"}))

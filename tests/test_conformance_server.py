@@ -66,52 +66,92 @@ def _kl_inputs() -> list[list[int]]:
 
 
 KITS = (
-    Kit("api_contract", BasicAPIContractMixin, (
-        "test_health", "test_health_generate", "test_get_server_info", "test_get_model_info",
-        "test_openai_chat_completion", "test_openai_completion",
-    )),
-    Kit("prefix_cache_branching", PrefixCacheBranchingMixin, ("test_prefix_cache_branching",),
-        {"cache_chunk_size": CHUNK}),
-    Kit("l3_prefetch_after_flush", AccuracyTwoPassMixin, ("test_l3_prefetch_full_prefix_hit_after_flush",),
-        {"l3_prefetch_page_size": CHUNK, "l3_prefetch_prompt_pages": 16}),
+    Kit(
+        "api_contract",
+        BasicAPIContractMixin,
+        (
+            "test_health",
+            "test_health_generate",
+            "test_get_server_info",
+            "test_get_model_info",
+            "test_openai_chat_completion",
+            "test_openai_completion",
+        ),
+    ),
+    Kit(
+        "prefix_cache_branching",
+        PrefixCacheBranchingMixin,
+        ("test_prefix_cache_branching",),
+        {"cache_chunk_size": CHUNK},
+    ),
+    Kit(
+        "l3_prefetch_after_flush",
+        AccuracyTwoPassMixin,
+        ("test_l3_prefetch_full_prefix_hit_after_flush",),
+        {"l3_prefetch_page_size": CHUNK, "l3_prefetch_prompt_pages": 16},
+    ),
     Kit("multiturn_cache_hit", None, ("run_multiturn_cache_hit_test",)),
-    Kit("decode_correctness", BasicDecodeCorrectnessMixin, (
-        "test_capital_france", "test_basic_math", "test_color_completion", "test_ascii_ratio",
-        "test_no_repetition_blowup", "test_determinism_temp_zero", "test_max_token_one",
-    ), slow=True),
-    Kit("scheduler_stress", BasicSchedulerStressMixin, (
-        "test_streaming_response", "test_concurrent_requests", "test_long_prompt",
-    ), slow=True),
-    Kit("abort_all", AbortAllMixin, ("test_abort_all",),
-        {"abort_all_num_requests": 8, "abort_all_max_new_tokens": 4000}, slow=True),
-    Kit("multiturn_kl", UnifiedRadixTreeTestMixin, (
-        "test_multiturn_logprobs_match", "test_multiturn_prefill_cache_hit_branching",
-        "test_multiturn_decode_cache_hit_branching",
-    ), {"max_new_tokens": 16, "num_groups": 2, "branches_per_group": 2}, slow=True),
+    Kit(
+        "decode_correctness",
+        BasicDecodeCorrectnessMixin,
+        (
+            "test_capital_france",
+            "test_basic_math",
+            "test_color_completion",
+            "test_ascii_ratio",
+            "test_no_repetition_blowup",
+            "test_determinism_temp_zero",
+            "test_max_token_one",
+        ),
+        slow=True,
+    ),
+    Kit(
+        "scheduler_stress",
+        BasicSchedulerStressMixin,
+        (
+            "test_streaming_response",
+            "test_concurrent_requests",
+            "test_long_prompt",
+        ),
+        slow=True,
+    ),
+    Kit(
+        "abort_all",
+        AbortAllMixin,
+        ("test_abort_all",),
+        {"abort_all_num_requests": 8, "abort_all_max_new_tokens": 4000},
+        slow=True,
+    ),
+    Kit(
+        "multiturn_kl",
+        UnifiedRadixTreeTestMixin,
+        (
+            "test_multiturn_logprobs_match",
+            "test_multiturn_prefill_cache_hit_branching",
+            "test_multiturn_decode_cache_hit_branching",
+        ),
+        {"max_new_tokens": 16, "num_groups": 2, "branches_per_group": 2},
+        slow=True,
+    ),
     Kit("radix_attention_tree", None, ("run_radix_attention_test",), slow=True),
-)  # fmt: skip
+)
 
 # Baseline failures and why (kit case -> reason). Reported as "n/a" wherever the case fails.
 NOT_APPLICABLE = {
-    "l3_prefetch_after_flush.test_l3_prefetch_full_prefix_hit_after_flush":
-        "plain SGLang has no L3 tier here: after a flush nothing can be prefetched",
-    "prefix_cache_branching.test_prefix_cache_branching":
-        "written for hybrid (Mamba) models whose cache lands on chunk boundaries only; a full-attention "
-        "radix cache hits the shared prefix on the second request",
+    "l3_prefetch_after_flush.test_l3_prefetch_full_prefix_hit_after_flush": "plain SGLang has no L3 tier here: after a flush nothing can be prefetched",
+    "prefix_cache_branching.test_prefix_cache_branching": "written for hybrid (Mamba) models whose cache lands on chunk boundaries only; a full-attention "
+    "radix cache hits the shared prefix on the second request",
     "decode_correctness.test_basic_math": "SmolLM2-135M cannot multiply (model quality, not the cache)",
-    "decode_correctness.test_color_completion":
-        "SmolLM2-135M lists red, blue, green, never 'yellow' (model quality, not the cache)",
-    "scheduler_stress.test_concurrent_requests":
-        "SmolLM2-135M names none of the 8 capitals in one word (0/8 on plain SGLang too: model quality)",
-}  # fmt: skip
+    "decode_correctness.test_color_completion": "SmolLM2-135M lists red, blue, green, never 'yellow' (model quality, not the cache)",
+    "scheduler_stress.test_concurrent_requests": "SmolLM2-135M names none of the 8 capitals in one word (0/8 on plain SGLang too: model quality)",
+}
 
 # Differences we chose, with the test of the behaviour we chose instead.
 DELIBERATE = {
-    "multiturn_kl.test_multiturn_prefill_cache_hit_branching":
-        "after a restart the tier still holds the previous run's full prompts (a flush keeps the tier, "
-        "--remote-kv-flush local), so more than the kit's seeded 512-token prefix is cached; the kit's default "
-        "assertion is equality, for a radix cache without L3 (both flush scopes: tests/test_flush_scope_server.py)",
-}  # fmt: skip
+    "multiturn_kl.test_multiturn_prefill_cache_hit_branching": "after a restart the tier still holds the previous run's full prompts (a flush keeps the tier, "
+    "--remote-kv-flush local), so more than the kit's seeded 512-token prefix is cached; the kit's default "
+    "assertion is equality, for a radix cache without L3 (both flush scopes: tests/test_flush_scope_server.py)",
+}
 
 
 class _Pool:
@@ -134,9 +174,12 @@ class _Pool:
                 args += ["--remote-kv-chunk-size", str(CHUNK), "--remote-kv-codec", "lossless"]
                 args += ["--remote-kv-policy-margin", "1e9"]
             spec = ServerSpec(
-                model_path=self.model_dir, extra_args=tuple(args), max_total_tokens=16384,
-                log_path=str(self.tmp / f"server-{target}.log"), startup_timeout_s=600,
-            )  # fmt: skip
+                model_path=self.model_dir,
+                extra_args=tuple(args),
+                max_total_tokens=16384,
+                log_path=str(self.tmp / f"server-{target}.log"),
+                startup_timeout_s=600,
+            )
             self.server = self._stack.enter_context(SGLangServer(spec))
             self.target = target
         return self.server
@@ -182,9 +225,14 @@ def _run_case(kit: Kit, method: str, srv: SGLangServer, pool: _Pool) -> None:
     if kit.mixin is None:
         if method == "run_multiturn_cache_hit_test":
             cache_hit_kit.run_multiturn_cache_hit_test(
-                srv.base_url, pool.model_dir, num_clients=4, num_rounds=3, request_length=256,
-                output_length=16, dataset_path=pool.dataset,
-            )  # fmt: skip
+                srv.base_url,
+                pool.model_dir,
+                num_clients=4,
+                num_rounds=3,
+                request_length=256,
+                output_length=16,
+                dataset_path=pool.dataset,
+            )
         else:  # the kit's tree generator at a CPU-sized tree (its runner hard-codes 400 nodes)
             random.seed(11)  # the kit draws its tree from the global RNG
             nodes = radix_cache_server_kit.gen_radix_tree(num_nodes=60, chunk_len=128)
@@ -197,10 +245,13 @@ def _run_case(kit: Kit, method: str, srv: SGLangServer, pool: _Pool) -> None:
             assert len(resp.json()) == len(nodes)
         return
     attrs = {
-        **kit.attrs, "base_url": srv.base_url, "process": srv.proc, "model": pool.model_dir,
+        **kit.attrs,
+        "base_url": srv.base_url,
+        "process": srv.proc,
+        "model": pool.model_dir,
         "input_ids": _kl_inputs(),
         "flush_cache": classmethod(lambda cls: flush_cache(srv)),
-    }  # fmt: skip
+    }
     case_cls = type(f"Kit_{kit.name}", (kit.mixin, unittest.TestCase), attrs)
     getattr(case_cls(methodName=method), method)()
 

@@ -60,20 +60,29 @@ class _Variant:
     def config(self) -> RemoteKVConfig:
         if self.name == "tier_on":
             return RemoteKVConfig(
-                mode="inproc", store_url=f"file://{self.store_dir}", chunk_size=CHUNK, codec="lossless",
-                tail_tokens=0, policy_margin=1e9,
-            )  # fmt: skip
+                mode="inproc",
+                store_url=f"file://{self.store_dir}",
+                chunk_size=CHUNK,
+                codec="lossless",
+                tail_tokens=0,
+                policy_margin=1e9,
+            )
         return RemoteKVConfig(mode="off")
 
     def _through_factory(self, params):
         ctx = TreeCacheBuildContext(
-            server_args=get_server_args(), params=params,
+            server_args=get_server_args(),
+            params=params,
             is_hybrid_swa=ComponentType.SWA in params.tree_components,
             is_hybrid_ssm=ComponentType.MAMBA in params.tree_components,
-            enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
+            enable_hierarchical_cache=False,
+            disable_radix_cache=False,
+            tp_worker=None,
             model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(architectures=["KitModel"])),
-            tp_size=1, tp_rank=0, tp_group=None,
-        )  # fmt: skip
+            tp_size=1,
+            tp_rank=0,
+            tp_group=None,
+        )
         runtime._RUNTIME = None
         handler = _Capture(self.warnings)
         logging.getLogger(radix_cache.__name__).addHandler(handler)

@@ -86,16 +86,44 @@ def test_slab_queue_orders_rounds_and_a_layerwise_request_layer_major():
         q = SlabQueue()
         for item in arrivals:
             q.put(item)
-        return [(s[0].round_id, s[1], s[0].region.index) if s is not None else None for s in [q.get() for _ in arrivals]]
+        return [
+            (s[0].round_id, s[1], s[0].region.index) if s is not None else None
+            for s in [q.get() for _ in arrivals]
+        ]
 
     # one plain job of rounds 0 and 1 (round by round), queued out of order
     a = job(0)
-    plain = [slab(a, 1, 0, 0), slab(a, 1, 0, 6), None, slab(a, 0, 1, 6), slab(a, 0, 0, 6), slab(a, 0, 0, 0), slab(a, 1, 1, 0)]
+    plain = [
+        slab(a, 1, 0, 0),
+        slab(a, 1, 0, 6),
+        None,
+        slab(a, 0, 1, 6),
+        slab(a, 0, 0, 6),
+        slab(a, 0, 0, 0),
+        slab(a, 1, 1, 0),
+    ]
     assert drain(plain) == [(0, 0, 0), (0, 6, 0), (0, 6, 1), (1, 0, 0), (1, 0, 1), (1, 6, 0), None]
     # a layer-wise request of two jobs (rounds 2 and 4; another client's plain round 3 was admitted
     # between them), queued job by job: layer-major across both jobs, all at round 2's place
     b1 = job(2, layerwise=True)
     b2, c = job(4, layerwise=True, lead=b1), job(3)
-    lw = [slab(b1, 2, 0, 0), slab(b1, 2, 1, 0), slab(b1, 2, 0, 6), slab(b1, 2, 1, 6), slab(c, 3, 0, 0),
-          slab(b2, 4, 0, 0), slab(b2, 4, 0, 6), slab(a, 1, 0, 12)]  # fmt: skip
-    assert drain(lw) == [(1, 12, 0), (2, 0, 0), (2, 0, 1), (4, 0, 0), (2, 6, 0), (2, 6, 1), (4, 6, 0), (3, 0, 0)]
+    lw = [
+        slab(b1, 2, 0, 0),
+        slab(b1, 2, 1, 0),
+        slab(b1, 2, 0, 6),
+        slab(b1, 2, 1, 6),
+        slab(c, 3, 0, 0),
+        slab(b2, 4, 0, 0),
+        slab(b2, 4, 0, 6),
+        slab(a, 1, 0, 12),
+    ]
+    assert drain(lw) == [
+        (1, 12, 0),
+        (2, 0, 0),
+        (2, 0, 1),
+        (4, 0, 0),
+        (2, 6, 0),
+        (2, 6, 1),
+        (4, 6, 0),
+        (3, 0, 0),
+    ]

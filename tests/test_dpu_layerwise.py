@@ -46,7 +46,12 @@ QUIET = {"heartbeat_s": 60.0, "heartbeat_timeout_s": 120.0}
 
 def _spec(*flags: str, layer_group: int = 1) -> DataPlaneSettings:
     return DataPlaneSettings.from_flags(
-        list(flags), workers=(1, 1, 1, 1), layer_group=layer_group, slots=2, slot_bytes=N * CB, store_timeout_s=2.0
+        list(flags),
+        workers=(1, 1, 1, 1),
+        layer_group=layer_group,
+        slots=2,
+        slot_bytes=N * CB,
+        store_timeout_s=2.0,
     )
 
 
@@ -94,7 +99,15 @@ def _raw_job(c, codec, keys) -> list:
     try:
         register_raw(sock, c)
         sub = P.SubmitFetch(
-            99, "raw", codec.name, codec.params_bytes(), c._wire_fp, c.dest.name.lstrip("/"), dests, blob_off, blob_cap
+            99,
+            "raw",
+            codec.name,
+            codec.params_bytes(),
+            c._wire_fp,
+            c.dest.name.lstrip("/"),
+            dests,
+            blob_off,
+            blob_cap,
         )
         sock.send(P.encode(sub))
         return _events(sock, 99)

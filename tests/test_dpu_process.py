@@ -67,7 +67,9 @@ def test_round_trip_bit_exact_with_rounds(tmp_path, make_client, codec_name):
     url = f"file://{tmp_path}/store"
     keys, blobs = put_chunks(url, codec, random_chunks(7, seed=3))
     writes: list[tuple[float, int]] = []  # the scheduler-side cost the glue exports (dataplane_write_*)
-    c = make_client(url, codec, on_write=lambda s, n, output: writes.append((s, n)))  # 3 chunks per host round, 2 per DP round
+    c = make_client(
+        url, codec, on_write=lambda s, n, output: writes.append((s, n))
+    )  # 3 chunks per host round, 2 per DP round
     target = make_pool(LAYOUT, 1024, 7 * CHUNK)
     h = c.submit("r", keys, CHUNK, target)
     assert h.wait_layer(0, timeout=30)
@@ -152,7 +154,9 @@ def _closed_port() -> int:
 def test_store_down_is_all_misses(tmp_path, make_client):
     codec = codecs()["lossless"]
     keys, _ = put_chunks(f"file://{tmp_path}/store", codec, random_chunks(3, seed=2))
-    c = make_client(f"redis://:hunter2@127.0.0.1:{_closed_port()}/0", codec, process=dp_spec(store_timeout_s=0.5))
+    c = make_client(
+        f"redis://:hunter2@127.0.0.1:{_closed_port()}/0", codec, process=dp_spec(store_timeout_s=0.5)
+    )
     # the store URL reaches the data plane on stdin: its password is not in the process list
     assert "hunter2" not in Path(f"/proc/{c._proc.pid}/cmdline").read_text()
     errors: list[tuple[str, str, int]] = []
@@ -280,7 +284,9 @@ def test_layer_wait_means_layer_is_in_the_pool(tmp_path, make_client):
     assert h.wait(timeout=30).hit_chunks == 4
 
 
-@pytest.mark.parametrize("case", ["past_region", "codes_past_region", "codes_area_too_small", "codes_no_device_dequant"])
+@pytest.mark.parametrize(
+    "case", ["past_region", "codes_past_region", "codes_area_too_small", "codes_no_device_dequant"]
+)
 def test_bad_destination_is_rejected_not_written(tmp_path, make_client, case):
     from sgl_remote_kv.dpu import protocol as P
     from sgl_remote_kv.dpu.buffers import layer_bytes
@@ -291,13 +297,26 @@ def test_bad_destination_is_rejected_not_written(tmp_path, make_client, case):
     c = make_client(url, codec)
     lb = layer_bytes(LAYOUT, CHUNK)
     dest, output = {
-        "past_region": (P.ChunkDest(keys[0], CHUNK, c.dest.size - 16, 0, 4096), "kv"),  # would write past the region
+        "past_region": (
+            P.ChunkDest(keys[0], CHUNK, c.dest.size - 16, 0, 4096),
+            "kv",
+        ),  # would write past the region
         "codes_past_region": (P.ChunkDest(keys[0], CHUNK, c.dest.size - 3 * lb, 0, 2 * lb), "codes"),
-        "codes_area_too_small": (P.ChunkDest(keys[0], CHUNK, 0, 0, 2 * lb - 1), "codes"),  # < the layer's K + V
+        "codes_area_too_small": (
+            P.ChunkDest(keys[0], CHUNK, 0, 0, 2 * lb - 1),
+            "codes",
+        ),  # < the layer's K + V
         "codes_no_device_dequant": (P.ChunkDest(keys[0], CHUNK, 0, 0, 2 * lb), "codes"),  # lossless: KV only
     }[case]
     msg = P.SubmitFetch(
-        999, "evil", codec.name, codec.params_bytes(), c._wire_fp, c.dest.name.lstrip("/"), [dest], output=output
+        999,
+        "evil",
+        codec.name,
+        codec.params_bytes(),
+        c._wire_fp,
+        c.dest.name.lstrip("/"),
+        [dest],
+        output=output,
     )
     got = []
     with _raw_dealer(c) as s:
@@ -336,7 +355,14 @@ def test_cli_help_lists_deployment_flags():
         timeout=60,
         check=True,
     ).stdout
-    for flag in ("--endpoint", "--store", "--auth-key-file", "--client-timeout", "--inflate-workers", "--cpus"):
+    for flag in (
+        "--endpoint",
+        "--store",
+        "--auth-key-file",
+        "--client-timeout",
+        "--inflate-workers",
+        "--cpus",
+    ):
         assert flag in out
 
 
@@ -429,7 +455,9 @@ def test_dpu_cpus_flag_pins_the_data_plane(tmp_path, make_client):
         with pytest.raises(SystemExit):
             parser.parse_args(["--remote-kv-dpu-cpus", bad])
     want = max(os.sched_getaffinity(0))  # one core we may use (core 1 on the 2-core box)
-    c = make_client(f"file://{tmp_path}/store", codecs()["lossless"], process=dp_spec(cpus=(want,), workers=(2, 1, 1, 1)))
+    c = make_client(
+        f"file://{tmp_path}/store", codecs()["lossless"], process=dp_spec(cpus=(want,), workers=(2, 1, 1, 1))
+    )
     assert sorted(os.sched_getaffinity(c.pid)) == [want]
     deadline = time.monotonic() + 10
     while c.last_pong is None and time.monotonic() < deadline:

@@ -65,7 +65,10 @@ def test_field_limits_are_enforced():
 def test_layer_done_lengths_are_one_per_layer_and_output_is_kv_or_codes():
     env = P.ENVELOPE.pack(P.MAGIC, P.PROTOCOL_VERSION, P._KIND_OF[P.LayerDone])
     enc = msgspec.msgpack.encode
-    assert P.decode(env + enc({"job": 1, "chunk": 0, "layer": 2, "count": 2, "lengths": [5, 6]})).lengths == [5, 6]
+    assert P.decode(env + enc({"job": 1, "chunk": 0, "layer": 2, "count": 2, "lengths": [5, 6]})).lengths == [
+        5,
+        6,
+    ]
     for lengths in ([5], [5, 6, 7], [-1, 5]):
         with pytest.raises(P.BadFrame):
             P.decode(env + enc({"job": 1, "chunk": 0, "layer": 2, "count": 2, "lengths": lengths}))

@@ -12,8 +12,9 @@ from sgl_remote_kv.codec.errors import CorruptChunk
 
 def _receiver(blob, group=3):
     codec = codecs()["lossless"]
-    return ChunkReceiver(len(blob), LAYOUT.num_layers, group,
-                         lambda head, buf: codec.parse(head, FP, complete=False))  # fmt: skip
+    return ChunkReceiver(
+        len(blob), LAYOUT.num_layers, group, lambda head, buf: codec.parse(head, FP, complete=False)
+    )
 
 
 def _blob() -> bytes:
@@ -43,8 +44,12 @@ def test_a_bad_section_stops_at_its_group_and_a_wrong_length_at_the_header():
     assert out == [(0, 1), (1, 2), (2, 3)]
     with pytest.raises(CorruptChunk, match="layer 3 checksum"):
         rx.add(bad[-1:])
-    longer = ChunkReceiver(len(blob) + 5, LAYOUT.num_layers, 1,
-                           lambda head, buf: codecs()["lossless"].parse(head, FP, complete=False))  # fmt: skip
+    longer = ChunkReceiver(
+        len(blob) + 5,
+        LAYOUT.num_layers,
+        1,
+        lambda head, buf: codecs()["lossless"].parse(head, FP, complete=False),
+    )
     with pytest.raises(CorruptChunk, match="claims"):
         longer.add(blob)
     with pytest.raises(CorruptChunk, match="more bytes"):

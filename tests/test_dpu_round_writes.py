@@ -25,9 +25,14 @@ N = 3
 
 
 def _client(url: str, eager: bool = True) -> DpuClient:
-    spec = DataPlaneSettings(workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=N * CB, store_timeout_s=5.0)
-    c = DpuClient(DpuClientConfig(url, dest_slots=2, dest_slot_bytes=N * CB, process=spec, eager_writes=eager), FP,
-                  codecs()["quant"])  # fmt: skip
+    spec = DataPlaneSettings(
+        workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=N * CB, store_timeout_s=5.0
+    )
+    c = DpuClient(
+        DpuClientConfig(url, dest_slots=2, dest_slot_bytes=N * CB, process=spec, eager_writes=eager),
+        FP,
+        codecs()["quant"],
+    )
     c.start()
     return c
 
@@ -109,7 +114,9 @@ def test_a_failed_write_fails_its_chunk_and_the_later_ones_not_the_earlier(tmp_p
 def test_chunks_count_as_in_the_pool_only_as_a_prefix():
     """Chunk 1 written before chunk 0 (two fetch workers can finish out of order): no layer is ready
     until chunk 0's is too; then both are."""
-    h = FetchHandle(threading.Condition(), "r", [b"a" * 32, b"b" * 32], [CHUNK, CHUNK], LAYOUT.num_layers, None)
+    h = FetchHandle(
+        threading.Condition(), "r", [b"a" * 32, b"b" * 32], [CHUNK, CHUNK], LAYOUT.num_layers, None
+    )
     h.mark_in_pool(1, 2, 0, LAYOUT.num_layers)
     assert h.layer_ready == [0] * LAYOUT.num_layers and not h.layer_is_ready(0)
     h.mark_in_pool(0, 1, 0, 2)

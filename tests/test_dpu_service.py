@@ -48,7 +48,9 @@ def test_two_clients_share_one_service_token_identical(env):
     url, make_service, make_client = env
     svc = make_service(*slots_flags())
     data = {r: random_kv(5, seed=10 + r) for r in (0, 1)}
-    keys = {r: put_chunks(url, codecs()["lossless"], data[r], rank_fp(r), prefix=b"r%d" % r)[0] for r in (0, 1)}
+    keys = {
+        r: put_chunks(url, codecs()["lossless"], data[r], rank_fp(r), prefix=b"r%d" % r)[0] for r in (0, 1)
+    }
     c0, c1 = make_client(svc, rank_fp(0)), make_client(svc, rank_fp(1))
     assert c0.pid == c1.pid == svc.proc.pid  # both attached to the one service, none spawned
     assert c0.dest.name != c1.dest.name
@@ -229,11 +231,15 @@ def test_two_ranks_on_a_killed_service_both_end_as_misses(env, tmp_path):
     url, make_service, make_client = env
     slow = f"faulty+file://{tmp_path}/store?latency_s=0.3"
     svc = make_service(*slots_flags(), store_url=slow)
-    keys = {r: put_chunks(url, codecs()["lossless"], random_kv(6, seed=20 + r), rank_fp(r), prefix=b"k%d" % r)[0]
-            for r in (0, 1)}  # fmt: skip
+    keys = {
+        r: put_chunks(url, codecs()["lossless"], random_kv(6, seed=20 + r), rank_fp(r), prefix=b"k%d" % r)[0]
+        for r in (0, 1)
+    }
     # heartbeats would notice only after 30 s: the dropped connection is what ends the fetches
     clients = {r: make_client(svc, rank_fp(r), heartbeat_timeout_s=30.0) for r in (0, 1)}
-    handles = {r: clients[r].submit(f"r{r}", keys[r], CHUNK, make_pool(LAYOUT32, 512, 6 * CHUNK)) for r in (0, 1)}
+    handles = {
+        r: clients[r].submit(f"r{r}", keys[r], CHUNK, make_pool(LAYOUT32, 512, 6 * CHUNK)) for r in (0, 1)
+    }
     time.sleep(0.5)
     svc.kill()
     t0 = time.monotonic()
@@ -255,8 +261,18 @@ def test_serving_flag_attaches_the_backend_to_the_service(env):
     svc = make_service(*slots_flags(), "--allow-fingerprint", rank_fp(0).digest().hex())
     parser = argparse.ArgumentParser()
     RemoteKVConfig.add_cli_args(parser)
-    ns = parser.parse_args(["--remote-kv", "dpu", "--remote-kv-store", url, "--remote-kv-chunk-size", str(CHUNK),
-                            "--remote-kv-dpu-endpoint", svc.endpoint])  # fmt: skip
+    ns = parser.parse_args(
+        [
+            "--remote-kv",
+            "dpu",
+            "--remote-kv-store",
+            url,
+            "--remote-kv-chunk-size",
+            str(CHUNK),
+            "--remote-kv-dpu-endpoint",
+            svc.endpoint,
+        ]
+    )
     ns.remote_kv_probe_store = False
     cfg = RemoteKVConfig.from_namespace(ns)
     assert cfg.dpu_endpoint == svc.endpoint and RemoteKVConfig.from_json(cfg.to_json()) == cfg
@@ -292,8 +308,11 @@ def test_a_reconnect_is_answered_only_after_the_old_jobs_are_over(env):
     c = make_client(svc, rank_fp(0), heartbeat_s=60.0, heartbeat_timeout_s=120.0)
     h = c.submit("old", keys, CHUNK, make_pool(LAYOUT32, 512, 3 * CHUNK))
     with raw_socket(svc.endpoint) as s:  # the service answers an unregistered connection's heartbeat too
-        wait_until(lambda: json.loads(ask(s, P.Heartbeat(0, 0), P.Pong).stats_json)["submitted"] >= 1, 10,
-               "the job at the service")  # fmt: skip
+        wait_until(
+            lambda: json.loads(ask(s, P.Heartbeat(0, 0), P.Pong).stats_json)["submitted"] >= 1,
+            10,
+            "the job at the service",
+        )
         time.sleep(0.2)  # its first slab is being copied (0.3 s per slab, 6 slabs)
         register_raw(s, c)  # same session, new connection: returns once Registered(ok) arrived
         pong = ask(s, P.Heartbeat(1, 0), P.Pong)

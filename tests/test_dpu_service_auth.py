@@ -43,8 +43,13 @@ def env(tmp_path):
 def test_bad_registrations_get_a_clear_refusal(env):
     url, make_service, make_client = env
     fp = rank_fp(0)
-    svc = make_service(*slots_flags(), "--allow-fingerprint", fp.digest().hex(), "--allow-fingerprint",
-                       rank_fp(1).digest().hex())  # fmt: skip
+    svc = make_service(
+        *slots_flags(),
+        "--allow-fingerprint",
+        fp.digest().hex(),
+        "--allow-fingerprint",
+        rank_fp(1).digest().hex(),
+    )
     owner = make_client(svc, fp)
     mine = DestRegion.create(4 * CB, shm_names.region_name())
     name = mine.name.lstrip("/")
@@ -107,8 +112,12 @@ def test_tcp_endpoint_needs_auth_and_refuses_a_wrong_key(env, tmp_path):
         DpuClientConfig(url, endpoint=ep)
     with pytest.raises(ValueError, match="needs --remote-kv-auth-key-file"):
         RemoteKVConfig(mode="dpu", dpu_endpoint=ep)
-    out = subprocess.run([sys.executable, "-m", "sgl_remote_kv.dpu", "--endpoint", ep, "--store", url],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "sgl_remote_kv.dpu", "--endpoint", ep, "--store", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0 and "must be authenticated" in out.stderr
 
     good, bad = _key(tmp_path / "good.key", "a"), _key(tmp_path / "bad.key", "b")
@@ -144,4 +153,3 @@ def test_tcp_endpoint_needs_auth_and_refuses_a_wrong_key(env, tmp_path):
         ctx.term()
     st = service_stats(c)
     assert st["clients"] == 1 and st["auth_refused"] >= 1
-

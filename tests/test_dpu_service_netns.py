@@ -90,22 +90,41 @@ def test_only_the_service_reaches_the_store(own_redis_server, tmp_path):
     if subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode != 0:
         pytest.skip("unshare --net is not permitted here")
     url = own_redis_server.url
-    keys = {r: put_chunks(url, codecs()["lossless"], random_kv(4, seed=50 + r), rank_fp(r), prefix=b"n%d" % r)[0]
-            for r in (0, 1)}  # fmt: skip
+    keys = {
+        r: put_chunks(url, codecs()["lossless"], random_kv(4, seed=50 + r), rank_fp(r), prefix=b"n%d" % r)[0]
+        for r in (0, 1)
+    }
     own_core = max(os.sched_getaffinity(0))
     store_ep = f"ipc://{tmp_path}/store.sock"
-    svc = Service(f"ipc://{tmp_path}/dpu.sock", url, tmp_path / "service.log", *slots_flags(),
-                  "--cpus", str(own_core), "--store-timeout", "0.5", "--store-endpoint", store_ep).start()  # fmt: skip
+    svc = Service(
+        f"ipc://{tmp_path}/dpu.sock",
+        url,
+        tmp_path / "service.log",
+        *slots_flags(),
+        "--cpus",
+        str(own_core),
+        "--store-timeout",
+        "0.5",
+        "--store-endpoint",
+        store_ep,
+    ).start()
     from sgl_remote_kv.dpu.buffers import chunk_bytes
 
     script = _CLIENTS.format(
-        tests=str(Path(__file__).parent), port=own_redis_server.port, ep=svc.endpoint, store_ep=f"dpu+{store_ep}",
-        keys={r: [k.hex() for k in keys[r]] for r in (0, 1)}, cb=chunk_bytes(LAYOUT32, CHUNK),
-    )  # fmt: skip
+        tests=str(Path(__file__).parent),
+        port=own_redis_server.port,
+        ep=svc.endpoint,
+        store_ep=f"dpu+{store_ep}",
+        keys={r: [k.hex() for k in keys[r]] for r in (0, 1)},
+        cb=chunk_bytes(LAYOUT32, CHUNK),
+    )
     host = subprocess.Popen(
         ["unshare", "--net", sys.executable, "-c", script],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(tmp_path / "clients.log", "wb"), text=True,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / "clients.log", "wb"),
+        text=True,
+    )
     try:
         assert host.stdout.readline().strip() == "STORE_UNREACHABLE"
         assert host.stdout.readline().split()[1:] == [str(svc.proc.pid)] * 2  # both ranks: one service

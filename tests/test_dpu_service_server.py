@@ -34,8 +34,9 @@ def test_server_attached_to_a_service_hits_misses_and_recovers(model_dir, tmp_pa
     svc = _service(ep, url, log, store_ep)
     server_url = url if server_store == "direct" else f"dpu+{store_ep}"
     try:
-        with remote_kv_server(model_dir, server_url, "--remote-kv-policy-margin", "1e9",
-                              "--remote-kv-dpu-endpoint", ep) as srv:  # fmt: skip
+        with remote_kv_server(
+            model_dir, server_url, "--remote-kv-policy-margin", "1e9", "--remote-kv-dpu-endpoint", ep
+        ) as srv:
             case = prime(srv, make_case(tok, "dpu-service"))
             assert data_plane_procs(srv.proc.pid) == []  # attached: no data plane of its own
             _, hit = ask(srv, case)  # tokens equal the recompute's

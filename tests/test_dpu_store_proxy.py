@@ -25,7 +25,9 @@ def proxied(tmp_path):
     """(service, proxy endpoint, the store's own URL): the service proxies a file store."""
     store_url = f"file://{tmp_path}/store"
     proxy_ep = f"ipc://{tmp_path}/store.sock"
-    svc = Service(f"ipc://{tmp_path}/dpu.sock", store_url, tmp_path / "service.log", "--store-endpoint", proxy_ep)
+    svc = Service(
+        f"ipc://{tmp_path}/dpu.sock", store_url, tmp_path / "service.log", "--store-endpoint", proxy_ep
+    )
     svc.start()
     deadline = time.monotonic() + 30
     while not (tmp_path / "store.sock").exists():
@@ -74,7 +76,9 @@ def test_a_hung_service_times_out(tmp_path):
     mute.setsockopt(zmq.LINGER, 0)
     mute.bind(f"ipc://{tmp_path}/mute.sock")
     try:
-        host = open_client(f"dpu+ipc://{tmp_path}/mute.sock?timeout=0.5", ClientConfig(timeout_s=5.0, retries=0))
+        host = open_client(
+            f"dpu+ipc://{tmp_path}/mute.sock?timeout=0.5", ClientConfig(timeout_s=5.0, retries=0)
+        )
         t0 = time.monotonic()
         got = host.lookup_prefix(_keys(1))
         assert got.found == 0 and got.error == "timeout" and time.monotonic() - t0 < 4

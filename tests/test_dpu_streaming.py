@@ -54,8 +54,12 @@ def test_streamed_fetch_is_bit_exact_and_equals_whole_gets(redis_server, make_cl
     dequantizes; the held ``LayerDone`` s carry the codes' lengths."""
     codec = codecs()[codec_name]
     url = redis_server.url
-    keys, blobs = put_chunks(url, codec, random_chunks(5, seed=11), prefix=f"s-{codec_name}-{output}".encode())
-    streaming = make_client(url, codec, process=dp_spec(stream_piece_kib=PIECE_KIB), eager_writes=True, output=output)
+    keys, blobs = put_chunks(
+        url, codec, random_chunks(5, seed=11), prefix=f"s-{codec_name}-{output}".encode()
+    )
+    streaming = make_client(
+        url, codec, process=dp_spec(stream_piece_kib=PIECE_KIB), eager_writes=True, output=output
+    )
     whole = make_client(url, codec, process=dp_spec(stream_piece_kib=0), output=output)
     for c, expect_streamed in ((streaming, 5), (whole, 0)):
         target = make_pool(LAYOUT, 512, 5 * CHUNK)

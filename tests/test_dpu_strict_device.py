@@ -55,9 +55,13 @@ def client(tmp_path, request):
     codec = codecs()["quant"]
     url = f"file://{tmp_path}/store"
     keys, blobs = put_chunks(url, codec, random_chunks(5, seed=21))
-    spec = DataPlaneSettings(workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * CB, store_timeout_s=2.0)
+    spec = DataPlaneSettings(
+        workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * CB, store_timeout_s=2.0
+    )
     eager, output = getattr(request, "param", (True, "auto"))
-    cfg = DpuClientConfig(url, dest_slots=2, dest_slot_bytes=2 * CB, process=spec, eager_writes=eager, output=output)
+    cfg = DpuClientConfig(
+        url, dest_slots=2, dest_slot_bytes=2 * CB, process=spec, eager_writes=eager, output=output
+    )
     c = DpuClient(cfg, FP, codec)
     c.start()
     yield c, keys, blobs
@@ -84,7 +88,9 @@ def test_fetch_into_a_strict_device_pool_is_exact(client, dev):
     assert dev.pinned == []  # unregistered before the region is unmapped
 
 
-@pytest.mark.parametrize("client", [(True, "auto"), (False, "auto")], indirect=True, ids=["eager", "per_round"])
+@pytest.mark.parametrize(
+    "client", [(True, "auto"), (False, "auto")], indirect=True, ids=["eager", "per_round"]
+)
 def test_codes_into_a_strict_device_pool_are_dequantized_on_the_device(client, dev):
     """A device pool's default: the data plane writes codes, the pool's writer dequantizes them on the
     device (one device dequant per layer write, nothing decoded to KV on the data plane)."""
@@ -93,12 +99,16 @@ def test_codes_into_a_strict_device_pool_are_dequantized_on_the_device(client, d
     res = c.fetch("strict-codes", keys, CHUNK, target, timeout=60)
     assert res.hit_chunks == 5 and not res.failures
     w = target.writer
-    assert w.stats["device_dequant"] == w.stats["writes"] >= LAYOUT.num_layers  # one write per layer and round
+    assert (
+        w.stats["device_dequant"] == w.stats["writes"] >= LAYOUT.num_layers
+    )  # one write per layer and round
     assert dataplane_stage_items(c)["dequant"] == 0  # the data plane only inflated
     for i in range(5):
         k, v = decode(blobs[i], FP)
         pk, pv = pool_tokens(target, LAYOUT, i * CHUNK, (i + 1) * CHUNK)
-        assert np.array_equal(k, pk) and np.array_equal(v, pv), f"chunk {i} differs"  # same dequant as the CPU's
+        assert np.array_equal(k, pk) and np.array_equal(v, pv), (
+            f"chunk {i} differs"
+        )  # same dequant as the CPU's
 
 
 def test_codes_that_do_not_parse_on_the_host_are_a_miss(client, dev):
@@ -164,7 +174,9 @@ def test_close_with_a_wedged_device_does_not_hang(client, dev):
     writer = writer_for(PoolTensors(kv.k_buffer, kv.v_buffer), LAYOUT, timeout_s=0.3, ops=dev)
     dev.hang()
     try:
-        res = c.fetch("wedged", keys[:2], CHUNK, KVTarget(writer, torch.randperm(512)[: 2 * CHUNK]), timeout=60)
+        res = c.fetch(
+            "wedged", keys[:2], CHUNK, KVTarget(writer, torch.randperm(512)[: 2 * CHUNK]), timeout=60
+        )
         assert res.hit_chunks == 0
         t0 = time.monotonic()
         c.close()  # unpinning waits for the device at most the writer's timeout, then gives up loudly
@@ -182,7 +194,10 @@ def test_a_finished_chunk_whose_layers_never_reached_the_pool_is_not_a_hit():
     from sgl_remote_kv.control.jobs import DONE, FetchHandle, HostRound, KVTarget
     from sgl_remote_kv.kvpool import PoolTensors, writer_for
 
-    k = [torch.zeros(8, LAYOUT.num_kv_heads, LAYOUT.head_dim, dtype=torch.bfloat16) for _ in range(LAYOUT.num_layers)]
+    k = [
+        torch.zeros(8, LAYOUT.num_kv_heads, LAYOUT.head_dim, dtype=torch.bfloat16)
+        for _ in range(LAYOUT.num_layers)
+    ]
     target = KVTarget(writer_for(PoolTensors(k, k), LAYOUT), torch.arange(2 * CHUNK))
     n = LAYOUT.num_layers
     for written, hit in ((0, 0), (n - 1, 0), (n, 1)):

@@ -36,10 +36,16 @@ def calibrated(tmp_path, monkeypatch):
 
 
 def _client(url, codec, output: str = "auto") -> DpuClient:
-    spec = DataPlaneSettings(workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * chunk_bytes(LAYOUT, CHUNK),
-                             store_timeout_s=2.0)  # fmt: skip
-    cfg = DpuClientConfig(url, dest_slots=2, dest_slot_bytes=3 * chunk_bytes(LAYOUT, CHUNK), process=spec,
-                          output=output)  # fmt: skip
+    spec = DataPlaneSettings(
+        workers=(1, 1, 1, 1),
+        layer_group=2,
+        slots=2,
+        slot_bytes=2 * chunk_bytes(LAYOUT, CHUNK),
+        store_timeout_s=2.0,
+    )
+    cfg = DpuClientConfig(
+        url, dest_slots=2, dest_slot_bytes=3 * chunk_bytes(LAYOUT, CHUNK), process=spec, output=output
+    )
     c = DpuClient(cfg, FP, codec)
     c.start()
     return c

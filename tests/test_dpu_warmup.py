@@ -42,10 +42,19 @@ def test_warm_up_loads_the_decode_kernels_in_a_fresh_process():
 
 def test_the_data_plane_is_warm_when_the_client_starts(tmp_path):
     codec = default_codec()
-    spec = DataPlaneSettings(workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * chunk_bytes(FP.layout, CHUNK),
-                             log_level="INFO")  # fmt: skip
-    cfg = DpuClientConfig(f"file://{tmp_path / 'store'}", dest_slots=2, dest_slot_bytes=chunk_bytes(FP.layout, CHUNK),
-                          process=spec)  # fmt: skip
+    spec = DataPlaneSettings(
+        workers=(1, 1, 1, 1),
+        layer_group=2,
+        slots=2,
+        slot_bytes=2 * chunk_bytes(FP.layout, CHUNK),
+        log_level="INFO",
+    )
+    cfg = DpuClientConfig(
+        f"file://{tmp_path / 'store'}",
+        dest_slots=2,
+        dest_slot_bytes=chunk_bytes(FP.layout, CHUNK),
+        process=spec,
+    )
     c = DpuClient(cfg, FP, codec)
     c.start()
     try:
@@ -60,7 +69,10 @@ def test_bad_warm_flag_is_a_clean_exit():
     args = ["--endpoint", "ipc:///tmp/x", "--store", "file:///tmp/x"]
     with pytest.raises(SystemExit, match="bad --warm"):
         config_from_args(build_parser().parse_args([*args, "--warm", '{"codec": "lossless"}']))
-    good = P.Warmup("lossless", codecs()["lossless"].params_bytes().decode(), P.Fingerprint(
-        FP.architecture, P.Layout(2, 1, 8, "float32"), FP.weights_id, 0, 1, FP.digest()))  # fmt: skip
+    good = P.Warmup(
+        "lossless",
+        codecs()["lossless"].params_bytes().decode(),
+        P.Fingerprint(FP.architecture, P.Layout(2, 1, 8, "float32"), FP.weights_id, 0, 1, FP.digest()),
+    )
     cfg = config_from_args(build_parser().parse_args([*args, "--warm", P.encode_warmup(good)]))
     assert cfg.warm == good

@@ -55,17 +55,24 @@ SCRIPT = textwrap.dedent(
 def _run(model_dir: str, store: str, mode: str, ids: list[int]) -> dict:
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, model_dir, store, mode, json.dumps(ids)],
-        env=dict(os.environ, **{env.CPU_PLATFORM: "1"}), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        env=dict(os.environ, **{env.CPU_PLATFORM: "1"}),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize(
     ("options", "named"),
-    [({"remote_kv": "gpu"}, "--remote-kv"), ({"remote_kv": "dpu", "remote_kv_chunk_size": 100}, "--remote-kv-chunk-size"),
-     ({"remote_kv_bogus": 1}, "remote_kv_bogus"), ({"remote_kv": "dpu", "remote_kv_flush": "all"}, "--remote-kv-flush")],
-)  # fmt: skip
+    [
+        ({"remote_kv": "gpu"}, "--remote-kv"),
+        ({"remote_kv": "dpu", "remote_kv_chunk_size": 100}, "--remote-kv-chunk-size"),
+        ({"remote_kv_bogus": 1}, "remote_kv_bogus"),
+        ({"remote_kv": "dpu", "remote_kv_flush": "all"}, "--remote-kv-flush"),
+    ],
+)
 def test_configure_validates_like_the_cli(monkeypatch, options, named):
     import sgl_remote_kv
 

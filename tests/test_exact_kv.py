@@ -37,8 +37,11 @@ def _world(paths: str):
     chosen = {PathName.DPU: dpu}
     if paths == "mixed":
         chosen[PathName.INPROC] = FetchPath(PathName.INPROC, type(w.be)(), get_codec("lossless"))
-    c = dataclasses.replace(w.c, paths=chosen, policy=Policy(PolicyConfig(mode="auto", margin=1e9),
-                                                              available=tuple(p.value for p in chosen)))  # fmt: skip
+    c = dataclasses.replace(
+        w.c,
+        paths=chosen,
+        policy=Policy(PolicyConfig(mode="auto", margin=1e9), available=tuple(p.value for p in chosen)),
+    )
     w.q = WaitingForKV(c, w.q.s)
     w.c, w.quant = c, quant
     return w
@@ -84,8 +87,11 @@ def test_exact_requests_on_an_exact_tier_share_the_local_tree():
 
 # -- the seam: what the request objects carry -----------------------------------------------------------
 def _sglang_req(extra_key=None, cache_salt=None, custom_params=None):
-    return types.SimpleNamespace(extra_key=extra_key, cache_salt=cache_salt,
-                                 sampling_params=types.SimpleNamespace(custom_params=custom_params))  # fmt: skip
+    return types.SimpleNamespace(
+        extra_key=extra_key,
+        cache_salt=cache_salt,
+        sampling_params=types.SimpleNamespace(custom_params=custom_params),
+    )
 
 
 @pytest.mark.parametrize("extra_key", [None, "lora-7"])

@@ -33,8 +33,11 @@ EXACT = {"custom_params": {"remote_kv": "exact"}}
 
 def _exact(srv, ids):
     payload = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 8, **EXACT}}
-    req = urllib.request.Request(srv.base_url + "/generate", data=json.dumps(payload).encode(),
-                                 headers={"content-type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        srv.base_url + "/generate",
+        data=json.dumps(payload).encode(),
+        headers={"content-type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read())
 
@@ -44,8 +47,9 @@ def test_exact_requests_never_get_quantized_kv(model_dir, tmp_path):
     case = make_case(tok, "exact-kv", n_chunks=4)
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     codec = resolve_codec("default", fingerprint_for(Path(model_dir), cfg), RopeSpec.from_hf_config(cfg)).name
-    with remote_kv_server(model_dir, f"file://{tmp_path / 'store'}", "--remote-kv-policy-margin", "1e9",
-                          codec="default") as srv:  # fmt: skip
+    with remote_kv_server(
+        model_dir, f"file://{tmp_path / 'store'}", "--remote-kv-policy-margin", "1e9", codec="default"
+    ) as srv:
         cold = gen(srv, case.ids)
         wait_written(srv, 0, case.chunks)
         flush_cache(srv)
@@ -67,19 +71,32 @@ def test_exact_requests_never_get_quantized_kv(model_dir, tmp_path):
 
         client = OpenAI(base_url=srv.base_url + "/v1", api_key="EMPTY")
         model = client.models.list().data[0].id
-        out = client.completions.create(model=model, prompt=tok.decode(case.ids), max_tokens=4, temperature=0,
-                                        extra_body=EXACT)  # fmt: skip
+        out = client.completions.create(
+            model=model, prompt=tok.decode(case.ids), max_tokens=4, temperature=0, extra_body=EXACT
+        )
         assert out.choices[0].text
-        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
-                                              max_tokens=4, temperature=0, extra_body=EXACT)  # fmt: skip
+        chat = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=4,
+            temperature=0,
+            extra_body=EXACT,
+        )
         assert chat.choices[0].message.content is not None
         with pytest.raises(BadRequestError, match="remote_kv"):
-            client.completions.create(model=model, prompt="hi", max_tokens=2,
-                                      extra_body={"custom_params": {"remote_kv": "mostly"}})  # fmt: skip
+            client.completions.create(
+                model=model, prompt="hi", max_tokens=2, extra_body={"custom_params": {"remote_kv": "mostly"}}
+            )
         with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(urllib.request.Request(
-                srv.base_url + "/generate", headers={"content-type": "application/json"},
-                data=json.dumps({"text": "hi", "sampling_params": {"custom_params": {"remote_kv": 1}}}).encode()))  # fmt: skip
+            urllib.request.urlopen(
+                urllib.request.Request(
+                    srv.base_url + "/generate",
+                    headers={"content-type": "application/json"},
+                    data=json.dumps(
+                        {"text": "hi", "sampling_params": {"custom_params": {"remote_kv": 1}}}
+                    ).encode(),
+                )
+            )
         assert e.value.code == 400 and b"remote_kv" in e.value.read()
         assert metric(srv, "exact_requests", outcome="recompute") == 4  # generate x2, completion, chat
         assert metric(srv, "hit_tokens") == case.chunks * 64  # the exact requests fetched nothing

@@ -18,13 +18,22 @@ import shared_document_qa as qa  # noqa: E402
 
 
 def _extra(store) -> tuple[str, ...]:
-    return ("--remote-kv", "dpu", "--remote-kv-store", f"file://{store}", "--enable-cache-report", "--enable-metrics")
+    return (
+        "--remote-kv",
+        "dpu",
+        "--remote-kv-store",
+        f"file://{store}",
+        "--enable-cache-report",
+        "--enable-metrics",
+    )
 
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     store = tmp_path_factory.mktemp("store")
-    with SGLangServer(ServerSpec(model_path=model_dir, extra_args=_extra(store), max_total_tokens=8192)) as srv:
+    with SGLangServer(
+        ServerSpec(model_path=model_dir, extra_args=_extra(store), max_total_tokens=8192)
+    ) as srv:
         yield srv
 
 

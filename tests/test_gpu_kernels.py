@@ -214,8 +214,14 @@ def test_scatter_into_real_sglang_pool(dtype):
         assert _same_bits(p[untouched], b[untouched]), f"plane {i}: a row outside slots changed"
 
 
-@pytest.mark.parametrize("n_g,gd,hd,t,style,dtype", [(1, 192, 64, 257, 0, torch.bfloat16), (3, 64, 64, 100, 1, torch.float16),
-                                                     (2, 128, 128, 33, 0, torch.float32)])  # fmt: skip
+@pytest.mark.parametrize(
+    "n_g,gd,hd,t,style,dtype",
+    [
+        (1, 192, 64, 257, 0, torch.bfloat16),
+        (3, 64, 64, 100, 1, torch.float16),
+        (2, 128, 128, 33, 0, torch.float32),
+    ],
+)
 def test_inverse_transform_triton_matches_reference(n_g, gd, hd, t, style, dtype):
     import numpy as np
     from sgl_remote_kv.kernels.transform import (
@@ -227,19 +233,24 @@ def test_inverse_transform_triton_matches_reference(n_g, gd, hd, t, style, dtype
 
     rng = np.random.default_rng(t)
     basis = np.linalg.qr(rng.standard_normal((2, n_g, gd, gd)))[0].astype(np.float32)
-    consts = TransformConsts.build(rng.uniform(0.01, 0.2, (2, n_g, gd)), basis,
-                                   rng.standard_normal((2, n_g, gd)) * 0.1, hd, style)  # fmt: skip
+    consts = TransformConsts.build(
+        rng.uniform(0.01, 0.2, (2, n_g, gd)), basis, rng.standard_normal((2, n_g, gd)) * 0.1, hd, style
+    )
     sym = torch.from_numpy(rng.integers(0, 256, (2, n_g * gd, t)).astype(np.uint8))
     esc = torch.from_numpy(rng.integers(-2000, 2000, int((sym == 0).sum())).astype(np.int16))
     scales = torch.from_numpy(rng.uniform(0.5, 3.0, (2, t)).astype(np.float32))
     ang = np.arange(1000, 1000 + t)[:, None] / 10000.0 ** (np.arange(hd // 2) * 2.0 / hd)
     cos, sin = (torch.from_numpy(f(ang).astype(np.float32)) for f in (np.cos, np.sin))
     ref = torch.empty((2, t, n_g * gd), dtype=dtype)
-    inverse_reference(resolve_escapes(sym, esc), scales, cos, sin, consts.to(torch.from_numpy), hd, style, True, ref)
+    inverse_reference(
+        resolve_escapes(sym, esc), scales, cos, sin, consts.to(torch.from_numpy), hd, style, True, ref
+    )
     big = torch.zeros((2, t + 9, n_g * gd), dtype=dtype, device=DEVICE)
     dev = consts.to(lambda a: torch.from_numpy(a).to(DEVICE))
     q = resolve_escapes(sym.to(DEVICE), esc.to(DEVICE))
-    inverse_triton(q, scales.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE), dev, hd, style, True, big[:, 4 : 4 + t])
+    inverse_triton(
+        q, scales.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE), dev, hd, style, True, big[:, 4 : 4 + t]
+    )
     torch.cuda.synchronize()
     got = big[:, 4 : 4 + t].cpu()
     step = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 1e-5}[dtype]

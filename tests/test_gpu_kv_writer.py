@@ -202,7 +202,9 @@ def _write_codes(codec, fp, blobs):
         views = []
         for b in blobs:
             hdr = codec.parse(b, fp)
-            views.append(codec.codes_stage(b, hdr, layer, np.empty(codec.scratch_bytes(hdr, layer), np.uint8)))
+            views.append(
+                codec.codes_stage(b, hdr, layer, np.empty(codec.scratch_bytes(hdr, layer), np.uint8))
+            )
         w.write_quantized(views, slots, layer)
     assert w.stats["device_dequant"] == lay.num_layers
     return w, slots
@@ -219,7 +221,9 @@ def test_write_quantized_dequantizes_on_the_device_bit_exact(dtype, k_channel_sc
     fp = synthetic.fingerprint(num_layers=4, dtype=dtype)
     lay = fp.layout
     gran = "head" if k_channel_scale else "token"
-    codec = get_codec("quant_deflate", k_bins="256", v_bins="96", granularity=gran, k_channel_scale=k_channel_scale)
+    codec = get_codec(
+        "quant_deflate", k_bins="256", v_bins="96", granularity=gran, k_channel_scale=k_channel_scale
+    )
     chunks = [synthetic.kv(lay, 64, seed=s) for s in range(3)]
     blobs = [codec.encode(k, v, fp) for k, v in chunks]
     w, slots = _write_codes(codec, fp, blobs)
@@ -254,7 +258,10 @@ def test_write_quantized_transform_codec_on_the_device(dtype):
     ref = [codec.decode(b, fp) for b in blobs]
     rk, rv = w.read(slots)
     step = 2.0**-7 if dtype == "bfloat16" else 1e-5
-    for got, want in ((rk, np.concatenate([r[0] for r in ref], axis=1)), (rv, np.concatenate([r[1] for r in ref], axis=1))):
+    for got, want in (
+        (rk, np.concatenate([r[0] for r in ref], axis=1)),
+        (rv, np.concatenate([r[1] for r in ref], axis=1)),
+    ):
         g, x = quant.to_f32(got, dtype), quant.to_f32(want, dtype)
         assert np.all(np.abs(g - x) <= np.abs(x) * step + 1e-4), float(np.abs(g - x).max())
         if dtype != "float32":  # float32 keeps each side's own rounding (the CPU sums exactly in int32)

@@ -113,5 +113,3 @@ class TestOnGpu:
     def test_engines_reported(self, real_nvdec):
         assert nvcodec.nvdec_engines(0) >= 1
         assert video.default_device() == "cuda"
-
-

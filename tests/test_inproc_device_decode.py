@@ -96,8 +96,12 @@ def test_transform_views_have_escapes_and_sinks(tmp_path):
     client, codec, keys, _, _ = _store(tmp_path, "transform")
     blobs = client.get_many(keys)
     client.close()
-    views = [codec.codes_stage(b, codec.parse(b, FP), 1, np.empty(codec.scratch_bytes(codec.parse(b, FP), 1), np.uint8))
-             for b in blobs]  # fmt: skip
+    views = [
+        codec.codes_stage(
+            b, codec.parse(b, FP), 1, np.empty(codec.scratch_bytes(codec.parse(b, FP), 1), np.uint8)
+        )
+        for b in blobs
+    ]
     assert views[0].n_sink == 1 and all(vw.n_sink == 0 for vw in views[1:])
     assert sum(vw.esc.size for vw in views) > 0 and all(vw.escapes_consistent() for vw in views)
 

@@ -125,8 +125,9 @@ _INTERPRETED_TRANSFORM = textwrap.dedent(
 
 def test_transform_kernel_matches_reference_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", _INTERPRETED_TRANSFORM], env=env, capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED_TRANSFORM], env=env, capture_output=True, text=True, timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip() == "OK 3"
 
@@ -162,7 +163,9 @@ def test_transform_reference_matches_the_codec_cpu_stage(dtype, style):
         tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
         out = torch.empty((2, 40, lay.num_kv_heads * lay.head_dim), dtype=tdt)
         q = resolve_escapes(torch.from_numpy(vw.sym.copy()), torch.from_numpy(vw.esc.copy()))
-        inverse_reference(q, torch.from_numpy(vw.scales.copy()), cos, sin, consts, lay.head_dim, codec.rope_style, True, out)
+        inverse_reference(
+            q, torch.from_numpy(vw.scales.copy()), cos, sin, consts, lay.head_dim, codec.rope_style, True, out
+        )
         raw = out.view(torch.int16 if dtype == "bfloat16" else tdt).numpy()
         for kv, want in enumerate((want_k, want_v)):
             got = raw[kv].reshape(want.shape).view(want.dtype)
@@ -174,7 +177,6 @@ def test_transform_reference_matches_the_codec_cpu_stage(dtype, style):
             assert np.all(np.abs(g - w) <= np.abs(w) * step + 1e-4), (start, kv, float(np.abs(g - w).max()))
             if dtype != "float32":  # float32 keeps each side's own rounding (the CPU sums exactly in int32)
                 assert np.mean(got != want) < 0.02
-
 
 
 def test_resolve_escapes_takes_values_in_order_and_never_faults_on_a_mismatch():

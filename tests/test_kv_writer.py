@@ -227,8 +227,15 @@ def test_write_quantized_device_equals_host_dequant(dev, dtype, params):
     codec = get_codec("quant_deflate", **params)
     chunks = [synthetic.kv(lay, 33, seed=s) for s in (1, 2)]
     s = _slots(66, 128)
-    host = writer_for(PoolTensors(*[[torch.zeros(128, lay.num_kv_heads, lay.head_dim, dtype=TD[dtype])
-                                      for _ in range(2)] for _ in "kv"]), lay)  # fmt: skip
+    host = writer_for(
+        PoolTensors(
+            *[
+                [torch.zeros(128, lay.num_kv_heads, lay.head_dim, dtype=TD[dtype]) for _ in range(2)]
+                for _ in "kv"
+            ]
+        ),
+        lay,
+    )
     kv, w = _strict(dev, lay, pool=128)
     for layer in range(2):
         views = _views(codec, fp, chunks, layer)

@@ -41,8 +41,15 @@ class FakeServer(SGLangServer):
 
 
 def _server(tmp_path, port: int = 0) -> FakeServer:
-    srv = FakeServer(ServerSpec(model_path="unused", cpu=False, port=port, startup_timeout_s=60,
-                                log_path=str(tmp_path / f"server-{port}.log")))  # fmt: skip
+    srv = FakeServer(
+        ServerSpec(
+            model_path="unused",
+            cpu=False,
+            port=port,
+            startup_timeout_s=60,
+            log_path=str(tmp_path / f"server-{port}.log"),
+        )
+    )
     srv.script, srv.marker = FAKE, str(tmp_path / "first-start")
     return srv
 

@@ -51,8 +51,11 @@ def _pool(fp, ops=None, slots=64):
     shape = (slots, lay.num_kv_heads, lay.head_dim)
     dt = torch.float32 if lay.dtype == "float32" else getattr(torch, lay.dtype)
     make = (lambda: torch.zeros(shape, dtype=dt)) if ops is None else (lambda: ops.plane(shape, dt))
-    writer = writer_for(PoolTensors([make() for _ in range(lay.num_layers)], [make() for _ in range(lay.num_layers)]),
-                        lay, ops=ops)  # fmt: skip
+    writer = writer_for(
+        PoolTensors([make() for _ in range(lay.num_layers)], [make() for _ in range(lay.num_layers)]),
+        lay,
+        ops=ops,
+    )
     return writer, torch.randperm(slots, generator=torch.Generator().manual_seed(3))
 
 

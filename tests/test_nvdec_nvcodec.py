@@ -166,8 +166,13 @@ def _fake_pynvvideocodec(
 
     def caps(**kw):
         assert kw["chromaformat"] == 3 and kw["bitdepth"] == 8
-        return {"num_decoder_engines": 7, "width_min": width_min, "height_min": width_min,
-                "width_max": 8192, "height_max": 8192}  # fmt: skip
+        return {
+            "num_decoder_engines": 7,
+            "width_min": width_min,
+            "height_min": width_min,
+            "width_max": 8192,
+            "height_max": 8192,
+        }
 
     m.GetDecoderCaps = caps
     return m

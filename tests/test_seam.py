@@ -17,15 +17,40 @@ SHIPPED = [p for d in ("sgl_remote_kv", "dpu", "nvdec", "kernels") for p in (ROO
 
 # Internal attributes of SGLang's scheduler, requests, tree, pools and batches the tier relies on.
 INTERNALS = {
-    "origin_input_ids", "waiting_queue", "tree_cache", "req_to_token", "storage_hit_length",
-    "storage_hit_start", "token_to_kv_pool_allocator", "match_prefix", "dp_tp_cpu_group",
-    "extend_num_tokens", "forward_mode", "full_untruncated_fill_ids", "req_pool_idx", "cache_salt",
-    "extra_key", "disaggregation_mode", "register_layer_transfer_counter", "layer_transfer_counter",
-    "path_device_indices", "get_kvcache", "k_buffer", "v_buffer", "_add_request_to_queue", "tree_core",
-}  # fmt: skip
+    "origin_input_ids",
+    "waiting_queue",
+    "tree_cache",
+    "req_to_token",
+    "storage_hit_length",
+    "storage_hit_start",
+    "token_to_kv_pool_allocator",
+    "match_prefix",
+    "dp_tp_cpu_group",
+    "extend_num_tokens",
+    "forward_mode",
+    "full_untruncated_fill_ids",
+    "req_pool_idx",
+    "cache_salt",
+    "extra_key",
+    "disaggregation_mode",
+    "register_layer_transfer_counter",
+    "layer_transfer_counter",
+    "path_device_indices",
+    "get_kvcache",
+    "k_buffer",
+    "v_buffer",
+    "_add_request_to_queue",
+    "tree_core",
+}
 # Entry points: hook/registry registration, the radix cache subclass, the CPU platform and attention
 # backend (which implement SGLang interfaces and receive its objects as arguments).
-ENTRY_POINTS = {"plugin.py", "scheduler_hooks.py", "radix_cache.py", "cpu_attention.py", "cpu_platform_impl.py"}
+ENTRY_POINTS = {
+    "plugin.py",
+    "scheduler_hooks.py",
+    "radix_cache.py",
+    "cpu_attention.py",
+    "cpu_platform_impl.py",
+}
 
 
 def _attribute_uses(path: Path) -> set[str]:
@@ -47,7 +72,11 @@ def test_sglang_internals_are_touched_only_in_the_seam():
         if used:
             offenders.append(f"{p.relative_to(ROOT)}: {sorted(used)}")
     assert not offenders, offenders
-    assert _attribute_uses(GLUE / "seam.py") >= {"waiting_queue", "origin_input_ids", "k_buffer"}  # walk works
+    assert _attribute_uses(GLUE / "seam.py") >= {
+        "waiting_queue",
+        "origin_input_ids",
+        "k_buffer",
+    }  # walk works
 
 
 def test_sglang_srt_is_imported_only_by_the_seam_and_the_entry_points():

@@ -17,8 +17,11 @@ from sgl_remote_kv.store.redis_store import RedisStore
 def _srkv_leftovers() -> list[str]:
     ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    return [line for line in (ns + links).splitlines() if f"srkv-{os.getpid() % 10000:04d}" in line
-            or f"srkvh{os.getpid() % 10000:04d}" in line]  # fmt: skip
+    return [
+        line
+        for line in (ns + links).splitlines()
+        if f"srkv-{os.getpid() % 10000:04d}" in line or f"srkvh{os.getpid() % 10000:04d}" in line
+    ]
 
 
 def test_fetch_through_shaped_link_is_near_the_wire_floor(tmp_path) -> None:

@@ -36,14 +36,52 @@ def _certs(d: Path) -> dict[str, str]:
         pytest.fail("openssl is needed to make the test certificates (Debian: openssl)")
     d.mkdir(parents=True, exist_ok=True)
     for ca in ("ca", "other-ca"):
-        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{d}/{ca}.key",
-                 "-out", f"{d}/{ca}.crt", "-days", "2", "-subj", f"/CN=srkv-test-{ca}")  # fmt: skip
+        _openssl(
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{d}/{ca}.key",
+            "-out",
+            f"{d}/{ca}.crt",
+            "-days",
+            "2",
+            "-subj",
+            f"/CN=srkv-test-{ca}",
+        )
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{d}/{name}.key", "-out",
-                 f"{d}/{name}.csr", "-subj", f"/CN=srkv-test-{name}")  # fmt: skip
-        _openssl("x509", "-req", "-in", f"{d}/{name}.csr", "-CA", f"{d}/ca.crt", "-CAkey", f"{d}/ca.key",
-                 "-CAcreateserial", "-out", f"{d}/{name}.crt", "-days", "2", "-extfile", f"{d}/san.ext")  # fmt: skip
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{d}/{name}.key",
+            "-out",
+            f"{d}/{name}.csr",
+            "-subj",
+            f"/CN=srkv-test-{name}",
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{d}/{name}.csr",
+            "-CA",
+            f"{d}/ca.crt",
+            "-CAkey",
+            f"{d}/ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{d}/{name}.crt",
+            "-days",
+            "2",
+            "-extfile",
+            f"{d}/san.ext",
+        )
     return {
         n: str(d / n)
         for n in ("ca.crt", "other-ca.crt", "server.crt", "server.key", "client.crt", "client.key")
@@ -60,10 +98,19 @@ def secure_redis(tmp_path_factory):
         f"user default on >{DEFAULT_PASSWORD} ~* &* +@all\nuser srkv on >{PASSWORD} ~srkv:* &* +@all\n"
     )
     extra = (
-        "--aclfile", str(acl),
-        "--tls-port", str(tls_port), "--tls-cert-file", certs["server.crt"], "--tls-key-file", certs["server.key"],
-        "--tls-ca-cert-file", certs["ca.crt"], "--tls-auth-clients", "optional",
-    )  # fmt: skip
+        "--aclfile",
+        str(acl),
+        "--tls-port",
+        str(tls_port),
+        "--tls-cert-file",
+        certs["server.crt"],
+        "--tls-key-file",
+        certs["server.key"],
+        "--tls-ca-cert-file",
+        certs["ca.crt"],
+        "--tls-auth-clients",
+        "optional",
+    )
     rs = RedisServer(d / "data", free_port(), extra_args=extra).start()
     try:
         yield rs, tls_port, certs

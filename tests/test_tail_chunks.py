@@ -79,7 +79,9 @@ def test_dpu_data_plane_fetches_full_and_tail_chunks_in_one_job_bit_exact(tmp_pa
     tokens = [CH, CH, G, G]
     keys, kv = _store_mixed(url, codec, tokens)
     cb = chunk_bytes(LAYOUT, CH)
-    spec = DataPlaneSettings(workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * cb, store_timeout_s=2.0)
+    spec = DataPlaneSettings(
+        workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * cb, store_timeout_s=2.0
+    )
     c = DpuClient(DpuClientConfig(url, dest_slots=2, dest_slot_bytes=2 * cb, process=spec), FP, codec)
     c.start()
     try:
@@ -156,8 +158,13 @@ def test_writeback_writes_the_tail_of_a_finished_request(tmp_path):
     n_tok = 2 * CH + 3 * G + 5  # 2 chunks, 3 sub-chunks, 5 tokens left over
     slots = torch.randperm(256)[:n_tok]
     r2t = types.SimpleNamespace(req_to_token=slots[None, :].clone())
-    request = types.SimpleNamespace(rid="r", cache_salt=None, extra_key=None, kv=types.SimpleNamespace(req_pool_idx=0),
-                                    full_untruncated_fill_ids=list(range(n_tok)))  # fmt: skip
+    request = types.SimpleNamespace(
+        rid="r",
+        cache_salt=None,
+        extra_key=None,
+        kv=types.SimpleNamespace(req_pool_idx=0),
+        full_untruncated_fill_ids=list(range(n_tok)),
+    )
     keys = KeySpace(FP, codec, CH)
     client = open_client(url)
     wb = WriteBack(codec, FP, client, keys, RemoteKVMetrics(), writer, r2t, 8, tail_granule=G)

@@ -44,7 +44,9 @@ def _wait_stored(store, keys_by_rank: list[list[bytes]], timeout: float = 240.0)
         have = [store.count_prefix(k) for k in keys_by_rank]
         if all(h == len(k) for h, k in zip(have, keys_by_rank, strict=True)):
             return
-        assert time.monotonic() < deadline, f"write-back incomplete: {have} of {[len(k) for k in keys_by_rank]}"
+        assert time.monotonic() < deadline, (
+            f"write-back incomplete: {have} of {[len(k) for k in keys_by_rank]}"
+        )
         time.sleep(1.0)
 
 
@@ -61,16 +63,42 @@ def test_tp3_server_reaches_the_store_only_through_a_service_in_its_own_namespac
     with shaped_link(None) as link:  # a namespace with its loopback up (and a veth nobody listens on)
         redis = RedisServer(tmp_path / "redis", free_port(), netns=link.netns).start()
         log = open(tmp_path / "service.log", "ab")
-        cmd = ["ip", "netns", "exec", link.netns, sys.executable, "-m", "sgl_remote_kv.dpu", "--endpoint", ep,
-               "--store", redis.url, "--store-endpoint", store_ep, "--cpus", SERVICE_CORE, "--log-level", "INFO"]  # fmt: skip
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            link.netns,
+            sys.executable,
+            "-m",
+            "sgl_remote_kv.dpu",
+            "--endpoint",
+            ep,
+            "--store",
+            redis.url,
+            "--store-endpoint",
+            store_ep,
+            "--cpus",
+            SERVICE_CORE,
+            "--log-level",
+            "INFO",
+        ]
         svc = subprocess.Popen(cmd, stdout=log, stderr=log)
         try:
             # 1. this namespace (the server's) has no route to the store
             assert not ping("127.0.0.1", redis.port) and not ping(link.ns_addr, redis.port)
             proxy = open_client(f"dpu+{store_ep}", ClientConfig(timeout_s=5.0, retries=2))
-            with remote_kv_server(model_dir, f"dpu+{store_ep}", "--tp", str(TP), "--remote-kv-policy-margin", "1e9",
-                                  "--remote-kv-dpu-endpoint", ep, env={"SGLANG_CPU_OMP_THREADS_BIND": BIND},
-                                  max_total_tokens=4096) as srv:  # fmt: skip
+            with remote_kv_server(
+                model_dir,
+                f"dpu+{store_ep}",
+                "--tp",
+                str(TP),
+                "--remote-kv-policy-margin",
+                "1e9",
+                "--remote-kv-dpu-endpoint",
+                ep,
+                env={"SGLANG_CPU_OMP_THREADS_BIND": BIND},
+                max_total_tokens=4096,
+            ) as srv:
                 # 2. cold, write-back through the proxy, a full remote hit on every rank
                 assert data_plane_procs(srv.proc.pid) == []
                 cold, _ = generate(srv, ids, 12)
@@ -79,7 +107,9 @@ def test_tp3_server_reaches_the_store_only_through_a_service_in_its_own_namespac
                 flush_cache(srv)
                 hit, _ = generate(srv, ids, 12)
                 assert storage_tokens(hit) == usable * CHUNK, hit["meta_info"]
-                assert hit["output_ids"] == cold["output_ids"], "remote KV at TP=3 (lossless, fp32) must be exact"
+                assert hit["output_ids"] == cold["output_ids"], (
+                    "remote KV at TP=3 (lossless, fp32) must be exact"
+                )
                 # 3. the service hung: a miss; resumed: hits again
                 os.kill(svc.pid, signal.SIGSTOP)
                 try:

@@ -27,19 +27,41 @@ def test_tp3_server_attached_to_one_service_with_the_store_only_through_it(model
     store_dir = tmp_path / "store"
     ep, store_ep = f"ipc://{tmp_path}/dpu.sock", f"ipc://{tmp_path}/store.sock"
     log = open(tmp_path / "service.log", "ab")
-    cmd = [sys.executable, "-m", "sgl_remote_kv.dpu", "--endpoint", ep, "--store", f"file://{store_dir}",
-           "--store-endpoint", store_ep, "--log-level", "INFO"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "sgl_remote_kv.dpu",
+        "--endpoint",
+        ep,
+        "--store",
+        f"file://{store_dir}",
+        "--store-endpoint",
+        store_ep,
+        "--log-level",
+        "INFO",
+    ]
     svc = subprocess.Popen(cmd, stdout=log, stderr=log)
     ids = _ids(model_dir, DOC_A + QUESTION)
     usable = (len(ids) - 1) // CHUNK
     try:
-        with remote_kv_server(model_dir, f"dpu+{store_ep}", "--tp", str(TP), "--remote-kv-policy-margin", "1e9",
-                              "--remote-kv-dpu-endpoint", ep, env={"SGLANG_CPU_OMP_THREADS_BIND": BIND},
-                              max_total_tokens=4096) as srv:  # fmt: skip
+        with remote_kv_server(
+            model_dir,
+            f"dpu+{store_ep}",
+            "--tp",
+            str(TP),
+            "--remote-kv-policy-margin",
+            "1e9",
+            "--remote-kv-dpu-endpoint",
+            ep,
+            env={"SGLANG_CPU_OMP_THREADS_BIND": BIND},
+            max_total_tokens=4096,
+        ) as srv:
             assert data_plane_procs(srv.proc.pid) == []  # every rank attached, none spawned its own
             cold, _ = generate(srv, ids, 12)
             assert storage_tokens(cold) == 0
-            _wait_stored(store_dir, [_rank_keys(model_dir, ids, r) for r in range(TP)])  # 3 shards, via the proxy
+            _wait_stored(
+                store_dir, [_rank_keys(model_dir, ids, r) for r in range(TP)]
+            )  # 3 shards, via the proxy
             flush_cache(srv)
             hit, _ = generate(srv, ids, 12)
             assert storage_tokens(hit) == usable * CHUNK, hit["meta_info"]

@@ -71,8 +71,16 @@ def _scenario_divergence(rank: int, ag: Agreement) -> list:
     return [ag.divergences]
 
 
-SCENARIOS = {f.__name__: f for f in (_scenario_pending, _scenario_miss, _scenario_choice,
-                                      _scenario_collectives, _scenario_divergence)}  # fmt: skip
+SCENARIOS = {
+    f.__name__: f
+    for f in (
+        _scenario_pending,
+        _scenario_miss,
+        _scenario_choice,
+        _scenario_collectives,
+        _scenario_divergence,
+    )
+}
 
 
 def _worker(rank: int, size: int, init_file: str, name: str, results) -> None:

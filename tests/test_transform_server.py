@@ -27,7 +27,14 @@ def test_transform_codec_serves_remote_hits_at_its_level(model_dir, tmp_path, ou
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     calibration.find_for(fingerprint_for(Path(model_dir), cfg), "0.002")  # `make calibration` ran
     tok = AutoTokenizer.from_pretrained(model_dir)
-    extra = ("--remote-kv-policy-margin", "1e9", "--remote-kv-quality", "0.002", "--remote-kv-dpu-output", output)
+    extra = (
+        "--remote-kv-policy-margin",
+        "1e9",
+        "--remote-kv-quality",
+        "0.002",
+        "--remote-kv-dpu-output",
+        output,
+    )
     with remote_kv_server(model_dir, f"file://{tmp_path}/store", *extra, codec="transform") as srv:
         case = make_case(tok, "transform-codec")
         flush_cache(srv)

@@ -66,7 +66,14 @@ def _walk(args, adm: scan.AdminStore, deep: bool) -> list[Entry]:
 # -- stats ------------------------------------------------------------------------------------------
 def stats(entries: list[Entry], now: float) -> dict:
     groups: dict[tuple[str, str, str], dict] = defaultdict(
-        lambda: {"chunks": 0, "stored_bytes": 0, "raw_bytes": 0, "tokens": 0, "oldest_s": None, "newest_s": None}
+        lambda: {
+            "chunks": 0,
+            "stored_bytes": 0,
+            "raw_bytes": 0,
+            "tokens": 0,
+            "oldest_s": None,
+            "newest_s": None,
+        }
     )
     kinds = Counter(e.kind.value for e in entries)
     for e in entries:
@@ -81,9 +88,16 @@ def stats(entries: list[Entry], now: float) -> dict:
             age = max(0.0, now - e.written_at)
             g["oldest_s"] = age if g["oldest_s"] is None else max(g["oldest_s"], age)
             g["newest_s"] = age if g["newest_s"] is None else min(g["newest_s"], age)
-    rows = [{"fingerprint": fp, "codec": codec, "tenant": tenant, **g,
-             "ratio": round(g["raw_bytes"] / g["stored_bytes"], 3) if g["stored_bytes"] else None}
-            for (fp, codec, tenant), g in sorted(groups.items())]  # fmt: skip
+    rows = [
+        {
+            "fingerprint": fp,
+            "codec": codec,
+            "tenant": tenant,
+            **g,
+            "ratio": round(g["raw_bytes"] / g["stored_bytes"], 3) if g["stored_bytes"] else None,
+        }
+        for (fp, codec, tenant), g in sorted(groups.items())
+    ]
     return {"values": len(entries), "by_kind": dict(kinds), "groups": rows}
 
 
@@ -97,12 +111,16 @@ def _age(s: float | None) -> str:
 
 
 def _print_stats(report: dict) -> None:
-    print(f"{report['values']} values: " + ", ".join(f"{k} {v}" for k, v in sorted(report["by_kind"].items())))
+    print(
+        f"{report['values']} values: " + ", ".join(f"{k} {v}" for k, v in sorted(report["by_kind"].items()))
+    )
     head = f"{'fingerprint':16}  {'codec':13}  {'tenant':16}  {'chunks':>7}  {'tokens':>9}  {'stored MB':>9}  {'ratio':>6}  {'oldest':>7}  {'newest':>7}"
     print(head)
     for r in report["groups"]:
-        print(f"{r['fingerprint']:16}  {r['codec']:13}  {r['tenant']:16}  {r['chunks']:7d}  {r['tokens']:9d}  "
-              f"{r['stored_bytes'] / 1e6:9.2f}  {r['ratio'] or 0:6.2f}  {_age(r['oldest_s']):>7}  {_age(r['newest_s']):>7}")  # fmt: skip
+        print(
+            f"{r['fingerprint']:16}  {r['codec']:13}  {r['tenant']:16}  {r['chunks']:7d}  {r['tokens']:9d}  "
+            f"{r['stored_bytes'] / 1e6:9.2f}  {r['ratio'] or 0:6.2f}  {_age(r['oldest_s']):>7}  {_age(r['newest_s']):>7}"
+        )
 
 
 def cmd_stats(args) -> int:
@@ -118,12 +136,19 @@ def cmd_verify(args) -> int:
         entries = _walk(args, adm, deep=True)
         bad = [e for e in entries if e.kind.failed]
         deleted = _delete(adm, [e.key for e in bad], recheck=True) if bad and args.delete else 0
-    report = {"values": len(entries), "failed": dict(Counter(e.kind.value for e in bad)), "deleted": deleted,
-              "failures": [{"key": e.key.hex(), "kind": e.kind.value, "detail": e.detail} for e in bad]}  # fmt: skip
+    report = {
+        "values": len(entries),
+        "failed": dict(Counter(e.kind.value for e in bad)),
+        "deleted": deleted,
+        "failures": [{"key": e.key.hex(), "kind": e.kind.value, "detail": e.detail} for e in bad],
+    }
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        print(f"{len(entries)} values checked, {len(bad)} failed" + (f", {deleted} deleted" if args.delete else ""))
+        print(
+            f"{len(entries)} values checked, {len(bad)} failed"
+            + (f", {deleted} deleted" if args.delete else "")
+        )
         for e in bad[:50]:
             print(f"  {e.key.hex()}  {e.kind.value}  {e.detail}")
         if len(bad) > 50:
@@ -142,14 +167,21 @@ def selector(args, now: float):
     cutoff = now - parse_age(args.older_than) if args.older_than else None
     fp = args.fingerprint.lower() if args.fingerprint else None
     if fp is not None and (not fp or fp.strip("0123456789abcdef")):
-        raise ValueError(f"--fingerprint must be a hex prefix (as `stats` prints it), got {args.fingerprint!r}")
+        raise ValueError(
+            f"--fingerprint must be a hex prefix (as `stats` prints it), got {args.fingerprint!r}"
+        )
     if not (tags or cutoff is not None or fp):
-        raise ValueError("evict needs at least one of --fingerprint, --tenant/--extra-key, --shared, --older-than")
+        raise ValueError(
+            "evict needs at least one of --fingerprint, --tenant/--extra-key, --shared, --older-than"
+        )
 
     def pick(e: Entry) -> bool:
-        return (e.kind.is_chunk and (fp is None or e.fingerprint.startswith(fp))
-                and (not tags or e.tenant_tag in tags)
-                and (cutoff is None or (e.written_at is not None and e.written_at < cutoff)))  # fmt: skip
+        return (
+            e.kind.is_chunk
+            and (fp is None or e.fingerprint.startswith(fp))
+            and (not tags or e.tenant_tag in tags)
+            and (cutoff is None or (e.written_at is not None and e.written_at < cutoff))
+        )
 
     return pick
 
@@ -160,8 +192,12 @@ def cmd_evict(args) -> int:
         chosen = [e for e in _walk(args, adm, deep=False) if pick(e)]
         if chosen and not args.dry_run:
             _delete(adm, [e.key for e in chosen])
-    report = {"matched": len(chosen), "deleted": 0 if args.dry_run else len(chosen),
-              "bytes": sum(e.size for e in chosen), "tokens": sum(e.tokens for e in chosen)}  # fmt: skip
+    report = {
+        "matched": len(chosen),
+        "deleted": 0 if args.dry_run else len(chosen),
+        "bytes": sum(e.size for e in chosen),
+        "tokens": sum(e.tokens for e in chosen),
+    }
     if args.json:
         print(json.dumps(report, indent=1))
     else:
@@ -178,8 +214,11 @@ def _delete(adm: scan.AdminStore, keys: list[bytes], recheck: bool = False) -> i
         batch = keys[i : i + 256]
         if recheck:
             values = adm.store.get_many(batch)
-            batch = [k for k, v in zip(batch, values, strict=True)
-                     if v is not None and scan.classify(k, v, adm.secret).kind.failed]  # fmt: skip
+            batch = [
+                k
+                for k, v in zip(batch, values, strict=True)
+                if v is not None and scan.classify(k, v, adm.secret).kind.failed
+            ]
         adm.store.delete_many(batch)
         n += len(batch)
     return n
@@ -198,8 +237,10 @@ def cmd_warm(args) -> int:
 
     def show(r) -> None:
         if not args.json:
-            print(f"{r.document}: {r.prompt_tokens} prompt tokens, {r.chunks_written} chunks written, "
-                  f"{r.chunks_present} already stored")  # fmt: skip
+            print(
+                f"{r.document}: {r.prompt_tokens} prompt tokens, {r.chunks_written} chunks written, "
+                f"{r.chunks_present} already stored"
+            )
 
     results = warm(args.server, docs, args.chat, args.tenant_salt, args.tenant_key, on_done=show)
     if args.json:
@@ -210,9 +251,11 @@ def cmd_warm(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="sgl-remote-kv-admin", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    for name, fn, doc in (("stats", cmd_stats, "chunks, bytes, ratio and age per model / codec / tenant"),
-                          ("verify", cmd_verify, "check every value (MAC, framing, header, layer CRCs)"),
-                          ("evict", cmd_evict, "delete chunks by model, tenant or age")):  # fmt: skip
+    for name, fn, doc in (
+        ("stats", cmd_stats, "chunks, bytes, ratio and age per model / codec / tenant"),
+        ("verify", cmd_verify, "check every value (MAC, framing, header, layer CRCs)"),
+        ("evict", cmd_evict, "delete chunks by model, tenant or age"),
+    ):
         p = sub.add_parser(name, help=doc)
         p.add_argument("--store", required=True, help="store URL (as the server's --remote-kv-store)")
         p.add_argument("--json", action="store_true", help="machine output")
@@ -222,7 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "evict":
             p.add_argument("--fingerprint", help="model fingerprint (hex prefix, as `stats` prints it)")
             p.add_argument("--tenant", metavar="CACHE_SALT", help="the tenant's cache_salt")
-            p.add_argument("--extra-key", dest="tenant_key", help="the tenant's extra_key (with or without --tenant)")
+            p.add_argument(
+                "--extra-key", dest="tenant_key", help="the tenant's extra_key (with or without --tenant)"
+            )
             p.add_argument("--shared", action="store_true", help="chunks of requests without a tenant salt")
             p.add_argument("--older-than", metavar="AGE", help="written longer ago than AGE (30m, 12h, 7d)")
             p.add_argument("--dry-run", action="store_true", help="say what would be deleted")

@@ -147,12 +147,22 @@ def classify(key: bytes, raw: bytes, secret: bytes | None, deep: bool = True) ->
         codec = codec_class(hdr.codec_id).name
     except KeyError:
         codec = f"unknown:{hdr.codec_id}"
-    return Entry(key, ValueKind.V1_CHUNK if v1 else ValueKind.CHUNK, size, when, tag, hdr.fingerprint_digest.hex(),
-                 codec, hdr.num_tokens, hdr.num_tokens * hdr.layout.bytes_per_token())  # fmt: skip
+    return Entry(
+        key,
+        ValueKind.V1_CHUNK if v1 else ValueKind.CHUNK,
+        size,
+        when,
+        tag,
+        hdr.fingerprint_digest.hex(),
+        codec,
+        hdr.num_tokens,
+        hdr.num_tokens * hdr.layout.bytes_per_token(),
+    )
 
 
-def walk(adm: AdminStore, deep: bool = True, batch: int = 256,
-         progress: Callable[[int], None] | None = None) -> Iterator[Entry]:  # fmt: skip
+def walk(
+    adm: AdminStore, deep: bool = True, batch: int = 256, progress: Callable[[int], None] | None = None
+) -> Iterator[Entry]:
     """Every value of the store, classified (values deleted meanwhile are skipped)."""
     for keys in adm.store.scan(batch):
         for key, raw in zip(keys, adm.store.get_many(keys), strict=True):

@@ -25,7 +25,9 @@ class WarmResult:
 
 
 def _post(url: str, body: dict, timeout: float) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 
@@ -34,14 +36,18 @@ def _counters(server: str) -> tuple[float, float]:
     with urllib.request.urlopen(server + "/metrics", timeout=30) as r:
         text = r.read().decode()
     if "sglang:remote_kv_written_chunks_total" not in text:
-        raise RuntimeError(f"{server} exports no remote-KV write-back metrics: is it a --remote-kv server "
-                           "started with --enable-metrics?")  # fmt: skip
+        raise RuntimeError(
+            f"{server} exports no remote-KV write-back metrics: is it a --remote-kv server "
+            "started with --enable-metrics?"
+        )
 
     def total(pattern: str) -> float:
         return sum(float(v) for v in re.findall(pattern, text, re.M))
 
-    return (total(r"^sglang:remote_kv_written_chunks_total\S*\s+(\S+)$"),
-            total(r'^sglang:remote_kv_writeback_skipped_total\{[^}]*reason="present"[^}]*\}\s+(\S+)$'))  # fmt: skip
+    return (
+        total(r"^sglang:remote_kv_written_chunks_total\S*\s+(\S+)$"),
+        total(r'^sglang:remote_kv_writeback_skipped_total\{[^}]*reason="present"[^}]*\}\s+(\S+)$'),
+    )
 
 
 def _settle(server: str, quiet_s: float, timeout_s: float) -> tuple[float, float]:
@@ -57,9 +63,16 @@ def _settle(server: str, quiet_s: float, timeout_s: float) -> tuple[float, float
     raise RuntimeError(f"the write-back of {server} did not settle in {timeout_s:.0f} s")
 
 
-def warm(server: str, documents: list[tuple[str, str]], chat: bool = False, cache_salt: str | None = None,
-         extra_key: str | None = None, quiet_s: float = 2.0, timeout_s: float = 600.0,
-         on_done=None) -> list[WarmResult]:  # fmt: skip
+def warm(
+    server: str,
+    documents: list[tuple[str, str]],
+    chat: bool = False,
+    cache_salt: str | None = None,
+    extra_key: str | None = None,
+    quiet_s: float = 2.0,
+    timeout_s: float = 600.0,
+    on_done=None,
+) -> list[WarmResult]:
     """Send each ``(name, text)`` through ``server``; ``on_done(result)`` after each one."""
     server = server.rstrip("/")
     tenancy = {k: v for k, v in (("cache_salt", cache_salt), ("extra_key", extra_key)) if v is not None}
@@ -68,8 +81,13 @@ def warm(server: str, documents: list[tuple[str, str]], chat: bool = False, cach
     out = []
     for name, text in documents:
         if chat:
-            body = {"model": model, "messages": [{"role": "system", "content": text}], "max_tokens": 1,
-                    "temperature": 0, **tenancy}  # fmt: skip
+            body = {
+                "model": model,
+                "messages": [{"role": "system", "content": text}],
+                "max_tokens": 1,
+                "temperature": 0,
+                **tenancy,
+            }
             tokens = _field(_post(server + "/v1/chat/completions", body, timeout_s), "usage", "prompt_tokens")
         else:
             body = {"text": text, "sampling_params": {"max_new_tokens": 1, "temperature": 0}, **tenancy}

@@ -135,8 +135,9 @@ class Agreement:
         self.collectives += 1
         if int(t[0, 0]) != -int(t[0, 1]):
             self.divergences += 1
-            logger.error("remote KV: TP ranks disagree on the parked set (digest mismatch); pass %d",
-                         self.collectives)  # fmt: skip
+            logger.error(
+                "remote KV: TP ranks disagree on the parked set (digest mismatch); pass %d", self.collectives
+            )
         return [
             Verdict(int(r[0]), int(r[1]) == 1, int(r[2]), tuple(int(x) for x in r[_HEAD:])) for r in t[1:]
         ]

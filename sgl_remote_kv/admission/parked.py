@@ -60,4 +60,3 @@ class ParkedRequest:
 
     def enter(self, phase: Phase, now: float) -> None:
         self.phase, self.since = phase, now
-

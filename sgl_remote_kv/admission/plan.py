@@ -59,7 +59,9 @@ class FetchPlanner:
                 path = self.c.paths[name]
                 memo = (path.codec.name, self.granule(path))
                 if memo not in seen:
-                    seen[memo] = self._found(ids, salt, local_chunks, chain[name], path.codec, memo[1], errors)
+                    seen[memo] = self._found(
+                        ids, salt, local_chunks, chain[name], path.codec, memo[1], errors
+                    )
                 out[name] = seen[memo]
             if errors and not any(out.values()):
                 raise StoreError(f"remote KV lookup failed ({errors[0]})")

@@ -50,7 +50,14 @@ def model_key(fp: ModelFingerprint) -> bytes:
     """What a calibration is bound to: the model, not the KV dtype or the TP rank (a rank uses its head
     group, ``group_of``)."""
     lay = fp.layout
-    ident = [FORMAT, fp.architecture, fp.weights_id, lay.num_layers, lay.num_kv_heads * fp.tp_size, lay.head_dim]
+    ident = [
+        FORMAT,
+        fp.architecture,
+        fp.weights_id,
+        lay.num_layers,
+        lay.num_kv_heads * fp.tp_size,
+        lay.head_dim,
+    ]
     return hashlib.sha256(b"sgl-remote-kv/calibration\x00" + json.dumps(ident).encode()).digest()
 
 
@@ -147,7 +154,9 @@ class Calibration:
 
     def check_level(self, level: str) -> None:
         if level not in self.steps:
-            raise CalibrationError(f"calibration {self.calib_id.hex()} has no level {level} (has {self.levels})")
+            raise CalibrationError(
+                f"calibration {self.calib_id.hex()} has no level {level} (has {self.levels})"
+            )
 
     def encode_tables(self, level: str) -> tuple[np.ndarray, np.ndarray]:
         """(freq [N, S], cum [N, S+1]) for ``rans.encode``; context of (layer, kv, channel c of all heads)
@@ -167,7 +176,9 @@ class Calibration:
         with self._lock:
             t = self._decode.get(level)
             if t is None:
-                cum16, bucket, ok = rans.build_decode_tables(self.freq[level].reshape(-1, SYMBOLS), self.prob_bits)
+                cum16, bucket, ok = rans.build_decode_tables(
+                    self.freq[level].reshape(-1, SYMBOLS), self.prob_bits
+                )
                 if not ok:
                     raise CalibrationError("bad frequency table")
                 t = self._decode[level] = (cum16, bucket)
@@ -180,7 +191,9 @@ class Calibration:
         with self._lock:
             t = self._inverse.get((level, layer))
             if t is None:
-                t = self._inverse[level, layer] = InverseTables.build(self.steps[level][layer], self.basis[layer])
+                t = self._inverse[level, layer] = InverseTables.build(
+                    self.steps[level][layer], self.basis[layer]
+                )
             return t
 
     def ctx0(self, layer: int, kv: int, group: int) -> int:
@@ -191,9 +204,16 @@ class Calibration:
         d = Path(directory) if directory else default_dir()
         d.mkdir(parents=True, exist_ok=True)
         path = d / f"{self.calib_id.hex()}.npz"
-        meta = {"format": FORMAT, "model_key": self.model_key.hex(), "rope": json.loads(self.rope.canonical()),
-                "report": self.report, "prob_bits": self.prob_bits, "sinks": self.sinks, "levels": sorted(self.steps),
-                "calib_id": self.calib_id.hex()}  # fmt: skip
+        meta = {
+            "format": FORMAT,
+            "model_key": self.model_key.hex(),
+            "rope": json.loads(self.rope.canonical()),
+            "report": self.report,
+            "prob_bits": self.prob_bits,
+            "sinks": self.sinks,
+            "levels": sorted(self.steps),
+            "calib_id": self.calib_id.hex(),
+        }
         arrays = {"mean": self.mean, "basis": self.basis}
         for lv in self.steps:
             arrays[f"steps_{lv}"], arrays[f"freq_{lv}"] = self.steps[lv], self.freq[lv]
@@ -211,9 +231,17 @@ class Calibration:
                 if meta.get("format") != FORMAT:
                     raise CalibrationError(f"{path}: calibration format {meta.get('format')} != {FORMAT}")
                 levels = [str(lv) for lv in meta["levels"]]
-                c = cls(bytes.fromhex(meta["model_key"]), RopeSpec(**meta["rope"]), z["mean"], z["basis"],
-                        {lv: z[f"steps_{lv}"] for lv in levels}, {lv: z[f"freq_{lv}"] for lv in levels},
-                        str(meta["report"]), int(meta["sinks"]), int(meta["prob_bits"]))  # fmt: skip
+                c = cls(
+                    bytes.fromhex(meta["model_key"]),
+                    RopeSpec(**meta["rope"]),
+                    z["mean"],
+                    z["basis"],
+                    {lv: z[f"steps_{lv}"] for lv in levels},
+                    {lv: z[f"freq_{lv}"] for lv in levels},
+                    str(meta["report"]),
+                    int(meta["sinks"]),
+                    int(meta["prob_bits"]),
+                )
         except CalibrationError:
             raise
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -301,5 +329,7 @@ def find_for(fp: ModelFingerprint, level: str = DEFAULT_LEVEL) -> Calibration:
         )
     with_level = [c for c in hits if level in c.steps]
     if not with_level:
-        raise CalibrationError(f"the calibrations of this model have no level {level} (have {hits[-1].levels})")
+        raise CalibrationError(
+            f"the calibrations of this model have no level {level} (have {hits[-1].levels})"
+        )
     return with_level[-1]

@@ -46,8 +46,9 @@ _EMPTY16 = np.empty((1, 1, 1), np.uint16)
 
 
 @njit(nogil=True, cache=True)
-def _decode_group(acc, wi, col, scale, sym, esc, n, tot, mean, cos, sin, style, rope, head_dim, mode, g, out32,
-                  out16):  # fmt: skip
+def _decode_group(
+    acc, wi, col, scale, sym, esc, n, tot, mean, cos, sin, style, rope, head_dim, mode, g, out32, out16
+):
     """One head group ``g``: ``acc`` [T, 2 * gd] int32 (hi | lo sums), ``wi`` [gd, gd] int32 (the group's decode
     matrix as integers), ``sym`` [gd, T] (its symbols), escapes from ``esc[n]`` on (component-major), ``tot``
     [T, gd] int64 work, ``mean`` [gd] -> ``out32[:, g]`` (mode 0, float32) or ``out16[:, g]`` (1 fp16 / 2
@@ -129,8 +130,19 @@ class InverseTables:
             a.setflags(write=False)
         return cls(w2, wi, col, weff)
 
-    def decode(self, kv: int, group: int, sym: np.ndarray, esc: np.ndarray, scale: np.ndarray, mean: np.ndarray,
-               rope: tuple[np.ndarray, np.ndarray, int] | None, head_dim: int, mode: int, out: np.ndarray) -> int:  # fmt: skip
+    def decode(
+        self,
+        kv: int,
+        group: int,
+        sym: np.ndarray,
+        esc: np.ndarray,
+        scale: np.ndarray,
+        mean: np.ndarray,
+        rope: tuple[np.ndarray, np.ndarray, int] | None,
+        head_dim: int,
+        mode: int,
+        out: np.ndarray,
+    ) -> int:
         """``sym`` [n_g * gd, T] uint8 (component-major), ``esc`` int16 escape values, ``scale`` [T] float32,
         ``mean`` [n_g, gd] float32, ``rope`` (cos, sin, style) of the T positions or ``None`` (V) -> ``out``
         [T, n_g, gd]: float32 (``mode`` 0) or uint16 holding fp16 (1) / bf16 (2) bits. Returns the escapes
@@ -146,8 +158,26 @@ class InverseTables:
             gsym = sym[g * gd : (g + 1) * gd]
             np.bitwise_xor(gsym, 0x80, out=codes)
             _int_gemm(codes_t, self.w2[kv, group + g], acc)
-            used = _decode_group(acc_np, self.wi[kv, group + g], self.col[kv, group + g], scale, gsym, esc, used,
-                                 tot, mean[g], cos, sin, style, rope is not None, head_dim, mode, g, out32, out16)  # fmt: skip
+            used = _decode_group(
+                acc_np,
+                self.wi[kv, group + g],
+                self.col[kv, group + g],
+                scale,
+                gsym,
+                esc,
+                used,
+                tot,
+                mean[g],
+                cos,
+                sin,
+                style,
+                rope is not None,
+                head_dim,
+                mode,
+                g,
+                out32,
+                out16,
+            )
             if used < 0:
                 break
         return used

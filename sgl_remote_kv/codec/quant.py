@@ -348,7 +348,9 @@ class QuantCodec(Codec):
         """Codes and scales of one decoded layer (views into ``decoded``); ``CorruptChunk`` if malformed."""
         lay = header.layout
         buf = np.asarray(decoded, dtype=np.uint8)
-        return split_layer(self.spec, buf, layer, header.num_tokens, lay.num_kv_heads, lay.head_dim, lay.itemsize)
+        return split_layer(
+            self.spec, buf, layer, header.num_tokens, lay.num_kv_heads, lay.head_dim, lay.itemsize
+        )
 
     def dequant_stage(
         self, header: ChunkHeader, layer: int, decoded, out_k: np.ndarray, out_v: np.ndarray

@@ -23,7 +23,6 @@ from sgl_remote_kv.types import ModelFingerprint
 logger = logging.getLogger(__name__)
 
 
-
 class QuantDeflateCodec(quant.QuantCodec):
     name = "quant_deflate"
     codec_id = 2

@@ -67,8 +67,13 @@ class TransformCodec(Codec):
     codec_id = 6
     device_dequant = True
 
-    def __init__(self, calibration: str, quality: str = calib_mod.DEFAULT_LEVEL, entropy: str = "deflate",
-                 level: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        calibration: str,
+        quality: str = calib_mod.DEFAULT_LEVEL,
+        entropy: str = "deflate",
+        level: int = 1,
+    ) -> None:
         if entropy not in ENTROPY:
             raise ValueError(f"entropy must be one of {ENTROPY}")
         if quality not in calib_mod.LEVELS:
@@ -80,8 +85,13 @@ class TransformCodec(Codec):
         self.cal, self.quality, self.entropy, self.level = cal, quality, entropy, int(level)
 
     @classmethod
-    def for_model(cls, fp: ModelFingerprint, quality: str = calib_mod.DEFAULT_LEVEL, entropy: str = "deflate",
-                  rope: RopeSpec | None = None) -> TransformCodec:  # fmt: skip
+    def for_model(
+        cls,
+        fp: ModelFingerprint,
+        quality: str = calib_mod.DEFAULT_LEVEL,
+        entropy: str = "deflate",
+        rope: RopeSpec | None = None,
+    ) -> TransformCodec:
         """The codec of ``fp``'s newest calibration; ``CalibrationError`` when there is none, it lacks
         ``quality``, or its RoPE is not ``rope`` (the model's)."""
         cal = calib_mod.find_for(fp, quality)
@@ -120,13 +130,18 @@ class TransformCodec(Codec):
         if not 0 <= start < 1 << 31:
             raise ValueError(f"start {start} out of range")
         group = calib_mod.group_of(fingerprint, self.cal.groups, self.cal.group_dim)
-        sections = [self.encode_layer(k[i], v[i], i, fingerprint, start, group) for i in range(lay.num_layers)]
-        return pack(self.codec_id, self.params_bytes(), fingerprint, k.shape[1], sections,
-                    aux_id=self.cal.calib_id)  # fmt: skip
+        sections = [
+            self.encode_layer(k[i], v[i], i, fingerprint, start, group) for i in range(lay.num_layers)
+        ]
+        return pack(
+            self.codec_id, self.params_bytes(), fingerprint, k.shape[1], sections, aux_id=self.cal.calib_id
+        )
 
     def encode_layer(self, k, v, layer, fingerprint, start: int = 0, group: int | None = None) -> bytes:
         lay = fingerprint.layout
-        group = calib_mod.group_of(fingerprint, self.cal.groups, self.cal.group_dim) if group is None else group
+        group = (
+            calib_mod.group_of(fingerprint, self.cal.groups, self.cal.group_dim) if group is None else group
+        )
         t_n = k.shape[0]
         c_n = lay.num_kv_heads * lay.head_dim
         gs = slice(group, group + c_n // self.cal.group_dim)
@@ -136,8 +151,10 @@ class TransformCodec(Codec):
             freq, _ = self.cal.encode_tables(self.quality)
         else:
             freq = np.empty((0, calib_mod.SYMBOLS), np.uint16)
-        ys = [ops.forward(self.cal, layer, kv, group, quant.to_f32(a, lay.dtype).copy(), start)
-              for kv, a in enumerate((k, v))]  # fmt: skip
+        ys = [
+            ops.forward(self.cal, layer, kv, group, quant.to_f32(a, lay.dtype).copy(), start)
+            for kv, a in enumerate((k, v))
+        ]
         sfmt, sbytes, scales = ops.code_scales([ops.token_rms(y, n_sink) for y in ys])
         syms, escs = [], []
         for kv, y in enumerate(ys):
@@ -149,17 +166,25 @@ class TransformCodec(Codec):
                 raise ValueError(f"layer {layer}: KV too far from the calibration to encode ({n})")
             syms.append(sym)
             escs.append(esc[:n])
-        prefix = b"".join([PRE.pack(start, t_n, c_n, sfmt, n_sink, layer, group, escs[0].size, escs[1].size),
-                           sbytes, *(e.tobytes() for e in escs),
-                           np.ascontiguousarray(k[:n_sink]).tobytes(), np.ascontiguousarray(v[:n_sink]).tobytes()])  # fmt: skip
+        prefix = b"".join(
+            [
+                PRE.pack(start, t_n, c_n, sfmt, n_sink, layer, group, escs[0].size, escs[1].size),
+                sbytes,
+                *(e.tobytes() for e in escs),
+                np.ascontiguousarray(k[:n_sink]).tobytes(),
+                np.ascontiguousarray(v[:n_sink]).tobytes(),
+            ]
+        )
         if self.entropy == "deflate":
-            return lz.pack_streams(lz.DEFLATE, self.level, [prefix, syms[0].tobytes(), syms[1].tobytes()],
-                                   huffman_only=(1, 2))  # fmt: skip
+            return lz.pack_streams(
+                lz.DEFLATE, self.level, [prefix, syms[0].tobytes(), syms[1].tobytes()], huffman_only=(1, 2)
+            )
         fl, cum = self.cal.encode_tables(self.quality)
         words = []
         for kv, sym in enumerate(syms):
-            w, ok = rans.encode(np.ascontiguousarray(sym.T), self.cal.ctx0(layer, kv, group), fl, cum,
-                                self.cal.prob_bits)  # fmt: skip
+            w, ok = rans.encode(
+                np.ascontiguousarray(sym.T), self.cal.ctx0(layer, kv, group), fl, cum, self.cal.prob_bits
+            )
             if not ok:
                 raise ValueError(f"layer {layer}: a symbol has zero probability")
             words.append(w)
@@ -170,7 +195,9 @@ class TransformCodec(Codec):
     def _check_slice(self, layer: int, group: int, c_n: int) -> None:
         gd = self.cal.group_dim
         if layer >= self.cal.num_layers or c_n % gd or c_n == 0 or group + c_n // gd > self.cal.groups:
-            raise CorruptChunk(f"section layer {layer} / group {group} / {c_n} channels outside the calibration")
+            raise CorruptChunk(
+                f"section layer {layer} / group {group} / {c_n} channels outside the calibration"
+            )
 
     def scratch_bytes(self, header: ChunkHeader, layer: int) -> int:
         lay = header.layout
@@ -201,8 +228,14 @@ class TransformCodec(Codec):
         for kv, count in enumerate((kw, vw)):
             dst = np.empty((t_n, c_n), np.uint8)
             words = np.frombuffer(section, np.uint16, count, o) if count else np.empty(0, np.uint16)
-            rc = rans.decode(words if words.ctypes.data % 2 == 0 else words.copy(),
-                             self.cal.ctx0(layer, kv, group), cum16, bucket, self.cal.prob_bits, dst)  # fmt: skip
+            rc = rans.decode(
+                words if words.ctypes.data % 2 == 0 else words.copy(),
+                self.cal.ctx0(layer, kv, group),
+                cum16,
+                bucket,
+                self.cal.prob_bits,
+                dst,
+            )
             if rc != 0:
                 raise CorruptChunk(f"rANS stream {kv} is corrupt ({rc})")
             out[prefix_len + kv * n : prefix_len + (kv + 1) * n] = dst.T.reshape(-1)
@@ -237,8 +270,9 @@ class TransformCodec(Codec):
         o += 2 * (nk + nv)
         sinks = buf[o : o + 2 * sink_bytes].reshape(2, n_sink, c_n * lay.itemsize)
         o += 2 * sink_bytes
-        return TransformView(self, layer, group, start, n_sink, sc, esc, nk, sinks,
-                             buf[o:].reshape(2, c_n, t_n))  # fmt: skip
+        return TransformView(
+            self, layer, group, start, n_sink, sc, esc, nk, sinks, buf[o:].reshape(2, c_n, t_n)
+        )
 
     def dequant_stage(self, header: ChunkHeader, layer: int, decoded, out_k, out_v) -> None:
         self._check_out(header, out_k, out_v)
@@ -255,8 +289,13 @@ class TransformCodec(Codec):
 
         gs = slice(group, group + n_g)
         weff = self.cal.inverse_tables(self.quality, layer).weff[:, gs]  # the decode matrix, steps folded in
-        return TransformConsts.build(np.ones(weff.shape[:-1], np.float32), weff.swapaxes(-1, -2),
-                                     self.cal.mean[layer, :, gs], self.cal.head_dim, ops.rope_style(self.cal.rope))  # fmt: skip
+        return TransformConsts.build(
+            np.ones(weff.shape[:-1], np.float32),
+            weff.swapaxes(-1, -2),
+            self.cal.mean[layer, :, gs],
+            self.cal.head_dim,
+            ops.rope_style(self.cal.rope),
+        )
 
 
 @dataclass(frozen=True)
@@ -286,8 +325,10 @@ class TransformView:
 
     def escapes_consistent(self) -> bool:
         """Every escape symbol has its value and no value is left over (a device cannot check it)."""
-        return all(int(np.count_nonzero(self.sym[kv] == ops.ESC)) == n
-                   for kv, n in enumerate((self.nk, self.esc.size - self.nk)))  # fmt: skip
+        return all(
+            int(np.count_nonzero(self.sym[kv] == ops.ESC)) == n
+            for kv, n in enumerate((self.nk, self.esc.size - self.nk))
+        )
 
     def dequant_into(self, dtype: str, out_k: np.ndarray, out_v: np.ndarray) -> None:
         """The CPU dequant stage into ``out_k``/``out_v`` ([T, H, D] of ``dtype``'s storage, C-contiguous)."""
@@ -302,9 +343,18 @@ class TransformView:
         escs = (self.esc[: self.nk], self.esc[self.nk :])
         for kv, out in enumerate((out_k, out_v)):
             flat = out.reshape(t_n, n_g, gd)
-            used = tables.decode(kv, self.group, self.sym[kv], escs[kv], self.scales[kv], cal.mean[self.layer, kv, gs],
-                                 (cos, sin, style) if kv == 0 else None, cal.head_dim, mode,
-                                 flat if mode == 0 else flat.view(np.uint16))  # fmt: skip
+            used = tables.decode(
+                kv,
+                self.group,
+                self.sym[kv],
+                escs[kv],
+                self.scales[kv],
+                cal.mean[self.layer, kv, gs],
+                (cos, sin, style) if kv == 0 else None,
+                cal.head_dim,
+                mode,
+                flat if mode == 0 else flat.view(np.uint16),
+            )
             if used != escs[kv].size:
                 raise CorruptChunk("escape count does not match the symbols")
             if self.n_sink:

@@ -94,13 +94,18 @@ def apply_rope(x: np.ndarray, rope: RopeSpec, start: int, sign: float) -> None:
     rotate(x, cos, sin, rope_style(rope), np.float32(sign))
 
 
-def forward(cal: calib_mod.Calibration, layer: int, kv: int, group: int, x: np.ndarray, start: int) -> np.ndarray:
+def forward(
+    cal: calib_mod.Calibration, layer: int, kv: int, group: int, x: np.ndarray, start: int
+) -> np.ndarray:
     """Position-free, centred, transformed ``x`` ([T, H, D] float32 of the head groups from ``group`` on,
     modified in place for K): [groups, T, C] coefficients. Shared by the encoder and the calibration."""
     if kv == 0:
         apply_rope(x, cal.rope, start, -1.0)
     g = x.shape[1] * x.shape[2] // cal.group_dim
-    xc = x.reshape(x.shape[0], g, cal.group_dim).transpose(1, 0, 2) - cal.mean[layer, kv, group : group + g, None]
+    xc = (
+        x.reshape(x.shape[0], g, cal.group_dim).transpose(1, 0, 2)
+        - cal.mean[layer, kv, group : group + g, None]
+    )
     return np.matmul(xc, cal.basis[layer, kv, group : group + g])
 
 
@@ -144,8 +149,13 @@ def code_scales(rms: list[np.ndarray]) -> tuple[int, bytes, list[np.ndarray]]:
     logs = [_log8(r) for r in rms]
     if all(lg is not None for lg in logs):
         back = [base * _LOG8[e] for base, e in logs]
-        return SCALE_LOG8, b"".join([np.asarray([b for b, _ in logs], np.float32).tobytes(),
-                                     *(e.tobytes() for _, e in logs)]), back  # fmt: skip
+        return (
+            SCALE_LOG8,
+            b"".join(
+                [np.asarray([b for b, _ in logs], np.float32).tobytes(), *(e.tobytes() for _, e in logs)]
+            ),
+            back,
+        )
     fmt, dt = (SCALE_FP16, np.float16) if all(np.all(r <= 65504.0) for r in rms) else (SCALE_FP32, np.float32)
     stored = [r.astype(dt) for r in rms]
     return fmt, b"".join(a.tobytes() for a in stored), [a.astype(np.float32) for a in stored]
@@ -162,12 +172,16 @@ def read_scales(buf: np.ndarray, offset: int, fmt: int, tokens: int) -> np.ndarr
         base = np.frombuffer(buf, np.float32, 2, offset)
         codes = np.frombuffer(buf, np.uint8, 2 * tokens, offset + 8).reshape(2, tokens)
         return base[:, None] * _LOG8[codes]
-    return np.frombuffer(buf, np.float32 if fmt == SCALE_FP32 else np.float16, 2 * tokens, offset).astype(
-        np.float32).reshape(2, tokens)  # fmt: skip
+    return (
+        np.frombuffer(buf, np.float32 if fmt == SCALE_FP32 else np.float16, 2 * tokens, offset)
+        .astype(np.float32)
+        .reshape(2, tokens)
+    )
 
 
-def roundtrip(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np.ndarray, start: int = 0,
-              group: int = 0) -> np.ndarray:  # fmt: skip
+def roundtrip(
+    cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np.ndarray, start: int = 0, group: int = 0
+) -> np.ndarray:
     """What encoding then decoding ``x`` ([T, H, D] float32 of one layer's K (kv=0) or V of one head group)
     gives back, in float32 (before the storage dtype's rounding), through the codec's own kernels
     (escapes unbounded). For the calibration, which scores candidate steps with the model."""
@@ -185,15 +199,17 @@ def roundtrip(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np
     out = np.empty((t_n, y.shape[0], cal.group_dim), np.float32)
     cos, sin = rope_tables(cal.rope, start, t_n)
     rope = (cos, sin, rope_style(cal.rope)) if kv == 0 else None
-    cal.inverse_tables(level, layer).decode(kv, group, sym, esc[:n], s, cal.mean[layer, kv, gs], rope, cal.head_dim, 0,
-                                            out)  # fmt: skip
+    cal.inverse_tables(level, layer).decode(
+        kv, group, sym, esc[:n], s, cal.mean[layer, kv, gs], rope, cal.head_dim, 0, out
+    )
     out = out.reshape(x.shape)
     out[:n_sink] = x[:n_sink]
     return out
 
 
-def symbols(cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np.ndarray, start: int = 0,
-            group: int = 0) -> np.ndarray:  # fmt: skip
+def symbols(
+    cal: calib_mod.Calibration, level: str, layer: int, kv: int, x: np.ndarray, start: int = 0, group: int = 0
+) -> np.ndarray:
     """The symbols [C, T] the Deflate variant would code for ``x``; for fitting rANS tables."""
     t_n, c_n = x.shape[0], x.shape[1] * x.shape[2]
     y = forward(cal, layer, kv, group, np.array(x, np.float32), start)

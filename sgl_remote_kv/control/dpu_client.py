@@ -92,7 +92,9 @@ class DpuClientConfig:
         if self.endpoint and not self.endpoint.startswith(("ipc://", "tcp://")):
             raise ValueError(f"data-plane endpoint must be ipc:// or tcp://, got {self.endpoint!r}")
         if self.endpoint.startswith("tcp://") and not self.auth_key_file:
-            raise ValueError("a tcp:// data-plane endpoint needs an auth key file (--remote-kv-auth-key-file)")
+            raise ValueError(
+                "a tcp:// data-plane endpoint needs an auth key file (--remote-kv-auth-key-file)"
+            )
 
 
 class DpuClient:
@@ -157,8 +159,9 @@ class DpuClient:
         shm_names.sweep_stale_dirs()
         nbytes = cfg.dest_slots * (cfg.dest_slot_bytes + cfg.blob_slot_bytes)
         self.dest = DestRegion.create(nbytes, shm_names.region_name())
-        self.io = RoundIO(self.dest, self.layout, cfg.dest_slot_bytes, cfg.dest_slots, cfg.blob_slot_bytes,
-                          self.codec)  # fmt: skip
+        self.io = RoundIO(
+            self.dest, self.layout, cfg.dest_slot_bytes, cfg.dest_slots, cfg.blob_slot_bytes, self.codec
+        )
         self.book = RoundBook(
             self.layout,
             self.io,
@@ -257,8 +260,9 @@ class DpuClient:
             raise ValueError("need one token count per key and at least one key")
         if target is not None and len(target.kv_slots) < sum(tokens):
             raise ValueError("target.kv_slots shorter than the fetched tokens")
-        h = FetchHandle(self.cv, request_id, list(keys), tokens, self.layout.num_layers, target,
-                        self._wants_codes(target))  # fmt: skip
+        h = FetchHandle(
+            self.cv, request_id, list(keys), tokens, self.layout.num_layers, target, self._wants_codes(target)
+        )
         with self.cv:
             if target is not None and not any(w is target.writer for w in self._writers):
                 target.writer.register_host(self.dest.array)
@@ -319,8 +323,17 @@ class DpuClient:
         name = self.dest.name.lstrip("/")
         fp = self._wire_fp
         return P.SubmitFetch(
-            r.job, h.request_id, self.codec_name, self.codec_params, fp, name, dests, blob_off, blob_cap, h.output
-        )  # fmt: skip
+            r.job,
+            h.request_id,
+            self.codec_name,
+            self.codec_params,
+            fp,
+            name,
+            dests,
+            blob_off,
+            blob_cap,
+            h.output,
+        )
 
     # ---- receiver thread ---------------------------------------------------------------------------
     def _receiver(self) -> None:
@@ -473,8 +486,9 @@ class DpuClient:
             self.cv.notify_all()
         if why is not None:
             self.counters["restarts"] += 1
-            logger.warning("reconnecting to the data-plane service %s (%s; %d rounds lost)", self.cfg.endpoint,
-                           why, lost)  # fmt: skip
+            logger.warning(
+                "reconnecting to the data-plane service %s (%s; %d rounds lost)", self.cfg.endpoint, why, lost
+            )
             if self.on_restart is not None:
                 self.on_restart(why)
         self._proc.stop(kill=True)

@@ -216,9 +216,14 @@ class AttachedService(_Link):
 
 class DataPlaneProcess(_Link):
     def __init__(
-        self, ctx: zmq.Context, spec: DataPlaneSettings, store_url: str, register: P.Register, tmp: str,
+        self,
+        ctx: zmq.Context,
+        spec: DataPlaneSettings,
+        store_url: str,
+        register: P.Register,
+        tmp: str,
         warm: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(ctx, register)
         self.spec, self.store_url = spec, store_url
         self.warm = warm

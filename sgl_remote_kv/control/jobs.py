@@ -66,8 +66,12 @@ class HostRound:
     slot: int = -1
     job: int = 0
     last_event: float = 0.0
-    chunk_layers: list[bytearray] = field(default_factory=list)  # per chunk of the round, per layer: LayerWrite
-    code_lengths: list[list[int]] = field(default_factory=list)  # fetched as codes: per chunk, per layer, bytes
+    chunk_layers: list[bytearray] = field(
+        default_factory=list
+    )  # per chunk of the round, per layer: LayerWrite
+    code_lengths: list[list[int]] = field(
+        default_factory=list
+    )  # fetched as codes: per chunk, per layer, bytes
     terminal: bool = False
 
 
@@ -95,7 +99,9 @@ class FetchHandle:
         self.failures: dict[int, str] = {}
         self.wire_bytes = [0] * len(keys)
         self.first_fail = len(keys)
-        self.in_pool = [bytearray(num_layers) for _ in keys]  # per chunk, per layer: 1 once the write returned
+        self.in_pool = [
+            bytearray(num_layers) for _ in keys
+        ]  # per chunk, per layer: 1 once the write returned
         self.layer_ready = [0] * num_layers  # per layer: leading chunks whose layer is in the pool
         self.rounds: list[HostRound] = []
         self.cancelled = False

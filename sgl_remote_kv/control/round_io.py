@@ -29,8 +29,15 @@ class RoundIO:
     """Slot ``s`` of the region: decoded KV at ``s * slot_bytes``; its blob area (layer-wise only) at
     ``slots * slot_bytes + s * blob_bytes``, where the data plane copies the round's verified blobs."""
 
-    def __init__(self, dest: DestRegion, layout: KVLayout, slot_bytes: int, slots: int = 0, blob_bytes: int = 0,
-                 codec=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dest: DestRegion,
+        layout: KVLayout,
+        slot_bytes: int,
+        slots: int = 0,
+        blob_bytes: int = 0,
+        codec=None,
+    ) -> None:
         self.dest, self.layout, self.slot_bytes, self.codec = dest, layout, slot_bytes, codec
         self.slots, self.blob_bytes = slots, blob_bytes
         self.dtype = numpy_storage_dtype(layout.dtype)
@@ -55,7 +62,9 @@ class RoundIO:
             raise ChunkError("verified chunk holds the wrong number of tokens")
         return blobs, headers
 
-    def chunk_dests(self, r: HostRound, keys: list[bytes], tokens: list[int], codes: bool = False) -> list[P.ChunkDest]:
+    def chunk_dests(
+        self, r: HostRound, keys: list[bytes], tokens: list[int], codes: bool = False
+    ) -> list[P.ChunkDest]:
         """Where the data plane writes each chunk of round ``r`` (``codes``: the round is fetched as codes)."""
         lay = self.layout
         stride = layer_bytes(lay, r.tokens)
@@ -81,8 +90,18 @@ class RoundIO:
         v = self.dest.array[base + n : base + 2 * n].view(self.dtype).reshape(shape)
         return k, v
 
-    def write_layers(self, slot: int, r: HostRound, c0: int, c1: int, lo: int, hi: int, t0: int, n_tok: int,
-                     target: KVTarget) -> None:  # fmt: skip
+    def write_layers(
+        self,
+        slot: int,
+        r: HostRound,
+        c0: int,
+        c1: int,
+        lo: int,
+        hi: int,
+        t0: int,
+        n_tok: int,
+        target: KVTarget,
+    ) -> None:
         """Layers ``lo..hi`` of the round's chunks ``c0..c1`` (``n_tok`` tokens from the round's token ``t0``,
         in ``slot``) into the pool (raises ``KVWriteError``)."""
         kv_slots = target.kv_slots[r.token_lo + t0 : r.token_lo + t0 + n_tok]
@@ -102,9 +121,13 @@ class RoundIO:
             off, area = self._codes_area(slot, t, tokens[c])
             at, n = off + layer * area, r.code_lengths[c][layer]
             if not 0 < n <= area:
-                raise KVWriteError(f"chunk {r.chunk_lo + c} layer {layer}: {n} bytes of codes in a {area}-byte area")
+                raise KVWriteError(
+                    f"chunk {r.chunk_lo + c} layer {layer}: {n} bytes of codes in a {area}-byte area"
+                )
             try:
-                views.append(self.codec.view(ChunkShape(self.layout, tokens[c]), layer, self.dest.array[at : at + n]))
+                views.append(
+                    self.codec.view(ChunkShape(self.layout, tokens[c]), layer, self.dest.array[at : at + n])
+                )
             except ChunkError as e:  # the data plane's output does not parse: the round is a miss
                 raise KVWriteError(f"chunk {r.chunk_lo + c} layer {layer}: {e}") from e
             t += tokens[c]

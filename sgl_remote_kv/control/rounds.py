@@ -104,7 +104,9 @@ class RoundBook:
         for regions in plan_rounds(h.chunk_tokens, self.layout, self.slot_bytes, 1.0):
             n = sum(r.tokens for r in regions)
             r = HostRound(h, regions[0].index, regions[-1].index + 1, t, n)
-            r.chunk_layers = [bytearray(self.layout.num_layers) for _ in range(r.chunk_hi - r.chunk_lo)]  # ABSENT
+            r.chunk_layers = [
+                bytearray(self.layout.num_layers) for _ in range(r.chunk_hi - r.chunk_lo)
+            ]  # ABSENT
             if h.codes:
                 r.code_lengths = [[0] * self.layout.num_layers for _ in range(r.chunk_hi - r.chunk_lo)]
             h.rounds.append(r)
@@ -292,8 +294,9 @@ class RoundBook:
         """Run ``op`` (outside ``cv``; receiver thread): (the write's error or None, seconds)."""
         t0 = time.perf_counter()
         try:
-            self.io.write_layers(op.slot, op.round, op.c0, op.c1, op.lo, op.hi, op.t0, op.tokens,
-                                 op.round.handle.target)  # fmt: skip
+            self.io.write_layers(
+                op.slot, op.round, op.c0, op.c1, op.lo, op.hi, op.t0, op.tokens, op.round.handle.target
+            )
         except KVWriteError as e:
             return e, time.perf_counter() - t0
         return None, time.perf_counter() - t0

@@ -82,10 +82,13 @@ class CudaOps:
 
     def constant(self, array: np.ndarray) -> torch.Tensor:
         self._here()
-        return torch.from_numpy(np.array(array)).to(self.device, non_blocking=False)  # np.array: a writable copy
+        return torch.from_numpy(np.array(array)).to(
+            self.device, non_blocking=False
+        )  # np.array: a writable copy
 
-    def inverse_transform(self, sym, esc, scales, cos, sin, consts, head_dim: int, style: int, sinks,
-                          out: torch.Tensor) -> None:  # fmt: skip
+    def inverse_transform(
+        self, sym, esc, scales, cos, sin, consts, head_dim: int, style: int, sinks, out: torch.Tensor
+    ) -> None:
         self._here()
         with torch.cuda.stream(self.stream):  # q is allocated on this stream: freed in its order
             q = resolve_escapes(sym, esc)

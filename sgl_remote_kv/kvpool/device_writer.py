@@ -60,8 +60,9 @@ class DeviceOps(Protocol):
     def dequant(self, codes, scales, m: int, cs, out: torch.Tensor) -> None: ...  # kernels/dequant.py
     def constant(self, array: np.ndarray) -> torch.Tensor: ...  # a device copy, complete on return
     # kernels/transform.py: escapes resolved, inverse transform into ``out`` [2, t, C], sinks put over it
-    def inverse_transform(self, sym, esc, scales, cos, sin, consts, head_dim: int, style: int, sinks,
-                          out: torch.Tensor) -> None: ...  # fmt: skip
+    def inverse_transform(
+        self, sym, esc, scales, cos, sin, consts, head_dim: int, style: int, sinks, out: torch.Tensor
+    ) -> None: ...
 
 
 class DeviceKVWriter(KVWriter):
@@ -69,7 +70,9 @@ class DeviceKVWriter(KVWriter):
 
     device_dequant = True
 
-    def __init__(self, pool: PoolTensors, layout: KVLayout, ops: DeviceOps, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, pool: PoolTensors, layout: KVLayout, ops: DeviceOps, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> None:
         super().__init__(pool, layout, timeout_s)
         self.ops = ops
         self.torch_dtype = TORCH_DTYPES[layout.dtype]
@@ -162,7 +165,10 @@ class DeviceKVWriter(KVWriter):
         lay = self.layout
         t, c = len(slots), lay.num_kv_heads * lay.head_dim
         cs = [[vw.k_cs] for vw in views] if views[0].k_cs.size else []
-        parts = [[slots.numpy()], *([getattr(vw, f) for vw in views] for f in ("k_codes", "v_codes", "k_scales", "v_scales"))]
+        parts = [
+            [slots.numpy()],
+            *([getattr(vw, f) for vw in views] for f in ("k_codes", "v_codes", "k_scales", "v_scales")),
+        ]
         dtypes = [np.int64, np.uint8, np.uint8, np.float32, np.float32, *(np.float32 for _ in cs)]
         out_bytes = 2 * t * c * self.storage.itemsize
         dev, regions, n_in = self._upload_parts([*parts, *cs], out_bytes, dtypes)
@@ -193,18 +199,39 @@ class DeviceKVWriter(KVWriter):
                 raise KVWriteError(f"layer {layer}: a chunk's escape count does not match its symbols")
         codec, lay = views[0].codec, self.layout
         t, c = len(slots), lay.num_kv_heads * lay.head_dim
-        consts = self._transform_consts(codec, layer, views[0].group, views[0].groups)  # may refuse: before staging
+        consts = self._transform_consts(
+            codec, layer, views[0].group, views[0].groups
+        )  # may refuse: before staging
         parts = [[slots.numpy()]]
         for vw in views:
-            parts += [[a] for a in (vw.sym, vw.esc, vw.scales, *rope_tables(codec.cal.rope, vw.start, vw.tokens), vw.sinks)]
+            parts += [
+                [a]
+                for a in (
+                    vw.sym,
+                    vw.esc,
+                    vw.scales,
+                    *rope_tables(codec.cal.rope, vw.start, vw.tokens),
+                    vw.sinks,
+                )
+            ]
         out_bytes = 2 * t * c * self.storage.itemsize
         dev, regions, n_in = self._upload_parts(parts, out_bytes)
         out = dev[n_in : n_in + out_bytes].view(self.torch_dtype).view(2, t, c)
         lo = 0
         for i, vw in enumerate(views):
             sym, esc, scales, cos, sin, sinks = regions[1 + 6 * i : 7 + 6 * i]
-            self.ops.inverse_transform(sym, esc, scales, cos, sin, consts, lay.head_dim, codec.rope_style, sinks,
-                                       out[:, lo : lo + vw.tokens])  # fmt: skip
+            self.ops.inverse_transform(
+                sym,
+                esc,
+                scales,
+                cos,
+                sin,
+                consts,
+                lay.head_dim,
+                codec.rope_style,
+                sinks,
+                out[:, lo : lo + vw.tokens],
+            )
             lo += vw.tokens
         self._scatter_layer(out, regions[0], layer)
         self._complete([layer], f"transform-coded KV write of layer {layer}")
@@ -220,8 +247,9 @@ class DeviceKVWriter(KVWriter):
         self.ops.scatter(src, [self.pool.k[layer], self.pool.v[layer]], d_slots)
         self.stats["device_dequant"] += 1
 
-    def _upload_parts(self, parts: list[list[np.ndarray]], out_bytes: int, dtypes: list | None = None
-                      ) -> tuple[torch.Tensor, list[torch.Tensor], int]:  # fmt: skip
+    def _upload_parts(
+        self, parts: list[list[np.ndarray]], out_bytes: int, dtypes: list | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor], int]:
         """Each part (its pieces stacked along axis 0, cast to ``dtypes[i]``, default the first piece's dtype)
         written straight into the pinned staging buffer at an aligned offset, all uploaded in one H2D copy
         into the device staging buffer, which holds ``out_bytes`` more after them (from the returned
@@ -241,8 +269,10 @@ class DeviceKVWriter(KVWriter):
                 lo += a.shape[0]
         dev = self._device_buffer(n + out_bytes)
         self.ops.upload(dev[:n], self._host[:n])
-        views = [dev[o : o + nbytes].view(_TORCH[dt]).view(sh)
-                 for o, nbytes, sh, dt in zip(offs, sizes, shapes, dtypes, strict=True)]  # fmt: skip
+        views = [
+            dev[o : o + nbytes].view(_TORCH[dt]).view(sh)
+            for o, nbytes, sh, dt in zip(offs, sizes, shapes, dtypes, strict=True)
+        ]
         return dev, views, n
 
     def _transform_consts(self, codec, layer: int, group: int, n_g: int):
@@ -284,7 +314,9 @@ class DeviceKVWriter(KVWriter):
 
     def _device_buffer(self, nbytes: int) -> torch.Tensor:
         if self._dev.numel() < nbytes:
-            if self._late_pending():  # a timed-out copy may still land in the old buffer: never free it under it
+            if (
+                self._late_pending()
+            ):  # a timed-out copy may still land in the old buffer: never free it under it
                 raise KVWriteError("device writes still pending after a timeout; not growing staging")
             self._dev = self.ops.device_empty(_grow(nbytes))
         return self._dev
@@ -327,8 +359,12 @@ class DeviceKVWriter(KVWriter):
         return k, v
 
 
-_TORCH = {np.dtype(np.uint8): torch.uint8, np.dtype(np.int16): torch.int16, np.dtype(np.float32): torch.float32,
-          np.dtype(np.int64): torch.int64}  # fmt: skip
+_TORCH = {
+    np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.int16): torch.int16,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.int64): torch.int64,
+}
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -182,7 +182,9 @@ class HostKVWriter(KVWriter):
         return k, v
 
 
-def writer_for(pool: PoolTensors, layout: KVLayout, timeout_s: float = DEFAULT_TIMEOUT_S, ops=None) -> KVWriter:
+def writer_for(
+    pool: PoolTensors, layout: KVLayout, timeout_s: float = DEFAULT_TIMEOUT_S, ops=None
+) -> KVWriter:
     """The writer for the pool's device: ``HostKVWriter`` on CPU, ``DeviceKVWriter`` over ``ops`` on a
     device (``cuda_ops.CudaOps`` unless given: the test suite passes its strict CPU double)."""
     dev = pool.k[0].device

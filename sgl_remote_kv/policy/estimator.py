@@ -303,8 +303,13 @@ class Policy:
                     loser, loser_gain = d, gain
             if best.path == "recompute" and loser is not None:
                 probe = self._probe_due(now)
-                best = Decision(loser.path if probe else "recompute", loser.est_fetch_s, loser.est_recompute_s,
-                                loser.est_decode_s, probe)  # fmt: skip
+                best = Decision(
+                    loser.path if probe else "recompute",
+                    loser.est_fetch_s,
+                    loser.est_recompute_s,
+                    loser.est_decode_s,
+                    probe,
+                )
                 if probe:
                     self.last_probe, self.probes = now, self.probes + 1
         logger.debug("policy: options %s depth %s link %.3g s/B -> %s", options, queue_depth, spb, best)

@@ -195,11 +195,22 @@ class CpuPrefixAttnBackend(TorchNativeAttnBackend):
         if encoder_lens is not None or is_cross_attn:
             self._fallback("encoder-decoder/cross-attention extend")
             return super()._run_sdpa_forward_extend(
-                query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                extend_prefix_lens, extend_seq_lens, encoder_lens, scaling=scaling,
-                enable_gqa=enable_gqa, causal=causal, is_cross_attn=is_cross_attn,
+                query,
+                output,
+                k_cache,
+                v_cache,
+                req_to_token,
+                req_pool_indices,
+                seq_lens,
+                extend_prefix_lens,
+                extend_seq_lens,
+                encoder_lens,
+                scaling=scaling,
+                enable_gqa=enable_gqa,
+                causal=causal,
+                is_cross_attn=is_cross_attn,
                 sliding_window_size=sliding_window_size,
-            )  # fmt: skip
+            )
         q_lens = [int(n) for n in extend_seq_lens.tolist()]
         plan = self._get_plan("extend", req_to_token, req_pool_indices, seq_lens, q_lens)
         window = sliding_window_size if causal else None
@@ -243,10 +254,20 @@ class CpuPrefixAttnBackend(TorchNativeAttnBackend):
         if encoder_lens is not None or is_cross_attn:
             self._fallback("encoder-decoder/cross-attention decode")
             return super()._run_sdpa_forward_decode(
-                query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                encoder_lens, scaling=scaling, enable_gqa=enable_gqa, causal=causal,
-                is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size,
-            )  # fmt: skip
+                query,
+                output,
+                k_cache,
+                v_cache,
+                req_to_token,
+                req_pool_indices,
+                seq_lens,
+                encoder_lens,
+                scaling=scaling,
+                enable_gqa=enable_gqa,
+                causal=causal,
+                is_cross_attn=is_cross_attn,
+                sliding_window_size=sliding_window_size,
+            )
         plan = self._get_plan("decode", req_to_token, req_pool_indices, seq_lens, None)
         window = sliding_window_size
         for i in range(len(plan.q_lens)):

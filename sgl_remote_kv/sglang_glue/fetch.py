@@ -55,8 +55,14 @@ class FetchHandle:
     decoded_here = True  # the decode ran in this process (``decode_s`` is its time)
     direct = False  # the backend writes the KV into ``kv_slots`` itself (nothing staged to install)
 
-    def __init__(self, request_id: str, n_chunks: int, start_token: int, chunk_size: int,
-                 tokens: list[int] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        request_id: str,
+        n_chunks: int,
+        start_token: int,
+        chunk_size: int,
+        tokens: list[int] | None = None,
+    ) -> None:
         self.request_id = request_id
         self.n_chunks = n_chunks
         self.start_token = start_token
@@ -151,8 +157,9 @@ class FetchBackend(Protocol):
     direct: bool  # True: the KV lands in the reserved kv_slots (DPU, NVDEC); else it is staged
     tails: bool  # True: ``submit`` takes chunks of different token counts (tail sub-chunks)
 
-    def submit(self, request_id: str, keys: list[bytes], start_token: int, kv_slots,
-               tokens: list[int] | None = None) -> FetchHandle: ...  # fmt: skip
+    def submit(
+        self, request_id: str, keys: list[bytes], start_token: int, kv_slots, tokens: list[int] | None = None
+    ) -> FetchHandle: ...
 
     def queue_depth(self) -> int: ...
 
@@ -171,8 +178,15 @@ class ThreadedFetchBackend:
     tails = True
     label = "fetch"
 
-    def __init__(self, client, codec: Codec, fingerprint: ModelFingerprint, chunk_size: int,
-                 workers: int = 1, on_done=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client,
+        codec: Codec,
+        fingerprint: ModelFingerprint,
+        chunk_size: int,
+        workers: int = 1,
+        on_done=None,
+    ) -> None:
         self.client = client
         self.codec = codec
         self.fingerprint = fingerprint
@@ -186,8 +200,14 @@ class ThreadedFetchBackend:
         with self._lock:
             return self._pending
 
-    def submit(self, request_id: str, keys: list[bytes], start_token: int, kv_slots=None,
-               tokens: list[int] | None = None) -> FetchHandle:  # fmt: skip
+    def submit(
+        self,
+        request_id: str,
+        keys: list[bytes],
+        start_token: int,
+        kv_slots=None,
+        tokens: list[int] | None = None,
+    ) -> FetchHandle:
         """Queue a fetch; ``kv_slots``: the reserved KV slots of its tokens (used by direct backends);
         ``tokens``: per-chunk token counts (default: full chunks)."""
         if tokens is not None and not self.tails and set(tokens) != {self.chunk_size}:

@@ -39,8 +39,15 @@ class DpuFetchHandle(FetchHandle):
     direct = True  # the KV lands in the caller's slots (written by the client's receiver thread)
     decoded_here = False  # the data plane decodes: its time is part of ``fetch_s``
 
-    def __init__(self, client, inner, start_token: int, chunk_size: int, bytes_per_token: int,
-                 tokens: list[int] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client,
+        inner,
+        start_token: int,
+        chunk_size: int,
+        bytes_per_token: int,
+        tokens: list[int] | None = None,
+    ) -> None:
         self._client, self._inner = client, inner
         self._fb, self._fs = 0, 0.0  # fetched bytes / seconds, once done
         super().__init__(inner.request_id, inner.num_chunks, start_token, chunk_size, tokens)
@@ -122,13 +129,19 @@ class DpuFetchBackend:
         return int(st.get("pending_rounds", 0)) + int(st.get("inflight_rounds", 0))
 
     def submit(
-        self, request_id: str, keys: list[bytes], start_token: int, kv_slots: torch.Tensor,
+        self,
+        request_id: str,
+        keys: list[bytes],
+        start_token: int,
+        kv_slots: torch.Tensor,
         tokens: list[int] | None = None,
     ) -> FetchHandle:
         from sgl_remote_kv.control.jobs import KVTarget
 
         target = KVTarget(self.kv_writer, kv_slots.to("cpu", torch.int64))  # host copy, on this thread
-        inner = self.client.submit(request_id, list(keys), list(tokens) if tokens else self.chunk_size, target)
+        inner = self.client.submit(
+            request_id, list(keys), list(tokens) if tokens else self.chunk_size, target
+        )
         bpt = self.client.layout.bytes_per_token()
         return DpuFetchHandle(self.client, inner, start_token, self.chunk_size, bpt, tokens)
 
@@ -156,13 +169,21 @@ def start_dpu_backend(
         # tier's --remote-kv-auth-key-file); else spawn a private data plane with the settings above
         key_file = config.auth_key_file if config.dpu_endpoint else ""
         cfg = DpuClientConfig(
-            store_url=config.resolved_store_url(), process=spec, endpoint=config.dpu_endpoint, auth_key_file=key_file,
+            store_url=config.resolved_store_url(),
+            process=spec,
+            endpoint=config.dpu_endpoint,
+            auth_key_file=key_file,
             output=config.dpu_output,
-        )  # fmt: skip
+        )
         if config.layerwise:  # host copies of verified blobs: compressed size <= decoded size here
             cfg = dataclasses.replace(cfg, blob_slot_bytes=cfg.dest_slot_bytes)
         client = DpuClient(
-            cfg, fingerprint, codec, on_event=on_done, on_store_error=on_store_error, on_restart=on_restart,
+            cfg,
+            fingerprint,
+            codec,
+            on_event=on_done,
+            on_store_error=on_store_error,
+            on_restart=on_restart,
             on_write=on_write,
         )
         client.start()

@@ -44,8 +44,14 @@ def read(client, fingerprint: ModelFingerprint) -> bytes | None:
 class GenerationWatch:
     """Follows the store generation into ``keys`` (a ``runtime.KeySpace``); see module docstring."""
 
-    def __init__(self, client, fingerprint: ModelFingerprint, keys, interval_s: float = POLL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client,
+        fingerprint: ModelFingerprint,
+        keys,
+        interval_s: float = POLL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.client, self.fingerprint, self.keys = client, fingerprint, keys
         self.interval_s, self.clock = interval_s, clock
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="srkv-generation")
@@ -58,8 +64,11 @@ class GenerationWatch:
             seen = self._pending.result()  # ``read`` never raises
             self._pending = None
             if seen is not None and seen != self.keys.generation:
-                logger.info("remote tier: store generation changed (%s -> %s): chunks stored before are retired",
-                            self.keys.generation.hex()[:8] or "0", seen.hex()[:8] or "0")  # fmt: skip
+                logger.info(
+                    "remote tier: store generation changed (%s -> %s): chunks stored before are retired",
+                    self.keys.generation.hex()[:8] or "0",
+                    seen.hex()[:8] or "0",
+                )
                 self.keys.set_generation(seen)
         now = self.clock()
         if self._pending is None and now - self._last >= self.interval_s:

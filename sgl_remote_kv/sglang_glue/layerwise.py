@@ -96,8 +96,12 @@ class LayerwiseInstalls:
             logger.debug(
                 "layer-wise install of %s complete %.3f s after admission (fallback %s; decode %.3f s, "
                 "write %.3f s)",
-                p.handle.request_id, time.monotonic() - p.admitted, p.fell_back, p.decode_s, p.write_s,
-            )  # fmt: skip
+                p.handle.request_id,
+                time.monotonic() - p.admitted,
+                p.fell_back,
+                p.decode_s,
+                p.write_s,
+            )
 
     def set_consumer(self, index: int) -> None:  # HiCache API; unused
         pass
@@ -131,15 +135,19 @@ class LayerwiseInstalls:
                         self._write(p, layer, h.k[layer : layer + 1, :n], h.v[layer : layer + 1, :n])
                     except KVWriteError as e:
                         self.metrics.failure("write")
-                        logger.warning("layer-wise write of %s failed (%s); decoding in-process", h.request_id, e)
+                        logger.warning(
+                            "layer-wise write of %s failed (%s); decoding in-process", h.request_id, e
+                        )
                         self._decode_layer(p, layer)
             else:
                 if not p.fell_back:
                     p.fell_back = True
                     p.handle.cancel()
                     self.metrics.failure("layerwise_fallback")
-                    logger.warning("layer-wise fetch %s: backend failed/stalled; decoding in-process",
-                                   p.handle.request_id)  # fmt: skip
+                    logger.warning(
+                        "layer-wise fetch %s: backend failed/stalled; decoding in-process",
+                        p.handle.request_id,
+                    )
                 self._decode_layer(p, layer)
             self.kv_writer.wait_layer(layer)
             p.next_layer = layer + 1

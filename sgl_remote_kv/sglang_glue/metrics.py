@@ -183,7 +183,9 @@ def _build_prometheus() -> dict:
         "store_errors": Counter(
             p + "store_errors", "Failed store calls (each became a miss or a dropped write)", ["op", "kind"]
         ),
-        "hit_tokens": Counter(p + "hit_tokens", "Prompt tokens served from the remote KV tier, by codec", ["codec"]),
+        "hit_tokens": Counter(
+            p + "hit_tokens", "Prompt tokens served from the remote KV tier, by codec", ["codec"]
+        ),
         "hit_chunks": Counter(p + "hit_chunks", "Chunks served from the remote KV tier, by codec", ["codec"]),
         "hit_tokens_by_quality": Counter(
             p + "hit_tokens_by_quality",
@@ -192,7 +194,9 @@ def _build_prometheus() -> dict:
             ["quality"],
         ),
         "exact_requests": Counter(
-            p + "exact_requests", "Requests that demanded exact KV (custom_params remote_kv=exact)", ["outcome"]
+            p + "exact_requests",
+            "Requests that demanded exact KV (custom_params remote_kv=exact)",
+            ["outcome"],
         ),
         "fetched_bytes": Counter(p + "fetched_bytes", "Compressed bytes fetched from the store"),
         "decoded_bytes": Counter(p + "decoded_bytes", "KV bytes produced by decoding fetched chunks"),
@@ -202,11 +206,15 @@ def _build_prometheus() -> dict:
             p + "dedup_followers", "Requests that waited on another request's in-flight fetch"
         ),
         "store_breaker": Gauge(
-            p + "store_breaker_state", "Store client circuit breaker: 0 closed, 1 half-open, 2 open (worst rank)",
-            ["circuit"], multiprocess_mode="livemax",
+            p + "store_breaker_state",
+            "Store client circuit breaker: 0 closed, 1 half-open, 2 open (worst rank)",
+            ["circuit"],
+            multiprocess_mode="livemax",
         ),
         "slot_waits": Counter(p + "slot_waits", "Fetches that waited for KV slots before they started"),
-        "dataplane_restarts": Counter(p + "dataplane_restarts", "DPU data plane processes replaced", ["reason"]),
+        "dataplane_restarts": Counter(
+            p + "dataplane_restarts", "DPU data plane processes replaced", ["reason"]
+        ),
         "dataplane_write_seconds": Counter(
             p + "dataplane_write_seconds",
             "Seconds the DPU client's receiver thread (scheduler process) spent writing fetched KV into the pool, "
@@ -219,7 +227,8 @@ def _build_prometheus() -> dict:
             ["output"],
         ),
         "slot_wait": Histogram(
-            p + "slot_wait_seconds", "Time a fetch waited for KV slots before it started (bounded by slot_wait_s)",
+            p + "slot_wait_seconds",
+            "Time a fetch waited for KV slots before it started (bounded by slot_wait_s)",
             buckets=_LAT_BUCKETS,
         ),
         "layerwise_wait": Counter(

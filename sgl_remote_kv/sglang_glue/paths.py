@@ -41,8 +41,9 @@ logger = logging.getLogger(__name__)
 HEVC = "hevc"
 
 
-def write_codec(cfg: RemoteKVConfig, fingerprint: ModelFingerprint | None = None,
-                rope: RopeSpec | None = None) -> Codec:  # fmt: skip
+def write_codec(
+    cfg: RemoteKVConfig, fingerprint: ModelFingerprint | None = None, rope: RopeSpec | None = None
+) -> Codec:
     """The codec this deployment writes (and its primary path reads)."""
     if cfg.mode == "nvdec" and cfg.codec in ("", "default"):
         return get_codec(HEVC)
@@ -63,7 +64,9 @@ class PathParts:
     wakeup: threading.Event
     on_store_error: object = None  # (op, kind, n): the data plane's own store client's failures
     on_restart: object = None  # (reason): the data plane was replaced
-    on_pool_write: object = None  # (seconds, layers, output): the DPU client's receiver thread wrote into the pool
+    on_pool_write: object = (
+        None  # (seconds, layers, output): the DPU client's receiver thread wrote into the pool
+    )
 
 
 def inproc_path(parts: PathParts) -> FetchPath:
@@ -90,9 +93,14 @@ def nvdec_path(parts: PathParts, codec: Codec) -> FetchPath:
     device, gpu_id, instances = _decoder_device(parts)
     pool = DecoderPool(instances=instances, device=device, gpu_id=gpu_id)
     be = NvdecFetchBackend(
-        parts.client, pool, codec, parts.fingerprint, parts.config.chunk_size, parts.kv_writer,
+        parts.client,
+        pool,
+        codec,
+        parts.fingerprint,
+        parts.config.chunk_size,
+        parts.kv_writer,
         on_done=parts.wakeup.set,
-    )  # fmt: skip
+    )
     return FetchPath(PathName.NVDEC, be, codec, closers=(pool,))
 
 
@@ -118,8 +126,14 @@ def _dpu_or_inproc(parts: PathParts) -> FetchPath:
         from sgl_remote_kv.sglang_glue.fetch_dpu import start_dpu_backend
 
         be = start_dpu_backend(
-            parts.config, parts.fingerprint, parts.codec, parts.kv_writer, parts.wakeup.set, parts.on_store_error,
-            parts.on_restart, parts.on_pool_write,
+            parts.config,
+            parts.fingerprint,
+            parts.codec,
+            parts.kv_writer,
+            parts.wakeup.set,
+            parts.on_store_error,
+            parts.on_restart,
+            parts.on_pool_write,
         )
         if be is not None:
             return FetchPath(PathName.DPU, be, parts.codec)

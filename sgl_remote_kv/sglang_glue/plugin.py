@@ -46,8 +46,11 @@ def _publish(cfg: RemoteKVConfig) -> None:
     env.publish_config_json(cfg.to_json())
     logger.info(
         "sgl-remote-kv: --remote-kv %s (store %s, chunk %d tokens, codec %s)",
-        cfg.mode, redact_url(cfg.resolved_store_url()), cfg.chunk_size, cfg.codec,
-    )  # fmt: skip
+        cfg.mode,
+        redact_url(cfg.resolved_store_url()),
+        cfg.chunk_size,
+        cfg.codec,
+    )
 
 
 def _before_resolve(server_args, *args, **kwargs):

@@ -96,20 +96,52 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
     client.on_error = metrics.store_error  # store_errors_total{op,kind}
     client.on_breaker = metrics.store_breaker  # store_breaker_state{circuit}
     wakeup = threading.Event()
-    parts = paths.PathParts(cfg, fp, codec, client, kv_writer, wakeup, on_store_error=metrics.store_error,
-                            on_restart=metrics.dataplane_restart, on_pool_write=metrics.dataplane_write)  # fmt: skip
+    parts = paths.PathParts(
+        cfg,
+        fp,
+        codec,
+        client,
+        kv_writer,
+        wakeup,
+        on_store_error=metrics.store_error,
+        on_restart=metrics.dataplane_restart,
+        on_pool_write=metrics.dataplane_write,
+    )
     keys = runtime.KeySpace(fp, codec, cfg.chunk_size, generation.read(client, fp) or b"")
     tails = cfg.tail_granule if codec.sub_chunks else 0  # hevc: a frame layout per chunk size
-    writeback = WriteBack(codec, fp, client, keys, metrics, kv_writer, b.req_to_token_pool,
-                          runtime.WRITEBACK_QUEUE, tail_granule=tails)  # fmt: skip
+    writeback = WriteBack(
+        codec,
+        fp,
+        client,
+        keys,
+        metrics,
+        kv_writer,
+        b.req_to_token_pool,
+        runtime.WRITEBACK_QUEUE,
+        tail_granule=tails,
+    )
     counter = layerwise.attach(b.kvcache, kv_writer, fp, metrics) if cfg.layerwise else None
-    rt = runtime.build(cfg, fp, codec, client, paths.build_paths(parts), wakeup,
-                       kv_writer=kv_writer, keys=keys, writeback=writeback, layerwise=counter,
-                       generation=generation.GenerationWatch(client, fp, keys))  # fmt: skip
+    rt = runtime.build(
+        cfg,
+        fp,
+        codec,
+        client,
+        paths.build_paths(parts),
+        wakeup,
+        kv_writer=kv_writer,
+        keys=keys,
+        writeback=writeback,
+        layerwise=counter,
+        generation=generation.GenerationWatch(client, fp, keys),
+    )
     logger.info(
         "remote KV tier ready: store %s, fetch paths %s, codec %r, chunk %d, layout %s",
-        redact_url(cfg.resolved_store_url()), [p.value for p in rt.paths], codec, cfg.chunk_size, fp.layout,
-    )  # fmt: skip
+        redact_url(cfg.resolved_store_url()),
+        [p.value for p in rt.paths],
+        codec,
+        cfg.chunk_size,
+        fp.layout,
+    )
     return rt
 
 

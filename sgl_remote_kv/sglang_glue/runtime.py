@@ -54,8 +54,13 @@ class FetchPath:
             c.close()
 
 
-def resolve_codec(name: str, fingerprint: ModelFingerprint | None = None, rope: RopeSpec | None = None,
-                  quality: str = DEFAULT_QUALITY, entropy: str = "deflate") -> Codec:  # fmt: skip
+def resolve_codec(
+    name: str,
+    fingerprint: ModelFingerprint | None = None,
+    rope: RopeSpec | None = None,
+    quality: str = DEFAULT_QUALITY,
+    entropy: str = "deflate",
+) -> Codec:
     """The codec a deployment writes. ``default``: the transform codec of the model's calibration at
     ``quality`` (needs ``fingerprint`` and the model's ``rope``) with ``entropy`` as its lossless stage
     (``deflate``: what a DPU inflates; ``rans``: smaller, for decoders on the host), or, when the model
@@ -107,8 +112,9 @@ class KeySpace:
         c = self.chunk_size
         return keys_mod.chunk_keys(self.namespace(salt, codec), list(token_ids[: n_chunks * c]), c)
 
-    def tail_keys(self, token_ids, region: int, prev: bytes | None, salt: str | None, codec: Codec | None,
-                  granule: int) -> list[bytes]:  # fmt: skip
+    def tail_keys(
+        self, token_ids, region: int, prev: bytes | None, salt: str | None, codec: Codec | None, granule: int
+    ) -> list[bytes]:
         """Keys of the ``granule``-token sub-chunks of chunk region ``region`` of ``token_ids``; ``prev``
         is the key of chunk ``region - 1`` (None for region 0: the namespace)."""
         c = self.chunk_size

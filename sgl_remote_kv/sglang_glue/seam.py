@@ -64,12 +64,16 @@ def check_version() -> None:
     found = getattr(sglang, "__version__", "unknown")
     if found == SGLANG_VERSION:
         return
-    msg = (f"sgl-remote-kv was written against SGLang {SGLANG_VERSION} internals "
-           f"(sgl_remote_kv/sglang_glue/seam.py); found SGLang {found}")  # fmt: skip
+    msg = (
+        f"sgl-remote-kv was written against SGLang {SGLANG_VERSION} internals "
+        f"(sgl_remote_kv/sglang_glue/seam.py); found SGLang {found}"
+    )
     if env.allow_other_sglang():
         logger.warning("%s; continuing because SRKV_ALLOW_SGLANG_VERSION=1", msg)
         return
-    raise UnsupportedSGLang(msg + ". Install sglang==" + SGLANG_VERSION + " or set SRKV_ALLOW_SGLANG_VERSION=1.")
+    raise UnsupportedSGLang(
+        msg + ". Install sglang==" + SGLANG_VERSION + " or set SRKV_ALLOW_SGLANG_VERSION=1."
+    )
 
 
 # -- requests -----------------------------------------------------------------------------------------

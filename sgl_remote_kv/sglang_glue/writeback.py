@@ -47,9 +47,25 @@ class WriteBack:
     """``keys``: the deployment's ``runtime.KeySpace`` (write codec); ``req_to_token_pool``: SGLang's,
     read through the seam."""
 
-    def __init__(self, codec, fingerprint, client, keys, metrics, kv_writer, req_to_token_pool,
-                 max_queue: int, tail_granule: int = 0) -> None:  # fmt: skip
-        self.codec, self.fingerprint, self.client, self.keys, self.metrics = codec, fingerprint, client, keys, metrics
+    def __init__(
+        self,
+        codec,
+        fingerprint,
+        client,
+        keys,
+        metrics,
+        kv_writer,
+        req_to_token_pool,
+        max_queue: int,
+        tail_granule: int = 0,
+    ) -> None:
+        self.codec, self.fingerprint, self.client, self.keys, self.metrics = (
+            codec,
+            fingerprint,
+            client,
+            keys,
+            metrics,
+        )
         self.chunk_size = keys.chunk_size
         self.tail_granule = tail_granule  # tail sub-chunk tokens written at a request's end (0: none)
         self.kv_writer = kv_writer  # reads the KV of finished chunks (scheduler thread)
@@ -162,4 +178,3 @@ class WriteBack:
         self.metrics.writeback(stored, sum(len(b) for _, b in items[:stored]))
         if stored < len(items):
             self.metrics.failure("writeback:store")
-

@@ -277,7 +277,9 @@ def open_store(url: str | None = None) -> KVStore:
     target = _REGISTRY.get(scheme)
     if target is None:
         known = ", ".join(sorted(f"{s}://" for s in _REGISTRY))
-        raise ValueError(f"store URL {redact_url(url)!r}: unknown scheme {scheme!r} (known: {known}, or a plain path)")
+        raise ValueError(
+            f"store URL {redact_url(url)!r}: unknown scheme {scheme!r} (known: {known}, or a plain path)"
+        )
     module_name, func_name = target.split(":")
     factory: Callable[[str], KVStore] = getattr(importlib.import_module(module_name), func_name)
     return factory(url)

@@ -32,8 +32,13 @@ def worst(*states: str) -> str:
 class CircuitBreaker:
     """See module docstring. ``name`` tags the log lines (e.g. ``store read``)."""
 
-    def __init__(self, failures: int, reset_s: float, name: str = "store",
-                 on_change: Callable[[str], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        failures: int,
+        reset_s: float,
+        name: str = "store",
+        on_change: Callable[[str], None] | None = None,
+    ) -> None:
         self._threshold = max(1, failures)
         self._reset_s = reset_s
         self._name = name

@@ -113,10 +113,18 @@ class StoreClient:
         else:
             self._store = store  # type: ignore[assignment]
         self._counters = Counters(f"client:{name}")
-        self._read_breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s, "store read",
-                                            lambda state: self._notify_breaker("read", state))  # fmt: skip
-        self._write_breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s, "store write",
-                                             lambda state: self._notify_breaker("write", state))  # fmt: skip
+        self._read_breaker = CircuitBreaker(
+            cfg.breaker_failures,
+            cfg.breaker_reset_s,
+            "store read",
+            lambda state: self._notify_breaker("read", state),
+        )
+        self._write_breaker = CircuitBreaker(
+            cfg.breaker_failures,
+            cfg.breaker_reset_s,
+            "store write",
+            lambda state: self._notify_breaker("write", state),
+        )
         self._pool = cf.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="srkv-store")
         self._neg: OrderedDict[bytes, float] = OrderedDict()
         self._neg_lock = threading.Lock()
@@ -318,10 +326,18 @@ class StoreClient:
         if not self._read_breaker.allow():
             return None
         cfg = self.config
-        plan = StreamPlan(piece_bytes, max_bytes, cfg.timeout_s, cfg.min_mb_s * 1024 * 1024, self._avg_blob,
-                          cfg.retries, cfg.retry_backoff_s)  # fmt: skip
-        return StreamedGet(key, plan, lambda: store.stream_get(key, piece_bytes), self._pool.submit, _kind,
-                           self._stream_done)  # fmt: skip
+        plan = StreamPlan(
+            piece_bytes,
+            max_bytes,
+            cfg.timeout_s,
+            cfg.min_mb_s * 1024 * 1024,
+            self._avg_blob,
+            cfg.retries,
+            cfg.retry_backoff_s,
+        )
+        return StreamedGet(
+            key, plan, lambda: store.stream_get(key, piece_bytes), self._pool.submit, _kind, self._stream_done
+        )
 
     def _stream_done(self, s: StreamedGet, seconds: float) -> None:
         """Account a finished ``StreamedGet`` like the ``get_many`` of one key (the consumer's thread)."""

@@ -34,8 +34,12 @@ class Framed:
     tenant_tag: bytes  # keys.tenant_tag of the writer's request; zeros: shared (and every v1 value)
 
 
-def frame(key: bytes, payload: bytes | bytearray | memoryview, tenant_tag: bytes = SHARED_TAG,
-          written_at: int | None = None) -> bytes:  # fmt: skip
+def frame(
+    key: bytes,
+    payload: bytes | bytearray | memoryview,
+    tenant_tag: bytes = SHARED_TAG,
+    written_at: int | None = None,
+) -> bytes:
     """``header || payload`` (one copy of the payload)."""
     meta = _META.pack(int(time.time()) if written_at is None else written_at, tenant_tag)
     crc = zlib.crc32(payload, zlib.crc32(meta, zlib.crc32(key)))

@@ -279,7 +279,9 @@ def open_local(url: str) -> LocalStore:
     known = {"max_bytes", "low_water", "rescan_s", "fsync"}
     unknown = set(opts) - known
     if unknown:
-        raise ValueError(f"store URL {redact_url(url)!r}: unknown options {sorted(unknown)} (known: {sorted(known)})")
+        raise ValueError(
+            f"store URL {redact_url(url)!r}: unknown options {sorted(unknown)} (known: {sorted(known)})"
+        )
     return LocalStore(
         Path(path).expanduser(),
         max_bytes=parse_size(opts["max_bytes"]) if "max_bytes" in opts else DEFAULT_MAX_BYTES,
