@@ -115,7 +115,10 @@ _INTERPRETED_TRANSFORM = textwrap.dedent(
         d = (got.float() - ref.float()).abs()
         tol = ref.float().abs() * (2.0**-7 if dt == torch.bfloat16 else 2.0**-10 if dt == torch.float16 else 1e-5) + 1e-4
         assert torch.all(d <= tol), (n_g, gd, dt, float(d.max()))
-        assert float((got != ref).float().mean()) < 0.02, (n_g, gd, dt)
+        if dt != torch.float32:  # 16-bit outputs: the final rounding absorbs the GEMMs' fp32 differences, so
+            # nearly all agree exactly; fp32 outputs keep each implementation's own summation order (BLAS
+            # kernels differ by machine, e.g. OPENBLAS_CORETYPE), so only the tolerance above is a claim there
+            assert float((got != ref).float().mean()) < 0.02, (n_g, gd, dt)
         assert torch.count_nonzero(big[:, :3]) == 0 and torch.count_nonzero(big[:, 3 + t :]) == 0
         n += 1
     print("OK", n)
