@@ -97,7 +97,7 @@ def test_redis_keys_are_printable_under_the_prefix(own_redis_server: RedisServer
 
 
 def test_cluster_with_replicas_fails_over_and_keeps_serving_hits(tmp_path) -> None:
-    """README's recipe (one replica per master): killing a master costs a short outage on its slots
+    """docs/OPERATIONS.md's recipe (one replica per master): killing a master costs a short outage on its slots
     (misses, never errors into serving), then its replica takes over and every chunk is a hit again,
     with the same bytes: the data survived on the replica."""
     import redis
