@@ -17,6 +17,11 @@ It enforces the rules CUDA enforces and that a CPU pool silently forgives:
 - **Async copies read their source late.** An H2D copy reads the host source when the stream runs it,
   so a writer that reuses its source before the copy completed writes wrong KV (tests catch it).
 
+- **Errors are sticky per thread.** Host memory is pinned through the product's ``HostPinner`` over
+  ``FakeCudart``, which keeps a per-thread *last error* like the CUDA runtime: a failed registration
+  sets it, and the next launch from that thread raises it (torch's launch check), unless the product
+  cleared it. Registering a range that is already registered fails as CUDA does.
+
 ``hang()`` stops the stream (events never complete) to model a wedged device; ``resume()`` restarts it.
 """
 
@@ -30,7 +35,41 @@ import time
 import numpy as np
 import torch
 
+from sgl_remote_kv.kvpool.host_pin import HostPinner
+
 FAKE_CUDA = torch.device("cuda", 0)
+ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+
+
+class FakeCudart:
+    """The runtime calls ``HostPinner`` makes, with CUDA's per-thread sticky last error."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}  # ptr -> bytes
+        self.fail_next: int = 0  # the error code the next registration fails with (0: none)
+        self._last: dict[int, int] = {}
+
+    def register(self, ptr: int, nbytes: int, flags: int) -> int:
+        err, self.fail_next = self.fail_next, 0
+        if not err and any(p < ptr + nbytes and ptr < p + n for p, n in self.registered.items()):
+            err = ALREADY_REGISTERED
+        if err:
+            self._last[threading.get_ident()] = err
+            return err
+        self.registered[ptr] = nbytes
+        return 0
+
+    def unregister(self, ptr: int) -> int:
+        return 0 if self.registered.pop(ptr, None) is not None else 1
+
+    def clear_error(self) -> int:
+        return self._last.pop(threading.get_ident(), 0)
+
+    def launch_check(self) -> None:
+        """What torch does after a launch: ``cudaGetLastError``, raised if set."""
+        err = self.clear_error()
+        if err:
+            raise RuntimeError(f"CUDA error {err} (a launch found an earlier call's uncleared error)")
 
 
 class UnfencedRead(RuntimeError):
@@ -155,6 +194,8 @@ class StrictDevice:
         self._stream_thread = self._worker
         self._worker.start()
         self.pinned: list[np.ndarray] = []
+        self.cudart = FakeCudart()
+        self.pinner = HostPinner(self.cudart)
         self.error: BaseException | None = None
         self._dropping = False
 
@@ -173,10 +214,13 @@ class StrictDevice:
 
     # ---- DeviceOps ---------------------------------------------------------------------------------------
     def pin(self, array: np.ndarray) -> bool:
+        if not self.pinner.pin(array.__array_interface__["data"][0], array.nbytes):
+            return False
         self.pinned.append(array)
         return True
 
     def unpin(self, array: np.ndarray) -> None:
+        self.pinner.unpin(array.__array_interface__["data"][0], array.nbytes)
         self.pinned = [a for a in self.pinned if a is not array]
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
@@ -348,6 +392,7 @@ class StrictDevice:
 
     # ---- the stream -------------------------------------------------------------------------------------
     def _enqueue(self, fn, planes) -> None:
+        self.cudart.launch_check()
         seq = next(self._seq)
         with self._lock:
             for p in planes:

@@ -2,16 +2,15 @@
 
 One side stream per writer; every copy and scatter is enqueued on it, so the forward pass's stream is
 never blocked by a fetch. Host regions are pinned in place with ``cudaHostRegister`` (through torch's
-cudart bindings), so H2D copies out of the DPU destination region are real async DMA; anything else is
-staged through pinned memory by the writer.
+cudart bindings, through ``host_pin``: registrations are counted per range and a failure's error is cleared),
+so H2D copies out of the DPU destination region are real async DMA; anything else is staged through
+pinned memory by the writer.
 
 Never ran on a GPU in development (no GPU there): ``tests/test_gpu_kv_writer.py`` (``pytest -m gpu``,
 ``scripts/gpu_check.sh``) exercises it against a real SGLang ``MHATokenToKVPool`` on CUDA.
 """
 
 from __future__ import annotations
-
-import logging
 
 import numpy as np
 import torch
@@ -20,7 +19,7 @@ from sgl_remote_kv.kernels.dequant import dequant_triton
 from sgl_remote_kv.kernels.scatter import scatter_triton
 from sgl_remote_kv.kernels.transform import inverse_triton, resolve_escapes
 
-logger = logging.getLogger(__name__)
+from .host_pin import cuda_pinner
 
 
 class CudaOps:
@@ -39,18 +38,11 @@ class CudaOps:
 
     def pin(self, array: np.ndarray) -> bool:
         self._here()
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(array.__array_interface__["data"][0], array.nbytes, 1)  # portable
-        if int(err) != 0:
-            clear = getattr(cudart, "cudaGetLastError", None)  # the failure must not surface later
-            if clear is not None:
-                clear()
-            logger.warning("cudaHostRegister of %d bytes failed (error %s)", array.nbytes, int(err))
-            return False
-        return True
+        return cuda_pinner().pin(array.__array_interface__["data"][0], array.nbytes)
 
     def unpin(self, array: np.ndarray) -> None:
-        torch.cuda.cudart().cudaHostUnregister(array.__array_interface__["data"][0])
+        self._here()
+        cuda_pinner().unpin(array.__array_interface__["data"][0], array.nbytes)
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -82,9 +74,8 @@ class CudaOps:
 
     def constant(self, array: np.ndarray) -> torch.Tensor:
         self._here()
-        return torch.from_numpy(np.array(array)).to(
-            self.device, non_blocking=False
-        )  # np.array: a writable copy
+        with torch.cuda.stream(self.stream):  # allocated and copied on the stream that reads it
+            return torch.from_numpy(np.array(array)).to(self.device, non_blocking=False)  # a writable copy
 
     def inverse_transform(
         self, sym, esc, scales, cos, sin, consts, head_dim: int, style: int, sinks, out: torch.Tensor

@@ -91,7 +91,7 @@ class DeviceKVWriter(KVWriter):
             start = array.__array_interface__["data"][0]
             self._regions.append((start, start + array.nbytes, array))
         else:
-            logger.warning("could not pin a %d-byte host region; KV writes will be staged", array.nbytes)
+            logger.debug("a %d-byte host region is not pinned; KV writes from it are staged", array.nbytes)
 
     def unregister_host(self, array: np.ndarray) -> None:
         with self._lock:
@@ -237,6 +237,8 @@ class DeviceKVWriter(KVWriter):
         self._complete([layer], f"transform-coded KV write of layer {layer}")
 
     def _by_chunk(self, views, slots: torch.Tensor, layer: int) -> None:
+        if any(vw.tokens > MAX_TOKENS for vw in views):  # one chunk per launch is the smallest piece
+            raise KVWriteError(f"layer {layer}: a chunk of over {MAX_TOKENS} tokens exceeds one scatter")
         lo = 0
         for vw in views:
             self._write_quantized([vw], slots[lo : lo + vw.tokens], layer)

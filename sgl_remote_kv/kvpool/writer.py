@@ -101,6 +101,7 @@ class KVWriter(ABC):
         t = sum(vw.tokens for vw in views)
         if slots.ndim != 1 or len(slots) != t or not 0 <= layer < self.layout.num_layers:
             raise KVWriteError(f"{len(slots)} slots for {t} quantized tokens of layer {layer}")
+        self._check_slots(slots)
         try:
             with self._lock:
                 self._write_quantized(views, slots, layer)
@@ -156,6 +157,13 @@ class KVWriter(ABC):
             raise KVWriteError(f"layers {layer_lo}..{layer_lo + k.shape[0]} outside the pool")
         if slots.ndim != 1 or len(slots) != k.shape[1]:
             raise KVWriteError(f"{len(slots)} slots for {k.shape[1]} tokens")
+        self._check_slots(slots)
+
+    def _check_slots(self, slots: torch.Tensor) -> None:
+        """Every slot is a row of the pool: a device scatter does not bounds-check its indices."""
+        rows = self.pool.k[0].shape[0]
+        if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= rows):
+            raise KVWriteError(f"slots {int(slots.min())}..{int(slots.max())} outside the pool's {rows} rows")
 
 
 def _numpy_view(t: torch.Tensor) -> np.ndarray:
