@@ -171,3 +171,30 @@ def test_outgrown_decode_buffers_are_zeroed_before_release():
     assert k2.shape[0] == 2 * C and scratch2.size >= 128
     assert not np.any(k) and not np.any(v) and not np.any(scratch)
     assert np.shares_memory(bufs.kv(C)[0], k2)  # a smaller request reuses the buffer, no realloc
+
+
+def test_a_full_prefill_graph_replay_finds_every_layer_installed(stored):
+    """``--cuda-graph-backend-prefill full`` replays attention without the pool accessors' per-layer
+    waits; SGLang's runner (``PrefillCudaGraphRunner._wait_for_layer_loads``, run here as SGLang ships
+    it) waits for all layers first, but only when the counter's ``consumer_index`` is >= 0. The replay
+    then reads the pool's tensors directly, as the graph's kernels do."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
+
+    client, codec, keys, k, v = stored
+    pool = Pool()
+    counter = layerwise.attach(pool, pool.writer, FP, RemoteKVMetrics())
+    runner = SimpleNamespace(_is_full_backend=True, model_runner=SimpleNamespace(token_to_kv_pool=pool))
+    assert counter.consumer_index < 0  # nothing pending: the replay does not wait
+    PrefillCudaGraphRunner._wait_for_layer_loads(runner)
+    be = InProcessFetchBackend(client, codec, FP, C)
+    h = be.submit("r", keys, 0)
+    assert h.verified.wait(30)
+    slots = _slots()
+    counter.add(h, slots, codec)
+    assert counter.consumer_index >= 0
+    PrefillCudaGraphRunner._wait_for_layer_loads(runner)  # before the replay
+    _assert_pool_holds(pool, slots, k, v)  # the replay's direct reads see every layer
+    assert not counter.busy() and counter.consumer_index < 0
+    be.close()

@@ -71,7 +71,13 @@ class _Pending:
 class LayerwiseInstalls:
     """Duck-typed ``LayerDoneCounter`` (see module docstring)."""
 
-    consumer_index = -1  # SGLang's hybrid pools peek at this; we never use HiCache's indices
+    @property
+    def consumer_index(self) -> int:
+        """SGLang reads this to decide whether to wait at all: a full prefill CUDA graph
+        (``--cuda-graph-backend-prefill full``) replays without the pool accessors' per-layer waits and
+        calls ``wait_until(num_layers - 1)`` before the replay only when it is >= 0; hybrid pools wait
+        for their Mamba layers on the same condition. So: 0 while an install is pending, else -1."""
+        return 0 if self._pending else -1
 
     def __init__(self, kv_writer, fingerprint, metrics, stall_s: float = 5.0) -> None:
         self.kv_writer, self.fingerprint, self.metrics = kv_writer, fingerprint, metrics

@@ -25,7 +25,8 @@ Internals used, and why no public seam covers them (0.5.23):
 - ``Scheduler._add_request_to_queue`` is also how a released request joins SGLang's queue (hooked: the
   park hook passes it through while ``SchedulerHost.releasing`` is set). ``AbortReq.rid``/``abort_all``.
 - KV pool: ``k_buffer``/``v_buffer`` (the KV writer's targets), ``dtype``/``store_dtype``, ``size``,
-  ``register_layer_transfer_counter`` (layer-wise admission: HiCache's layer-done counter slot).
+  ``register_layer_transfer_counter`` (layer-wise admission: HiCache's layer-done counter slot; SGLang
+  reads the counter's ``consumer_index`` and ``num_layers``, e.g. the full prefill graph's pre-replay wait).
 - ``ReqToTokenPool.req_to_token`` (the write-back's slot indices of a request).
 - ``SamplingParams.verify`` (hooked: ``check_sampling_params`` refuses unknown ``remote_kv`` values).
 - ``ScheduleBatch``: ``forward_mode.is_extend()``, ``extend_num_tokens`` (prefill timing for the policy).
