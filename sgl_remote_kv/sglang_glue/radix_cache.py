@@ -25,6 +25,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sgl_remote_kv import preflight
 from sgl_remote_kv.config import RemoteKVConfig
+from sgl_remote_kv.kvpool.warmup import warm_up
 from sgl_remote_kv.sglang_glue import generation, layerwise, paths, runtime, seam
 from sgl_remote_kv.sglang_glue import metrics as metrics_mod
 from sgl_remote_kv.sglang_glue.writeback import WriteBack
@@ -92,6 +93,9 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
     preflight.check_chunk_fits(cfg.chunk_size, int(b.kvcache.size), fp.layout, data_plane)
     metrics = metrics_mod.get()
     kv_writer = seam.pool_writer(b.kvcache, fp.layout)
+    warm = warm_up(kv_writer, [codec], fp)  # device pools: every kernel variant, before any request
+    if warm.writes:
+        logger.info("KV writer kernels compiled for %s in %.2f s", ", ".join(warm.writes), warm.seconds)
     client = runtime.open_store_client(cfg)
     client.on_error = metrics.store_error  # store_errors_total{op,kind}
     client.on_breaker = metrics.store_breaker  # store_breaker_state{circuit}

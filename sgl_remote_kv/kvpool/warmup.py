@@ -1,0 +1,88 @@
+"""Compile the device writer's kernels at start-up, before the first request needs them.
+
+Triton compiles a kernel variant on its first launch (0.5-3 s each on a GPU). Left to the first fetch,
+that happens on a latency path: the DPU client's receiver thread (a stall past the data plane's
+heartbeat timeout reads as a hung data plane, and the fetch becomes a miss), a forward pass (layer-wise
+installs) or the scheduler thread. ``warm_up`` runs every kind of write the serving process can issue
+once, through the writer's own code, so each variant is compiled (and cached by Triton) on the thread
+that builds the tier, before the server takes requests.
+
+What it covers, for a pool's layout and the codecs given: a plain KV write (the scatter: DPU output
+``kv``, NVDEC, exact requests) and, for each codec with a device dequant stage, a write of its codes
+(dequant or inverse transform + scatter: DPU output ``codes``, the in-process path, layer-wise on-demand
+decode). Triton specializes on dtypes, constexprs, 16-divisibility of integer arguments and 16-byte
+alignment of pointers; the writer's token counts are multiples of 16 (chunk and tail sizes are) and its
+staging offsets are 64-byte aligned, so one write of 16 tokens per kind reaches the same variants as any
+real write. The writes go to scratch planes of the pool's row shape and dtype, never into the pool.
+
+Threads: the caller's (start-up); uses the writer's ops and side stream. Host pools compile nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sgl_remote_kv.codec.format import parse_header
+from sgl_remote_kv.types import KVLayout, ModelFingerprint
+
+from .device_writer import DeviceKVWriter
+from .writer import TORCH_DTYPES, KVWriter, PoolTensors
+
+logger = logging.getLogger(__name__)
+
+TOKENS = 16  # a multiple of 16 like every real write: the same specializations
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    writes: tuple[str, ...]  # the kinds of write run (``kv``, ``codes:<codec>``)
+    seconds: float
+
+
+def warm_up(writer: KVWriter, codecs: Sequence, fingerprint: ModelFingerprint) -> WarmUp:
+    """See module docstring. Raises what a failing write raises (``KVWriteError``): a device that cannot
+    run the writer's kernels should fail the start, not the first request."""
+    if not isinstance(writer, DeviceKVWriter):
+        return WarmUp((), 0.0)
+    t0 = time.perf_counter()
+    lay = writer.layout
+    one = KVLayout(1, lay.num_kv_heads, lay.head_dim, lay.dtype)
+    row_bytes = lay.num_kv_heads * lay.head_dim * writer.storage.itemsize
+    planes = [
+        writer.ops.device_empty(TOKENS * row_bytes)
+        .view(TORCH_DTYPES[lay.dtype])
+        .view(TOKENS, lay.num_kv_heads, lay.head_dim)
+        for _ in "kv"
+    ]
+    scratch = DeviceKVWriter(PoolTensors([planes[0]], [planes[1]]), one, writer.ops, writer.timeout_s)
+    scratch._consts = writer._consts  # the layers' transform constants stay uploaded for the real writer
+    slots = torch.arange(TOKENS)
+    k, v = _random_kv(lay, TOKENS)
+    done = []
+    scratch.write(k[:1], v[:1], slots)
+    done.append("kv")
+    for codec in codecs:
+        if not codec.device_dequant or f"codes:{codec.name}" in done:
+            continue
+        blob = codec.encode(k, v, fingerprint)
+        hdr = parse_header(blob, fingerprint)
+        view = codec.codes_stage(blob, hdr, 0, np.empty(codec.scratch_bytes(hdr, 0), np.uint8))
+        scratch.write_quantized([view], slots, 0)
+        done.append(f"codes:{codec.name}")
+    return WarmUp(tuple(done), time.perf_counter() - t0)
+
+
+def _random_kv(lay: KVLayout, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    f = rng.standard_normal((2, lay.num_layers, tokens, lay.num_kv_heads, lay.head_dim), np.float32)
+    if lay.dtype == "bfloat16":
+        f = (f.view(np.uint32) >> 16).astype(np.uint16)
+    elif lay.dtype == "float16":
+        f = f.astype(np.float16)
+    return f[0], f[1]
