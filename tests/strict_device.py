@@ -318,9 +318,27 @@ class StrictDevice:
             tid = threading.get_ident()
             self._thread_fence[tid] = max(self._thread_fence.get(tid, 0), ev.seq)
 
-    def gather(self, planes: list[torch.Tensor], slots: torch.Tensor) -> np.ndarray:
-        x = torch.stack([p[slots] for p in planes]).cpu()
-        return (x.view(torch.int16) if x.dtype == torch.bfloat16 else x).numpy()
+    def record_current(self) -> _Event:
+        ev = _Event(next(self._seq))  # a CPU "stream" is the calling thread: what it did is done
+        ev.done.set()
+        return ev
+
+    def side_wait(self, ev: _Event) -> None:
+        self._enqueue(ev.done.wait, [])
+
+    def gather_into(self, planes: list[torch.Tensor], slots: torch.Tensor, out: torch.Tensor) -> None:
+        for t in (slots, *planes):
+            if not isinstance(t, DeviceTensor):
+                raise RuntimeError("gather operands must be on the device (strict device)")
+        if isinstance(out, DeviceTensor):
+            raise RuntimeError("gather_into copies device -> host (strict device)")
+
+        def run():
+            with torch._C.DisableTorchFunctionSubclass():
+                for i, p in enumerate(planes):
+                    out[i].copy_(p[slots])  # written when the stream runs: read only after the event
+
+        self._enqueue(run, [])
 
     # ---- faults ----------------------------------------------------------------------------------------
     def hang(self) -> None:

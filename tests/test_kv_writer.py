@@ -289,3 +289,28 @@ def test_device_writer_splits_large_writes_into_bounded_pieces(dev, monkeypatch)
     rk, rv = w.read(s)
     np.testing.assert_array_equal(rk, k)
     np.testing.assert_array_equal(rv, v)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_read_later_gathers_on_the_side_stream_into_pinned_host_memory(dev, dtype):
+    """The write-back's read (``readback.py``): one async D2H per plane on the writer's stream, ordered
+    after the fetched writes enqueued there; the result is the pool's KV at the slots."""
+    lay = KVLayout(3, 2, 8, dtype)
+    kv, w = _strict(dev, lay)
+    k, v = _kv(lay, 3, 9)
+    s = _slots(9, 64)
+    w.write(k, v, s)
+    pending = w.read_later(s)
+    rk, rv = pending.result()
+    np.testing.assert_array_equal(rk, k)
+    np.testing.assert_array_equal(rv, v)
+    assert rk.shape == (3, 9, 2, 8) and rk.dtype == numpy_storage_dtype(dtype)
+
+
+def test_a_read_that_does_not_complete_is_a_write_error_not_stale_data():
+    from sgl_remote_kv.kvpool.writer import PendingRead
+
+    z = np.zeros((1, 1, 1, 1), np.float32)
+    with pytest.raises(KVWriteError, match="not done in time"):
+        PendingRead(z, z, lambda: False).result()
+    assert PendingRead(z, z + 1, lambda: True).result()[1][0, 0, 0, 0] == 1

@@ -99,7 +99,17 @@ class CudaOps:
     def stream_wait(self, event: torch.cuda.Event) -> None:
         torch.cuda.current_stream(self.device).wait_event(event)
 
-    def gather(self, planes: list[torch.Tensor], slots: torch.Tensor) -> np.ndarray:
-        idx = slots.to(self.device, non_blocking=False)
-        x = torch.stack([p[idx] for p in planes])
-        return (x.view(torch.int16) if x.dtype == torch.bfloat16 else x).cpu().numpy()
+    def record_current(self) -> torch.cuda.Event:
+        self._here()
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def side_wait(self, event: torch.cuda.Event) -> None:
+        self.stream.wait_event(event)
+
+    def gather_into(self, planes: list[torch.Tensor], slots: torch.Tensor, out: torch.Tensor) -> None:
+        self._here()
+        with torch.cuda.stream(self.stream):  # one plane's slice at a time on the device
+            for i, p in enumerate(planes):
+                out[i].copy_(p.index_select(0, slots), non_blocking=True)

@@ -35,6 +35,7 @@ import torch
 from sgl_remote_kv.codec import quant
 from sgl_remote_kv.types import KVLayout
 
+from .readback import PendingRead, device_read_later
 from .writer import DEFAULT_TIMEOUT_S, TORCH_DTYPES, KVWriteError, KVWriter, PoolTensors
 
 MAX_TOKENS = 16384  # tokens per scatter launch (the kernel's grid axis y is capped at 65535)
@@ -56,7 +57,10 @@ class DeviceOps(Protocol):
     def record(self) -> object: ...  # an event after everything enqueued so far
     def query(self, event: object) -> bool: ...  # completed?
     def stream_wait(self, event: object) -> None: ...  # the calling thread's current stream waits
-    def gather(self, planes: list[torch.Tensor], slots: torch.Tensor) -> np.ndarray: ...  # D2H; host slots
+    def record_current(self) -> object: ...  # an event on the calling thread's current stream
+    def side_wait(self, event: object) -> None: ...  # the side stream waits for ``event``
+    # per plane: the rows at ``slots`` (device int64) into ``out[i]`` (pinned host), async D2H
+    def gather_into(self, planes: list[torch.Tensor], slots: torch.Tensor, out: torch.Tensor) -> None: ...
     def dequant(self, codes, scales, m: int, cs, out: torch.Tensor) -> None: ...  # kernels/dequant.py
     def constant(self, array: np.ndarray) -> torch.Tensor: ...  # a device copy, complete on return
     # kernels/transform.py: escapes resolved, inverse transform into ``out`` [2, t, C], sinks put over it
@@ -353,12 +357,11 @@ class DeviceKVWriter(KVWriter):
             if not self._wait_host(ev):
                 raise KVWriteError(f"device writes not done in {self.timeout_s} s")
 
+    def read_later(self, slots: torch.Tensor) -> PendingRead:
+        return device_read_later(self, slots)
+
     def read(self, slots: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        self.fence()
-        idx = slots.to("cpu", torch.int64)
-        k = self.ops.gather(list(self.pool.k), idx).view(self.storage)
-        v = self.ops.gather(list(self.pool.v), idx).view(self.storage)
-        return k, v
+        return self.read_later(slots).result()
 
 
 _TORCH = {

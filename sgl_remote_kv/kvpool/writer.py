@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +60,21 @@ DEFAULT_TIMEOUT_S = 2.0
 
 class KVWriteError(Exception):
     """A write into the KV pool failed or did not complete in time; its chunks are failed."""
+
+
+class PendingRead:
+    """A read of ``[L, T, H, D]`` K and V: complete (host pools) or waiting on a device event."""
+
+    def __init__(self, k: np.ndarray, v: np.ndarray, wait: Callable[[], bool] | None = None) -> None:
+        self._k, self._v, self._wait = k, v, wait
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """Raises ``KVWriteError`` when the device copy did not complete within the writer's timeout."""
+        if self._wait is not None:
+            if not self._wait():
+                raise KVWriteError("device read of the write-back's KV not done in time")
+            self._wait = None
+        return self._k, self._v
 
 
 @dataclass(frozen=True)
@@ -142,6 +157,11 @@ class KVWriter(ABC):
     @abstractmethod
     def read(self, slots: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """Copies ``([L, T, H, D], [L, T, H, D])`` of the KV at ``slots``, owned by the caller."""
+
+    def read_later(self, slots: torch.Tensor) -> PendingRead:
+        """``read`` that may complete later (``PendingRead.result()`` may wait and raise ``KVWriteError``):
+        device pools copy on their side stream (``readback.py``); host pools copy now."""
+        return PendingRead(*self.read(slots))
 
     @abstractmethod
     def _write(self, k: np.ndarray, v: np.ndarray, slots: torch.Tensor, layer_lo: int) -> None: ...
