@@ -149,6 +149,7 @@ class DpuClient:
         self.counters.update({"receiver_errors": 0, "write_s": 0, "rounds": 0, "verified": 0})
         self.counters.update({"verify_rejected": 0, "write_failed": 0, "send_dropped": 0})
         self._writers: list = []  # KV writers the destination region is registered with (pinned)
+        self._pin_lock = threading.Lock()  # not self.cv: pinning a large region takes a while
         self.last_pong: P.Pong | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -221,12 +222,13 @@ class DpuClient:
             if self.book is not None:
                 self.book.lose_all("cancelled")  # also drops writes still queued (the receiver is gone)
             self.cv.notify_all()
-        for w in self._writers:
-            try:
-                w.unregister_host(self.dest.array)
-            except Exception as e:  # boundary (shutdown): a faulted device must not stop the cleanup
-                logger.warning("unpinning the destination region failed: %r", e)
-        self._writers.clear()
+        with self._pin_lock:
+            for w in self._writers:
+                try:
+                    w.unregister_host(self.dest.array)
+                except Exception as e:  # boundary (shutdown): a faulted device must not stop the cleanup
+                    logger.warning("unpinning the destination region failed: %r", e)
+            self._writers.clear()
         if self.dest is not None:
             self.dest.unlink()  # first: tells the data plane it need not clean up after us
         if self._proc is not None:
@@ -263,15 +265,22 @@ class DpuClient:
         h = FetchHandle(
             self.cv, request_id, list(keys), tokens, self.layout.num_layers, target, self._wants_codes(target)
         )
+        if target is not None:
+            self._pin_for(target.writer)
         with self.cv:
-            if target is not None and not any(w is target.writer for w in self._writers):
-                target.writer.register_host(self.dest.array)
-                self._writers.append(target.writer)
             self.book.add(h)  # raises ValueError (nothing queued) if a chunk does not fit a slot
             self.counters["submitted"] += 1
             self.cv.notify_all()
         self._wake()
         return h
+
+    def _pin_for(self, writer) -> None:
+        """Register the destination region with ``writer`` once (pins it on a device pool), outside the
+        client's lock: the receiver thread and other submits do not wait for a pinning."""
+        with self._pin_lock:
+            if not any(w is writer for w in self._writers):
+                writer.register_host(self.dest.array)
+                self._writers.append(writer)
 
     def cancel(self, handle: FetchHandle) -> None:
         """Cancel a fetch: nothing more is written for it once this returns (a write of it already running
