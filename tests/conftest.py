@@ -13,6 +13,14 @@ def model_dir() -> str:
     return str(ensure_model("float32"))
 
 
+@pytest.fixture(scope="session")
+def built_dists(tmp_path_factory):
+    """This checkout's sdist and wheels, built as users' pip builds them (tests/fixtures/dists.py)."""
+    from tests.fixtures.dists import build_dists
+
+    return build_dists(tmp_path_factory.mktemp("dists"))
+
+
 # --- conformance report (``make test-conformance``): every conformance test's outcome as JSON ---
 
 
