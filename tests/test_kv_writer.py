@@ -314,3 +314,35 @@ def test_a_read_that_does_not_complete_is_a_write_error_not_stale_data():
     with pytest.raises(KVWriteError, match="not done in time"):
         PendingRead(z, z, lambda: False).result()
     assert PendingRead(z, z + 1, lambda: True).result()[1][0, 0, 0, 0] == 1
+
+
+def test_codes_in_the_pinned_region_are_uploaded_from_where_they_lie(dev):
+    """DPU output ``codes``: the lossless stage's output sits in the pinned destination region; the writer
+    uploads it from there (no host re-copy), and pieces staged around it never overwrite it on the device
+    (chunks 0 and 2 staged, chunk 1 in the region)."""
+    from benchmarks import synthetic_kv as synthetic
+    from sgl_remote_kv.codec.base import get_codec
+    from sgl_remote_kv.codec.format import parse_header
+
+    fp = synthetic.fingerprint(num_layers=2, dtype="float16")
+    lay = fp.layout
+    codec = get_codec("quant_deflate", k_bins="64", granularity="token")
+    chunks = [synthetic.kv(lay, 16, seed=s) for s in (5, 6, 7)]
+    region = np.zeros(1 << 16, np.uint8)
+    kv, w = _strict(dev, lay, pool=64)
+    w.register_host(region)
+    views = []
+    for i, (k, v) in enumerate(chunks):
+        blob = codec.encode(k, v, fp)
+        hdr = parse_header(blob, fp)
+        n = codec.scratch_bytes(hdr, 0)
+        out = region[:n] if i == 1 else np.empty(n, np.uint8)
+        views.append(codec.codes_stage(blob, hdr, 0, out))
+    s = _slots(48, 64)
+    w.write_quantized(views, s, 0)
+    assert w.stats["zero_copy_parts"] >= 2  # chunk 1's K and V codes
+    rk, rv = w.read(s)
+    ref = [codec.decode(codec.encode(k, v, fp), fp) for k, v in chunks]
+    np.testing.assert_array_equal(rk[0], np.concatenate([r[0][0] for r in ref]))
+    np.testing.assert_array_equal(rv[0], np.concatenate([r[1][0] for r in ref]))
+    w.unregister_host(region)

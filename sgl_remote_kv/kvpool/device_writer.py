@@ -88,6 +88,7 @@ class DeviceKVWriter(KVWriter):
         self._late_lock = threading.Lock()  # not the write lock: fence() must not wait for a write
         self._consts: dict[tuple, object] = {}  # (calibration, quality, layer, group) -> TransformConsts
         self.stats = {"writes": 0, "zero_copy": 0, "staged": 0, "timeouts": 0, "device_dequant": 0}
+        self.stats["zero_copy_parts"] = 0  # codes uploaded from the pinned region where they lie
 
     # ---- host regions ------------------------------------------------------------------------------
     def register_host(self, array: np.ndarray) -> None:
@@ -257,9 +258,11 @@ class DeviceKVWriter(KVWriter):
         self, parts: list[list[np.ndarray]], out_bytes: int, dtypes: list | None = None
     ) -> tuple[torch.Tensor, list[torch.Tensor], int]:
         """Each part (its pieces stacked along axis 0, cast to ``dtypes[i]``, default the first piece's dtype)
-        written straight into the pinned staging buffer at an aligned offset, all uploaded in one H2D copy
-        into the device staging buffer, which holds ``out_bytes`` more after them (from the returned
-        offset). Returns the device buffer, a device view of each part (its dtype and shape), the offset."""
+        at an aligned offset of the device staging buffer, which holds ``out_bytes`` more after them (from
+        the returned offset). A piece already in a registered (pinned) region in the part's dtype (codes
+        the DPU wrote there) is uploaded from where it is; the others are written into the pinned staging
+        buffer and uploaded in one H2D copy per contiguous run. Returns the device buffer, a device view of
+        each part (its dtype and shape), the offset."""
         dtypes = [np.dtype(d) for d in dtypes] if dtypes else [p[0].dtype for p in parts]
         shapes = [(sum(a.shape[0] for a in p), *p[0].shape[1:]) for p in parts]
         sizes = [int(np.prod(sh)) * dt.itemsize for sh, dt in zip(shapes, dtypes, strict=True)]
@@ -268,13 +271,28 @@ class DeviceKVWriter(KVWriter):
             offs.append(n)
             n = _align(n + nbytes)
         host = self._host_buffer(n)[:n].numpy()
-        for o, nbytes, sh, dt, pieces in zip(offs, sizes, shapes, dtypes, parts, strict=True):
-            dst, lo = host[o : o + nbytes].view(dt).reshape(sh), 0
-            for a in pieces:
-                dst[lo : lo + a.shape[0]] = a  # numpy casts (fp16 scales -> float32)
-                lo += a.shape[0]
         dev = self._device_buffer(n + out_bytes)
-        self.ops.upload(dev[:n], self._host[:n])
+        staged: list[list[int]] = []  # [start, end) byte runs of the staging buffer to upload
+        run_open = False  # the last run may grow over alignment padding (never over a zero-copy piece)
+        for o, nbytes, sh, dt, pieces in zip(offs, sizes, shapes, dtypes, parts, strict=True):
+            row = nbytes // max(sh[0], 1)
+            lo = 0
+            for a in pieces:
+                at, size = o + lo * row, a.shape[0] * row
+                if a.dtype == dt and size and self._pinned(a):
+                    self.ops.upload(dev[at : at + size], _bytes(torch.from_numpy(a)))
+                    self.stats["zero_copy_parts"] += 1
+                    run_open = False
+                else:
+                    host[at : at + size].view(dt).reshape(a.shape)[...] = a  # numpy casts (fp16 -> f32)
+                    if run_open:
+                        staged[-1][1] = at + size
+                    else:
+                        staged.append([at, at + size])
+                    run_open = True
+                lo += a.shape[0]
+        for a, b in staged:
+            self.ops.upload(dev[a:b], self._host[a:b])
         views = [
             dev[o : o + nbytes].view(_TORCH[dt]).view(sh)
             for o, nbytes, sh, dt in zip(offs, sizes, shapes, dtypes, strict=True)
