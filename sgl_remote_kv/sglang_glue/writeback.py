@@ -3,7 +3,8 @@
 The scheduler thread (``RemoteKVRadixCache.checkpoint``) calls ``WriteBack.offer`` after SGLang
 inserted a request's KV into the radix tree (after each prefill chunk and at finish). ``offer`` works
 out which full chunks are new for this request, copies their KV out of the pool (the slots may be
-reused once the scheduler moves on) and queues one job; it never waits on the store. A bounded
+reused once the scheduler moves on: ``KVWriter.read_later``, an async copy on device pools that the
+worker waits for) and queues one job; it never waits on the store or the device. A bounded
 queue: when full, the job is dropped and counted (``writeback_skipped{reason="queue_full"}``).
 
 A single worker thread then dedups against the store (``count_prefix``: chunks the store already has
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sgl_remote_kv.kvpool.writer import PendingRead
 from sgl_remote_kv.sglang_glue import seam
 from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.types import FailureKind
@@ -35,9 +37,8 @@ _MAX_TRACKED = 65536
 @dataclass
 class _Job:
     keys: list[bytes]  # keys of chunks [0, last_chunk) of the request's token prefix
-    first_chunk: int  # k/v hold chunks [first_chunk, last_chunk)
-    k: np.ndarray
-    v: np.ndarray
+    first_chunk: int  # kv holds chunks [first_chunk, last_chunk)
+    kv: PendingRead  # the KV copied out of the pool ([L, T, H, D] each), maybe still on its way
     tokens: int  # per chunk: a full chunk, or a tail sub-chunk
     start: int  # sequence position of k[:, 0] (codecs that undo RoPE need each chunk's position)
     tenant_tag: bytes  # keys.tenant_tag of the request's salt, framed with each value (admin stats)
@@ -118,9 +119,9 @@ class WriteBack:
         idx = seam.req_kv_indices(self.req_to_token_pool, req, lo, hi)
         if idx is None:
             return False
-        k, v = self.kv_writer.read(idx)
+        kv = self.kv_writer.read_later(idx)  # device pools: an async copy, waited for by the worker
         try:
-            self._q.put_nowait(_Job(keys, first, k, v, tokens, lo, tag))
+            self._q.put_nowait(_Job(keys, first, kv, tokens, lo, tag))
             self._idle.clear()
         except queue.Full:
             self.metrics.writeback_skipped("queue_full", len(keys) - first)
@@ -156,6 +157,7 @@ class WriteBack:
                     self._idle.set()
 
     def _write(self, job: _Job) -> None:
+        k, v = job.kv.result()  # KVWriteError if the device copy did not complete: counted, not stored
         c = job.tokens
         last = len(job.keys)
         present = self.client.count_prefix(job.keys)
@@ -166,8 +168,8 @@ class WriteBack:
         for i in range(start, last):
             lo, hi = (i - job.first_chunk) * c, (i - job.first_chunk + 1) * c
             blob = self.codec.encode(
-                np.ascontiguousarray(job.k[:, lo:hi]),
-                np.ascontiguousarray(job.v[:, lo:hi]),
+                np.ascontiguousarray(k[:, lo:hi]),
+                np.ascontiguousarray(v[:, lo:hi]),
                 self.fingerprint,
                 start=job.start + lo,
             )
