@@ -178,7 +178,7 @@ class _Event:
 
 
 class StrictDevice:
-    """``DeviceOps`` (see ``sgl_remote_kv.kvpool.device_writer``) on CPU, with CUDA's rules enforced."""
+    """``DeviceOps`` (see ``sgl_remote_kv.kvpool.device_ops``) on CPU, with CUDA's rules enforced."""
 
     def __init__(self, delay_s: float = 0.002) -> None:
         self.delay_s = delay_s

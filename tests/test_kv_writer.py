@@ -346,3 +346,47 @@ def test_codes_in_the_pinned_region_are_uploaded_from_where_they_lie(dev):
     np.testing.assert_array_equal(rk[0], np.concatenate([r[0][0] for r in ref]))
     np.testing.assert_array_equal(rv[0], np.concatenate([r[1][0] for r in ref]))
     w.unregister_host(region)
+
+
+@pytest.mark.parametrize("batch_bytes", [1 << 30, 1])
+@pytest.mark.parametrize("codec_name", ["quant_deflate", "transform"])
+def test_an_install_of_all_layers_waits_once_and_stays_exact(dev, monkeypatch, batch_bytes, codec_name):
+    """``write_quantized_layers`` (the in-process install on the scheduler thread): each layer's staging
+    lies after the previous layer's (the strict double's copies read their source late, so reused staging
+    would put the wrong layer's KV in the pool); one host wait per batch, or per layer once the batch's
+    staging is used up."""
+    from calibration_helpers import make_calibration
+
+    from benchmarks import synthetic_kv as synthetic
+    from sgl_remote_kv.codec.base import get_codec
+    from sgl_remote_kv.types import RopeSpec
+
+    fp = synthetic.fingerprint(num_layers=4, dtype="bfloat16")
+    lay = fp.layout
+    if codec_name == "transform":
+        cal = make_calibration(fp, rope=RopeSpec(10000.0, lay.head_dim, "neox"))
+        codec = get_codec("transform", calibration=cal.calib_id.hex(), quality="0.0005")
+    else:
+        codec = get_codec("quant_deflate", k_bins="64", granularity="token")
+    chunks = [synthetic.kv(lay, 32, seed=s) for s in (8, 9)]
+    s = _slots(64, 128)
+    kv, w = _strict(dev, lay, pool=128)
+    w.staging.batch_bytes = batch_bytes
+    waits = []
+    real_wait = w._wait_host
+    monkeypatch.setattr(w, "_wait_host", lambda ev: waits.append(ev) or real_wait(ev))
+    w.write_quantized_layers([_views(codec, fp, chunks, layer) for layer in range(4)], s)
+    assert len(waits) == (1 if batch_bytes > 1 else 4) and w.stats["device_dequant"] == 4
+    rk, rv = w.read(s)
+    ref = [codec.decode(codec.encode(k, v, fp), fp) for k, v in chunks]
+    want_k = np.concatenate([r[0] for r in ref], axis=1)
+    want_v = np.concatenate([r[1] for r in ref], axis=1)
+    if codec_name == "transform":  # the device inverse transform: within one bf16 step of the CPU decode
+        from sgl_remote_kv.codec import quant
+
+        for got, want in ((rk, want_k), (rv, want_v)):
+            g, wnt = quant.to_f32(got, "bfloat16"), quant.to_f32(want, "bfloat16")
+            assert np.all(np.abs(g - wnt) <= np.abs(wnt) * 2.0**-7 + 1e-6)
+    else:
+        np.testing.assert_array_equal(rk, want_k)
+        np.testing.assert_array_equal(rv, want_v)

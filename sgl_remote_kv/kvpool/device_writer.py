@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -35,38 +34,15 @@ import torch
 from sgl_remote_kv.codec import quant
 from sgl_remote_kv.types import KVLayout
 
+from .device_ops import DeviceOps
 from .readback import PendingRead, device_read_later
+from .staging import Staging, align
 from .writer import DEFAULT_TIMEOUT_S, TORCH_DTYPES, KVWriteError, KVWriter, PoolTensors
 
 MAX_TOKENS = 16384  # tokens per scatter launch (the kernel's grid axis y is capped at 65535)
 MAX_PIECE_BYTES = 64 << 20  # K+V bytes per piece: bounds the pinned and device staging buffers
 
 logger = logging.getLogger(__name__)
-
-
-class DeviceOps(Protocol):
-    """What ``DeviceKVWriter`` needs from a device. Every method but ``stream_wait`` and ``gather`` acts
-    on the ops' own side stream; events are opaque."""
-
-    def pin(self, array: np.ndarray) -> bool: ...  # register host memory; False if it cannot be pinned
-    def unpin(self, array: np.ndarray) -> None: ...
-    def pinned_empty(self, nbytes: int) -> torch.Tensor: ...  # uint8 host tensor in pinned memory
-    def device_empty(self, nbytes: int) -> torch.Tensor: ...  # uint8 device tensor
-    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...  # async H2D, same dtype/shape
-    def scatter(self, src: torch.Tensor, planes: list[torch.Tensor], slots: torch.Tensor) -> None: ...
-    def record(self) -> object: ...  # an event after everything enqueued so far
-    def query(self, event: object) -> bool: ...  # completed?
-    def stream_wait(self, event: object) -> None: ...  # the calling thread's current stream waits
-    def record_current(self) -> object: ...  # an event on the calling thread's current stream
-    def side_wait(self, event: object) -> None: ...  # the side stream waits for ``event``
-    # per plane: the rows at ``slots`` (device int64) into ``out[i]`` (pinned host), async D2H
-    def gather_into(self, planes: list[torch.Tensor], slots: torch.Tensor, out: torch.Tensor) -> None: ...
-    def dequant(self, codes, scales, m: int, cs, out: torch.Tensor) -> None: ...  # kernels/dequant.py
-    def constant(self, array: np.ndarray) -> torch.Tensor: ...  # a device copy, complete on return
-    # kernels/transform.py: escapes resolved, inverse transform into ``out`` [2, t, C], sinks put over it
-    def inverse_transform(
-        self, sym, esc, scales, cos, sin, consts, head_dim: int, style: int, sinks, out: torch.Tensor
-    ) -> None: ...
 
 
 class DeviceKVWriter(KVWriter):
@@ -81,8 +57,8 @@ class DeviceKVWriter(KVWriter):
         self.ops = ops
         self.torch_dtype = TORCH_DTYPES[layout.dtype]
         self._regions: list[tuple[int, int, np.ndarray]] = []  # (start, end, array) pinned in place
-        self._host = ops.pinned_empty(0)
-        self._dev = ops.device_empty(0)
+        self.staging = Staging(ops, self._late_pending)
+        self._batch: list | None = None  # events of a write_quantized_layers batch not waited for yet
         self._layer_events: dict[int, object] = {}  # layer -> event of its last write
         self._late: list[object] = []  # events of timed-out writes (fenced until they complete)
         self._late_lock = threading.Lock()  # not the write lock: fence() must not wait for a write
@@ -132,8 +108,8 @@ class DeviceKVWriter(KVWriter):
         plane = k[0].nbytes if n else 0
         idx = slots.to("cpu", torch.int64).contiguous()
         kv_bytes, slot_bytes = 2 * n * plane, idx.numel() * 8
-        so = _align(kv_bytes)  # the slots' offset (an int64 view needs an aligned offset)
-        dev = self._device_buffer(so + slot_bytes)
+        so = align(kv_bytes)  # the slots' offset (an int64 view needs an aligned offset)
+        dev = self.staging.device(so + slot_bytes)
         if self._pinned_planes(k) and self._pinned_planes(v):
             self.stats["zero_copy"] += 1
             for src, at in ((k, 0), (v, kv_bytes // 2)):  # one upload, or one per layer of a strided source
@@ -141,12 +117,12 @@ class DeviceKVWriter(KVWriter):
                 for i, part in enumerate(parts):
                     o = at + i * part.nbytes
                     self.ops.upload(dev[o : o + part.nbytes], _bytes(torch.from_numpy(part)))
-            host_slots = self._host_buffer(slot_bytes)[:slot_bytes]
+            host_slots = self.staging.host(slot_bytes)
             host_slots.view(torch.int64).copy_(idx)
             self.ops.upload(dev[so : so + slot_bytes], host_slots)
         else:
             self.stats["staged"] += 1
-            host = self._host_buffer(so + slot_bytes)[: so + slot_bytes]
+            host = self.staging.host(so + slot_bytes)
             hn = host.numpy()
             hn[: kv_bytes // 2].view(self.storage).reshape(k.shape)[...] = k
             hn[kv_bytes // 2 : kv_bytes].view(self.storage).reshape(v.shape)[...] = v
@@ -156,6 +132,31 @@ class DeviceKVWriter(KVWriter):
         planes = [*self.pool.k[layer_lo : layer_lo + n], *self.pool.v[layer_lo : layer_lo + n]]
         self.ops.scatter(src, planes, dev[so : so + slot_bytes].view(torch.int64))
         self._complete(list(range(layer_lo, layer_lo + n)), f"KV write of layers {layer_lo}..{layer_lo + n}")
+
+    def write_quantized_layers(self, views_by_layer, slots: torch.Tensor) -> None:
+        """One batch (``staging.py``): every layer enqueued behind the previous one, one host wait at the
+        end (or whenever the batch's staging is used up) instead of one per layer."""
+        slots = slots.to("cpu", torch.int64)
+        for layer, views in enumerate(views_by_layer):
+            self._check_quantized(views, slots, layer)
+        with self._lock:
+            self._batch = []
+            try:
+                for layer, views in enumerate(views_by_layer):
+                    self._write_quantized(views, slots, layer)
+                if self._batch and not self._wait_host(self._batch[-1]):
+                    self.stats["timeouts"] += 1
+                    raise KVWriteError(f"quantized KV write of {len(views_by_layer)} layers not done in time")
+                self._batch = []
+            except KVWriteError:
+                raise
+            except Exception as e:  # any failure of the dequantizing copies is a failed write
+                raise KVWriteError(f"quantized KV write of {len(views_by_layer)} layers failed: {e!r}") from e
+            finally:
+                with self._late_lock:  # a failed batch's work may still run: fenced like a timed-out write
+                    self._late.extend(self._batch)
+                self._batch = None
+                self.staging.restart()
 
     def _write_quantized(self, views, slots: torch.Tensor, layer: int) -> None:
         """Codes + scales H2D, dequantized on the device (one launch for V, one for K, or one per chunk
@@ -269,9 +270,10 @@ class DeviceKVWriter(KVWriter):
         offs, n = [], 0
         for nbytes in sizes:
             offs.append(n)
-            n = _align(n + nbytes)
-        host = self._host_buffer(n)[:n].numpy()
-        dev = self._device_buffer(n + out_bytes)
+            n = align(n + nbytes)
+        host_t = self.staging.host(n)
+        host = host_t.numpy()
+        dev = self.staging.device(n + out_bytes)
         staged: list[list[int]] = []  # [start, end) byte runs of the staging buffer to upload
         run_open = False  # the last run may grow over alignment padding (never over a zero-copy piece)
         for o, nbytes, sh, dt, pieces in zip(offs, sizes, shapes, dtypes, parts, strict=True):
@@ -292,7 +294,7 @@ class DeviceKVWriter(KVWriter):
                     run_open = True
                 lo += a.shape[0]
         for a, b in staged:
-            self.ops.upload(dev[a:b], self._host[a:b])
+            self.ops.upload(dev[a:b], host_t[a:b])
         views = [
             dev[o : o + nbytes].view(_TORCH[dt]).view(sh)
             for o, nbytes, sh, dt in zip(offs, sizes, shapes, dtypes, strict=True)
@@ -311,11 +313,20 @@ class DeviceKVWriter(KVWriter):
         return consts
 
     def _complete(self, layers: list[int], what: str) -> None:
-        """Record the write's event for ``layers`` and wait for it (see module docstring, step 5)."""
+        """Record the write's event for ``layers`` and wait for it (see module docstring, step 5); in a
+        batch, wait only when its staging is used up (``staging.py``) or at its end."""
         event = self.ops.record()
         for layer in layers:
             self._layer_events[layer] = event
         self.stats["writes"] += 1
+        if self._batch is not None:
+            self._batch.append(event)
+            if not self.staging.next_write(batch=True):
+                return
+            self.staging.restart()
+            self._batch = []
+        else:
+            self.staging.next_write(batch=False)
         if not self._wait_host(event):
             self.stats["timeouts"] += 1
             with self._late_lock:
@@ -330,20 +341,6 @@ class DeviceKVWriter(KVWriter):
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
         return True
-
-    def _host_buffer(self, nbytes: int) -> torch.Tensor:
-        if self._host.numel() < nbytes:
-            self._host = self.ops.pinned_empty(_grow(nbytes))
-        return self._host
-
-    def _device_buffer(self, nbytes: int) -> torch.Tensor:
-        if self._dev.numel() < nbytes:
-            if (
-                self._late_pending()
-            ):  # a timed-out copy may still land in the old buffer: never free it under it
-                raise KVWriteError("device writes still pending after a timeout; not growing staging")
-            self._dev = self.ops.device_empty(_grow(nbytes))
-        return self._dev
 
     def _late_pending(self) -> bool:
         """A timed-out write's work may still run on the device (it could still read or write what it was
@@ -392,11 +389,3 @@ _TORCH = {
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
-
-
-def _align(n: int, to: int = 64) -> int:
-    return -(-n // to) * to
-
-
-def _grow(nbytes: int) -> int:
-    return max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())

@@ -113,10 +113,7 @@ class KVWriter(ABC):
         """Layer ``layer`` of consecutive chunks (``views``: their lossless stage's output, tokens in order)
         into ``slots``, dequantized on the pool's side. Same contract as ``write``; raises ``KVWriteError``."""
         slots = slots.to("cpu", torch.int64)
-        t = sum(vw.tokens for vw in views)
-        if slots.ndim != 1 or len(slots) != t or not 0 <= layer < self.layout.num_layers:
-            raise KVWriteError(f"{len(slots)} slots for {t} quantized tokens of layer {layer}")
-        self._check_slots(slots)
+        self._check_quantized(views, slots, layer)
         try:
             with self._lock:
                 self._write_quantized(views, slots, layer)
@@ -124,6 +121,18 @@ class KVWriter(ABC):
             raise
         except Exception as e:  # any failure of the dequantizing copy is a failed write
             raise KVWriteError(f"quantized KV write of layer {layer} failed: {e!r}") from e
+
+    def write_quantized_layers(self, views_by_layer: Sequence[Sequence], slots: torch.Tensor) -> None:
+        """Layers ``0..n-1`` of an install (``views_by_layer[layer]`` as ``write_quantized``'s ``views``)
+        into ``slots``: the same contract for all of them (device pools wait once, not per layer)."""
+        for layer, views in enumerate(views_by_layer):
+            self.write_quantized(views, slots, layer)
+
+    def _check_quantized(self, views: Sequence, slots: torch.Tensor, layer: int) -> None:
+        t = sum(vw.tokens for vw in views)
+        if slots.ndim != 1 or len(slots) != t or not 0 <= layer < self.layout.num_layers:
+            raise KVWriteError(f"{len(slots)} slots for {t} quantized tokens of layer {layer}")
+        self._check_slots(slots)
 
     def _write_quantized(self, views: Sequence, slots: torch.Tensor, layer: int) -> None:
         """The codec's CPU stage, then the plain write (lock held)."""

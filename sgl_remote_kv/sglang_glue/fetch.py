@@ -130,8 +130,7 @@ class FetchHandle:
         Raises ``KVWriteError``."""
         if self.codes is not None:
             n = bisect.bisect_right(self.offsets, tokens) - 1  # chunks that end within ``tokens``
-            for layer, views in enumerate(self.codes):
-                writer.write_quantized(views[:n], slots, layer)
+            writer.write_quantized_layers([views[:n] for views in self.codes], slots)
         else:
             writer.write(self.k[:, :tokens], self.v[:, :tokens], slots)
 

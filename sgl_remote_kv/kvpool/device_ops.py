@@ -1,0 +1,34 @@
+"""What ``DeviceKVWriter`` needs from a device: ``cuda_ops.CudaOps`` on CUDA, ``tests/strict_device.py``'s
+strict CPU double in CI (it enforces CUDA's rules on the same calls)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+class DeviceOps(Protocol):
+    """What ``DeviceKVWriter`` needs from a device. Every method but ``stream_wait`` and ``gather`` acts
+    on the ops' own side stream; events are opaque."""
+
+    def pin(self, array: np.ndarray) -> bool: ...  # register host memory; False if it cannot be pinned
+    def unpin(self, array: np.ndarray) -> None: ...
+    def pinned_empty(self, nbytes: int) -> torch.Tensor: ...  # uint8 host tensor in pinned memory
+    def device_empty(self, nbytes: int) -> torch.Tensor: ...  # uint8 device tensor
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...  # async H2D, same dtype/shape
+    def scatter(self, src: torch.Tensor, planes: list[torch.Tensor], slots: torch.Tensor) -> None: ...
+    def record(self) -> object: ...  # an event after everything enqueued so far
+    def query(self, event: object) -> bool: ...  # completed?
+    def stream_wait(self, event: object) -> None: ...  # the calling thread's current stream waits
+    def record_current(self) -> object: ...  # an event on the calling thread's current stream
+    def side_wait(self, event: object) -> None: ...  # the side stream waits for ``event``
+    # per plane: the rows at ``slots`` (device int64) into ``out[i]`` (pinned host), async D2H
+    def gather_into(self, planes: list[torch.Tensor], slots: torch.Tensor, out: torch.Tensor) -> None: ...
+    def dequant(self, codes, scales, m: int, cs, out: torch.Tensor) -> None: ...  # kernels/dequant.py
+    def constant(self, array: np.ndarray) -> torch.Tensor: ...  # a device copy, complete on return
+    # kernels/transform.py: escapes resolved, inverse transform into ``out`` [2, t, C], sinks put over it
+    def inverse_transform(
+        self, sym, esc, scales, cos, sin, consts, head_dim: int, style: int, sinks, out: torch.Tensor
+    ) -> None: ...
