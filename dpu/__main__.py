@@ -15,6 +15,8 @@ import logging
 import os
 import sys
 
+from sgl_remote_kv.store.credentials import url_password_warning
+
 from .protocol import decode_warmup
 from .server import DataPlaneConfig, DataPlaneServer
 from .settings import DataPlaneSettings, add_flags, from_namespace
@@ -33,8 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--store",
         required=True,
-        help="store URL (file:///dir, redis://host:port/db, ...); '-' reads it from the first line of stdin, "
-        "so a password in it never shows in the process list (the host's way)",
+        help="store URL (file:///dir, redis://host:port/db, ...); '-' reads it from the first line of stdin "
+        "(the host's way). Keep a password out of the command line (ps shows it): the URL option "
+        "password_file=PATH, the environment variable SRKV_STORE_PASSWORD, or '-'",
     )
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process (the host) goes away")
     p.add_argument(
@@ -130,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         level=cfg.settings.log_level.upper(),
         format="%(asctime)s dpu[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
+    password_warning = url_password_warning(ns.store) if ns.store != "-" else None
+    if password_warning:  # a service started by hand with the password in --store
+        logging.getLogger(__name__).warning(password_warning)
     proxy = StoreProxy(proxy_cfg) if proxy_cfg else None
     if proxy is not None:
         proxy.start()

@@ -24,6 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from sgl_remote_kv.codec.errors import CorruptChunk
+from sgl_remote_kv.store import corruption
 from sgl_remote_kv.store.streaming import StreamOutcome
 
 from .buffers import layer_bytes
@@ -79,7 +80,7 @@ class FetchStage:
             blob = self.store.get_many([key])[0]
             admitted.nbytes = len(blob) if blob is not None else 0
         if blob is None:
-            self.book.fail(task, *_miss_kind(self._store_err.kind))
+            self.book.fail(task, *_miss_kind(self._store_err.kind, key))
             self.book.fetched(task, False)
             self.book.release_fetch(task)
             return 0
@@ -149,7 +150,7 @@ class FetchStage:
             pieces.close()
         if stream.outcome is not StreamOutcome.OK:
             if stream.outcome is not StreamOutcome.ABORTED:  # (aborted: this chunk failed or was cancelled)
-                self.book.fail(task, *_miss_kind(_stream_kind(stream)))
+                self.book.fail(task, *_miss_kind(_stream_kind(stream), job.dests[task.region.index].key))
             self.book.fetched(task, False)
             self.book.release_fetch(task)
             return 0
@@ -176,11 +177,13 @@ def _stream_kind(stream) -> str:
     return "corrupt" if stream.outcome is StreamOutcome.CORRUPT else stream.error or "error"
 
 
-def _miss_kind(store_kind: str) -> tuple[str, str, str]:
+def _miss_kind(store_kind: str, key: bytes) -> tuple[str, str, str]:
     """``ChunkFailed`` (kind, detail, store_error) of a chunk the store client returned no value for:
-    absent (``miss``), a value failing the store framing (``corrupt``; the client deleted it), or a
-    failed store call (``store_error``). The store kind is cut to the protocol's 64 safe characters."""
+    absent (``miss``), a value failing the store framing (``corrupt``; the client logged and deleted it),
+    or a failed store call (``store_error``). The store kind is cut to the protocol's 64 safe characters."""
     safe = "".join(c if c.isascii() and (c.isalnum() or c in "_:.-") else "_" for c in store_kind)[:64]
     if not safe:
         return "miss", "", ""
-    return ("corrupt" if safe == "corrupt" else "store_error"), f"store client: {safe}", safe
+    if safe == "corrupt":
+        return "corrupt", corruption.detail(key, "the store frame or MAC failed (deleted)"), safe
+    return "store_error", f"store client: {safe}", safe

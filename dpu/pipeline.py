@@ -37,7 +37,9 @@ releases a client's regions only after every job of that client reported ``JobDo
 client) are owned by the chunk task and dropped when the chunk is terminal.
 
 Failures: a ``ChunkError`` fails the chunk (kind ``corrupt``/``foreign``) and cancels every later chunk
-of the job (a prefix cache cannot use KV after a hole); an unexpected exception is caught at the
+of the job (a prefix cache cannot use KV after a hole); damaged bytes (``CORRUPTION``: a codec CRC) are
+logged here (``store/corruption.py``, rate-limited) and reported with ``store_error="corrupt"``, so the
+host counts them as ``store_errors_total{op="get",kind="corrupt"}``; an unexpected exception is caught at the
 worker boundary, counted, logged and reported as kind ``internal``. A chunk the store client returned
 no value for: ``fetch_stage.py``.
 
@@ -55,8 +57,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from sgl_remote_kv.codec.errors import ChunkError, ForeignChunk
+from sgl_remote_kv.codec.errors import CORRUPTION, ChunkError, ForeignChunk
 from sgl_remote_kv.codec.format import layer_section
+from sgl_remote_kv.store import corruption
 
 from .buffers import ChunkRegion, StagingBuffers, layer_bytes
 from .fetch_stage import FetchStage
@@ -154,7 +157,11 @@ class Pipeline:
     def _failed_item(self, task: ChunkTask, stage: str, e: Exception) -> None:
         """An item of ``stage`` raised: fail its chunk (``ChunkError``: corrupt/foreign; anything else is
         an internal error, counted and logged) and finish the item."""
-        if isinstance(e, ChunkError):
+        if isinstance(e, CORRUPTION):  # damaged stored bytes: logged here, counted by the host (store_error)
+            key = task.job.dests[task.region.index].key
+            corruption.note(key, f"data plane {stage} stage", str(e))
+            self.fail(task, "corrupt", corruption.detail(key, str(e)), store_error="corrupt")
+        elif isinstance(e, ChunkError):
             self.fail(task, "foreign" if isinstance(e, ForeignChunk) else "corrupt", str(e))
         else:
             logger.error("%s failed on job %d chunk %d", stage, task.job.job, task.region.index, exc_info=e)

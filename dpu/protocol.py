@@ -263,15 +263,18 @@ FAIL_KINDS = (
 )
 
 
-# The data plane's store client error kind (``store.client``: timeout, unavailable, breaker_open, corrupt,
-# io:<errno>, an exception type name, ...): the host counts it as ``store_errors_total{op="get",kind}``.
+# The data plane's store client error kind (``store.client``: timeout, unavailable, breaker_open, auth,
+# corrupt, io:<errno>, an exception type name, ...): the host counts it as ``store_errors_total{op="get",kind}``.
 StoreErrorKind = Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[A-Za-z0-9_:.-]*\Z")]
 
 
 class ChunkFailed(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Chunk ``chunk`` of ``job`` failed. ``store_error``: the store client's error kind when the store
-    call behind the failure failed (required with kind ``store_error``; ``corrupt`` for a value that
-    failed the store framing, which the store client deleted); empty otherwise."""
+    call behind the failure failed (required with kind ``store_error``), or ``corrupt`` (with kind
+    ``corrupt``) for a value whose bytes are damaged: it failed the store framing or MAC (the store client
+    deleted it) or the codec's header / section CRCs (``codec.errors.CORRUPTION``); the host counts each
+    such chunk once as ``store_errors_total{op="get",kind}``. Empty otherwise (a foreign or newer-version
+    chunk, a miss, ...). A corrupt chunk's ``detail`` names its key (``store.corruption.detail``)."""
 
     job: JobId
     chunk: U32

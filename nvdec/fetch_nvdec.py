@@ -25,7 +25,7 @@ import numpy as np
 from sgl_remote_kv.nvdec.hevc_codec import GROUP, FrameCodes
 from sgl_remote_kv.nvdec.pool import DecoderPool, PoolClosed, SlotWriter
 
-from sgl_remote_kv.codec.errors import ChunkError
+from sgl_remote_kv.codec.errors import CORRUPTION, ChunkError
 from sgl_remote_kv.kvpool import KVWriteError, KVWriter
 from sgl_remote_kv.sglang_glue.fetch import FetchHandle, ThreadedFetchBackend
 from sgl_remote_kv.types import FailureKind, ModelFingerprint, numpy_storage_dtype
@@ -112,7 +112,7 @@ class NvdecFetchBackend(ThreadedFetchBackend):
             handle.fetched_bytes += len(blob)
         if handle.ok_chunks == 0:
             return
-        self._verify(handle, blobs)
+        self._verify(handle, keys, blobs)
         if handle.ok_chunks == 0:
             return
         lay, c = self.fingerprint.layout, self.chunk_size
@@ -136,6 +136,8 @@ class NvdecFetchBackend(ThreadedFetchBackend):
                 handle.decode_s += res.decode_s
             except ChunkError as e:
                 fail = f"decode:{type(e).__name__}"
+                if isinstance(e, CORRUPTION):  # counted and logged as a corrupt store value
+                    self.client.report_corrupt(keys[i], "nvdec codec", str(e))
             except PoolClosed:
                 fail = "cancelled"
             except Exception as e:  # a crashed decoder instance or a sink bug: this chunk is a miss

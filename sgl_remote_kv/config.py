@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from dataclasses import asdict, dataclass, fields
 
 from sgl_remote_kv import env
 from sgl_remote_kv.types import DEFAULT_QUALITY, DPU_OUTPUTS, QUALITY_LEVELS
+
+logger = logging.getLogger(__name__)
 
 MODES = ("off", "dpu", "nvdec", "inproc", "auto")
 FLUSH_SCOPES = ("local", "tier")
@@ -31,6 +34,7 @@ class RemoteKVConfig:
     codec: str = "default"
     quality: str = DEFAULT_QUALITY  # transform codec: the KL target of its calibration level
     auth_key_file: str = ""  # "" -> values are not authenticated (see sgl_remote_kv/security.py)
+    store_password_file: str = ""  # the Redis store's password, in a file (store/credentials.py)
     nvdec_instances: int = 2  # decoder instances of the NVDEC pool (--remote-kv nvdec|auto)
     layerwise: bool = False  # admit fully fetched requests before every layer is in the pool
     policy_margin: float = 1.0  # fetch when est. fetch time <= margin x est. recompute time
@@ -75,6 +79,13 @@ class RemoteKVConfig:
                 "--remote-kv-dpu-endpoint tcp://... needs --remote-kv-auth-key-file (the endpoint's "
                 "CURVE keys are derived from that secret)"
             )
+        if self.store_password_file:
+            from sgl_remote_kv.store.credentials import with_password_file
+
+            try:
+                with_password_file(self.store_url, self.store_password_file)
+            except ValueError as e:
+                raise ValueError(f"--remote-kv-store-password-file: {e}") from None
         if self.dpu_output not in DPU_OUTPUTS:
             raise ValueError(f"--remote-kv-dpu-output must be one of {DPU_OUTPUTS}, got {self.dpu_output!r}")
         if not 1 <= self.nvdec_instances <= 64:
@@ -96,6 +107,10 @@ class RemoteKVConfig:
 
     def resolved_store_url(self) -> str:
         url = self.store_url or f"file://{env.cache_dir() / 'store'}"
+        if self.store_password_file:
+            from sgl_remote_kv.store.credentials import with_password_file
+
+            url = with_password_file(url, self.store_password_file)
         if self.auth_key_file:
             from sgl_remote_kv.security import auth_store_url
 
@@ -140,7 +155,18 @@ class RemoteKVConfig:
             type=_store_url,
             metavar="URL",
             help="Store URL: file:///dir (embedded, default), redis://host:port/db, "
-            "redis+cluster://host:port[,host:port].",
+            "redis+cluster://host:port[,host:port]. Keep a password out of it (it would show in ps): "
+            "--remote-kv-store-password-file or SRKV_STORE_PASSWORD.",
+        )
+        g.add_argument(
+            "--remote-kv-store-password-file",
+            dest="remote_kv_store_password_file",
+            type=_password_file,
+            default="",
+            metavar="PATH",
+            help="File holding the Redis store's password (one line), for a --remote-kv-store URL without "
+            "one; every process of the tier reads it from there, so it never shows on a command line. "
+            "Or set SRKV_STORE_PASSWORD.",
         )
         g.add_argument(
             "--remote-kv-chunk-size",
@@ -279,11 +305,18 @@ class RemoteKVConfig:
             ns = parser.parse_args(argv)
         except argparse.ArgumentError as e:
             raise ValueError(str(e)) from None
-        return cls.from_namespace(ns)
+        return cls.from_namespace(ns, on_command_line=False)
 
     @classmethod
-    def from_namespace(cls, ns: argparse.Namespace) -> RemoteKVConfig:
+    def from_namespace(cls, ns: argparse.Namespace, on_command_line: bool = True) -> RemoteKVConfig:
+        """The config of parsed flags; ``on_command_line``: they came from a command line (``ps`` shows it)."""
         cfg = cls._from_namespace(ns)
+        if cfg.enabled and on_command_line:
+            from sgl_remote_kv.store.credentials import url_password_warning
+
+            warning = url_password_warning(cfg.store_url)
+            if warning:
+                logger.warning(warning)
         if cfg.enabled and getattr(ns, "remote_kv_probe_store", True):
             from sgl_remote_kv.preflight import probe_store_async
 
@@ -300,6 +333,7 @@ class RemoteKVConfig:
             codec=ns.remote_kv_codec,
             quality=getattr(ns, "remote_kv_quality", DEFAULT_QUALITY),
             auth_key_file=getattr(ns, "remote_kv_auth_key_file", ""),
+            store_password_file=getattr(ns, "remote_kv_store_password_file", ""),
             nvdec_instances=getattr(ns, "remote_kv_nvdec_instances", 2),
             layerwise=getattr(ns, "remote_kv_layerwise", False),
             policy_margin=getattr(ns, "remote_kv_policy_margin", 1.0),
@@ -383,6 +417,20 @@ def _store_url(text: str) -> str:
         return check_store_url(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _password_file(text: str) -> str:
+    if not text:
+        return ""
+    from pathlib import Path
+
+    from sgl_remote_kv.store.credentials import read_password_file
+
+    try:
+        read_password_file(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return str(Path(text).resolve())
 
 
 def _auth_key_file(text: str) -> str:

@@ -7,6 +7,9 @@
   written for (``sglang_glue/seam.py``), at the operator's risk.
 - ``SRKV_CONFIG``: JSON of the parsed ``RemoteKVConfig``; set by the launcher-side plugin so the
   scheduler subprocesses see the exact config the CLI produced (never set by hand).
+- ``SRKV_STORE_PASSWORD``: the Redis store's password, for URLs that name neither a password nor a
+  ``password_file`` (``store/credentials.py``); inherited by the scheduler and data-plane processes, and
+  never on a command line.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ CPU_PLATFORM = "SRKV_CPU_PLATFORM"
 CACHE_DIR = "SRKV_CACHE_DIR"
 CONFIG_JSON = "SRKV_CONFIG"
 ALLOW_SGLANG_VERSION = "SRKV_ALLOW_SGLANG_VERSION"
+STORE_PASSWORD = "SRKV_STORE_PASSWORD"
 
 
 def _flag(name: str) -> bool:
@@ -35,6 +39,10 @@ def allow_other_sglang() -> bool:
 def cache_dir() -> Path:
     raw = os.environ.get(CACHE_DIR)
     return Path(raw).expanduser() if raw else Path.home() / ".cache" / "sgl-remote-kv"
+
+
+def store_password() -> str | None:
+    return os.environ.get(STORE_PASSWORD) or None
 
 
 def config_json() -> str | None:

@@ -154,7 +154,15 @@ def _probe(url: str, timeout_s: float) -> None:
     threading.Thread(target=run, name="srkv-store-probe-call", daemon=True).start()
     if not done.wait(timeout_s):
         error.append(TimeoutError(f"no answer in {timeout_s:.0f} s"))
-    if error:
+    if error and isinstance(error[0], base.StoreAuthError):
+        logger.error(
+            "remote KV store %s refused authentication at start (%s); serving continues without the "
+            "remote tier (every lookup a miss, not retried as an outage): check the password "
+            "(--remote-kv-store-password-file, SRKV_STORE_PASSWORD) and the ACL user",
+            redact_url(url),
+            error[0],
+        )
+    elif error:
         logger.warning(
             "remote KV store %s is unreachable at start (%s: %s); serving continues, every lookup is a "
             "miss until the store answers",

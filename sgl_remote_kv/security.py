@@ -5,8 +5,10 @@ secret the tier already rejects anything malformed or foreign (client framing CR
 section CRCs, model fingerprint); it cannot reject a *well-formed* blob that someone wrote under the
 wrong key (a replay: another prompt's KV served for this prompt). With ``--remote-kv-auth-key-file``
 every value carries ``HMAC-SHA256(secret, tag || len(key) || key || value)``; a value whose MAC does
-not verify under the key it was read from is a miss (counted, logged once), so a writer without the
-secret can at worst cost a recompute, never change an answer.
+not verify under the key it was read from is a miss, so a writer without the secret can at worst cost a
+recompute, never change an answer: ``get_many`` returns it as a ``store.base.CorruptValue``, which the
+store client counts as a corrupt value (``store_errors_total{op="get",kind="corrupt"}``), logs
+(rate-limited, ``store/corruption.py``) and deletes; ``stats().extra["auth_rejected"]`` counts them too.
 
 Where: the MAC is applied by ``AuthenticatedStore``, a ``KVStore`` wrapper selected by the store URL
 prefix ``auth+`` (``auth+redis://h:p/0?auth_key_file=/etc/srkv.key``). The store layer is the one
@@ -34,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode
 
-from sgl_remote_kv.store.base import KVStore, StoreStats, open_store, redact_url
+from sgl_remote_kv.store.base import CorruptValue, KVStore, StoreStats, open_store, redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +109,7 @@ def unseal(secret: bytes, chunk_key: bytes, blob) -> bytes | None:
 
 
 class AuthenticatedStore:
-    """``KVStore`` wrapper: seals on put, verifies on get (a failed check is a miss)."""
+    """``KVStore`` wrapper: seals on put, verifies on get (a failed check is a ``CorruptValue``: a miss)."""
 
     def __init__(self, inner: KVStore, secret: bytes) -> None:
         if len(secret) < MIN_KEY_BYTES:
@@ -127,18 +129,14 @@ class AuthenticatedStore:
         bad = 0
         for k, v in zip(keys, values, strict=True):
             value = unseal(self._secret, k, v) if v is not None else None
-            bad += v is not None and value is None
+            if v is not None and value is None:
+                bad += 1
+                value = CorruptValue("its MAC does not verify (not written with this secret, or changed)")
             out.append(value)
         if bad:
-            self._note_rejected(bad)
+            with self._lock:
+                self._rejected += bad
         return out
-
-    def _note_rejected(self, n: int) -> None:
-        with self._lock:
-            first = self._rejected == 0
-            self._rejected += n
-        if first:
-            logger.warning("remote KV: %d value(s) failed MAC verification (treated as misses)", n)
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
         self.inner.put_many([(k, seal(self._secret, k, v)) for k, v in items])

@@ -139,6 +139,7 @@ class FailureKind(str, Enum):
     STORE_TIMEOUT = "store_timeout"
     STORE_UNAVAILABLE = "store_unavailable"
     STORE_BREAKER_OPEN = "store_breaker_open"
+    STORE_AUTH = "store_auth"  # the store refused the data plane's credentials
     STORE_CORRUPT = "store_corrupt"
     STORE_OTHER = "store_other"
     CORRUPT = "corrupt"
@@ -196,7 +197,8 @@ class StoreErrorLabel(str, Enum):
     TIMEOUT = "timeout"
     UNAVAILABLE = "unavailable"
     BREAKER_OPEN = "breaker_open"
-    CORRUPT = "corrupt"
+    AUTH = "auth"  # the store refused our credentials (a configuration error: not retried)
+    CORRUPT = "corrupt"  # a value failed an integrity check (store frame, MAC, codec CRCs): once per value
     INVALID = "invalid"
     CLOSED = "closed"
     IO = "io"
@@ -239,7 +241,9 @@ class KVFidelity(str, Enum):
 
 
 REQUEST_PARAM = "remote_kv"  # the custom_params key of KVFidelity
-EXACT_OUTCOMES = ("exact_path", "recompute")  # exact_requests_total{outcome}: served how
+# exact_requests_total{outcome}: exact_path (parked to fetch from an exact path), local_hit (not parked: the
+# local radix cache holds what the tier could add, and matched part of it), recompute (nothing to reuse)
+EXACT_OUTCOMES = ("exact_path", "local_hit", "recompute")
 
 
 STORE_OPS = ("lookup", "get", "put", "delete")

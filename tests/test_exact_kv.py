@@ -83,6 +83,24 @@ def test_exact_requests_on_an_exact_tier_share_the_local_tree():
     r = _exact(req("x", 4 * C + 1))
     w.stored(r, 4)
     assert w.q.park(r) and not getattr(r, "isolated", False)
+    assert _count(w, "exact_requests|outcome=exact_path") == 1
+
+
+@pytest.mark.parametrize("paths", ["lossy", "exact"])
+def test_an_exact_request_served_from_the_local_cache_is_a_local_hit_not_a_recompute(paths):
+    """``recompute`` means recompute: an exact request whose prompt the local radix cache holds (its own
+    exact nodes; with or without an exact path to fetch from) is ``local_hit``, once."""
+    w = _world("lossy") if paths == "lossy" else make_queue()
+    r = _exact(req("x", 4 * C + 1))
+    w.stored(r, 4, w.quant if paths == "lossy" else None)
+    w.c.tree.local["x"] = 4 * C  # asked again: the first answer's exact nodes are in the tree
+    assert not w.q.park(r)
+    cold = _exact(req("y", 4 * C + 1))  # nothing local: on a lossy tier it is computed
+    parked = w.q.park(cold)
+    assert parked == (paths == "exact")
+    assert _count(w, "exact_requests|outcome=local_hit") == 1
+    assert _count(w, "exact_requests|outcome=recompute") == (0 if parked else 1)
+    assert _count(w, "exact_requests|outcome=exact_path") == (1 if parked else 0)
 
 
 # -- the seam: what the request objects carry -----------------------------------------------------------

@@ -20,9 +20,13 @@ C = 8
 class DictClient:
     def __init__(self, data: dict[bytes, bytes]):
         self.data = data
+        self.corrupt: list[bytes] = []  # keys reported corrupt (StoreClient.report_corrupt)
 
     def get_many(self, keys):
         return [self.data.get(k) for k in keys]
+
+    def report_corrupt(self, key: bytes, where: str, why: str) -> None:
+        self.corrupt.append(key)
 
 
 def _setup(n_chunks=3, layers=4):
@@ -88,8 +92,9 @@ def test_fetch_stops_at_first_miss_or_corrupt_chunk():
     bad[-5] ^= 1
     data[b"bad"] = bytes(bad)
     writer, slots = _pool(fp)
+    client = DictClient(data)
     with DecoderPool(instances=1) as pool:
-        be = NvdecFetchBackend(DictClient(data), pool, codec, fp, C, writer)
+        be = NvdecFetchBackend(client, pool, codec, fp, C, writer)
         miss = be.submit("r2", [b"key0", b"nope", b"key2"], 0, slots[: 3 * C])
         corrupt = be.submit("r3", [b"key0", b"bad", b"key2"], 0, slots[3 * C : 6 * C])
         assert miss.wait(60) and corrupt.wait(60)
@@ -97,6 +102,7 @@ def test_fetch_stops_at_first_miss_or_corrupt_chunk():
     assert miss.ok_chunks == 1 and miss.failure == "store_miss"
     assert np.array_equal(writer.read(slots[:C])[0], rk[:, :C])
     assert corrupt.ok_chunks == 1 and corrupt.failure.startswith("decode:CorruptChunk")
+    assert client.corrupt == [b"bad"]  # counted once as a corrupt store value (store_errors_total)
 
 
 def test_a_failed_write_fails_the_chunk_never_a_hit():

@@ -70,21 +70,28 @@ class WaitingForKV:
         """True if ``req`` was parked (the caller must not enqueue it)."""
         host, chunk = self.c.host, self.s.chunk_size
         paths = self.c.paths
-        if host.fidelity(req) is KVFidelity.EXACT:
+        exact = host.fidelity(req) is KVFidelity.EXACT
+        if exact:
             paths = self.exact_paths
             if self.lossy_installs:  # before any match: the request's radix keys change
                 host.isolate_exact(req)
-            if parked_at is None:  # not again for a re-parked follower
-                self.c.metrics.exact_request("exact_path" if paths else "recompute")
-            if not paths:
-                return False
+        count_exact = exact and parked_at is None  # once per request: not again for a re-parked follower
         rid = host.rid(req)
-        if rid in self.parked or not host.eligible(req):
+        if rid in self.parked:
+            return False
+        if not host.eligible(req):
+            if count_exact:
+                self.c.metrics.exact_request("recompute")  # no token prefix to reuse
             return False
         ids = host.prompt(req)
         local = self.c.tree.match(req, len(ids)).prefix_len
-        if self.planner.fetch_end(len(ids)) <= local:
-            return False  # nothing beyond the local hit could come from the store
+        if not paths or self.planner.fetch_end(len(ids)) <= local:
+            # nothing beyond the local hit could come from the store (or no exact path may bring it)
+            if count_exact:
+                self.c.metrics.exact_request("local_hit" if local > 0 else "recompute")
+            return False
+        if count_exact:
+            self.c.metrics.exact_request("exact_path")
         salt = host.salt(req)
         chain = self.planner.chains(ids, salt, paths)
         now = time.monotonic()

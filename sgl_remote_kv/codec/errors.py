@@ -8,7 +8,7 @@ Encoding errors caused by the caller's own arguments (wrong shapes, non-finite v
 
 from __future__ import annotations
 
-__all__ = ["ChunkError", "CorruptChunk", "ForeignChunk", "UnsupportedVersion", "LimitExceeded"]
+__all__ = ["ChunkError", "CorruptChunk", "ForeignChunk", "UnsupportedVersion", "LimitExceeded", "CORRUPTION"]
 
 
 class ChunkError(Exception):
@@ -29,3 +29,8 @@ class UnsupportedVersion(ChunkError):
 
 class LimitExceeded(ChunkError):
     """The header claims sizes beyond the configured ``Limits`` (refused before allocating)."""
+
+
+# The errors that mean the stored bytes are damaged (counted as store_errors_total{kind="corrupt"}, logged by
+# ``store/corruption.py``); a foreign or newer-version chunk is well-formed, only not ours to read.
+CORRUPTION = (CorruptChunk, LimitExceeded)

@@ -17,8 +17,10 @@ waits on a service that is down.
 
 This module is the process side (lifecycle, heartbeats, supervision, the receiver loop); the round
 bookkeeping (slots, in-flight rounds, completion events -> handles, scatters) is ``rounds.RoundBook``.
-A chunk the data plane's store client failed on arrives as ``ChunkFailed`` with ``store_error``: it is
-passed to ``on_store_error(op, kind, n)`` (the serving glue: ``store_errors_total{op="get",kind}``).
+A chunk the data plane's store client failed on, or whose value it found corrupt (store frame, MAC or
+codec CRCs), arrives as ``ChunkFailed`` with ``store_error``: it is passed to ``on_store_error(op, kind, n)``
+(the serving glue: ``store_errors_total{op="get",kind}``), once per chunk; a corrupt one is also logged
+here (``store/corruption.py``, rate-limited).
 
 Threads: ``start``/``submit``/``cancel``/``stats``/``close`` may be called from any thread (they take
 ``cv``); socket I/O and scatters run only on the receiver thread, the scatters outside ``cv``
@@ -53,6 +55,7 @@ from sgl_remote_kv.dpu import protocol as P
 from sgl_remote_kv.dpu.buffers import DestRegion
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
 from sgl_remote_kv.kvpool import KVWriteError
+from sgl_remote_kv.store import corruption
 from sgl_remote_kv.types import DPU_OUTPUTS, ModelFingerprint
 
 from . import shm_names
@@ -414,8 +417,12 @@ class DpuClient:
         elif isinstance(msg, P.ChunksVerified):
             self._on_verified(msg)
         else:
-            if isinstance(msg, P.ChunkFailed) and msg.store_error and self.on_store_error is not None:
-                self.on_store_error("get", msg.store_error, 1)  # a failed call of the data plane's client
+            if isinstance(msg, P.ChunkFailed) and msg.store_error:
+                if msg.store_error == "corrupt":  # the data plane logged it too, in its own log
+                    key, why = corruption.split_detail(msg.detail)
+                    corruption.note(key, "found by the data plane", why)
+                if self.on_store_error is not None:  # its store client failed, or a value was corrupt
+                    self.on_store_error("get", msg.store_error, 1)
             with self.cv:
                 self.book.on_event(msg)
                 self.cv.notify_all()

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from sgl_remote_kv.codec.base import Codec
-from sgl_remote_kv.codec.errors import ChunkError
+from sgl_remote_kv.codec.errors import CORRUPTION, ChunkError
 from sgl_remote_kv.kvpool import KVWriter
 from sgl_remote_kv.types import ModelFingerprint, numpy_storage_dtype
 
@@ -243,7 +243,15 @@ class ThreadedFetchBackend:
     def _on_success(self, handle: FetchHandle) -> None:
         pass
 
-    def _verify(self, handle: FetchHandle, blobs: list) -> list:
+    def _chunk_error(self, handle: FetchHandle, i: int, key: bytes, e: ChunkError) -> None:
+        """Chunk ``i`` (store key ``key``) failed to parse or decode: the hit ends before it; a damaged value
+        (``CORRUPTION``) is also counted and logged as a corrupt store value (the store client's
+        ``report_corrupt``: ``store_errors_total{op="get",kind="corrupt"}``)."""
+        handle._fail_from(i, f"decode:{type(e).__name__}")
+        if isinstance(e, CORRUPTION):
+            self.client.report_corrupt(key, f"{self.label} codec", str(e))
+
+    def _verify(self, handle: FetchHandle, keys: list[bytes], blobs: list) -> list:
         """Parse (header, checksum) every fetched chunk up front, cut the hit at the first bad one,
         publish ``handle.verified`` when all are good; return the good chunks' headers."""
         headers = []
@@ -251,7 +259,7 @@ class ThreadedFetchBackend:
             try:
                 headers.append(self.codec.parse(blobs[i], self.fingerprint))
             except ChunkError as e:
-                handle._fail_from(i, f"decode:{type(e).__name__}")
+                self._chunk_error(handle, i, keys[i], e)
                 break
             if headers[-1].num_tokens != handle.tokens[i]:
                 handle._fail_from(i, "decode:chunk_size")
@@ -284,17 +292,17 @@ class InProcessFetchBackend(ThreadedFetchBackend):
                 handle._fail_from(i, "store_miss")
                 break
             handle.fetched_bytes += len(blob)
-        headers = self._verify(handle, blobs)
+        headers = self._verify(handle, keys, blobs)
         if handle.ok_chunks == 0 or handle.cancelled:
             if handle.cancelled:
                 handle._fail_from(0, "cancelled")
             return
         if self.keep_codes:
-            self._stage_codes(handle, blobs, headers)
+            self._stage_codes(handle, keys, blobs, headers)
         else:
-            self._decode_layer_major(handle, blobs, headers)
+            self._decode_layer_major(handle, keys, blobs, headers)
 
-    def _stage_codes(self, handle: FetchHandle, blobs: list, headers: list) -> None:
+    def _stage_codes(self, handle: FetchHandle, keys: list[bytes], blobs: list, headers: list) -> None:
         """Lossless stage only, layer-major: ``handle.codes[layer][chunk]`` (views into per-chunk buffers)."""
         lay = self.fingerprint.layout
         t0 = time.perf_counter()
@@ -306,7 +314,7 @@ class InProcessFetchBackend(ThreadedFetchBackend):
                 try:
                     row.append(self.codec.codes_stage(blobs[i], headers[i], layer, buf))
                 except ChunkError as e:
-                    handle._fail_from(i, f"decode:{type(e).__name__}")
+                    self._chunk_error(handle, i, keys[i], e)
                     break
             codes.append(row)
             if handle.cancelled:
@@ -319,7 +327,7 @@ class InProcessFetchBackend(ThreadedFetchBackend):
         handle.decode_s = time.perf_counter() - t0
         handle.decoded_bytes = handle.ok_tokens * lay.bytes_per_token()
 
-    def _decode_layer_major(self, handle: FetchHandle, blobs: list, headers: list) -> None:
+    def _decode_layer_major(self, handle: FetchHandle, keys: list[bytes], blobs: list, headers: list) -> None:
         lay = self.fingerprint.layout
         shape = (lay.num_layers, handle.offsets[handle.ok_chunks], lay.num_kv_heads, lay.head_dim)
         dt = numpy_storage_dtype(lay.dtype)
@@ -341,7 +349,7 @@ class InProcessFetchBackend(ThreadedFetchBackend):
                         handle.v[layer, handle.span(i)],
                     )
                 except ChunkError as e:
-                    handle._fail_from(i, f"decode:{type(e).__name__}")
+                    self._chunk_error(handle, i, keys[i], e)
                     break
             if handle.cancelled:
                 handle._fail_from(0, "cancelled")

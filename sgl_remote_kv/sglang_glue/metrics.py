@@ -118,8 +118,10 @@ class RemoteKVMetrics:
         self._inc("hit_tokens_by_quality", tokens, quality=quality if quality in QUALITY_LEVELS else NO_LEVEL)
 
     def exact_request(self, outcome: str) -> None:
-        """A ``KVFidelity.EXACT`` request arrived: ``exact_path`` (it may fetch, from exact codecs only) or
-        ``recompute`` (no exact path: its prefix beyond the local exact cache is computed)."""
+        """A ``KVFidelity.EXACT`` request arrived: ``exact_path`` (parked to look up and fetch from exact
+        codecs only), ``local_hit`` (not parked: the local radix cache matched part of its prompt and holds
+        all the tier could add, or no exact path exists; the rest is computed) or ``recompute`` (not parked
+        and nothing matched locally: all of it is computed)."""
         self._inc("exact_requests", outcome=outcome if outcome in EXACT_OUTCOMES else "recompute")
 
     def fetched(

@@ -61,6 +61,27 @@ class StoreTimeout(StoreError):
     kind = "timeout"
 
 
+class StoreAuthError(StoreError):
+    """The store refused our credentials (wrong or missing password, unknown ACL user, or a user without
+    permission for our keys). A configuration error, not an outage: ``client.StoreClient`` does not retry
+    it nor count it against its breakers (see its module docstring)."""
+
+    kind = "auth"
+
+
+class CorruptValue(bytes):
+    """What a backend returns for a value it read but found corrupt (``security.AuthenticatedStore``: a MAC
+    that did not verify): empty bytes, never a valid frame, carrying ``reason``. ``client.StoreClient``
+    counts it as ``corrupt`` and deletes it like a value failing the store framing."""
+
+    reason: str
+
+    def __new__(cls, reason: str) -> CorruptValue:
+        out = super().__new__(cls, b"")
+        out.reason = reason
+        return out
+
+
 @dataclass(frozen=True)
 class LatencyStats:
     """Wall-clock latency of one operation type (seconds)."""

@@ -8,6 +8,10 @@ ever reaches the caller (who then recomputes the KV). On top of the backend it a
   times the running average blob size), so big batches on slow links are not cut off; a stuck call
   keeps its worker, and the breaker stops new work piling up behind it;
 - bounded retries (``retries``, exponential backoff) for transient kinds (timeout, unavailable);
+- refused credentials (kind ``auth``: a wrong or missing password, an ACL user without permission) are a
+  configuration error, not an outage: never retried, never counted against a breaker; the first is logged
+  once at ERROR, then every call fails fast as ``auth`` without asking the store, except one probe call
+  every ``auth_retry_s`` (a password fixed on the server's side heals without a restart);
 - a short negative cache: keys found absent in the last ``negative_ttl_s`` are answered as misses
   without asking the store (our own ``put_many`` clears them);
 - two circuit breakers (``breaker.py``), one for reads (``count_prefix``, ``get_many``) and one for
@@ -16,8 +20,10 @@ ever reaches the caller (who then recomputes the KV). On top of the backend it a
   then one probe call is let through (half-open) and its success closes it again. Separate, so a
   store that only refuses writes (read-only, disk full) keeps serving lookups, and vice versa;
 - integrity framing (``framing.py``: payload length, write time, tenant tag, CRC over key and all of
-  it): a truncated, corrupt or misplaced blob is a miss (kind ``corrupt``) and is deleted best-effort,
-  so a corrupt value is never served.
+  it): a truncated, corrupt or misplaced blob (or a ``base.CorruptValue`` from the backend: a MAC that
+  did not verify) is a miss (kind ``corrupt``, one per value) and is deleted best-effort, so a corrupt
+  value is never served; ``report_corrupt`` counts a value the caller's codec found corrupt the same
+  way. Corrupt values are logged by ``corruption.py`` (rate-limited, naming the key), not per call here.
 - streamed gets (``stream_get``, ``streaming.py``) for backends that can read a value in pieces: same
   breaker, deadline, framing, negative cache and counters, the pieces handed out as they arrive;
 - counters (hits, misses, bytes, latency per op, errors by kind, circuit state) via ``stats()``;
@@ -46,9 +52,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .base import Counters, KVStore, StoreError, StoreStats, open_store, redact_url
+from . import corruption
+from .base import CorruptValue, Counters, KVStore, StoreError, StoreStats, open_store, redact_url
 from .breaker import CircuitBreaker, worst
-from .framing import frame, unframe
+from .framing import FrameError, check_frame, frame
 from .keys import SHARED_TAG
 from .streaming import StreamedGet, StreamOutcome, StreamPlan
 
@@ -56,6 +63,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _RETRYABLE = frozenset({"timeout", "unavailable"})
+_AUTH = "auth"  # base.StoreAuthError.kind
 # backend method -> the op label of its errors; _WRITES use the write breaker, the rest the read one
 OPS = {
     "count_prefix": "lookup",
@@ -91,6 +99,7 @@ class ClientConfig:
     negative_max: int = 65536
     breaker_failures: int = 3
     breaker_reset_s: float = 5.0
+    auth_retry_s: float = 60.0  # after refused credentials: calls fail fast, one probe per this long
     batch: int = 8  # keys per backend call in get_many/put_many (each call has its own timeout)
     workers: int = 4
 
@@ -132,6 +141,10 @@ class StoreClient:
         self._log_lock = threading.Lock()
         self._open_lock = threading.Lock()
         self._avg_blob = 0.0
+        self._name = name
+        self._auth_lock = threading.Lock()
+        self._auth_until = 0.0  # monotonic time before which calls fail fast as ``auth`` (0: not refused)
+        self._auth_refused = False  # the last call that reached the store was refused authentication
         self.on_error = on_error
         self.on_breaker: Callable[[str, str], None] | None = None  # (circuit read|write, state): a gauge
 
@@ -186,6 +199,10 @@ class StoreClient:
         Returns ``(None, result)`` on success, ``(kind, None)`` on failure (already counted, logged
         once and reported to the error listener)."""
         breaker = self._write_breaker if op in _WRITES else self._read_breaker
+        if not self._auth_allows():
+            self._counters.error(_AUTH)
+            self._notify(op, _AUTH)
+            return _AUTH, None
         if not breaker.allow():
             self._counters.error("circuit_open")
             self._notify(op, "breaker_open")
@@ -196,7 +213,13 @@ class StoreClient:
             kind, value = self._attempt(fn, self._deadline(nbytes))
             if kind is None:
                 breaker.success()
+                self._auth_accepted()
                 return None, value
+            if kind == _AUTH:  # a configuration error, not an outage: no retry, no breaker
+                self._auth_refused_now(value)
+                breaker.neutral()
+                self._notify(op, kind)
+                return kind, None
             self._note_error(op, kind, value)
             if kind == "invalid":  # caller misuse, not a store failure: leave the breaker alone
                 breaker.neutral()
@@ -209,6 +232,46 @@ class StoreClient:
         breaker.failure()
         self._notify(op, kind or "error")
         return kind or "error", None
+
+    # -- refused credentials -------------------------------------------------------------------------
+    def _auth_allows(self) -> bool:
+        """False while the store's refusal of our credentials is recent; after ``auth_retry_s`` one caller
+        (the probe) is let through and the window restarts."""
+        with self._auth_lock:
+            if not self._auth_until:
+                return True
+            now = time.monotonic()
+            if now < self._auth_until:
+                return False
+            self._auth_until = now + self.config.auth_retry_s  # this caller probes; the others wait
+            return True
+
+    def _auth_refused_now(self, exc: object) -> None:
+        self._counters.error(_AUTH)
+        with self._auth_lock:
+            first = not self._auth_refused
+            self._auth_refused = True
+            self._auth_until = time.monotonic() + self.config.auth_retry_s
+        if first:
+            log.error(
+                "store %s refused authentication (%s): a configuration error, not an outage, so it is not "
+                "retried: every store call now fails at once (a miss or a dropped write, counted as "
+                'store_errors_total{kind="auth"}) except one probe every %.0f s. Check the password '
+                "(--remote-kv-store-password-file, SRKV_STORE_PASSWORD or the URL) and the ACL user.",
+                self._name,
+                exc,
+                self.config.auth_retry_s,
+            )
+        else:
+            log.debug("store %s still refuses authentication: %s", self._name, exc)
+
+    def _auth_accepted(self) -> None:
+        if not self._auth_refused:
+            return
+        with self._auth_lock:
+            was, self._auth_refused, self._auth_until = self._auth_refused, False, 0.0
+        if was:
+            log.info("store %s accepts our credentials again", self._name)
 
     def _attempt(self, fn: Callable[[KVStore], Any], timeout: float) -> tuple[str | None, Any]:
         try:
@@ -300,17 +363,27 @@ class StoreClient:
             if blob is None:
                 absent.append(key)
                 continue
-            payload = unframe(key, blob)
-            if payload is None:
+            try:
+                if isinstance(blob, CorruptValue):
+                    raise FrameError(blob.reason)
+                out[i] = check_frame(key, blob).payload
+            except FrameError as e:
                 corrupt.append(key)
-            out[i] = payload
+                corruption.note(key, "store client", str(e))
         self._neg_add(absent)
         self._note_sizes([len(b) for b in blobs if b is not None])
         if corrupt:
-            self._note_error("get_many", "corrupt", StoreError(f"{len(corrupt)} corrupt blob(s)"))
-            self._counters.error("corrupt", len(corrupt) - 1)
+            self._counters.error("corrupt", len(corrupt))
             self._notify("get_many", "corrupt", len(corrupt))
             self._call("delete_many", lambda s: s.delete_many(corrupt))
+
+    def report_corrupt(self, key: bytes, where: str, why: str) -> None:
+        """The caller found ``key``'s value corrupt past the store framing (the codec's header or section
+        CRCs): count it as one ``corrupt`` get (counters, the error listener) and log it (rate-limited).
+        Deleting it is the caller's business (the waiting queue's repair). Never raises."""
+        self._counters.error("corrupt")
+        self._notify("get_many", "corrupt")
+        corruption.note(key, where, why)
 
     def stream_get(self, key: bytes, max_bytes: int, piece_bytes: int) -> StreamedGet | None:
         """``key``'s value as it arrives (``streaming.StreamedGet``), or ``None`` where this client cannot
@@ -323,6 +396,8 @@ class StoreClient:
         with self._neg_lock:
             if self._neg_hit(key, time.monotonic()):
                 return None
+        if not self._auth_allows():  # refused credentials: get_many answers (fast, counted)
+            return None
         if not self._read_breaker.allow():
             return None
         cfg = self.config
@@ -349,8 +424,11 @@ class StoreClient:
             self._read_breaker.neutral()
             return
         if out is StreamOutcome.FAILED:
-            self._note_error("get_many", s.error, StoreError(s.error))
-            if s.error == "invalid":  # caller misuse, not a store failure
+            if s.error == _AUTH:
+                self._auth_refused_now(s.detail or "refused")
+            else:
+                self._note_error("get_many", s.error, StoreError(s.detail or s.error))
+            if s.error in ("invalid", _AUTH):  # caller misuse / refused credentials: not an outage
                 self._read_breaker.neutral()
             else:
                 self._read_breaker.failure()
@@ -358,6 +436,7 @@ class StoreClient:
             self._counters.add(misses=1)
             return
         self._read_breaker.success()
+        self._auth_accepted()
         if out is StreamOutcome.OK:
             self._note_sizes([s.received])
             self._counters.add(hits=1, bytes_read=s.received)
@@ -366,7 +445,8 @@ class StoreClient:
         if out is StreamOutcome.ABSENT:
             self._neg_add([s.key])
             return
-        self._note_error("get_many", "corrupt", StoreError(f"corrupt streamed value: {s.error}"))
+        self._counters.error("corrupt")
+        corruption.note(s.key, "store client, streamed", s.error)
         self._notify("get_many", "corrupt")
         self._call("delete_many", lambda st: st.delete_many([s.key]))
 

@@ -46,15 +46,21 @@ def frame(
     return _HEADER.pack(_MAGIC, _VERSION, len(payload), crc, *_META.unpack(meta)) + bytes(payload)
 
 
+def check_frame(key: bytes, blob: bytes) -> Framed:
+    """The framed value; ``FrameError`` (saying why) if it is truncated, corrupt, of an unknown version or
+    not for ``key``."""
+    r = FrameReader(key)
+    payload = bytes(r.feed(blob))
+    r.finish()
+    return Framed(payload, r.version, r.written_at, r.tenant_tag)
+
+
 def read_frame(key: bytes, blob: bytes) -> Framed | None:
     """The framed value, or ``None`` if it is truncated, corrupt, of an unknown version or not for ``key``."""
-    r = FrameReader(key)
     try:
-        payload = bytes(r.feed(blob))
-        r.finish()
+        return check_frame(key, blob)
     except FrameError:
         return None
-    return Framed(payload, r.version, r.written_at, r.tenant_tag)
 
 
 def unframe(key: bytes, blob: bytes) -> bytes | None:

@@ -4,8 +4,9 @@ URL: ``redis://[[user]:password@]host:port/db?timeout=2&prefix=srkv:&ttl=0&batch
 same over TLS, with ``ca=PATH`` (the CA bundle that signed the server's certificate; default: the system's),
 ``cert=PATH&key=PATH`` (a client certificate, for servers that require one) and ``verify=none`` (skip
 server verification: never in production). ``user`` is a Redis 6 ACL user (``AUTH user password``); without
-it the password is the ``default`` user's (``requirepass``). The password never appears in logs or errors
-(``base.redact_url``).
+it the password is the ``default`` user's (``requirepass``). The password is best kept off the URL (which is
+on a command line): ``password_file=PATH`` or ``SRKV_STORE_PASSWORD`` (``credentials.py``). It never appears
+in logs or errors (``base.redact_url``). Refused credentials are ``StoreAuthError`` (kind ``auth``).
 
 Keys are printable: the prefix then the digest in hex, ``srkv:<64 hex digits>`` (``redis_key``), so
 ``redis-cli --scan --pattern 'srkv:*'`` pipelines work (raw digests contained newlines). Capacity and
@@ -37,10 +38,11 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from . import resp_reader
+from . import credentials, resp_reader
 from .base import (
     KEY_BYTES,
     Counters,
+    StoreAuthError,
     StoreError,
     StoreStats,
     StoreTimeout,
@@ -54,7 +56,7 @@ from .base import (
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = b"srkv:"
-COMMON_OPTIONS = {"timeout", "prefix", "ttl", "batch"}
+COMMON_OPTIONS = {"timeout", "prefix", "ttl", "batch", credentials.PASSWORD_FILE_OPTION}
 TLS_OPTIONS = {"ca", "cert", "key", "verify"}
 
 
@@ -64,15 +66,25 @@ def redis_key(key: bytes, prefix: bytes = DEFAULT_PREFIX) -> bytes:
 
 
 _READ_SIZE = 1 << 20
+# Refused credentials: wrong/missing password, unknown ACL user, a user without permission for our keys.
+_AUTH_ERRORS = (
+    redis.exceptions.AuthenticationError,
+    redis.exceptions.AuthorizationError,
+    redis.exceptions.AuthenticationWrongNumberOfArgsError,
+    redis.exceptions.NoPermissionError,
+)
+_AUTH_REPLIES = ("NOAUTH", "WRONGPASS", "NOPERM")
 
 
 @contextlib.contextmanager
 def translate_errors() -> Iterator[None]:
-    """Map redis-py exceptions to ``StoreError`` kinds (timeout / unavailable / error)."""
+    """Map redis-py exceptions to ``StoreError`` kinds (timeout / unavailable / auth / error)."""
     try:
         yield
     except redis.exceptions.TimeoutError as e:
         raise StoreTimeout(str(e)) from e
+    except _AUTH_ERRORS as e:  # (before ConnectionError: redis-py's AuthenticationError is one)
+        raise StoreAuthError(f"{type(e).__name__}: {e}") from e
     except (
         redis.exceptions.ConnectionError,
         redis.exceptions.ClusterError,
@@ -83,6 +95,8 @@ def translate_errors() -> Iterator[None]:
     except redis.exceptions.ResponseError as e:
         if "CLUSTERDOWN" in str(e) or "LOADING" in str(e) or "TRYAGAIN" in str(e):
             raise StoreUnavailable(str(e)) from e
+        if str(e).startswith(_AUTH_REPLIES):  # an error reply read by ``resp_reader``
+            raise StoreAuthError(str(e)) from e
         raise StoreError(f"{type(e).__name__}: {e}") from e
     except redis.exceptions.RedisError as e:
         raise StoreError(f"{type(e).__name__}: {e}") from e
@@ -334,8 +348,12 @@ def auth_kwargs(url: str, opts: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if parts.username:
         out["username"] = unquote(parts.username)
-    if parts.password:
-        out["password"] = unquote(parts.password)
+    try:
+        password = credentials.store_password(url, opts)
+    except ValueError as e:
+        raise ValueError(f"store URL {redact_url(url)!r}: {e}") from None
+    if password:
+        out["password"] = password
     if not parts.scheme.lower().startswith("rediss"):
         return out
     verify = opts.get("verify", "required")

@@ -74,6 +74,7 @@ class StreamedGet:
         self._open, self._submit, self._classify, self._on_done = open_stream, submit, classify, on_done
         self.outcome = StreamOutcome.PENDING
         self.error = ""  # the store client's error kind (FAILED), or why a value is CORRUPT
+        self.detail = ""  # FAILED: the failure's own message (for the log)
         self.payload_len: int | None = None
         self.received = 0
         self.attempts = 0
@@ -124,6 +125,7 @@ class StreamedGet:
                         return self._set(StreamOutcome.CORRUPT, str(e), yielded)
                     return self._set(StreamOutcome.OK, "", yielded)
                 if isinstance(item, BaseException):
+                    self.detail = str(item)
                     return self._set(StreamOutcome.FAILED, self._classify(item), yielded)
                 got_any = True
                 known = reader.payload_len is not None

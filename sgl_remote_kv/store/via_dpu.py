@@ -31,11 +31,20 @@ import zmq
 
 from sgl_remote_kv.dpu import protocol as P
 
-from .base import Counters, StoreError, StoreStats, StoreTimeout, StoreUnavailable, check_keys, url_options
+from .base import (
+    Counters,
+    StoreAuthError,
+    StoreError,
+    StoreStats,
+    StoreTimeout,
+    StoreUnavailable,
+    check_keys,
+    url_options,
+)
 
 logger = logging.getLogger(__name__)
 
-_KINDS = {"unavailable": StoreUnavailable, "timeout": StoreTimeout}
+_KINDS = {"unavailable": StoreUnavailable, "timeout": StoreTimeout, "auth": StoreAuthError}
 
 
 class ServiceStore:
