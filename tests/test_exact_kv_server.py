@@ -1,26 +1,33 @@
 """Exact KV on demand against a real server with the quantized default codec.
 
-One ``--remote-kv dpu`` server (file store, the default codec, fetch always preferred): a prompt is
-computed cold, written back, the local cache flushed; then
+One ``--remote-kv dpu`` server (a redis-server with ``--requirepass``, its password in
+``--remote-kv-store-password-file``, values sealed with ``--remote-kv-auth-key-file``; the default codec,
+fetch always preferred): a prompt is computed cold, written back, the local cache flushed; then
 
 - a default request is a remote hit (storage tokens, ``hit_tokens_total{codec=<the default>}``);
 - an EXACT request (``custom_params: {"remote_kv": "exact"}``) of the same prompt neither fetches nor
   matches the lossy nodes that hit installed: no cached tokens at all, and the cold request's tokens;
 - asked again it is a local hit on its own exact nodes, same tokens;
 - the same flag through the OpenAI API (``extra_body``, completions and chat) is accepted, an unknown value is HTTP 400 with
-  a message that names the parameter; ``exact_requests_total{outcome="recompute"}`` counts them.
+  a message that names the parameter; ``exact_requests_total`` counts them: ``recompute`` (nothing local),
+  ``local_hit`` (the repeat, served by the local radix cache), never ``exact_path`` (no exact codec);
+- no process of the server (launcher, scheduler, detokenizer, data plane) has the store password or the auth
+  key on its command line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 from transformers import AutoTokenizer
 
+from benchmarks.redis_server import RedisServer, free_port
 from sgl_remote_kv.calibrate import fingerprint_for
 from sgl_remote_kv.sglang_glue.runtime import resolve_codec
 from sgl_remote_kv.types import RopeSpec
@@ -29,6 +36,18 @@ from tests.fixtures.remote_kv_server import flush_cache, remote_kv_server, stora
 
 pytestmark = [pytest.mark.e2e]
 EXACT = {"custom_params": {"remote_kv": "exact"}}
+PASSWORD, AUTH_KEY = "exact-kv-store-pw-91c2", "5e" * 24
+
+
+def _no_secret_on_any_command_line(srv) -> None:
+    root = psutil.Process(srv.proc.pid)
+    procs = [root, *root.children(recursive=True)]
+    cmdlines = {p.pid: b"\0".join(a.encode() for a in p.cmdline()) for p in procs}
+    assert any(b"sgl_remote_kv.dpu" in c for c in cmdlines.values()), "no data plane in the server's tree"
+    assert len(cmdlines) >= 4, cmdlines  # launcher, scheduler, detokenizer, data plane (at least)
+    for pid, cmd in cmdlines.items():
+        for secret in (PASSWORD.encode(), AUTH_KEY.encode(), bytes.fromhex(AUTH_KEY)):
+            assert secret not in cmd, f"a secret on the command line of pid {pid}"
 
 
 def _exact(srv, ids):
@@ -47,9 +66,27 @@ def test_exact_requests_never_get_quantized_kv(model_dir, tmp_path):
     case = make_case(tok, "exact-kv", n_chunks=4)
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     codec = resolve_codec("default", fingerprint_for(Path(model_dir), cfg), RopeSpec.from_hf_config(cfg)).name
-    with remote_kv_server(
-        model_dir, f"file://{tmp_path / 'store'}", "--remote-kv-policy-margin", "1e9", codec="default"
-    ) as srv:
+    secrets = {"pw": PASSWORD, "auth.key": AUTH_KEY}
+    for name, text in secrets.items():
+        (tmp_path / name).write_text(text + "\n")
+        (tmp_path / name).chmod(0o600)
+    rs = RedisServer(tmp_path / "redis", free_port(), extra_args=("--requirepass", PASSWORD)).start()
+    with (
+        _stopping(rs),
+        remote_kv_server(
+            model_dir,
+            f"redis://127.0.0.1:{rs.port}/0",
+            "--remote-kv-policy-margin",
+            "1e9",
+            "--remote-kv-store-password-file",
+            str(tmp_path / "pw"),
+            "--remote-kv-auth-key-file",
+            str(tmp_path / "auth.key"),
+            codec="default",
+            env={"SRKV_STORE_PASSWORD": ""},
+        ) as srv,
+    ):
+        _no_secret_on_any_command_line(srv)
         cold = gen(srv, case.ids)
         wait_written(srv, 0, case.chunks)
         flush_cache(srv)
@@ -98,5 +135,20 @@ def test_exact_requests_never_get_quantized_kv(model_dir, tmp_path):
                 )
             )
         assert e.value.code == 400 and b"remote_kv" in e.value.read()
-        assert metric(srv, "exact_requests", outcome="recompute") == 4  # generate x2, completion, chat
+        # generate x2, completion, chat: the repeat (and the completion of the same prompt) are local hits
+        outcomes = {
+            o: metric(srv, "exact_requests", outcome=o) for o in ("recompute", "local_hit", "exact_path")
+        }
+        assert outcomes["recompute"] + outcomes["local_hit"] == 4 and outcomes["exact_path"] == 0, outcomes
+        assert outcomes["recompute"] >= 1 and outcomes["local_hit"] >= 1, outcomes  # the first, the repeat
         assert metric(srv, "hit_tokens") == case.chunks * 64  # the exact requests fetched nothing
+        assert metric(srv, "store_errors", kind="auth") == 0  # the password was accepted
+        assert PASSWORD not in srv.log_text()
+
+
+@contextlib.contextmanager
+def _stopping(rs: RedisServer):
+    try:
+        yield rs
+    finally:
+        rs.stop(kill=True)

@@ -21,6 +21,7 @@ from benchmarks.redis_server import RedisServer, free_port
 from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.sglang_glue.seam import weights_id_for
 from sgl_remote_kv.store import keys as keys_mod
+from sgl_remote_kv.store.corruption import short_key
 from sgl_remote_kv.store.framing import frame, unframe
 from sgl_remote_kv.store.redis_store import redis_key
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
@@ -239,6 +240,7 @@ def _variants(chunk_keys, key: bytes, raw: bytes) -> dict[str, bytes]:
     k, v = synthetic.kv(other.layout, CHUNK, seed=1)
     return {
         "raw_bitflip": raw[:-100] + bytes([raw[-100] ^ 1]) + raw[-99:],
+        "setrange": raw[:200] + b"XXXX" + raw[204:],  # a user's ``SETRANGE key 200 XXXX``
         "truncated": raw[: len(raw) // 2],
         "codec_corrupt": frame(key, bytes(flipped)),
         "foreign_model": frame(key, chunk_keys.codec.encode(k, v, other)),
@@ -247,6 +249,7 @@ def _variants(chunk_keys, key: bytes, raw: bytes) -> dict[str, bytes]:
 
 
 CAUGHT_BY_FRAMING = ("raw_bitflip", "truncated")  # the client deletes these; the recompute rewrites
+CORRUPT = ("raw_bitflip", "setrange", "truncated", "codec_corrupt")  # store_errors{kind="corrupt"}, once each
 
 
 def test_corrupt_truncated_and_foreign_blobs_are_partial_misses(srv, tok, rdb, chunk_keys):
@@ -256,14 +259,19 @@ def test_corrupt_truncated_and_foreign_blobs_are_partial_misses(srv, tok, rdb, c
     assert all(raws), "the test derives the server's keys: every chunk must be in the store"
     for name, bad in _variants(chunk_keys, keys[1], raws[1]).items():
         before = failures(srv)
+        corrupt = metric(srv, "store_errors", op="get", kind="corrupt")
         rdb.set(redis_key(keys[1]), bad)
         _, hit = ask(srv, case)
         assert hit == CHUNK, (name, hit)  # chunk 0 is served, chunk 1 and after are recomputed
         assert failures(srv) > before, name
+        counted = metric(srv, "store_errors", op="get", kind="corrupt") - corrupt
+        assert counted == (1 if name in CORRUPT else 0), (name, counted)  # once per corrupt value
         if name in CAUGHT_BY_FRAMING:
             assert wait_full_hit(srv, case) == case.chunks * CHUNK, name  # deleted, then rewritten
         else:
             rdb.set(redis_key(keys[1]), raws[1])
+    # logged (rate-limited, naming the key) in the server's log: the first of them at least
+    assert f"corrupt value for chunk key {short_key(keys[1])}" in srv.log_text()
 
 
 @pytest.mark.slow  # a server round trip + the repair write-back
