@@ -3,7 +3,8 @@
 Two decoder backends behind one interface, :class:`VideoDecoder` (``frames(packets, count, height,
 width)`` yielding ``[3, H, W]`` uint8 frames, ``reset()``), decoding the same Annex-B bitstreams:
 
-* ``device="cpu"``, the CPU twin: FFmpeg's software ``hevc`` decoder through PyAV.
+* ``device="cpu"``, the CPU twin: FFmpeg's software ``hevc`` decoder through PyAV (imported on first
+  use, like the encoder: a GPU machine decoding with NVDEC alone needs no PyAV).
 * ``device="cuda"``: NVDEC through NVIDIA's PyNvVideoCodec (PyPI ``pynvvideocodec``), in
   :mod:`sgl_remote_kv.nvdec.nvcodec`, imported on first use; without the package, a driver, a GPU or
   HEVC 4:4:4 support it raises ``NvdecUnavailable`` (a ``RuntimeError``) with the reason.
@@ -36,8 +37,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from fractions import Fraction
+from types import ModuleType
 
-import av
 import numpy as np
 
 from sgl_remote_kv.codec.errors import CorruptChunk
@@ -56,6 +57,13 @@ MAX_SPS_BYTES = 1024  # a real SPS is tens of bytes; bounds the parse of a hosti
 ENCODER = "libx265"
 SOFTWARE_DECODER = "hevc"  # FFmpeg's software decoder, through PyAV
 NVDEC_DECODER = "pynvvideocodec"  # NVDEC through NVIDIA's PyNvVideoCodec
+
+
+def _av() -> ModuleType:
+    """PyAV, imported on first use: encoding and the CPU twin need it, the NVDEC backend does not."""
+    import av
+
+    return av
 
 
 def _check_device(device: str) -> None:
@@ -91,7 +99,12 @@ def nvdec_unavailable_reason(gpu_id: int = 0) -> str | None:
 
 
 def _encoder_options(frames: int, preset: str) -> dict[str, str]:
-    x265 = f"lossless=1:pools=1:frame-threads=1:bframes=0:ref=3:keyint={max(frames, 1)}:log-level=error"
+    """libx265's settings. ``info=0``: no "encoder info" SEI, which is ~1.1 KB of text per video holding
+    the writing machine's CPU id (``cpuid=``), so without it the same planes give the same bytes on every
+    machine (checked across x265's SIMD levels, ``asm=none`` to ``avx``)."""
+    x265 = (
+        f"lossless=1:pools=1:frame-threads=1:bframes=0:ref=3:keyint={max(frames, 1)}:info=0:log-level=error"
+    )
     return {"x265-params": x265, "preset": preset}
 
 
@@ -103,6 +116,7 @@ def encode_planes(planes: np.ndarray, device: str = "cpu", preset: str = "fast")
     f_n, c, h, w = planes.shape
     if c != 3 or planes.dtype != np.uint8 or h % 2 or w % 2:
         raise ValueError(f"planes must be [F, 3, even h, even w] uint8, got {planes.shape} {planes.dtype}")
+    av = _av()
     ctx = av.CodecContext.create(encoder_name(device), "w")
     ctx.width, ctx.height, ctx.pix_fmt = w, h, PIX_FMT
     ctx.time_base = Fraction(1, 25)
@@ -223,7 +237,7 @@ class VideoDecoder:
 
                 self._ctx = NvdecDecoder(self.gpu_id, self.on_device)
             else:
-                self._ctx = av.CodecContext.create(SOFTWARE_DECODER, "r")
+                self._ctx = _av().CodecContext.create(SOFTWARE_DECODER, "r")
                 self._ctx.thread_count = 1
         return self._ctx
 
@@ -271,6 +285,7 @@ def _software_frames(
     ctx, packets: list[memoryview], count: int, height: int, width: int
 ) -> Iterator[np.ndarray]:
     """The CPU twin: FFmpeg's software ``hevc`` through a PyAV context (flushed after a whole video)."""
+    av = _av()
     n = 0
     try:
         for p in [*packets, None]:
