@@ -1,8 +1,8 @@
 """GPU suite: the Triton scatter and dequant kernels on CUDA tensors against their torch references.
 
-``pytestmark = pytest.mark.gpu``: deselected by default; run with ``pytest -m gpu`` or, on a bare GPU
-machine, ``scripts/gpu_check.sh``. Every test is skipped, with the reason, where torch sees no CUDA device
-or Triton is missing. (``tests/test_kernels_triton.py`` runs the same kernels under Triton's CPU
+``pytest.mark.gpu``: deselected by default; run with ``pytest -m gpu`` or, on a bare GPU machine,
+``scripts/gpu_check.sh``. Every test is skipped, with the reason, where torch sees no CUDA device or Triton
+is missing (``tests/gpu_gate.py``). (``tests/test_kernels_triton.py`` runs the same kernels under Triton's CPU
 interpreter; here they are compiled for and run on the GPU.)
 
 Checks, for float32 / float16 / bfloat16 and odd sizes (tokens not a multiple of anything, rows of 3x64
@@ -23,30 +23,13 @@ and 5x128 values, i.e. not a multiple of the kernels' 256-value block, 1 to 7 la
 from __future__ import annotations
 
 import pytest
-
-torch = pytest.importorskip("torch")
-
-from sgl_remote_kv.kernels import dequant as dequant_mod  # noqa: E402
-from sgl_remote_kv.kernels import scatter as scatter_mod  # noqa: E402
-from sgl_remote_kv.kernels.dequant import dequant_reference, dequant_triton  # noqa: E402
-from sgl_remote_kv.kernels.scatter import scatter_reference, scatter_triton  # noqa: E402
+import torch
+from gpu_gate import gpu_gate  # noqa: F401  (autouse: skips without CUDA, names a missing module)
+from sgl_remote_kv.kernels.dequant import dequant_reference, dequant_triton
+from sgl_remote_kv.kernels.scatter import scatter_reference, scatter_triton
 
 DEVICE = "cuda"
-
-
-def _skip_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return (
-            f"needs a CUDA GPU: torch {torch.__version__} (built for CUDA {torch.version.cuda}) "
-            "reports torch.cuda.is_available() == False"
-        )
-    if scatter_mod.triton is None or dequant_mod.triton is None:
-        return "needs triton (not importable)"
-    return None
-
-
-_SKIP = _skip_reason()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_needs("triton")]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 GUARD = 5  # guard rows before, between and after the layers' buffers
@@ -173,12 +156,11 @@ def test_dequant_triton_writes_only_its_out_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.gpu_needs("sglang.srt.mem_cache.memory_pool")
 def test_scatter_into_real_sglang_pool(dtype):
     """K and V planes of 3 layers in one launch into SGLang's own ``MHATokenToKVPool`` buffers."""
-    try:
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    except ImportError as e:  # not carried to this machine (scripts/gpu_wheels.sh carries it)
-        pytest.skip(f"SGLang's MHATokenToKVPool is not importable here: {type(e).__name__}: {e}")
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
     layers, heads, dim, size, t = 3, 5, 128, 400, 61
     pool = MHATokenToKVPool(
         size=size,

@@ -11,7 +11,9 @@
 - ``write_quantized`` on the device: the quantized codec bit-exact against its CPU decode; the transform
   codec (Triton inverse transform, escapes, a sink token) within one step of the dtype of its CPU decode.
 
-Skipped with the reason when there is no CUDA device (always, in CI). Never ran in development.
+Skipped with the reason when there is no CUDA device (always, in CI), or naming the module when SGLang
+or a data-plane dependency was not carried to the GPU machine (``tests/gpu_gate.py``). Never ran in
+development.
 """
 
 from __future__ import annotations
@@ -21,15 +23,16 @@ import threading
 import numpy as np
 import pytest
 import torch
+from gpu_gate import gpu_gate  # noqa: F401  (autouse: skips without CUDA, names a missing module)
 
 from sgl_remote_kv.kvpool import PoolTensors, writer_for
 from sgl_remote_kv.kvpool.device_writer import DeviceKVWriter
 from sgl_remote_kv.types import KVLayout, numpy_storage_dtype
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh)"),
-]
+# every test builds an SGLang pool on CUDA
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_needs("sglang.srt.mem_cache.memory_pool")]
+# the DPU client and its data-plane process (`python -m sgl_remote_kv.dpu`: ZeroMQ, msgspec, ...)
+needs_dpu = pytest.mark.gpu_needs("sgl_remote_kv.control.dpu_client", "sgl_remote_kv.dpu.server")
 
 TD = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -147,6 +150,7 @@ def _dpu_fetch_into_cuda(tmp_path, codec, output: str, seed: int):
     return w, slots, blobs
 
 
+@needs_dpu
 @pytest.mark.parametrize("output", ["kv", "auto"])
 def test_dpu_client_end_to_end_into_a_cuda_pool(tmp_path, output):
     """``kv``: decoded KV out of the pinned destination region (zero-copy H2D + scatter); ``auto`` on a CUDA
@@ -167,6 +171,7 @@ def test_dpu_client_end_to_end_into_a_cuda_pool(tmp_path, output):
         np.testing.assert_array_equal(pv, v)
 
 
+@needs_dpu
 def test_dpu_transform_codes_into_a_cuda_pool(tmp_path, monkeypatch):
     """The transform codec through the data plane as codes (a CUDA pool's default): the Triton inverse
     transform on the device; the pool holds the CPU decode up to float32 rounding."""
