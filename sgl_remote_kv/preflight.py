@@ -3,8 +3,8 @@
 ``check_store_url`` validates a ``--remote-kv-store`` URL's *syntax* (known scheme, host and port,
 absolute path, numeric db) without opening it: reachability is not a start-up error, since the
 promise is that a store outage costs time, never the server. An unreachable store is reported once
-once at start by ``probe_store_async`` (a background probe from the launcher process) and is a miss
-until it answers.
+at start by ``probe_store_async`` (a background probe from the launcher process) and is a miss
+until it answers; a store that refuses the credentials is reported as such, at ERROR.
 
 Errors are ``ValueError`` with one line naming the URL and the problem; ``config.py`` turns them
 into ``argparse.ArgumentTypeError`` so argparse prints ``argument --remote-kv-store: ...`` and exits.
@@ -156,9 +156,9 @@ def _probe(url: str, timeout_s: float) -> None:
         error.append(TimeoutError(f"no answer in {timeout_s:.0f} s"))
     if error and isinstance(error[0], base.StoreAuthError):
         logger.error(
-            "remote KV store %s refused authentication at start (%s); serving continues without the "
-            "remote tier (every lookup a miss, not retried as an outage): check the password "
-            "(--remote-kv-store-password-file, SRKV_STORE_PASSWORD) and the ACL user",
+            "remote KV store %s refused authentication at start (%s); serving continues, every lookup is "
+            "a miss until the store accepts the credentials (not retried as an outage: one probe a minute). "
+            "Check the password (--remote-kv-store-password-file, SRKV_STORE_PASSWORD) and the ACL user",
             redact_url(url),
             error[0],
         )

@@ -227,6 +227,16 @@ def test_refused_credentials_are_auth_not_retried_not_a_breaker_and_logged_once(
         client.close()
 
 
+def test_the_start_up_probe_says_refused_not_unreachable(secure_redis, caplog):
+    from sgl_remote_kv import preflight
+
+    with caplog.at_level(logging.WARNING, logger="sgl_remote_kv.preflight"):
+        preflight.probe_store_async(f"redis://:{WRONG}@127.0.0.1:{secure_redis.port}/0").join(10)
+    (line,) = caplog.records
+    assert line.levelno == logging.ERROR and "refused authentication" in line.getMessage()
+    assert "unreachable" not in line.getMessage() and WRONG not in line.getMessage()
+
+
 def test_the_password_comes_from_a_file_or_the_environment_and_never_twice(
     secure_redis, tmp_path, monkeypatch
 ):
