@@ -78,8 +78,9 @@ class RemoteKVMetrics:
 
     def store_error(self, op: str, kind: str, n: int = 1) -> None:
         """A failed store call (``StoreClient``'s error listener; any thread): ``op`` lookup / get /
-        put / delete, ``kind`` the client's kind (unavailable / timeout / breaker_open / corrupt /
-        io:<errno> / ...), labelled by ``StoreErrorLabel``."""
+        put / delete, ``kind`` the client's kind (unavailable / timeout / breaker_open / auth / corrupt /
+        io:<errno> / ...), labelled by ``StoreErrorLabel``. ``corrupt`` comes once per corrupt value, from
+        wherever it was found (``store/corruption.py``)."""
         label = StoreErrorLabel.of(kind)
         if label.value != kind:
             self._fold(f"store error {kind!r}", label.value)
