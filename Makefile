@@ -4,7 +4,7 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-codec-speed bench-store bench-dpu bench-dpu-service bench-dpu-floor bench-nvdec \
 	bench-cpu-attention bench-e2e bench-e2e-quick bench-burst bench-tail projection soak test-faults \
-	test-conformance dashboard bench-exactness clean
+	test-conformance dashboard bench-exactness gpu-rehearsal clean
 
 setup:
 	bash scripts/setup_env.sh
@@ -45,6 +45,13 @@ test-conformance: model
 	$(PY) -m pytest -q -m "not gpu" tests/test_conformance_unit.py tests/test_conformance_server.py \
 		--conformance-report docs/results/conformance.json; rc=$$?; \
 		$(PY) scripts/conformance_table.py > /dev/null; exit $$rc
+
+# The GPU machine's run rehearsed here, without CUDA: an environment of the GPU image's versions (torch 2.11,
+# Python 3.12; .rehearsal/, reused), each carried wheel set, scripts/gpu_check.sh's own steps, pytest -m gpu.
+# Writes docs/results/gpu_rehearsal.json; fails on an import error or a skip other than "no CUDA".
+# ~4 GB of downloads the first time (torch's CUDA libraries come with PyPI's torch 2.11): not in `make test`.
+gpu-rehearsal:
+	bash scripts/gpu_rehearsal.sh
 
 # Benchmarks print tables and write docs/results/*.json (+ PNG plots). None of them is a test.
 bench-codec-rd: calibration

@@ -17,12 +17,18 @@
 #  4. prints nvidia-smi and the torch / triton / CUDA versions, runs pytest -m gpu with the report plugin
 #     tests/gpu_report.py, and prints the totals.
 #
+# Rehearsal (GPU_CHECK_REHEARSAL=1; scripts/gpu_rehearsal.sh, `make gpu-rehearsal`): the same steps on a
+# machine without CUDA, in an environment with the GPU image's versions: step 1 installs whatever the
+# Python version (the rehearsal downloads the wheels for its own), step 3 writes the stub as CUDA would
+# have it imported, and the report's setup says "rehearsal": true. Every test then skips "no CUDA".
+#
 # Report: $GPU_CHECK_JSON, else $OUT/gpu_check.json when OUT is set, else docs/results/gpu_check.json.
 # Exit status: pytest's (non-zero when a test failed or errored or none was collected), else 1 when the
 # wheels did not install. The report is written in every case.
 # Env: PYTHON (default python3, or .venv/bin/python where python3 has no torch), GPU_CHECK_WHEELS (.whl),
 #      GPU_CHECK_SITE (/tmp/site), GPU_CHECK_WORK (/tmp/gpu_check: shim, stub, setup record),
-#      GPU_CHECK_INSTALL (auto|0|1), GPU_CHECK_STUB (auto|0|1), GPU_CHECK_TIMEOUT (per test, s; 300).
+#      GPU_CHECK_INSTALL (auto|0|1), GPU_CHECK_STUB (auto|0|1), GPU_CHECK_TIMEOUT (per test, s; 300),
+#      GPU_CHECK_REHEARSAL (0|1).
 set -uo pipefail
 CALLER_PWD=$PWD
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -41,6 +47,8 @@ WORK=${GPU_CHECK_WORK:-/tmp/gpu_check}
 mkdir -p "$(dirname "$REPORT")" "$WORK"
 rm -f "$REPORT"
 log() { echo "[gpu_check] $*"; }
+REHEARSAL=${GPU_CHECK_REHEARSAL:-0}
+[ "$REHEARSAL" = 1 ] && log "rehearsal: the GPU machine's steps without CUDA ($PY)"
 
 # -- 1. carried wheels -------------------------------------------------------------------------------
 setup_failed=0
@@ -49,6 +57,7 @@ shopt -s nullglob
 whls=("$WHEELS"/*.whl)
 shopt -u nullglob
 mode=${GPU_CHECK_INSTALL:-auto}
+[ "$mode" = auto ] && [ "$REHEARSAL" = 1 ] && mode=1
 if [ ${#whls[@]} -eq 0 ]; then
   install="none: no wheels in $WHEELS"
 elif [ "$mode" = 0 ] || { [ "$mode" = auto ] && [ "$pyver" != 3.12 ]; }; then
@@ -108,12 +117,12 @@ stub=0
 if [ "$stub_mode" = 1 ]; then stub=1
 elif [ "$stub_mode" = auto ]; then
   stub=$("$PY" -c '
-import importlib.util as u
+import importlib.util as u, sys
 need = u.find_spec("sglang") is not None and u.find_spec("sgl_kernel") is None
-if need:
+if need and sys.argv[1] != "1":  # a rehearsal stands in for CUDA
     import torch
     need = torch.cuda.is_available()
-print(int(need))' 2>/dev/null || echo 0)
+print(int(need))' "$REHEARSAL" 2>/dev/null || echo 0)
 fi
 if [ "$stub" = 1 ]; then
   mkdir -p "$STUBS/sgl_kernel"
@@ -205,10 +214,10 @@ else
 fi
 log "targets: ${targets[*]}"
 
-"$PY" - "$WORK/setup.json" "$install" "$stub" "$WHEELS" "$PYTHONPATH" "${targets[@]}" <<'EOF' || true
+"$PY" - "$WORK/setup.json" "$install" "$stub" "$WHEELS" "$PYTHONPATH" "$REHEARSAL" "${targets[@]}" <<'EOF' || true
 import glob, json, os, sys
 
-path, install, stub, wheels, pythonpath, *targets = sys.argv[1:]
+path, install, stub, wheels, pythonpath, rehearsal, *targets = sys.argv[1:]
 manifests = {os.path.basename(m): open(m).read().splitlines() for m in sorted(glob.glob(os.path.join(wheels, "MANIFEST-*.txt")))}
 json.dump({
     "wheels_install": install,
@@ -218,6 +227,7 @@ json.dump({
     "pythonpath": pythonpath.split(":"),
     "pythonsafepath": os.environ.get("PYTHONSAFEPATH"),
     "targets": targets,
+    "rehearsal": rehearsal == "1",
 }, open(path, "w"), indent=1)
 EOF
 export GPU_CHECK_SETUP_FILE=$WORK/setup.json

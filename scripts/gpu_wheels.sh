@@ -3,7 +3,7 @@
 # where pip reaches an index). scripts/gpu_check.sh installs them there into /tmp/site.
 #
 #   bash scripts/gpu_wheels.sh            # profile "core" (default): sgl_remote_kv + SGLang's KV pool
-#   bash scripts/gpu_wheels.sh nvdec      # profile "nvdec": PyAV + PyNvVideoCodec (tests/test_gpu_nvdec.py)
+#   bash scripts/gpu_wheels.sh nvdec      # profile "nvdec": PyNvVideoCodec (tests/test_gpu_nvdec.py)
 #
 # The GPU image already has torch, triton, numpy, numba, pytest, transformers, safetensors, psutil, ...
 # (/work/.library/device/KINDS.md); each wheel below was found missing there by importing the suite's
@@ -16,9 +16,12 @@
 # the KV pool loads none of them. SGLang also imports sgl_kernel at module level on CUDA; that wheel
 # (sglang-kernel) is 373 MB, so gpu_check.sh puts an import-only stub there instead (calls raise).
 #
-# "nvdec": isal + av + pynvvideocodec, 60 MiB: with the working tree that is just under the 64 MiB one
-# device call carries, so it is its own profile, for its own call: each run replaces the other profile's
-# wheels in .whl/ (wheels this script does not know stay, and travel too).
+# "nvdec": isal + pynvvideocodec (~27 MiB). No PyAV (34 MiB): the NVDEC tests decode committed chunks and
+# compare with committed CPU-twin decodes (tests/fixtures/nvdec/, tests/nvdec_fixtures.py). Its own
+# profile, for its own call (with the core set it would pass the 64 MiB one device call carries); each
+# run replaces the other profile's wheels in .whl/ (wheels this script does not know stay, and travel
+# too). The GPU tests of the other profile skip there, naming the package that was not carried.
+# Budget checked at the end: tree + wheels, 60 MiB for "core" (64 is the limit), 40 MiB for "nvdec".
 #
 # Env: PYTHON (the pip to use; default .venv/bin/python, else python3), GPU_WHEELS_DIR (default .whl),
 #      GPU_WHEELS_PYTHON (target Python, default 3.12: the GPU image's), GPU_WHEELS_SLIM_SGLANG (default 1;
@@ -64,12 +67,15 @@ gguf==0.19.0                sglang.srt.layers.quantization.gguf
 "
 NVDEC="
 isal==1.9.1                 codec.format (the hevc codec's chunk framing)
-av==18.1.0                  nvdec.video (HEVC encode, the CPU twin decoder)
 pynvvideocodec==2.2.4       nvdec.nvcodec (NVDEC)
 "
+# what this script dropped from a profile: still removed from .whl/ on every run (one version each)
+RETIRED="
+av==18.1.0                  nvdec.video: the nvdec profile's CPU twin until the NVDEC fixtures
+"
 case "$PROFILE" in
-  core) LIST="$CORE_BASE$CORE_SGLANG" ;;
-  nvdec) LIST="$NVDEC" ;;
+  core) LIST="$CORE_BASE$CORE_SGLANG"; BUDGET_MIB=60 ;;
+  nvdec) LIST="$NVDEC"; BUDGET_MIB=40 ;;
   *) echo "usage: $0 [core|nvdec]" >&2; exit 2 ;;
 esac
 SPECS=$(echo "$LIST" | awk 'NF {print $1}')
@@ -90,7 +96,7 @@ for f in sorted(os.listdir(dest)):
 
 # one version of each distribution in $DEST (two stop the whole install there), and one profile (both
 # do not fit in one call): drop the wheels of every distribution this script knows, any version
-for spec in $(echo "$CORE_BASE$CORE_SGLANG$NVDEC" | awk 'NF {print $1}'); do
+for spec in $(echo "$CORE_BASE$CORE_SGLANG$NVDEC$RETIRED" | awk 'NF {print $1}'); do
   wheels_of "${spec%%==*}" | while read -r f; do rm -f "$f"; done
 done
 rm -f "$DEST"/MANIFEST-core.txt "$DEST"/MANIFEST-nvdec.txt
@@ -158,7 +164,7 @@ fi
 echo "gpu_wheels: profile $PROFILE -> $DEST"
 "$PY" -c '
 import os, subprocess, sys
-dest, root = sys.argv[1:3]
+dest, root, profile, budget = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 MiB = 1 << 20
 wheels = sorted(f for f in os.listdir(dest) if f.endswith(".whl"))
 total = 0
@@ -169,8 +175,10 @@ for f in wheels:
 out = subprocess.run(["git", "-C", root, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                      capture_output=True, check=True).stdout.decode()
 tree = sum(os.path.getsize(os.path.join(root, f)) for f in out.split("\0") if f and os.path.isfile(os.path.join(root, f)))
-print(f"gpu_wheels: {len(wheels)} wheels, {total / MiB:.1f} MiB; + working tree {tree / MiB:.1f} MiB"
-      f" = {(total + tree) / MiB:.1f} MiB (one device call carries at most 64 MiB)")
-if total + tree > 60 * MiB:
-    print(f"gpu_wheels: WARNING: over 60 MiB (every wheel in {dest} travels, not only this profile)", file=sys.stderr)
-' "$DEST" "$ROOT"
+print(f"gpu_wheels: carried for {profile}: {len(wheels)} wheels, {total / MiB:.1f} MiB; + working tree"
+      f" {tree / MiB:.1f} MiB = {(total + tree) / MiB:.1f} MiB (budget {budget} MiB; one device call carries"
+      " at most 64 MiB)")
+if total + tree > budget * MiB:
+    print(f"gpu_wheels: WARNING: over the {budget} MiB budget (every wheel in {dest} travels, not only this"
+          " profile)", file=sys.stderr)
+' "$DEST" "$ROOT" "$PROFILE" "$BUDGET_MIB"
