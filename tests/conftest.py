@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from gpu_report import gpu_metrics  # noqa: F401  (the GPU report's measurements: tests/gpu_report.py)
 
 from sgl_remote_kv.model import ensure_model
 

@@ -3,8 +3,11 @@
 Load with ``-p tests.gpu_report --gpu-report PATH``; inert without ``--gpu-report``. The report holds the
 machine (GPU, driver, CUDA, torch, triton, Python), the versions of the packages the suite touches, the
 setup ``gpu_check.sh`` made (``GPU_CHECK_SETUP_FILE``: carried wheels, stub, import paths), one entry per
-test (``passed`` / ``failed`` / ``error`` / ``skipped`` / ``xfailed`` / ``xpassed``, the reason, seconds)
-and totals.
+test (``passed`` / ``failed`` / ``error`` / ``skipped`` / ``xfailed`` / ``xpassed``, the reason, seconds),
+totals, and ``metrics``: the measurements tests recorded through the ``gpu_metrics`` fixture
+(``gpu_metrics["writer_h2d_gbps"] = 11.2``; numbers, strings, booleans and lists / dicts of them), each as
+``{"value": ..., "test": nodeid}``. The fixture records into the test's ``user_properties`` (pytest's
+``record_property``), so it works with or without this plugin; ``tests/conftest.py`` re-exports it.
 
 One policy beyond plain pytest, only with ``--gpu-report``: a test module whose import fails because a
 THIRD-PARTY module is missing (``ModuleNotFoundError`` for a name that is neither in the repository nor
@@ -19,6 +22,7 @@ import datetime
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import platform
 import re
@@ -33,6 +37,48 @@ PACKAGES = (
     "apache-tvm-ffi pydantic transformers cupy-cuda13x"
 ).split()
 _MISSING = re.compile(r"ModuleNotFoundError: No module named '([^']+)'")
+METRIC_PREFIX = "gpu_metric:"  # user_properties names the gpu_metrics fixture records under
+
+
+class GpuMetrics(dict):
+    """What ``gpu_metrics`` hands a test: a dict whose every assignment is also recorded for the report."""
+
+    def __init__(self, record_property) -> None:
+        super().__init__()
+        self._record = record_property
+
+    def __setitem__(self, name: str, value) -> None:
+        value = jsonable(value)
+        super().__setitem__(name, value)
+        self._record(METRIC_PREFIX + name, value)
+
+
+@pytest.fixture
+def gpu_metrics(record_property) -> GpuMetrics:
+    """Measurements for the GPU report's ``metrics`` section: ``gpu_metrics[name] = value``."""
+    return GpuMetrics(record_property)
+
+
+def jsonable(value):
+    """``value`` as JSON can hold it: numbers (numpy / torch scalars and arrays too; NaN and infinities as
+    strings), strings, booleans, None, and lists / dicts of them; anything else as its ``str``."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    tolist = getattr(value, "tolist", None)  # numpy / torch scalars and arrays
+    if callable(tolist) and not isinstance(value, float):
+        try:
+            return jsonable(tolist())
+        except (TypeError, ValueError, RuntimeError):
+            return str(value)
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else str(float(value))
+    return str(value)
 
 
 def pytest_addoption(parser):
@@ -131,6 +177,7 @@ class _Report:
         self.path = path
         self.root = Path(str(config.rootpath))
         self.tests: dict[str, dict] = {}
+        self.metrics: dict[str, dict] = {}
         self.deselected = 0
         self.started = datetime.datetime.now(datetime.timezone.utc)
 
@@ -183,6 +230,12 @@ class _Report:
 
     # -- tests -----------------------------------------------------------------------------------
     def pytest_runtest_logreport(self, report):
+        for name, value in report.user_properties:
+            if isinstance(name, str) and name.startswith(METRIC_PREFIX):
+                self.metrics[name.removeprefix(METRIC_PREFIX)] = {
+                    "value": jsonable(value),
+                    "test": report.nodeid,
+                }
         t = self.tests.setdefault(report.nodeid, {"outcome": "passed", "reason": None, "duration_s": 0.0})
         t["duration_s"] = round(t["duration_s"] + report.duration, 4)
         wasxfail = hasattr(report, "wasxfail")
@@ -231,6 +284,7 @@ class _Report:
             "setup": setup,
             "totals": totals,
             "tests": [{"nodeid": k, **v} for k, v in self.tests.items()],
+            "metrics": self.metrics,
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
