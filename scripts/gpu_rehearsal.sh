@@ -10,7 +10,8 @@
 #    triton 3.6.0, numpy 2.5.2, numba, transformers 5.17.0 and the other image packages the suite's
 #    imports reach (IMAGE below), NO SGLang. Python 3.12 like the image's (3.12.3) where this machine
 #    has one (python3.12 on PATH, else pyenv's), else python3 with a note in the report. Reused while
-#    its stamp (IMAGE, the Python) holds.
+#    its stamp (the Python, IMAGE) holds; lines added to IMAGE are installed into it, any other change
+#    rebuilds it.
 # 2. For each wheel set of scripts/gpu_wheels.sh (core, nvdec): the wheels, downloaded by that script for
 #    this Python (.rehearsal/whl-<set>; reused while gpu_wheels.sh is unchanged), then scripts/gpu_check.sh
 #    itself with GPU_CHECK_REHEARSAL=1: its install into a --target dir, import shim and sgl_kernel stub,
@@ -44,6 +45,10 @@ transformers==5.17.0
 tokenizers==0.23.2
 safetensors==0.8.0
 huggingface-hub==1.33.0
+sentencepiece==0.2.2
+tiktoken==0.14.0
+accelerate==1.15.0
+protobuf
 pytest
 pytest-timeout
 psutil
@@ -84,20 +89,30 @@ log "python: $BASE ($("$BASE" -V 2>&1))${NOTE:+; $NOTE}"
 # -- 1. the image's environment ------------------------------------------------------------------------
 VENV=$DIR/venv
 STAMP=$VENV/.rehearsal_stamp
-want=$(printf '%s\n%s\n%s\n' "$IMAGE" "$BASE" "$("$BASE" -V 2>&1)" | sha256sum | cut -d' ' -f1)
+want=$(printf '%s %s\n' "$BASE" "$("$BASE" -V 2>&1)"; echo "$IMAGE" | awk 'NF {print $1}')
+pip_install() {
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  return "${PIPESTATUS[0]}"
+}
 T1=$(now)
+env_built=false
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
-  env_built=false
   log "environment: $VENV up to date"
+elif [ -f "$STAMP" ] && [ "$(head -1 "$STAMP")" = "$(echo "$want" | head -1)" ] \
+    && [ -z "$(comm -23 <(tail -n +2 "$STAMP" | sort) <(echo "$want" | tail -n +2 | sort))" ]; then
+  log "environment: installing IMAGE's new lines into $VENV"
+  # shellcheck disable=SC2046
+  pip_install $(comm -13 <(tail -n +2 "$STAMP" | sort) <(echo "$want" | tail -n +2 | sort)) \
+    || { log "environment: pip install failed"; exit 2; }
+  echo "$want" > "$STAMP"
 else
   env_built=true
   log "environment: building $VENV"
   rm -rf "$VENV"
   "$BASE" -m venv "$VENV" || exit 2
   # shellcheck disable=SC2046
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check $(echo "$IMAGE" | awk 'NF {print $1}') \
-    2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
-  [ "${PIPESTATUS[0]}" -eq 0 ] || { log "environment: pip install failed"; exit 2; }
+  pip_install $(echo "$want" | tail -n +2) || { log "environment: pip install failed"; exit 2; }
   echo "$want" > "$STAMP"
 fi
 T2=$(now)
