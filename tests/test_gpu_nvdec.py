@@ -25,7 +25,8 @@ from sgl_remote_kv.nvdec.pool import DecoderPool, SlotWriter
 from sgl_remote_kv.codec.errors import ChunkError, CorruptChunk
 
 pytestmark = pytest.mark.gpu
-FIXTURES = ("square", "tall", "wide")
+# loaded at collection: parsing them needs no CUDA, so `make gpu-rehearsal` checks it with each wheel set
+FIXTURES = {name: load(name) for name in ("square", "tall", "wide")}
 
 
 @pytest.fixture
@@ -47,11 +48,11 @@ def real_nvdec():
 
 def _videos():
     """Every committed video, in fixture order: square (4 videos), tall, wide (2 each)."""
-    return [v for name in FIXTURES for v in load(name).videos]
+    return [v for fx in FIXTURES.values() for v in fx.videos]
 
 
 def _square():
-    return load("square").videos[0]
+    return FIXTURES["square"].videos[0]
 
 
 @pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
@@ -67,7 +68,7 @@ def test_bit_exact_vs_cpu_twin(real_nvdec, on_device):
 
 
 def test_chunk_and_pool_decode_bit_exact(real_nvdec):
-    fx = load("square")
+    fx = FIXTURES["square"]
     rk, rv = fx.kv  # the CPU twin's decode, committed
     gk, gv = fx.codec.decode(fx.blob, fx.fingerprint, decoder=video.VideoDecoder("cuda"))
     assert np.array_equal(gk.view(np.uint16), rk.view(np.uint16))
@@ -120,7 +121,7 @@ def test_corrupt_bitstreams_are_corrupt_chunks(real_nvdec):
 def test_one_session_serves_same_size_videos(real_nvdec):
     """Performance property: LOW latency + ENDOFPICTURE hands every frame back without an end of
     stream, so consecutive videos of one size share one NVDEC session."""
-    vids = load("square").videos  # four videos of 256x256
+    vids = FIXTURES["square"].videos  # four videos of 256x256
     dec = video.VideoDecoder("cuda")
     for vid in vids * 2:
         _decode_all(dec, vid.packets, vid.count, vid.height, vid.width)
