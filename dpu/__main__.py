@@ -19,7 +19,7 @@ from sgl_remote_kv.store.credentials import url_password_warning
 
 from .protocol import decode_warmup
 from .server import DataPlaneConfig, DataPlaneServer
-from .settings import DataPlaneSettings, add_flags, from_namespace
+from .settings import SERVICE_LOG_LEVEL, DataPlaneSettings, add_flags, from_namespace
 from .store_proxy import StoreProxy, StoreProxyConfig
 
 
@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--settings-json", help="every tunable as DataPlaneSettings JSON (the host's way)")
     p.add_argument(
+        "--region-fd",
+        action="append",
+        default=[],
+        metavar="NAME=FD",
+        help="a destination region the host passed down as a descriptor (anonymous memory; the host's way)",
+    )
+    p.add_argument(
         "--warm",
         help="protocol.Warmup JSON: decode one synthetic chunk of this codec and model "
         "before serving (the host's way; first jobs then do not load kernels)",
@@ -79,7 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(ns: argparse.Namespace) -> DataPlaneConfig:
     try:
-        settings = DataPlaneSettings.from_json(ns.settings_json) if ns.settings_json else from_namespace(ns)
+        if ns.settings_json:
+            settings = DataPlaneSettings.from_json(ns.settings_json)
+        else:  # a service: its start line and its clients' attaches are logged unless told otherwise
+            settings = from_namespace(ns, log_level=ns.log_level or SERVICE_LOG_LEVEL)
     except (ValueError, TypeError, KeyError) as e:
         raise SystemExit(f"bad data-plane settings: {e}") from None
     try:
@@ -108,9 +118,17 @@ def config_from_args(ns: argparse.Namespace) -> DataPlaneConfig:
             auth_key=key,
             client_timeout_s=ns.client_timeout,
             allowed_fingerprints=allowed,
+            inherited_regions=tuple(_region_fd(r) for r in ns.region_fd),
         )
     except ValueError as e:
         raise SystemExit(f"data plane: {e}") from None
+
+
+def _region_fd(text: str) -> tuple[str, int]:
+    name, sep, fd = text.rpartition("=")
+    if not sep or not name or not fd.isdigit():
+        raise ValueError(f"--region-fd {text!r}: NAME=FD expected")
+    return name, int(fd)
 
 
 def proxy_config_from_args(ns: argparse.Namespace, cfg: DataPlaneConfig) -> StoreProxyConfig | None:
@@ -140,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if proxy is not None:
         proxy.start()
     try:
-        DataPlaneServer(cfg).run()
+        DataPlaneServer(cfg).run((f"store proxy on {proxy_cfg.endpoint}",) if proxy is not None else ())
     finally:
         if proxy is not None:
             proxy.stop()

@@ -14,8 +14,9 @@ Memory model (ShadowServe §4.3, in software):
 - Compressed blobs come from the store client as ``bytes`` it allocates (the Python store clients give
   no receive-into-buffer API); their number in flight is bounded by the slots (one blob per admitted
   chunk, dropped when the chunk leaves the inflate stage).
-- ``DestRegion`` is the DMA destination: a POSIX shared-memory segment created and owned (unlinked) by
-  the host control plane, attached here by name. On a GPU host it would be a pinned/GPU staging buffer.
+- ``DestRegion`` is the DMA destination: shared memory created and owned by the host control plane
+  (``control/host_region.py``), mapped here by name or by an inherited descriptor. The host pins it for
+  its device writes.
 
 Ownership: the server thread owns slot assignment; a chunk's regions belong to the worker currently
 processing that chunk's slab, handed over through the stage queues. Threads never share a region.
@@ -23,12 +24,11 @@ processing that chunk's slab, handed over through the stage queues. Threads neve
 
 from __future__ import annotations
 
-import _posixshmem
 import logging
 import math
+import mmap
 import os
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
@@ -103,7 +103,7 @@ class StagingBuffers:
         self.inflate = np.empty(slots * self.infl_slot_bytes, np.uint8)
         self.dma_src.fill(0)  # pre-fault every page now, not on the hot path
         self.inflate.fill(0)
-        logger.info(
+        logger.debug(
             "staging buffers: %d slots x (%d + %d) B = %.1f MiB",
             slots,
             slot_bytes,
@@ -131,67 +131,56 @@ class StagingBuffers:
 
 
 class DestRegion:
-    """The shared destination region (POSIX shm). ``create`` on the host, ``attach`` in the data plane.
+    """A host's destination region mapped here; the host creates and owns it (``control/host_region.py``).
 
-    ``array`` is a uint8 view over the whole segment. The creator unlinks it in ``close``; an attacher
-    only unmaps (and is unregistered from Python's resource tracker, which would otherwise unlink the
-    host's segment when the data plane exits).
+    ``attach``: a region a host named under /dev/shm (a client of a shared service); ``inherited``: the
+    anonymous region of the host that spawned this process, by the descriptor it passed down (no name in
+    any file system). ``array`` is a uint8 view over the whole region. Mapped with plain ``open``/``mmap``:
+    Python's resource tracker never hears of it (it would unlink the host's region at our exit).
     """
 
-    def __init__(self, shm: shared_memory.SharedMemory, owner: bool) -> None:
-        self._shm, self.owner = shm, owner
-        self.name = shm.name
-        self.size = shm.size
-        self.array = np.ndarray((shm.size,), np.uint8, buffer=shm.buf)
+    def __init__(self, name: str, fd: int, path: str = "") -> None:
+        self.name, self._path = name, path
+        self.size = os.fstat(fd).st_size
+        self._mmap = mmap.mmap(fd, self.size)  # the mapping keeps its own reference to the memory
+        self.array = np.ndarray((self.size,), np.uint8, buffer=self._mmap)
 
     @classmethod
-    def create(cls, nbytes: int, name: str | None = None) -> DestRegion:
-        shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
-        region = cls(shm, owner=True)
-        region.array.fill(0)
-        return region
-
-    @classmethod
-    def attach(cls, name: str, untrack: bool = True) -> DestRegion:
-        """Map an existing region. ``untrack=False`` only when the creator lives in this process."""
-        shm = shared_memory.SharedMemory(name=name, create=False)
+    def attach(cls, name: str) -> DestRegion:
+        """Map the region ``/dev/shm/<name>`` (``FileNotFoundError`` when there is no such name)."""
+        path = "/dev/shm/" + name.lstrip("/")
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            if untrack:
-                resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 (py<3.13 workaround)
-        except Exception as e:  # tracker quirks must never stop the data plane
-            logger.debug("resource_tracker.unregister failed: %s", e)
-        return cls(shm, owner=False)
+            return cls(name, fd, path)
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def inherited(cls, name: str, fd: int) -> DestRegion:
+        """Map the region behind ``fd`` (kept open: a later registration maps it again)."""
+        return cls(name, fd)
 
     def exists(self) -> bool:
-        """The segment's name is still linked (Linux: under /dev/shm)."""
-        return os.path.exists("/dev/shm/" + self.name.lstrip("/"))
+        """The region has a name that is still linked (an inherited one never has)."""
+        return bool(self._path) and os.path.exists(self._path)
 
     def unlink(self) -> None:
-        """Remove the segment's name (existing mappings stay valid); a no-op if already gone. A region
-        attached untracked is unlinked without telling the resource tracker (which never knew it:
-        ``SharedMemory.unlink`` would make the tracker print a ``KeyError`` traceback at exit)."""
-        try:
-            if self.owner:
-                self._shm.unlink()
-            else:
-                _posixshmem.shm_unlink(self._shm._name)  # noqa: SLF001
-        except FileNotFoundError:
-            pass
+        """Remove the region's name (existing mappings stay valid); a no-op if it has none."""
+        if self._path:
+            try:
+                os.unlink(self._path)
+            except FileNotFoundError:
+                pass
 
     def try_close(self) -> bool:
-        """Unmap (the creator also unlinks); False while other views of ``array`` are alive (the
-        mapping stays; call again later)."""
+        """Unmap; False while other views of ``array`` are alive (the mapping stays; call again later)."""
         self.array = None  # drop the exported buffer before closing the mapping
         try:
-            self._shm.close()
+            self._mmap.close()
         except BufferError:
             return False
-        if self.owner:
-            self.unlink()
         return True
 
     def close(self) -> None:
         if not self.try_close():
             logger.warning("dest region %s still has views; leaving it mapped", self.name)
-            if self.owner:
-                self.unlink()

@@ -9,7 +9,13 @@ one FIFO per client and are admitted round-robin across clients (``tasks.FairQue
 slots and the pipeline are shared. A client that says ``Goodbye``, sends nothing for
 ``client_timeout_s`` or is replaced by a newer registration of its session is dropped: its queued rounds
 are finished as cancelled, its admitted jobs cancelled, and once its last job reported ``JobDone`` its
-regions are unmapped (and unlinked when their creator process is gone).
+regions are unmapped (and unlinked when their creator process is gone). A ``Register`` repeating the
+registration of its connection (a client resends it until answered) is answered again, nothing else.
+
+Logs: one INFO line when serving (version, pid, endpoint, store, staging, auth) and one per accepted
+registration or ``Goodbye``; WARNING only for what an operator should look at (a client dropped while
+live: silent, replaced; refused registrations, rejected jobs, bad frames). A stopped service removes its
+``ipc://`` socket file (``ipc_file.py``).
 
 Threads: the *server thread* (the process's main thread, ``DataPlaneServer.run``) owns the sockets,
 the client and job tables, the pending-round queue and the free-slot list; it is the only thread touching
@@ -33,13 +39,16 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from sgl_remote_kv import __version__
 from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.control import shm_names
+from sgl_remote_kv.store.base import redact_url
 from sgl_remote_kv.types import ModelFingerprint
 
 from . import auth
 from . import protocol as P
 from .buffers import DestRegion, StagingBuffers, plan_rounds
+from .ipc_file import BoundFile
 from .pipeline import Pipeline
 from .settings import DataPlaneSettings
 from .tasks import FairQueue, JobState
@@ -68,6 +77,8 @@ class DataPlaneConfig:
     client_timeout_s: float = 10.0  # drop a registered client silent this long; 0: never (spawned child)
     max_clients: int = 256
     allowed_fingerprints: tuple[bytes, ...] = ()  # model digests this service accepts; (): any
+    # regions our spawning host passed down as descriptors (name, fd): anonymous memory, no name to attach
+    inherited_regions: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.endpoint.startswith(("ipc://", "tcp://")):
@@ -90,6 +101,8 @@ class ClientState:
     codec_key: tuple[str, bytes]
     regions: dict[str, DestRegion]
     last_seen: float
+    register: P.Register | None = None  # what it registered with (a repeat of it is answered again)
+    warm_s: float | None = None  # seconds its registration spent warming its codec up (first of a model)
     jobs: set[int] = field(default_factory=set)
 
 
@@ -110,6 +123,7 @@ class DataPlaneServer:
         self.router.setsockopt(zmq.SNDHWM, 0)  # completions are small; never drop one
         self.router.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES + 1024)
         self.zap = auth.bind_server(self.ctx, self.router, cfg.endpoint, cfg.auth_key)
+        self.socket_file = BoundFile.after_bind(cfg.endpoint)  # removed at close
         self.events = self.ctx.socket(zmq.PULL)
         self.events.bind(_EVENTS)
         self._push_sock = self.ctx.socket(zmq.PUSH)
@@ -151,15 +165,16 @@ class DataPlaneServer:
     def request_stop(self, *_: object) -> None:
         self._stop = True
 
-    def run(self) -> None:
-        """Serve until SIGTERM/SIGINT (or ``request_stop``); then shut down cleanly."""
+    def run(self, notes: tuple[str, ...] = ()) -> None:
+        """Serve until SIGTERM/SIGINT (or ``request_stop``); then shut down cleanly. ``notes``: more for
+        the start line (e.g. the store proxy's endpoint)."""
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.events, zmq.POLLIN)
-        self.warm_up()
-        logger.info("data plane pid %d serving on %s", os.getpid(), self.cfg.endpoint)
+        warm = self.warm_up()
+        logger.info("%s", self.start_line((warm, *notes) if warm else notes))
         try:
             while not self._stop:
                 ready = dict(poller.poll(100))
@@ -241,9 +256,36 @@ class DataPlaneServer:
             self.counters["bad_frames"] += 1
 
     # ---- clients --------------------------------------------------------------------------------
+    def start_line(self, notes: tuple[str, ...] = ()) -> str:
+        """The one INFO line a data plane logs when it starts serving."""
+        cfg, st = self.cfg, self.cfg.settings
+        parts = [
+            f"store {redact_url(cfg.store_url)}",
+            f"staging {st.slots} x {st.slot_bytes / 2**20:.0f} MiB",
+            "auth CURVE"
+            if cfg.auth_key
+            else "auth: socket file 0600"
+            if cfg.endpoint.startswith("ipc")
+            else "",
+            f"client timeout {cfg.client_timeout_s:g} s" if cfg.client_timeout_s else "",
+            f"{len(cfg.allowed_fingerprints)} models allowed" if cfg.allowed_fingerprints else "",
+            *notes,
+        ]
+        detail = ", ".join(p for p in parts if p)
+        return (
+            f"sgl-remote-kv {__version__} data plane pid {os.getpid()} serving on {cfg.endpoint} ({detail})"
+        )
+
     def _register(self, peer: bytes, msg: P.Register) -> None:
         """Accept or refuse ``msg`` (answering ``Registered``). A registration of the same peer or the
-        same session replaces the old one (its jobs are cancelled)."""
+        same session replaces the old one (its jobs are cancelled); the same registration again on its
+        connection is only answered again."""
+        current = self.clients.get(peer)
+        if current is not None and current.register == msg:
+            self._answer_registered(peer)
+            return
+        if self.deferred.get(peer) == msg:
+            return  # answered once the old registration's jobs are over
         self.deferred.pop(peer, None)
         replaced = [c.peer for c in self.clients.values() if c.peer == peer or c.session == msg.session]
         try:
@@ -254,7 +296,7 @@ class DataPlaneServer:
             self.router.send_multipart([peer, P.encode(P.Registered(False, str(e)[:500]))], zmq.NOBLOCK)
             return
         for old in replaced:
-            self._drop_client(old, "replaced by a new registration")
+            self._drop_client(old, "replaced by a new registration of its session")
         if any(c.session == msg.session and c.jobs for c in self.leaving):
             # The same client's previous registration still has jobs finishing (a slab may still be
             # copied into its region): answer only once they are over, so the client cannot reuse a
@@ -266,7 +308,17 @@ class DataPlaneServer:
             return
         self.clients[peer] = client
         self.counters["registered"] += 1
-        logger.info("client %r registered (regions %s)", msg.label, sorted(client.regions))
+        warm = f", warmed up in {client.warm_s * 1000:.0f} ms" if client.warm_s is not None else ""
+        logger.info(
+            "client %r registered (codec %s%s; regions %s)",
+            msg.label,
+            msg.codec,
+            warm,
+            sorted(client.regions),
+        )
+        self._answer_registered(peer)
+
+    def _answer_registered(self, peer: bytes) -> None:
         timeout_ms = int(self.cfg.client_timeout_s * 1000)
         self.router.send_multipart(
             [peer, P.encode(P.Registered(True, "", timeout_ms, os.getpid()))], zmq.NOBLOCK
@@ -286,10 +338,10 @@ class DataPlaneServer:
         codec = self.codecs.get(msg.codec, msg.codec_params)
         held = {n: c.label for c in self.clients.values() if c.peer not in replaced for n in c.regions}
         held.update({n: c.label for c in self.leaving if c.session != msg.session for n in c.regions})
-        regions = attach_regions(list(msg.regions), held)
-        self.codecs.warm(codec, msg.codec, msg.codec_params, fp)
+        regions = attach_regions(list(msg.regions), held, dict(self.cfg.inherited_regions))
+        warm_s = self.codecs.warm(codec, msg.codec, msg.codec_params, fp)
         key = (msg.codec, msg.codec_params)
-        return ClientState(peer, msg.session, msg.label, fp, key, regions, time.monotonic())
+        return ClientState(peer, msg.session, msg.label, fp, key, regions, time.monotonic(), msg, warm_s)
 
     def _drop_client(self, peer: bytes, why: str) -> None:
         """Forget ``peer``'s registration: finish its queued rounds as cancelled, cancel its admitted jobs;
@@ -298,7 +350,8 @@ class DataPlaneServer:
         if client is None:
             return
         self.counters["clients_dropped"] += 1
-        logger.warning("client %r dropped (%s): %d jobs cancelled", client.label, why, len(client.jobs))
+        log = logger.info if why == "goodbye" else logger.warning  # goodbye: an ordinary detach
+        log("client %r dropped (%s): %d jobs cancelled", client.label, why, len(client.jobs))
         self.leaving.append(client)
         for job, regions in self.pending.pop_client(peer):
             job.cancel(0)
@@ -316,7 +369,7 @@ class DataPlaneServer:
         self.leaving = [c for c in self.leaving if c is not client]
         self._release_regions(client.regions.values())
         for peer, msg in list(self.deferred.items()):  # a registration waiting for this one's jobs
-            if msg.session == client.session:
+            if msg.session == client.session and self.deferred.pop(peer, None) is not None:
                 self._register(peer, msg)
 
     def _release_regions(self, regions) -> None:
@@ -406,20 +459,22 @@ class DataPlaneServer:
         rounds = plan_rounds([c.tokens for c in msg.chunks], layout, self.cfg.settings.slot_bytes, ratio)
         return job, rounds
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> str:
         """Decode one synthetic chunk of ``cfg.warm``'s codec and model (before ``run`` answers its first
-        ping, so the host's ``wait_ready`` covers it). A failure is logged and costs only the first job's
-        latency: the data plane serves all the same."""
+        ping, so the host's ``wait_ready`` covers it); what the start line says about it ("" when nothing
+        was warmed up). A failure is logged and costs only the first job's latency: the data plane serves
+        all the same."""
         w = self.cfg.warm
         if w is None:
-            return
+            return ""
         try:
             codec = self.codecs.get(w.codec, w.codec_params.encode())
             fp = fingerprint(w.fingerprint)
         except (ValueError, KeyError, ChunkError) as e:  # unknown codec, bad params, ...
             logger.warning("warm-up of codec %s failed (%r); the first job loads its kernels", w.codec, e)
-            return
-        self.codecs.warm(codec, w.codec, w.codec_params.encode(), fp)
+            return ""
+        seconds = self.codecs.warm(codec, w.codec, w.codec_params.encode(), fp)
+        return "" if seconds is None else f"codec {w.codec} warmed up in {seconds * 1000:.0f} ms"
 
     def _cancel(self, peer: bytes, msg: P.Cancel) -> None:
         self.counters["cancels"] += 1
@@ -462,6 +517,8 @@ class DataPlaneServer:
             self._push_sock.close(0)
         self.events.close(0)
         self.router.close(0)
+        if self.socket_file is not None:
+            self.socket_file.remove()
         if self.zap is not None:
             self.zap.stop()
         self.ctx.term()

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from .tasks import STAGES, PipelineConfig
 
 FETCH_CONCURRENCY = ("adaptive", "fixed")
+SERVICE_LOG_LEVEL = "INFO"
 HOST_FLAGS = frozenset(
     {
         "--endpoint",
@@ -26,6 +27,7 @@ HOST_FLAGS = frozenset(
         "--auth-key-file",
         "--client-timeout",
         "--warm",
+        "--region-fd",
     }
 )
 
@@ -62,6 +64,7 @@ class DataPlaneSettings:
     # read store values in pieces of this many KiB and decode each layer group once its bytes are in
     # (``StoreClient.stream_get``; Redis only, else whole gets); 0: always whole-value gets
     stream_piece_kib: int = 256
+    # a server's own data plane; a standalone service logs at SERVICE_LOG_LEVEL unless told otherwise
     log_level: str = "WARNING"
     debug: Debug = field(default_factory=Debug)
 
@@ -169,7 +172,12 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         help="read store values in pieces of this many KiB, decoding layers as they arrive "
         "(Redis stores); 0: whole-value gets",
     )
-    p.add_argument("--log-level", default=d.log_level)
+    p.add_argument(
+        "--log-level",
+        default=None,
+        help=f"default: {SERVICE_LOG_LEVEL} for a service (its start line, attaches, detaches), "
+        f"{d.log_level} for a server's own data plane (--remote-kv-dpu-args)",
+    )
     p.add_argument("--ablation-serial", action="store_true", help="benchmark ablation: no pipelining")
     p.add_argument("--ablation-no-prealloc", action="store_true", help="benchmark ablation: no prealloc")
     p.add_argument(
@@ -199,7 +207,7 @@ def from_namespace(ns: argparse.Namespace, **overrides) -> DataPlaneSettings:
         store_timeout_s=ns.store_timeout,
         fetch_concurrency=ns.fetch_concurrency,
         stream_piece_kib=ns.stream_piece_kib,
-        log_level=ns.log_level,
+        log_level=ns.log_level or DataPlaneSettings.log_level,
         debug=debug,
     )
     fields.update(overrides)

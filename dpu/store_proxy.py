@@ -31,6 +31,7 @@ from sgl_remote_kv.store.base import KVStore, StoreError, open_store, redact_url
 
 from . import auth
 from . import protocol as P
+from .ipc_file import BoundFile
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class StoreProxy:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._zap = None
+        self._socket_file: BoundFile | None = None
         self.stats = {"requests": 0, "errors": 0, "bad_frames": 0}
 
     # ---- lifecycle -----------------------------------------------------------------------------------
@@ -75,12 +77,13 @@ class StoreProxy:
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, P.MAX_VALUE_BYTES)
         self._zap = auth.bind_server(self.ctx, self.router, self.cfg.endpoint, self.cfg.auth_key)
+        self._socket_file = BoundFile.after_bind(self.cfg.endpoint)  # removed when the thread ends
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.bind(self._replies)
         self._thread = threading.Thread(target=self.run, name="store-proxy", daemon=True)
         self._thread.start()
-        logger.info("store proxy on %s for %s", self.cfg.endpoint, redact_url(self.cfg.store_url))
+        logger.debug("store proxy on %s for %s", self.cfg.endpoint, redact_url(self.cfg.store_url))
 
     def stop(self) -> None:
         self._stop.set()
@@ -111,6 +114,8 @@ class StoreProxy:
         finally:
             self.router.close(0)
             self.pull.close(0)
+            if self._socket_file is not None:
+                self._socket_file.remove()
 
     def _accept(self, frames: list) -> None:
         if len(frames) < 2:

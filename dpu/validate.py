@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 
 from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.codec.errors import ChunkError
@@ -52,26 +53,30 @@ class Codecs:
             self._codecs[key] = codec
         return self._codecs[key]
 
-    def warm(self, codec, name: str, params: bytes, fp: ModelFingerprint) -> None:
+    def warm(self, codec, name: str, params: bytes, fp: ModelFingerprint) -> float | None:
         """Warm ``codec`` up for ``fp`` once per process (at start, or on a client's first registration:
-        the first registration of a model waits for it). A failure is logged and costs only the first
-        job's latency."""
+        the first registration of a model waits for it); the seconds it took (the caller's log line says
+        so), None when it was warm already or failed. A failure is logged and costs only the first job's
+        latency."""
         key = (name, params, fp.digest())
         if key in self._warmed:
-            return
+            return None
         self._warmed.add(key)
         t0 = time.perf_counter()
         try:
             codec.warm_up(fp)
         except (ValueError, KeyError, ChunkError) as e:  # e.g. no tables for this model
             logger.warning("warm-up of codec %s failed (%r); the first job loads its kernels", name, e)
-            return
-        logger.info("warmed up codec %s in %.0f ms", name, (time.perf_counter() - t0) * 1000)
+            return None
+        return time.perf_counter() - t0
 
 
-def attach_regions(names: list[str], held: dict[str, str]) -> dict[str, DestRegion]:
-    """Map a registration's destination regions by name; ``held``: region name -> label of the client
-    that has it registered. All or nothing: on ``ValueError`` nothing stays mapped."""
+def attach_regions(
+    names: list[str], held: dict[str, str], inherited: Mapping[str, int] | None = None
+) -> dict[str, DestRegion]:
+    """Map a registration's destination regions: ``inherited`` ones (name -> descriptor our spawning host
+    passed down) by their descriptor, the others by name under /dev/shm; ``held``: region name -> label
+    of the client that has it registered. All or nothing: on ``ValueError`` nothing stays mapped."""
     if len(set(names)) != len(names):
         raise ValueError("a region is named twice")
     regions: dict[str, DestRegion] = {}
@@ -82,7 +87,8 @@ def attach_regions(names: list[str], held: dict[str, str]) -> dict[str, DestRegi
             if name in held:
                 raise ValueError(f"destination region {name!r} is registered by client {held[name]!r}")
             try:
-                regions[name] = DestRegion.attach(name)
+                fd = (inherited or {}).get(name)
+                regions[name] = DestRegion.attach(name) if fd is None else DestRegion.inherited(name, fd)
             except FileNotFoundError:
                 raise ValueError(f"destination region {name!r} does not exist") from None
             except OSError as e:

@@ -5,6 +5,7 @@ the end), and a raw ZeroMQ peer for speaking the protocol directly."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import zmq
 from dpu_helpers import CHUNK, codecs, pool_tokens
 from sgl_remote_kv.dpu import protocol as P
 from sgl_remote_kv.dpu.buffers import chunk_bytes
+from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
@@ -69,6 +71,15 @@ class Service:
             self.proc.kill()
         if self.proc is not None:
             self.proc.wait()
+
+
+def settings_service(tmp_path: Path, store_url: str, spec: DataPlaneSettings, *flags: str) -> Service:
+    """A service (``ipc://`` in ``tmp_path``, started) running exactly ``spec``, as a host hands it to
+    its own data plane: for tests that talk to a data plane over a connection of their own (a server's
+    own data plane accepts its host only). ``kill`` it at the end."""
+    spec = dataclasses.replace(spec, log_level="INFO")  # Service.start waits for the start line
+    ep = f"ipc://{tmp_path}/dpu.sock"
+    return Service(ep, store_url, tmp_path / "service.log", "--settings-json", spec.to_json(), *flags).start()
 
 
 def service_env(tmp_path: Path):

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from sgl_remote_kv.dpu.buffers import DestRegion, StagingBuffers, chunk_bytes, plan_rounds
 
+from sgl_remote_kv.control import shm_names
+from sgl_remote_kv.control.host_region import HostRegion
 from sgl_remote_kv.types import KVLayout
 
 LAY = KVLayout(30, 3, 64, "bfloat16")
@@ -52,18 +56,31 @@ def test_staging_views_are_disjoint_and_allocated_once():
     assert buf.total_bytes == 2 * buf.slot_bytes * 2
 
 
-def test_dest_region_create_attach_unlink():
-    d = DestRegion.create(4096)
+def test_host_regions_anonymous_and_named():
+    """A spawned data plane maps the host's anonymous region by the descriptor it inherits (nothing in
+    /dev/shm, ever); a service maps a named one by name, which ``close`` removes."""
+    name = shm_names.region_name()
+    anon = HostRegion(4096, name, named=False)
     try:
-        a = DestRegion.attach(d.name, untrack=False)  # same process as the creator
+        assert not anon.named and not os.path.exists(f"/dev/shm/{name}")
+        a = DestRegion.inherited(name, anon.fd)
         a.array[:4] = [1, 2, 3, 4]
-        assert list(d.array[:4]) == [1, 2, 3, 4]
-        a.close()
-        assert d.array[3] == 4  # the attacher's close never unlinks the owner's region
+        assert list(anon.array[:4]) == [1, 2, 3, 4] and a.size == 4096 and not a.exists()
+        assert a.try_close() and anon.array[3] == 4  # the attacher's close never frees the host's memory
     finally:
-        d.close()
+        anon.close()
+    anon.close()  # idempotent
+    named = HostRegion(4096, shm_names.region_name(), named=True)
+    try:
+        b = DestRegion.attach(named.name)
+        b.array[0] = 7
+        assert named.array[0] == 7 and b.exists()
+        b.close()
+    finally:
+        named.close()
+    assert not os.path.exists(named.path)
     with pytest.raises(FileNotFoundError):
-        DestRegion.attach(d.name, untrack=False)
+        DestRegion.attach(named.name)
 
 
 def test_slab_queue_orders_rounds_and_a_layerwise_request_layer_major():

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -29,6 +30,7 @@ from dpu_helpers import (
     random_chunks,
     register_raw,
 )
+from dpu_service_helpers import settings_service
 from sgl_remote_kv.dpu import protocol as P
 from sgl_remote_kv.dpu.buffers import chunk_bytes
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
@@ -55,19 +57,28 @@ def _spec(*flags: str, layer_group: int = 1) -> DataPlaneSettings:
     )
 
 
+@contextlib.contextmanager
+def _attached(tmp_path, url: str, spec: DataPlaneSettings, blob_bytes: int):
+    """A quiet client attached to a data plane running ``spec`` as a service (``_raw_job`` brings a
+    connection of its own, which a server's own data plane would not take)."""
+    svc = settings_service(tmp_path, url, spec, "--client-timeout", "0")
+    cfg = DpuClientConfig(url, 2, N * CB, blob_bytes, endpoint=svc.endpoint, **QUIET)
+    c = DpuClient(cfg, FP, codecs()["lossless"])
+    try:
+        c.start()
+        yield c
+    finally:
+        c.close()
+        svc.kill()
+
+
 @pytest.fixture
 def client(tmp_path, request):
     """A client with a blob area per slot (``request.param``: (blob bytes, extra data-plane flags))."""
     blob_bytes, extra = getattr(request, "param", (2 * N * CB, ()))
-    codec = codecs()["lossless"]
     url = f"file://{tmp_path}/store"
-    cfg = DpuClientConfig(
-        url, dest_slots=2, dest_slot_bytes=N * CB, blob_slot_bytes=blob_bytes, process=_spec(*extra), **QUIET
-    )
-    c = DpuClient(cfg, FP, codec)
-    c.start()
-    yield c, codec, url
-    c.close()
+    with _attached(tmp_path, url, _spec(*extra), blob_bytes) as c:
+        yield c, c.codec, url
 
 
 def _events(sock: zmq.Socket, job: int, timeout: float = 30.0) -> list:
@@ -95,7 +106,7 @@ def _raw_job(c, codec, keys) -> list:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"ipc://{c._proc.tmp}/dp-{c._proc.generation}.sock")
+    sock.connect(c.cfg.endpoint)
     try:
         register_raw(sock, c)
         sub = P.SubmitFetch(
@@ -135,12 +146,8 @@ def test_chunks_decode_as_they_arrive(tmp_path):
     keys, blobs = put_chunks(f"file://{tmp_path}/store", codec, random_chunks(N, seed=4))
     url = f"faulty+file://{tmp_path}/store?latency_s=0.3"
     spec = dataclasses.replace(_spec(), slot_bytes=2 * N * CB)  # one data-plane round for all chunks
-    c = DpuClient(DpuClientConfig(url, 2, N * CB, 0, spec, **QUIET), FP, codec)  # no blob area: no barrier
-    c.start()
-    try:
+    with _attached(tmp_path, url, spec, 0) as c:  # no blob area: no barrier
         events = _raw_job(c, codec, keys)
-    finally:
-        c.close()
     kinds = [type(m).__name__ for m in events]
     assert kinds.count("ChunksVerified") == 1 and kinds[-1] == "JobDone", kinds
     first_verified = kinds.index("ChunksVerified")

@@ -27,11 +27,14 @@ from dpu_helpers import (
     random_chunks,
     register_raw,
 )
+from dpu_service_helpers import settings_service
 from sgl_remote_kv.dpu.buffers import chunk_bytes
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.codec.base import decode
+from sgl_remote_kv.control import shm_names
 from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+from sgl_remote_kv.control.host_region import HostRegion
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 from tests.fixtures.dpu_clients import dp_spec
 
@@ -41,12 +44,29 @@ CB = chunk_bytes(LAYOUT, CHUNK)
 
 
 @contextlib.contextmanager
+def _attached(tmp_path: Path, url: str, codec) -> Iterator[DpuClient]:
+    """A client attached to a data plane running ``dp_spec()`` as a service (a server's own data plane
+    takes no connection but its host's; these tests bring connections of their own)."""
+    svc = settings_service(tmp_path, url, dp_spec())
+    c = DpuClient(
+        DpuClientConfig(url, dest_slots=2, dest_slot_bytes=3 * CB, endpoint=svc.endpoint), FP, codec
+    )
+    try:
+        c.start()
+        yield c
+    finally:
+        c.close()
+        svc.kill()
+
+
+@contextlib.contextmanager
 def _raw_dealer(client: DpuClient) -> Iterator[zmq.Socket]:
-    """A DEALER socket of our own on ``client``'s data-plane endpoint (closed, context ended, on exit)."""
+    """A DEALER socket of our own on the data-plane service ``client`` is attached to (closed, context
+    ended, on exit)."""
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
-    s.connect(f"ipc://{client._proc.tmp}/dp-{client._proc.generation}.sock")
+    s.connect(client.cfg.endpoint)
     try:
         yield s
     finally:
@@ -252,19 +272,18 @@ def test_hung_data_plane_is_replaced(tmp_path, make_client):
     assert restarts == ["hung"]
 
 
-def test_hostile_frames_do_not_hurt_the_data_plane(tmp_path, make_client):
+def test_hostile_frames_do_not_hurt_the_data_plane(tmp_path):
     codec = codecs()["lossless"]
     url = f"file://{tmp_path}/store"
     keys, _ = put_chunks(url, codec, random_chunks(2, seed=8))
-    c = make_client(url, codec)
-    with _raw_dealer(c) as s:
+    with _attached(tmp_path, url, codec) as c, _raw_dealer(c) as s:
         rng = np.random.default_rng(0)
         for _ in range(300):
             s.send(rng.integers(0, 256, int(rng.integers(0, 200)), dtype=np.uint8).tobytes())
         s.send_multipart([b"a", b"b", b"c"])
         time.sleep(0.3)
-    assert c.fetch("ok", keys, CHUNK, None, timeout=30).hit_chunks == 2
-    assert c.stats()["restarts"] == 0
+        assert c.fetch("ok", keys, CHUNK, None, timeout=30).hit_chunks == 2
+        assert c.stats()["restarts"] == 0
 
 
 def test_layer_wait_means_layer_is_in_the_pool(tmp_path, make_client):
@@ -287,45 +306,40 @@ def test_layer_wait_means_layer_is_in_the_pool(tmp_path, make_client):
 @pytest.mark.parametrize(
     "case", ["past_region", "codes_past_region", "codes_area_too_small", "codes_no_device_dequant"]
 )
-def test_bad_destination_is_rejected_not_written(tmp_path, make_client, case):
+def test_bad_destination_is_rejected_not_written(tmp_path, case):
     from sgl_remote_kv.dpu import protocol as P
     from sgl_remote_kv.dpu.buffers import layer_bytes
 
     codec = codecs()["lossless" if case in ("past_region", "codes_no_device_dequant") else "quant"]
     url = f"file://{tmp_path}/store"
     keys, _ = put_chunks(url, codec, random_chunks(1, seed=12))
-    c = make_client(url, codec)
     lb = layer_bytes(LAYOUT, CHUNK)
+    size = 2 * 3 * CB
     dest, output = {
         "past_region": (
-            P.ChunkDest(keys[0], CHUNK, c.dest.size - 16, 0, 4096),
+            P.ChunkDest(keys[0], CHUNK, size - 16, 0, 4096),
             "kv",
         ),  # would write past the region
-        "codes_past_region": (P.ChunkDest(keys[0], CHUNK, c.dest.size - 3 * lb, 0, 2 * lb), "codes"),
+        "codes_past_region": (P.ChunkDest(keys[0], CHUNK, size - 3 * lb, 0, 2 * lb), "codes"),
         "codes_area_too_small": (
             P.ChunkDest(keys[0], CHUNK, 0, 0, 2 * lb - 1),
             "codes",
         ),  # < the layer's K + V
         "codes_no_device_dequant": (P.ChunkDest(keys[0], CHUNK, 0, 0, 2 * lb), "codes"),  # lossless: KV only
     }[case]
-    msg = P.SubmitFetch(
-        999,
-        "evil",
-        codec.name,
-        codec.params_bytes(),
-        c._wire_fp,
-        c.dest.name.lstrip("/"),
-        [dest],
-        output=output,
-    )
+    mine = HostRegion(size, shm_names.region_name(), named=True)  # a service attaches it by name
     got = []
-    with _raw_dealer(c) as s:
-        register_raw(s, c)  # a registered client: the region is its own, the offsets are not
+    with _attached(tmp_path, url, codec) as c, _raw_dealer(c) as s:
+        register_raw(s, c, mine.name)  # a registered client: the region is its own, the offsets are not
+        msg = P.SubmitFetch(
+            999, "evil", codec.name, codec.params_bytes(), c._wire_fp, mine.name, [dest], output=output
+        )
         s.send(P.encode(msg))
         while s.poll(5000):
             got.append(P.decode(s.recv()))
             if isinstance(got[-1], P.JobDone):
                 break
+    mine.close()
     assert isinstance(got[0], P.ChunkFailed) and got[0].kind == "bad_request"
     assert got[-1] == P.JobDone(999, 0, 1)
 
@@ -387,21 +401,22 @@ from sgl_remote_kv.dpu.settings import DataPlaneSettings
 spec = DataPlaneSettings(slot_bytes=1 << 20)
 c = DpuClient(DpuClientConfig("file://{tmp_path}/store", dest_slot_bytes=1 << 20, process=spec), FP, codecs()["lossless"])
 c.start()
-print(c.pid, c.dest.name.lstrip("/"), flush=True)
+print(c.pid, c.dest.name, c._proc.endpoint, flush=True)
 time.sleep(120)
 """
     host = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        pid_text, region = host.stdout.readline().split()
+        pid_text, region, endpoint = host.stdout.readline().split()
         dp_pid = int(pid_text)
-        assert Path("/dev/shm", region).exists()
+        # the region never has a name; once the child accepted its host, no socket file (nor run dir)
+        assert not Path("/dev/shm", region).exists() and not Path(endpoint[6:]).parent.exists()
+        assert f"/memfd:{region} (deleted)" in Path(f"/proc/{dp_pid}/maps").read_text()  # anonymous
         host.kill()  # the serving process dies without cleaning up
         host.wait()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not _gone(dp_pid):
             time.sleep(0.1)
         assert _gone(dp_pid)
-        assert not Path("/dev/shm", region).exists()  # the orphaned region does not leak
     finally:
         if host.poll() is None:
             host.kill()

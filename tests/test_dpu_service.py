@@ -12,14 +12,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from dpu_helpers import CHUNK, codecs, make_pool, put_chunks
 from dpu_service_helpers import (
+    CB,
     LAYOUT32,
     ask,
     assert_exact,
@@ -339,3 +342,48 @@ def test_a_client_the_service_forgot_registers_again(env):
         wait_until(lambda: restarts == ["restarted"], 10, "the client to notice")
     wait_until(lambda: c._registered, 10, "the client to register again")
     assert c.fetch("again", keys, CHUNK, None, timeout=30).hit_chunks == 1
+
+
+# ---- a stopped service, and what it logs -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_service_logs_its_start_and_attaches_at_info_and_leaves_nothing_when_stopped(tmp_path, sig):
+    """Run as an operator runs it (no log flags): one INFO start line (version, pid, endpoint), one INFO
+    line per attach and per detach, no WARNING -- also for a client that was waiting for the service and
+    had sent its ``Register`` several times (each used to replace the last, one WARNING each). Stopped by
+    ``sig``: exit 0, its socket files (endpoint, store proxy) and the client's region gone."""
+    from sgl_remote_kv import __version__
+    from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+
+    url = f"file://{tmp_path}/store"
+    endpoint, proxy = f"ipc://{tmp_path}/dpu.sock", f"ipc://{tmp_path}/store.sock"
+    cfg = DpuClientConfig(url, dest_slots=2, dest_slot_bytes=2 * CB, endpoint=endpoint, heartbeat_s=0.2)
+    c = DpuClient(cfg, rank_fp(0), codecs()["lossless"])
+    early = threading.Thread(target=c.start)  # resends its Register every second until answered
+    early.start()
+    log = tmp_path / "service.log"
+    try:
+        time.sleep(2.5)
+        cmd = [sys.executable, "-m", "sgl_remote_kv.dpu", "--endpoint", endpoint, "--store", url]
+        with open(log, "wb") as out:
+            svc = subprocess.Popen([*cmd, "--store-endpoint", proxy], stdout=out, stderr=out)
+        early.join(60)
+        assert c._registered, log.read_text()
+        region = c.dest.name
+        assert c.fetch("x", [b"absent".ljust(32, b"\0")], CHUNK, None, timeout=30).failures[0] == "miss"
+    finally:
+        c.close()
+    assert not Path("/dev/shm", region).exists()
+    wait_until(lambda: b"dropped (goodbye)" in log.read_bytes(), 5, "the goodbye")
+    svc.send_signal(sig)
+    assert svc.wait(timeout=30) == 0
+    for sock in (endpoint, proxy):
+        assert not Path(sock[len("ipc://") :]).exists(), sock
+    lines = log.read_text().splitlines()
+    assert not [ln for ln in lines if "WARNING" in ln or "ERROR" in ln], lines
+    (start,) = [ln for ln in lines if "serving on" in ln]
+    assert " INFO " in start and f"sgl-remote-kv {__version__}" in start, start
+    assert f"pid {svc.pid} serving on {endpoint}" in start and f"store proxy on {proxy}" in start, start
+    assert len([ln for ln in lines if " INFO " in ln and "registered" in ln]) == 1, lines
+    assert len([ln for ln in lines if " INFO " in ln and "dropped (goodbye)" in ln]) == 1, lines

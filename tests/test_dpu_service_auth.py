@@ -28,10 +28,10 @@ from dpu_service_helpers import (
     slots_flags,
 )
 from sgl_remote_kv.dpu import protocol as P
-from sgl_remote_kv.dpu.buffers import DestRegion
 
 from sgl_remote_kv.control import shm_names
 from sgl_remote_kv.control.dpu_client import DpuClientConfig
+from sgl_remote_kv.control.host_region import HostRegion
 from sgl_remote_kv.types import ModelFingerprint
 
 
@@ -51,8 +51,8 @@ def test_bad_registrations_get_a_clear_refusal(env):
         rank_fp(1).digest().hex(),
     )
     owner = make_client(svc, fp)
-    mine = DestRegion.create(4 * CB, shm_names.region_name())
-    name = mine.name.lstrip("/")
+    mine = HostRegion(4 * CB, shm_names.region_name(), named=True)
+    name = mine.name
     try:
         with raw_socket(svc.endpoint) as s:
             # submitting before registering

@@ -1,7 +1,12 @@
-"""Destination regions of hosts killed together with their data plane are swept by the next client.
+"""What a host's destination region and its data plane's endpoint leave behind when processes die.
 
-A real process group (creator + its resource tracker) is SIGKILLed, as when a server's process group
-dies; the next ``DpuClient.start`` (with a real data plane) must remove that region, and only that.
+- A server's own data plane: the region is anonymous memory the child inherits and the endpoint's
+  socket file is gone once the child accepted its host, so a host SIGKILLed together with its data plane
+  (what ``Engine.shutdown`` and SGLang's SIGTERM path do: ``kill_process_tree``) leaves nothing in
+  /dev/shm or the temp dir.
+- A client of a data-plane service names its region in /dev/shm; when that host dies together with the
+  service, the next ``DpuClient.start`` removes the region (a real process group is SIGKILLed), and
+  only that.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -25,9 +31,9 @@ _CREATOR = textwrap.dedent(
     """
     import sys, time
     from sgl_remote_kv.control import shm_names
-    from sgl_remote_kv.dpu.buffers import DestRegion
-    r = DestRegion.create(1 << 20, shm_names.region_name())
-    print(r.name.lstrip("/"), flush=True)
+    from sgl_remote_kv.control.host_region import HostRegion
+    r = HostRegion(1 << 20, shm_names.region_name(), named=True)  # a service's client
+    print(r.name, flush=True)
     time.sleep(600)
     """
 )
@@ -74,26 +80,64 @@ def test_stale_regions_of_killed_process_groups_are_swept(tmp_path):
             (SHM / n).unlink(missing_ok=True)
 
 
-def test_stale_run_directories_are_swept_keeping_the_newest(tmp_path):
-    """Run directories (data-plane endpoint + log) of dead creators go, except the newest ``keep``;
-    directories of live creators and of other names stay."""
-    import time
+_HOST = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, sys.argv[1])
+    from dpu_helpers import CHUNK, FP, codecs
+    from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+    from sgl_remote_kv.dpu.buffers import chunk_bytes
+    from sgl_remote_kv.dpu.settings import DataPlaneSettings
+    spec = DataPlaneSettings(workers=(1, 1, 1, 1), slots=1, slot_bytes=chunk_bytes(FP.layout, CHUNK))
+    cfg = DpuClientConfig(sys.argv[2], 1, chunk_bytes(FP.layout, CHUNK), process=spec)
+    c = DpuClient(cfg, FP, codecs()["lossless"])
+    c.start()
+    print(c.pid, flush=True)
+    time.sleep(600)
+    """
+)
 
+
+def _created_by(pid: int) -> set[str]:
+    """Entries in /dev/shm and the temp dir named after creator ``pid`` (regions, run directories)."""
+    pattern = f"{shm_names.PREFIX}{pid}-*"
+    return {str(p) for d in (SHM, Path(tempfile.gettempdir())) for p in d.glob(pattern)}
+
+
+def test_a_host_killed_with_its_own_data_plane_leaves_nothing(tmp_path):
+    host = subprocess.Popen(
+        [sys.executable, "-c", _HOST, str(Path(__file__).parent), f"file://{tmp_path}/store"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        dp_pid = int(host.stdout.readline())
+        assert dp_pid > 0 and Path(f"/proc/{dp_pid}").exists()
+        assert _created_by(host.pid) == set(), "a running host and data plane have nothing on disk"
+    finally:
+        os.killpg(host.pid, signal.SIGKILL)  # host and data plane at once, as kill_process_tree does
+        host.wait(timeout=10)
+    assert _created_by(host.pid) == set()
+
+
+def test_stale_run_directories_are_swept(tmp_path):
+    """Run directories (a data plane's endpoint while it starts) of dead creators go; directories of live
+    creators and of other names stay."""
     dead = 4_194_000  # above any pid this box hands out (pid_max 4194304 at most)
     stale = []
-    for i in range(5):
+    for i in range(3):
         d = tmp_path / f"srkv-dpu-{dead + i}-12345-0000000{i}"
         d.mkdir()
-        (d / "dp-1.log").write_text("log")
-        os.utime(d, (time.time() - 100 + i, time.time() - 100 + i))
+        (d / "dp.sock").write_text("")
         stale.append(d)
     live = tmp_path / shm_names.region_name()
     live.mkdir()
     other = tmp_path / "srkv-dpu-notours"
     other.mkdir()
-    removed = shm_names.sweep_stale_dirs(str(tmp_path), keep=2)
-    assert sorted(removed) == sorted(str(d) for d in stale[:3])  # the three oldest
-    assert all(d.exists() for d in stale[3:]) and live.exists() and other.exists()
+    removed = shm_names.sweep_stale_dirs(str(tmp_path))
+    assert sorted(removed) == sorted(str(d) for d in stale)
+    assert not any(d.exists() for d in stale) and live.exists() and other.exists()
 
 
 def test_data_plane_unlinking_its_dead_hosts_region_prints_no_tracker_traceback():
@@ -103,9 +147,9 @@ def test_data_plane_unlinking_its_dead_hosts_region_prints_no_tracker_traceback(
         """
         import subprocess, sys
         from sgl_remote_kv.control import shm_names
-        from sgl_remote_kv.dpu.buffers import DestRegion
+        from sgl_remote_kv.control.host_region import HostRegion
         name = shm_names.region_name()
-        r = DestRegion.create(1 << 16, name)
+        r = HostRegion(1 << 16, name, named=True)
         child = '''
         import sys
         from sgl_remote_kv.dpu.buffers import DestRegion

@@ -1,7 +1,7 @@
 """GPU suite (``pytest -m gpu``; ``scripts/gpu_check.sh``): the KV writer on a real CUDA device.
 
 - the device writer into a real SGLang ``MHATokenToKVPool`` on ``cuda``: bit-exact for fp32/fp16/bf16,
-  zero-copy out of a pinned shared-memory region (``DestRegion`` + ``cudaHostRegister``) and staged out of
+  zero-copy out of a pinned shared-memory region (``HostRegion`` + ``cudaHostRegister``) and staged out of
   pageable memory, rows not written stay untouched;
 - writes from another thread on the side stream while a forward-like kernel loop runs on the default
   stream, each layer read only after ``wait_layer``: every read sees the written KV;
@@ -62,13 +62,13 @@ def _writer(pool, layout):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("pinned", [True, False])
 def test_writer_into_sglang_pool_is_exact(dtype, pinned):
-    from sgl_remote_kv.dpu.buffers import DestRegion
+    from sgl_remote_kv.control.host_region import HostRegion
 
     lay = KVLayout(num_layers=6, num_kv_heads=3, head_dim=64, dtype=dtype)
     pool = _sglang_pool(lay, 4096)
     w = _writer(pool, lay)
     kv = _kv(lay, 300, seed=1)
-    region = DestRegion.create(kv.nbytes, f"srkv-gpu-test-{dtype}-{pinned}")
+    region = HostRegion(kv.nbytes, f"srkv-gpu-test-{dtype}-{pinned}", named=False)
     try:
         src = region.array[: kv.nbytes].view(kv.dtype).reshape(kv.shape)
         src[...] = kv
@@ -88,7 +88,6 @@ def test_writer_into_sglang_pool_is_exact(dtype, pinned):
     finally:
         if pinned:
             w.unregister_host(region.array)  # before the region is unmapped, also after a failed check
-        region.unlink()
         region.close()
 
 

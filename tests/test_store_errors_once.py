@@ -79,6 +79,11 @@ def _refusals(rs: RedisServer) -> int:
     return sum(stats.get(f"errorstat_{e}", {}).get("count", 0) for e in ("WRONGPASS", "NOAUTH"))
 
 
+def _dataplane_log(capfd) -> str:
+    """What the spawned data planes logged so far (they log to the host's stderr, prefixed ``dpu[pid]``)."""
+    return "\n".join(ln for ln in capfd.readouterr().err.splitlines() if " dpu[" in ln)
+
+
 def _corrupt_lines(records, key: bytes) -> list[str]:
     return [
         r.getMessage()
@@ -119,7 +124,7 @@ def _corrupt(rdb: redis.Redis, key: bytes, how: str) -> None:
 @pytest.mark.parametrize("how", ["setrange", "reframed"])
 @pytest.mark.parametrize("piece_kib", [1, 0], ids=["streamed", "whole"])
 def test_data_plane_counts_a_corrupt_value_once_and_both_logs_name_it(
-    redis_server, make_client, fresh_corruption_log, caplog, how, piece_kib
+    redis_server, make_client, fresh_corruption_log, caplog, capfd, how, piece_kib
 ):
     codec = codecs()["lossless"]
     keys, _ = put_chunks(
@@ -135,7 +140,7 @@ def test_data_plane_counts_a_corrupt_value_once_and_both_logs_name_it(
     assert res.hit_chunks == 1 and res.failures[1] == "corrupt"
     assert errors == [("get", "corrupt", 1)]  # store_errors_total{op="get",kind="corrupt"} +1, once
     assert len(_corrupt_lines(caplog.records, keys[1])) == 1  # the host's log
-    dp_log = c._proc.log_path.read_text()  # (logged before the chunk was reported; the client removes it)
+    dp_log = _dataplane_log(capfd)  # (logged before the chunk was reported; the client removes it)
     assert dp_log.count("corrupt value for chunk key " + corruption.short_key(keys[1])) == 1, dp_log
     rdb.close()
 
@@ -300,7 +305,7 @@ def test_the_password_file_flag_and_the_warning_for_a_password_in_the_url(tmp_pa
 
 
 def test_data_plane_reports_auth_once_and_no_secret_reaches_its_command_line(
-    secure_redis, make_client, tmp_path
+    secure_redis, make_client, tmp_path, capfd
 ):
     codec = codecs()["lossless"]
     base = f"redis://127.0.0.1:{secure_redis.port}/0"
@@ -331,6 +336,6 @@ def test_data_plane_reports_auth_once_and_no_secret_reaches_its_command_line(
     assert errors and set(errors) == {("get", "auth", 1)}
     assert _refusals(secure_redis) - before == 1  # the data plane's client asked once
     assert bad.stats()["restarts"] == 0
-    dp_log = bad._proc.log_path.read_text()
+    dp_log = _dataplane_log(capfd)
     assert dp_log.count("refused authentication") == 1 and WRONG not in dp_log, dp_log
     assert os.environ.get("SRKV_STORE_PASSWORD") is None

@@ -25,10 +25,12 @@ here (``store/corruption.py``, rate-limited).
 Threads: ``start``/``submit``/``cancel``/``stats``/``close`` may be called from any thread (they take
 ``cv``); socket I/O and scatters run only on the receiver thread, the scatters outside ``cv``
 (``rounds.RoundBook``: a slow device write does not hold up ``submit``; ``cancel`` waits only for a write
-of its own fetch). Buffers: the destination region is owned by this client (created here under a name
-carrying our pid, unlinked in ``close``; ``start`` first sweeps regions of dead creators,
-``shm_names.py``); the data plane writes into it, the receiver thread reads it while scattering. A destination slot is reused only after the data plane said
-``JobDone`` for the job using it (it then writes nothing more there).
+of its own fetch). Buffers: the destination region is owned by this client (``host_region.HostRegion``:
+anonymous memory a spawned data plane inherits, so a stopped or killed server leaves nothing in
+/dev/shm; for a service, a file named after our pid, removed in ``close``; ``start`` first sweeps those
+of dead creators, ``shm_names.py``); the data plane writes into it, the receiver thread reads it while
+scattering. A destination slot is reused only after the data plane said ``JobDone`` for the job using it
+(it then writes nothing more there).
 
 Layer-wise admission (``blob_slot_bytes`` > 0): each slot also has a blob area; the data plane copies a
 round's verified compressed blobs there before ``ChunksVerified``. The receiver thread copies them out
@@ -42,7 +44,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -52,7 +53,6 @@ import zmq
 
 from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.dpu import protocol as P
-from sgl_remote_kv.dpu.buffers import DestRegion
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
 from sgl_remote_kv.kvpool import KVWriteError
 from sgl_remote_kv.store import corruption
@@ -60,6 +60,7 @@ from sgl_remote_kv.types import DPU_OUTPUTS, ModelFingerprint
 
 from . import shm_names
 from .dpu_process import AttachedService, DataPlaneProcess
+from .host_region import HostRegion
 from .jobs import FetchHandle, FetchResult, HostRound, KVTarget
 from .round_io import RoundIO
 from .rounds import RoundBook
@@ -131,14 +132,13 @@ class DpuClient:
             fingerprint.digest(),
         )
         self.cv = threading.Condition(threading.RLock())
-        self.dest: DestRegion | None = None
+        self.dest: HostRegion | None = None
         self.io: RoundIO | None = None
         self._proc: DataPlaneProcess | AttachedService | None = None
         self._attached = bool(cfg.endpoint)
         self._registered = False  # attached: the service accepted our current connection's Register
         self._connect_at = 0.0
         self._forgotten = False  # attached: a Pong said the service does not know this connection
-        self._tmp = shm_names.run_dir()  # endpoint + log; swept by a later client if we die unclosed
         self.on_store_error = on_store_error  # (op, kind, n): the data plane's store client failures
         self.on_restart = on_restart  # (reason: "exited" | "hung" | "restarted"): replaced / reconnected
         self.on_write = on_write  # (seconds, layers, output): the receiver thread wrote a round's layers
@@ -162,7 +162,7 @@ class DpuClient:
         shm_names.sweep_stale()  # regions of hosts that died together with their data plane
         shm_names.sweep_stale_dirs()
         nbytes = cfg.dest_slots * (cfg.dest_slot_bytes + cfg.blob_slot_bytes)
-        self.dest = DestRegion.create(nbytes, shm_names.region_name())
+        self.dest = HostRegion(nbytes, shm_names.region_name(), named=self._attached)
         self.io = RoundIO(
             self.dest, self.layout, cfg.dest_slot_bytes, cfg.dest_slots, cfg.blob_slot_bytes, self.codec
         )
@@ -197,7 +197,8 @@ class DpuClient:
             self._proc = AttachedService(self._ctx, cfg.endpoint, register, key)
         else:
             warm = P.encode_warmup(P.Warmup(self.codec_name, self.codec_params.decode(), self._wire_fp))
-            self._proc = DataPlaneProcess(self._ctx, cfg.process, cfg.store_url, register, self._tmp, warm)
+            regions = {self.dest.name: self.dest.fd}  # inherited by every child (restarts too)
+            self._proc = DataPlaneProcess(self._ctx, cfg.process, cfg.store_url, register, warm, regions)
         self._proc.spawn()
         if not self._proc.wait_ready(cfg.start_timeout_s):
             why = self._proc.refused
@@ -233,7 +234,7 @@ class DpuClient:
                     logger.warning("unpinning the destination region failed: %r", e)
             self._writers.clear()
         if self.dest is not None:
-            self.dest.unlink()  # first: tells the data plane it need not clean up after us
+            self.dest.remove_name()  # first: tells the data plane it need not clean up after us
         if self._proc is not None:
             self._proc.stop()
         for s in (self._wake_tx, self._wake_rx):
@@ -244,7 +245,6 @@ class DpuClient:
             self.io.close()
         if self.dest is not None:
             self.dest.close()
-        shutil.rmtree(self._tmp, ignore_errors=True)
 
     @property
     def pid(self) -> int | None:
@@ -407,8 +407,13 @@ class DpuClient:
                 logger.error("the data-plane service no longer knows this client (it restarted?)")
                 self._forgotten = True  # ``_supervise`` reconnects (not here: we are reading the socket)
         elif isinstance(msg, P.Registered):
+            if msg.ok and self._proc.accepted:
+                return  # the answer to a repeated Register of this connection (``wait_ready`` resends)
             if self._proc.registered(msg):
-                logger.info("registered with the data-plane service %s (pid %s)", self.cfg.endpoint, self.pid)
+                if self._attached:
+                    logger.info(
+                        "registered with the data-plane service %s (pid %s)", self.cfg.endpoint, self.pid
+                    )
                 self._registered = True
                 with self.cv:
                     self.book.pump()

@@ -8,6 +8,13 @@ said no). Threads: ``spawn``/``wait_ready``/``stop`` run on the thread that owns
 (``start``/``close``) or on the DPU client's receiver thread (restarts, reconnects); never
 concurrently. ``sock`` is used only by that thread. Each generation gets a fresh socket (and a spawned
 child a fresh IPC endpoint), so late frames of a dead process can never be mistaken for the new one's.
+
+A spawned child inherits the destination region's descriptor (anonymous memory, ``host_region.py``).
+Its endpoint is a socket file in a private run directory (``shm_names.run_dir``), removed as soon as the
+child accepted our ``Register`` (the connection stays up without it; nobody else may connect to a
+server's own data plane) -- or at ``stop`` --, so a server killed together with its data plane (SGLang's
+``kill_process_tree`` SIGKILLs both, also on SIGTERM and ``Engine.shutdown``) leaves nothing in /dev/shm
+or the temp dir. The child logs to the host's stderr (the server's log), prefixed ``dpu[<pid>]``.
 """
 
 from __future__ import annotations
@@ -15,16 +22,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import zmq
 
 from sgl_remote_kv.dpu import protocol as P
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
+
+from . import shm_names
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +46,18 @@ def auto_cpus() -> tuple[int, ...]:
     return tuple(avail[-max(1, len(avail) // 4) :])
 
 
-def command(settings: DataPlaneSettings, endpoint: str, warm: str | None = None) -> list[str]:
+def command(
+    settings: DataPlaneSettings, endpoint: str, warm: str | None = None, regions: dict[str, int] | None = None
+) -> list[str]:
     """The data plane's command line; the store URL (it may hold a password) goes to its stdin. ``warm``:
-    ``protocol.Warmup`` JSON (the codec and model it will decode; it warms up before serving)."""
+    ``protocol.Warmup`` JSON (the codec and model it will decode; it warms up before serving);
+    ``regions``: destination region name -> the descriptor the child inherits (``HostRegion.fd``)."""
     if settings.cpus is None:  # auto: away from the serving process when the machine has the cores
         settings = dataclasses.replace(settings, cpus=auto_cpus())
     cmd = [sys.executable, "-m", "sgl_remote_kv.dpu", "--endpoint", endpoint, "--store", "-"]
     cmd += ["--parent-pid", str(os.getpid()), "--client-timeout", "0"]  # exits if the host dies
     cmd += ["--warm", warm] if warm else []
+    cmd += [a for name, fd in (regions or {}).items() for a in ("--region-fd", f"{name}={fd}")]
     return cmd + ["--settings-json", settings.to_json()]
 
 
@@ -57,6 +70,7 @@ class _Link:
         self.sock: zmq.Socket | None = None
         self.last_pong_at = 0.0
         self.refused = ""  # the data plane's reason when it refused our last Register
+        self.accepted = False  # the data plane accepted this connection's Register
         self.client_timeout_s = 0.0  # from Registered: heartbeat more often than this
         self._seq = 0
 
@@ -76,6 +90,7 @@ class _Link:
 
             auth.connect_as_client(self.sock, self._auth_key)
         self._before_connect()
+        self.accepted = False
         self.sock.connect(endpoint)
         self.send(self.register)
         self.heartbeat()
@@ -106,6 +121,7 @@ class _Link:
         """Record the answer to our ``Register``; True if accepted."""
         if msg.ok:
             self.refused = ""
+            self.accepted = True
             self.client_timeout_s = msg.client_timeout_ms / 1000
             self.last_pong_at = time.monotonic()
         else:
@@ -221,15 +237,16 @@ class DataPlaneProcess(_Link):
         spec: DataPlaneSettings,
         store_url: str,
         register: P.Register,
-        tmp: str,
         warm: str | None = None,
+        regions: dict[str, int] | None = None,
     ) -> None:
         super().__init__(ctx, register)
         self.spec, self.store_url = spec, store_url
         self.warm = warm
-        self.tmp = Path(tmp)
+        self.regions = dict(regions or {})  # name -> descriptor every child inherits
         self.proc: subprocess.Popen | None = None
-        self.log_path: Path | None = None
+        self.run_dir: str | None = None  # this generation's endpoint directory, until it is accepted
+        self.endpoint = ""
 
     @property
     def pid(self) -> int | None:
@@ -237,11 +254,12 @@ class DataPlaneProcess(_Link):
 
     def spawn(self) -> None:
         self.generation += 1
-        endpoint = f"ipc://{self.tmp}/dp-{self.generation}.sock"
-        self.log_path = self.tmp / f"dp-{self.generation}.log"
-        cmd = command(self.spec, endpoint, self.warm)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=log)
+        self._remove_run_dir()
+        self.run_dir = shm_names.run_dir()
+        self.endpoint = endpoint = f"ipc://{self.run_dir}/dp.sock"
+        cmd = command(self.spec, endpoint, self.warm, self.regions)
+        # stdout, stderr: the host's
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=tuple(self.regions.values()))
         try:
             self.proc.stdin.write(self.store_url.encode() + b"\n")
             self.proc.stdin.close()
@@ -249,6 +267,17 @@ class DataPlaneProcess(_Link):
             pass
         self._connect(endpoint)
         logger.info("data plane generation %d pid %d: %s", self.generation, self.proc.pid, " ".join(cmd))
+
+    def registered(self, msg: P.Registered) -> bool:
+        ok = super().registered(msg)
+        if ok:
+            self._remove_run_dir()  # connected: the socket file has done its job
+        return ok
+
+    def _remove_run_dir(self) -> None:
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self.run_dir = None
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -268,3 +297,4 @@ class DataPlaneProcess(_Link):
                 p.kill()
                 p.wait()
         self._close_sock()
+        self._remove_run_dir()

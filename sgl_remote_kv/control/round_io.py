@@ -18,10 +18,11 @@ import numpy as np
 from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.codec.format import ChunkShape
 from sgl_remote_kv.dpu import protocol as P
-from sgl_remote_kv.dpu.buffers import DestRegion, layer_bytes
+from sgl_remote_kv.dpu.buffers import layer_bytes
 from sgl_remote_kv.kvpool import KVWriteError
 from sgl_remote_kv.types import KVLayout, numpy_storage_dtype
 
+from .host_region import HostRegion
 from .jobs import HostRound, KVTarget
 
 
@@ -31,7 +32,7 @@ class RoundIO:
 
     def __init__(
         self,
-        dest: DestRegion,
+        dest: HostRegion,
         layout: KVLayout,
         slot_bytes: int,
         slots: int = 0,

@@ -1,17 +1,18 @@
 """Names of the DPU client's shared-memory destination regions and data-plane run directories, and the
 sweep of stale ones.
 
-A region (128 MiB+) is unlinked by ``DpuClient.close`` or, when only the host died, by its data plane;
-when both die at once (SIGKILL of the server's process group, the OOM killer) nobody does and the
-segment stays in /dev/shm until reboot. So every region is named after its creator:
+A region (128 MiB+) has its name only while a data plane attaches to it (``host_region.py``); when the
+host and its data plane die at once in that window (SIGKILL of the server's processes, the OOM killer)
+nobody removes it and the segment would stay in /dev/shm until reboot. So every region is named after
+its creator:
 ``srkv-dpu-<pid>-<start time>-<random>`` (start time: field 22 of ``/proc/<pid>/stat``, in clock ticks
 since boot, so a recycled pid is not mistaken for the creator), and ``sweep_stale`` -- run by every
 ``DpuClient.start`` -- unlinks the regions whose creator is gone. It never touches a name of another
 pattern, nor a region whose creator is alive (or cannot be checked: no /proc).
 
-The data plane's run directory (its IPC endpoint and log, under the temp dir) carries the same kind of
-name; a server stopped without closing its client (SIGTERM of the process group) leaves it behind, so
-``sweep_stale_dirs`` removes the directories of dead creators, keeping the newest few for post-mortems.
+A spawned data plane's run directory (its IPC endpoint until the host connected, under the temp dir;
+``dpu_process.py``) carries the same kind of name; a host killed with its data plane while it starts
+leaves it behind, so ``sweep_stale_dirs`` removes the directories of dead creators.
 
 Threads: pure functions; the sweeps run on the thread calling ``DpuClient.start``.
 """
@@ -85,15 +86,14 @@ def sweep_stale(shm_dir: str = SHM_DIR) -> list[str]:
 
 
 def run_dir() -> str:
-    """A fresh private run directory for this process's data plane (named like a region)."""
+    """A fresh private (0700) run directory for a data plane of this process (named like a region)."""
     path = os.path.join(tempfile.gettempdir(), region_name())
     os.mkdir(path, 0o700)
     return path
 
 
-def sweep_stale_dirs(parent: str | None = None, keep: int = 3) -> list[str]:
-    """Remove our run directories whose creator is gone, except the ``keep`` newest of them (their
-    data-plane logs); the paths removed. Never raises."""
+def sweep_stale_dirs(parent: str | None = None) -> list[str]:
+    """Remove our run directories whose creator is gone; the paths removed. Never raises."""
     parent = parent or tempfile.gettempdir()
     try:
         stale = [
@@ -101,12 +101,11 @@ def sweep_stale_dirs(parent: str | None = None, keep: int = 3) -> list[str]:
             for n in os.listdir(parent)
             if _NAME.match(n) and os.path.isdir(os.path.join(parent, n)) and not creator_alive(n)
         ]
-        stale.sort(key=lambda p: os.stat(p).st_mtime, reverse=True)
     except OSError as e:
         logger.debug("cannot list %s: %s", parent, e)
         return []
     removed = []
-    for path in stale[keep:]:
+    for path in stale:
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     if removed:
