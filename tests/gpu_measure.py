@@ -48,7 +48,8 @@ def writer_h2d_gbps(writer, tokens: int, pinned: bool, repeats: int = 3, seed: i
     nbytes = 2 * int(np.prod(shape)) * writer.storage.itemsize
     m, raw = page_aligned(nbytes)
     kv = raw.view(writer.storage).reshape(2, *shape)
-    kv[...] = np.random.default_rng(seed).integers(0, 1 << 14, kv.shape).astype(writer.storage)
+    bits = raw.view(np.uint16)  # small positive finite values in any storage dtype
+    bits[...] = np.random.default_rng(seed).integers(0, 1 << 14, bits.size, dtype=np.uint16)
     slots = torch.randperm(writer.pool.k[0].shape[0])[:tokens]
     if pinned:
         writer.register_host(raw)

@@ -120,15 +120,18 @@ def test_a_stalled_side_stream_makes_the_dpu_fetch_a_miss(tmp_path):
     pool = _pool()
     w = writer_for(PoolTensors(pool.k_buffer, pool.v_buffer), LAY, timeout_s=0.3)
     slots = torch.randperm(500)[: N_CHUNKS * CHUNK] + 1
-    w.write(k, v, slots)  # warm
+    cycles = _sleep_cycles(3.0)
     with dpu_client(url, FP, codec, blob_area=False) as client:
+        # first a hit: the region is pinned and every kernel compiled before the stall (a pinning or a
+        # compile that synchronized with the stalled stream would hide it)
+        assert client.fetch("warm", keys, CHUNK, KVTarget(w, slots), timeout=60).hit_chunks == N_CHUNKS
         with torch.cuda.stream(w.ops.stream):
-            torch.cuda._sleep(_sleep_cycles(3.0))
+            torch.cuda._sleep(cycles)
         res = client.fetch("stalled", keys, CHUNK, KVTarget(w, slots), timeout=60)
         assert res.hit_chunks == 0, res  # a miss, never a hit over KV that may not be there
         assert res.failures and set(res.failures.values()) == {"write"}, res
-        assert client.stats()["write_failed"] >= 1
-        torch.cuda.synchronize()  # the stall ends; the same fetch now hits
+        assert client.stats()["write_failed"] >= 1 and w.stats["timeouts"] >= 1
+        torch.cuda.synchronize()  # the stall ends; the same fetch hits again
         w.fence()
         res = client.fetch("again", keys, CHUNK, KVTarget(w, slots), timeout=60)
         assert res.hit_chunks == N_CHUNKS, res

@@ -27,6 +27,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.strict_device import StrictDevice, StrictKVPool
+
 pytest.importorskip("triton")
 
 TESTS = Path(__file__).resolve().parent
@@ -87,6 +89,15 @@ def test_measurements_run_on_a_host_pool_and_under_the_interpreter(tmp_path):
     w = writer_for(PoolTensors(planes[:2], planes[2:]), lay)
     r = writer_h2d_gbps(w, tokens=64, pinned=True, repeats=2)
     assert r["gbps"] > 0 and r["bytes"] == 2 * 2 * 64 * 2 * 16 * 2
+    dev = StrictDevice()  # the device writer's code, over the strict CPU double: each path is the one named
+    try:
+        for pinned, path in ((True, "zero_copy"), (False, "staged")):
+            pool = StrictKVPool(dev, lay, 128, torch.bfloat16)
+            w = writer_for(PoolTensors(pool.k_buffer, pool.v_buffer), lay, 10.0, ops=dev)
+            stats = writer_h2d_gbps(w, tokens=64, pinned=pinned, repeats=2)["writer_stats"]
+            assert stats[path] == stats["writes"] == 3, stats
+    finally:
+        dev.close()
     code = textwrap.dedent(
         """
         import json, gpu_measure as gm
