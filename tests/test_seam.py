@@ -41,6 +41,10 @@ INTERNALS = {
     "v_buffer",
     "_add_request_to_queue",
     "tree_core",
+    "server_args_class",
+    "_dispatch_to_scheduler",
+    "_subprocess_watchdog",
+    "get_all_child_pids",
 }
 # Entry points: hook/registry registration, the radix cache subclass, the CPU platform and attention
 # backend (which implement SGLang interfaces and receive its objects as arguments).

@@ -11,6 +11,8 @@ HookRegistry hooks; SGLang applies them right after all plugins ran.
 - Both: a BEFORE hook on ``ServerArgs.resolve_once`` selects our radix cache backend when the tier is on
   and the user picked none.
 - Scheduler processes: ``RemoteKVConfig.current()`` reads it back.
+- Offline engine, in the process that builds it: ``sglang.Engine(remote_kv="dpu", ...)`` keywords, and
+  ``Engine.shutdown`` stops the schedulers gracefully first so the write-back drains (``engine_api``).
 - Tokenizer process: an AFTER hook on ``SamplingParams.verify`` refuses unknown per-request
   ``custom_params["remote_kv"]`` values (``types.KVFidelity``) with SGLang's HTTP 400.
 """
@@ -26,6 +28,7 @@ from sgl_remote_kv.store.base import redact_url
 logger = logging.getLogger(__name__)
 
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+_ENGINE = "sglang.srt.entrypoints.engine.Engine"
 _VERIFY = "sglang.srt.sampling.sampling_params.SamplingParams.verify"
 
 
@@ -84,12 +87,26 @@ def _register_remote_kv() -> None:
     scheduler_hooks.register()
 
 
+def _register_engine() -> None:
+    """The offline Engine (``engine_api``): ``sglang.Engine(remote_kv=...)`` keywords, and a BEFORE hook on
+    ``Engine.shutdown`` that lets the schedulers drain the write-back. Only in a process that has imported
+    the Engine (``Engine.__init__`` calls ``load_plugins()`` first thing); SGLang's subprocesses do not."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sgl_remote_kv.sglang_glue import engine_api, seam
+
+    if seam.engine_module_loaded():
+        engine_api.install()
+        HookRegistry.register(f"{_ENGINE}.shutdown", engine_api.before_shutdown, HookType.BEFORE)
+
+
 def load() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", _after_add_cli_args, HookType.AFTER)
     HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", _after_from_cli_args, HookType.AFTER)
     _register_remote_kv()
+    _register_engine()
     if env.cpu_platform_enabled():
         from sgl_remote_kv.sglang_glue import cpu_attention
 

@@ -13,7 +13,8 @@ so there is never a network round trip inside it, ``init_load_back`` is never as
 (no "all or nothing" promise can be broken), and a failed fetch is simply a shorter device hit.
 
 Writes: ``checkpoint`` (called by the scheduler thread after each prefill chunk and at finish) hands
-the newly computed full chunks to the write-back worker.
+the newly computed full chunks to the write-back worker; ``release_host_resources`` (SGLang's graceful
+scheduler exit) lets it store what it queued before the process ends.
 """
 
 from __future__ import annotations
@@ -46,6 +47,18 @@ class RemoteKVRadixCache(UnifiedRadixCache):
         rt = runtime.get()
         if self.tier_attached and rt is not None:
             rt.on_flush()
+
+    def release_host_resources(self) -> None:
+        """SGLang's graceful scheduler exit (``run_scheduler_process`` after a ``ShutdownReq``: a server's
+        SIGTERM, ``Engine.shutdown`` with the tier on): the write-back drains first (``on_shutdown``)."""
+        rt = runtime.get()
+        if self.tier_attached and rt is not None:
+            try:
+                rt.on_shutdown()
+            except Exception as e:  # boundary: SGLang's own release must still run
+                rt.metrics.failure(FailureKind.WRITEBACK)
+                logger.warning("remote-kv write-back drain at shutdown failed: %r", e)
+        super().release_host_resources()
 
     def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
         super().checkpoint(req, up_to=up_to, **kwargs)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -35,7 +36,7 @@ from sgl_remote_kv.types import DEFAULT_QUALITY, ModelFingerprint, PathName, Rop
 logger = logging.getLogger(__name__)
 
 WRITEBACK_QUEUE = 64  # pending write-back jobs; more are dropped (never blocks serving)
-FLUSH_DRAIN_S = 10.0  # /flush_cache waits at most this long for queued write-backs
+WRITEBACK_DRAIN_S = 10.0  # /flush_cache and a graceful scheduler exit wait at most this long
 
 
 @dataclass(frozen=True)
@@ -151,14 +152,14 @@ class RemoteKVRuntime:
 
     def on_flush(self) -> None:
         """``/flush_cache`` emptied the local cache (scheduler thread; SGLang flushes only when idle).
-        First the write-back finishes what it queued (at most ``FLUSH_DRAIN_S``), so a prompt served
+        First the write-back finishes what it queued (at most ``WRITEBACK_DRAIN_S``), so a prompt served
         before the flush is in the store right after it. ``--remote-kv-flush tier``: then write a new
         store generation, so every chunk stored before it is unreachable — on this server at once, on
         others sharing the store within their ``generation.POLL_S`` (``generation.GenerationWatch``)."""
-        if self.writeback is not None and not self.writeback.flush(FLUSH_DRAIN_S):
+        if not self._drain_writeback():
             logger.warning(
                 "flush: the write-back did not drain in %.0f s; its remaining chunks land later",
-                FLUSH_DRAIN_S,
+                WRITEBACK_DRAIN_S,
             )
         if self.config.flush != "tier":
             return
@@ -173,6 +174,24 @@ class RemoteKVRuntime:
             logger.warning(
                 "flush: the store did not take the new generation; only this server retired its chunks"
             )
+
+    def on_shutdown(self) -> None:
+        """A graceful scheduler exit (scheduler thread, after its event loop ended): a server's SIGTERM, or
+        ``sglang.Engine.shutdown`` with the tier on (``engine_api``). The write-back stores what it queued,
+        waiting at most ``WRITEBACK_DRAIN_S``, so the tail of the last request is in the store once the
+        process is gone; what is still queued after that is lost (logged)."""
+        t0 = time.monotonic()
+        if self._drain_writeback():
+            logger.info("shutdown: write-back drained in %.2f s", time.monotonic() - t0)
+        else:
+            logger.warning(
+                "shutdown: the write-back did not drain in %.0f s; %d queued jobs are lost",
+                WRITEBACK_DRAIN_S,
+                self.writeback.pending(),
+            )
+
+    def _drain_writeback(self) -> bool:
+        return self.writeback is None or self.writeback.flush(WRITEBACK_DRAIN_S)
 
     def close(self) -> None:
         if self.generation is not None:

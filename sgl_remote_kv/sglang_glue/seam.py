@@ -33,6 +33,13 @@ Internals used, and why no public seam covers them (0.5.23):
 - The radix-cache factory's ``TreeCacheBuildContext``: ``params.token_to_kv_pool_allocator``,
   ``params.req_to_token_pool``, ``model_config.hf_config`` (``architectures``, RoPE fields), ``server_args.model_path``,
   ``tp_rank``/``tp_size``.
+- Graceful scheduler exit: ``BasePrefixCache.release_host_resources`` (our cache overrides it; SGLang calls
+  it from ``run_scheduler_process``'s ``finally`` after a ``ShutdownReq`` ended the event loop).
+- The offline Engine (``sglang.srt.entrypoints.engine.Engine``): ``server_args_class`` (wrapped so
+  ``Engine(remote_kv=...)`` works: ``wrap_engine_server_args``); ``shutdown`` (hooked) stops the schedulers
+  first through ``tokenizer_manager._subprocess_watchdog``/``_dispatch_to_scheduler(ShutdownReq())``,
+  ``_attached``, ``_scheduler_init_result``, ``get_all_child_pids()`` and the ``sglang::scheduler`` process
+  title (``stop_engine_schedulers``).
 
 Threads: scheduler thread only, except the layer counter (forward thread; see ``layerwise.py``).
 """
@@ -387,3 +394,84 @@ def build_context(ctx) -> BuildContext:
         tp_size=ctx.tp_size,
     )
     return BuildContext(kvcache, params.req_to_token_pool, fp, rope_of(hf_config))
+
+
+# -- the offline Engine -----------------------------------------------------------------------------------
+_ENGINE_MODULE = "sglang.srt.entrypoints.engine"
+_SCHEDULER_TITLE = "sglang::scheduler"  # the scheduler processes' title (setproctitle)
+
+
+def wrap_engine_server_args(make) -> bool:
+    """Route ``sglang.Engine(**kwargs)``'s ``ServerArgs`` through ``make(original, **kwargs)``.
+
+    ``Engine.__init__`` calls ``load_plugins()`` and then builds its record with
+    ``self.server_args_class(**kwargs)``, a class attribute SGLang declares for overriding the server args.
+    No HookRegistry target reaches that call: ``ServerArgs`` is a msgspec Struct whose constructor ignores
+    a replaced ``__init__``/``__new__``; a hook on ``Engine.__init__`` is applied inside the first
+    Engine's own ``load_plugins()`` call, too late for it; and a REPLACE of ``Engine.server_args_class``
+    is propagated to every module's ``ServerArgs`` name. So the attribute itself is wrapped, once, in a
+    process that has imported the Engine (never imports it). False when it had nothing to wrap."""
+    import sys
+
+    module = sys.modules.get(_ENGINE_MODULE)
+    if module is None:
+        return False
+    engine = module.Engine
+    current = engine.__dict__.get("server_args_class")
+    if current is None or getattr(current, "_srkv_make", None) is not None:
+        return False
+    original = current.__func__ if isinstance(current, staticmethod) else current
+
+    def server_args_class(*args, **kwargs):
+        return make(original, *args, **kwargs)
+
+    server_args_class._srkv_make = make
+    engine.server_args_class = staticmethod(server_args_class)
+    return True
+
+
+def engine_module_loaded() -> bool:
+    import sys
+
+    return _ENGINE_MODULE in sys.modules
+
+
+def stop_engine_schedulers(engine, timeout_s: float) -> bool | None:
+    """Stop an ``sglang.Engine``'s scheduler processes SGLang's graceful way and wait for them to exit.
+
+    ``Engine.shutdown`` SIGKILLs its subprocesses (``kill_process_tree``): no code runs in the scheduler.
+    A server's SIGTERM instead drains requests, then sends ``ShutdownReq`` to the schedulers and waits
+    15 s for them to exit (``TokenizerManager.sigterm_watchdog``); the scheduler's event loop ends and
+    ``run_scheduler_process`` calls ``tree_cache.release_host_resources()`` (where the write-back drains).
+    This does the same for an Engine: the subprocess watchdog is stopped first (a scheduler exiting is
+    expected now, not a crash: it would SIGQUIT this process), ``ShutdownReq`` goes through the
+    tokenizer manager's scheduler socket, and the Engine's own scheduler processes
+    (``Engine.get_all_child_pids()`` titled ``sglang::scheduler``) get ``timeout_s`` to exit.
+
+    Returns True when they all exited, False on timeout, None when there was nothing to stop (an
+    attached tokenizer worker, an Engine that never started, or one already shut down)."""
+    import psutil
+    from sglang.srt.managers.io_struct import ShutdownReq
+
+    tm = getattr(engine, "tokenizer_manager", None)
+    if (
+        getattr(engine, "_attached", False)
+        or tm is None
+        or getattr(engine, "_scheduler_init_result", None) is None
+    ):
+        return None
+    schedulers = []
+    for pid in engine.get_all_child_pids():
+        try:
+            proc = psutil.Process(pid)
+            if " ".join(proc.cmdline()).startswith(_SCHEDULER_TITLE):
+                schedulers.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    if not schedulers:
+        return None
+    if tm._subprocess_watchdog is not None:
+        tm._subprocess_watchdog.stop()
+    tm._dispatch_to_scheduler(ShutdownReq())
+    _, alive = psutil.wait_procs(schedulers, timeout=timeout_s)
+    return not alive

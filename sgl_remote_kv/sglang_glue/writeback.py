@@ -131,6 +131,10 @@ class WriteBack:
         """Wait until every queued job is written (``/flush_cache``, tests); False on timeout."""
         return self._idle.wait(timeout) if self._q.unfinished_tasks else True
 
+    def pending(self) -> int:
+        """Jobs queued or being written."""
+        return self._q.unfinished_tasks
+
     def close(self) -> None:
         try:
             self._q.put_nowait(None)
