@@ -379,7 +379,7 @@ class DataPlaneServer:
         is unmapped by a later tick of the server loop."""
         for r in regions:
             if r.exists() and not shm_names.creator_alive(r.name.lstrip("/")):
-                logger.warning("creator of destination region %s is gone; unlinking it", r.name)
+                logger.info("creator of destination region %s is gone; unlinking it", r.name)
                 r.unlink()
             if not r.try_close():
                 self.unmapping.append(r)

@@ -81,7 +81,8 @@ def sweep_stale(shm_dir: str = SHM_DIR) -> list[str]:
         except OSError:  # gone already (another client swept it) or not ours to remove
             continue
         removed.append(name)
-        logger.warning("removed stale DPU destination region %s (%.0f MiB; creator gone)", name, size / 2**20)
+        # INFO: the sweep doing its job after a crash (whatever killed that host was the event to report)
+        logger.info("removed stale DPU destination region %s (%.0f MiB; creator gone)", name, size / 2**20)
     return removed
 
 
