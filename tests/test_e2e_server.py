@@ -1,22 +1,38 @@
-"""The foundation e2e: a real CPU SGLang server with the real model and ``--remote-kv dpu``."""
+"""The foundation e2e: a real CPU SGLang server with the real model and ``--remote-kv dpu``; a normal run
+logs no WARNING of ours, and a SIGTERM leaves nothing of ours in /dev/shm or the temp dir (the last
+test)."""
 
 import json
+import re
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
+from sgl_remote_kv.control import shm_names
 from sgl_remote_kv.launcher import ServerSpec, SGLangServer
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
+# SGLang's own log lines carry no level; its documented logging hook gives every line one.
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"leveled": {"format": "[%(asctime)s] %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "leveled"}},
+    "root": {"level": "INFO", "handlers": ["stderr"]},
+}
 
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     store = tmp_path_factory.mktemp("store")
+    logging_config = tmp_path_factory.mktemp("logging") / "logging.json"
+    logging_config.write_text(json.dumps(LOGGING))
     spec = ServerSpec(
         model_path=model_dir,
         extra_args=(
@@ -27,6 +43,8 @@ def server(model_dir, tmp_path_factory):
             "--enable-metrics",
             "--enable-cache-report",
         ),
+        env={"SGLANG_LOGGING_CONFIG_PATH": str(logging_config)},
+        log_path=str(tmp_path_factory.mktemp("log") / "server.log"),
     )
     with SGLangServer(spec) as srv:
         yield srv
@@ -97,3 +115,55 @@ def test_bad_flag_value_fails_at_start_with_one_clear_error(model_dir):
     )
     assert proc.returncode != 0
     assert "--remote-kv" in proc.stderr and "invalid choice" in proc.stderr
+
+
+# What SGLang itself warns about on this CPU box whatever the plugins (a line containing one of these is
+# not ours): the deprecated entry point and module imports probing for CUDA kernels (awq, gguf, fla), the
+# box's file limit, no CUDA (CPU all-reduce, JIT arch), model modules and APIs whose optional packages
+# are not installed (mamba kernels, cutlass, torchaudio, openai_harmony), FastAPI's deprecation of
+# ORJSONResponse that SGLang's HTTP server uses.
+SGLANG_CPU_WARNINGS = (
+    "UserWarning: 'python -m sglang.launch_server' is still supported",
+    "UserWarning: Only CUDA, HIP and XPU support AWQ currently",
+    "UserWarning: Only CUDA, MUSA and NPU support GGUF quantization currently",
+    "UserWarning: Triton is not supported on current platform, roll back to CPU",
+    "WARNING sglang.srt.utils.common: Fail to set RLIMIT_NOFILE",
+    "WARNING sglang.srt.distributed.bootstrap: init_cpu_threads_env and shared memory based AllReduce is disabled",
+    "WARNING sglang.kernels.jit.utils.arch: Cannot detect CUDA architecture.",
+    "WARNING sglang.srt.models.registry: Ignore import error when loading sglang.srt.models.",
+    "WARNING sglang.srt.entrypoints.http_server: OpenAI Responses API (/v1/responses) disabled",
+    "FastAPIDeprecationWarning: ORJSONResponse is deprecated",
+)
+# A warning or worse: a leveled log line (LOGGING's format, our data plane's ``dpu[pid] LEVEL``, uvicorn's
+# ``LEVEL:``) or a Python warning (``file:line: SomethingWarning: ...``).
+WARNED = re.compile(
+    r"^\[[^\]]+\] (WARNING|ERROR|CRITICAL) |dpu\[\d+\] (WARNING|ERROR|CRITICAL) |^(WARNING|ERROR|CRITICAL):"
+    r"|^\S+:\d+: \w*Warning: "
+)
+
+
+def _created_by(pids: set[int]) -> set[str]:
+    """Our entries (regions, data-plane run directories) in /dev/shm and the temp dir named after one of
+    ``pids`` (their creator)."""
+    dirs = (Path("/dev/shm"), Path(tempfile.gettempdir()))
+    found = {p for d in dirs for p in d.glob(f"{shm_names.PREFIX}*")}
+    named = re.compile(rf"^{re.escape(shm_names.PREFIX)}(\d+)-")
+    return {str(p) for p in found if (m := named.match(p.name)) and int(m.group(1)) in pids}
+
+
+def test_a_normal_run_warns_nothing_and_sigterm_leaves_nothing_behind(server):
+    """Last test of the module (it stops the server). Everything above was a normal run: no WARNING (or
+    worse) line from any logger, our data plane's included, and no Python warning beyond SGLang's own on
+    CPU. Then SIGTERM (what an operator sends; SGLang SIGKILLs what is left of its process tree, our data
+    plane included): nothing named after any of the server's processes remains in /dev/shm or the temp
+    dir."""
+    pids = {server.proc.pid} | {p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)}
+    assert len(pids) >= 3, pids  # launcher, scheduler, its data plane, ...
+    running = server.log_text().splitlines()
+    server.stop()
+    assert server.proc.poll() is not None
+    stopping = server.log_text().splitlines()[len(running) :]  # SGLang warns "SIGTERM received" itself
+    bad = [ln for ln in running if WARNED.search(ln) and not any(w in ln for w in SGLANG_CPU_WARNINGS)]
+    bad += [ln for ln in stopping if WARNED.search(ln) and ("sgl_remote_kv" in ln or " dpu[" in ln)]
+    assert not bad, "\n".join(bad)
+    assert _created_by(pids) == set()
