@@ -179,7 +179,8 @@ class DataPlaneServer:
             while not self._stop:
                 ready = dict(poller.poll(100))
                 if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
-                    logger.warning("parent %d is gone; exiting", self.cfg.parent_pid)
+                    # INFO: how a server's own data plane ends when SGLang stops the scheduler (no close)
+                    logger.info("host pid %d is gone; exiting", self.cfg.parent_pid)
                     break
                 if self.events in ready:
                     self._drain_events()
