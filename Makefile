@@ -49,7 +49,7 @@ test-conformance: model
 # The GPU machine's run rehearsed here, without CUDA: an environment of the GPU image's versions (torch 2.11,
 # Python 3.12; .rehearsal/, reused), each carried wheel set, scripts/gpu_check.sh's own steps, pytest -m gpu.
 # Writes docs/results/gpu_rehearsal.json; fails on an import error or a skip other than "no CUDA".
-# ~4 GB of downloads the first time (torch's CUDA libraries come with PyPI's torch 2.11): not in `make test`.
+# Not in `make test`: 5-7 min the first time (5.1 GB: PyPI's torch 2.11 brings its CUDA libraries), 1.5 min after.
 gpu-rehearsal:
 	bash scripts/gpu_rehearsal.sh
 
