@@ -248,7 +248,7 @@ class DataPlaneServer:
             self._register(peer, msg)
         elif isinstance(msg, P.Goodbye):
             self.deferred.pop(peer, None)
-            self._drop_client(peer, "goodbye")
+            self._drop_client(peer, "goodbye", warn=False)  # an ordinary detach
         elif isinstance(msg, P.SubmitFetch):
             self._submit(peer, msg)
         elif isinstance(msg, P.Cancel):
@@ -260,14 +260,11 @@ class DataPlaneServer:
     def start_line(self, notes: tuple[str, ...] = ()) -> str:
         """The one INFO line a data plane logs when it starts serving."""
         cfg, st = self.cfg, self.cfg.settings
+        auth_how = "CURVE" if cfg.auth_key else "socket file 0600" if cfg.endpoint.startswith("ipc") else ""
         parts = [
             f"store {redact_url(cfg.store_url)}",
             f"staging {st.slots} x {st.slot_bytes / 2**20:.0f} MiB",
-            "auth CURVE"
-            if cfg.auth_key
-            else "auth: socket file 0600"
-            if cfg.endpoint.startswith("ipc")
-            else "",
+            f"auth: {auth_how}" if auth_how else "",
             f"client timeout {cfg.client_timeout_s:g} s" if cfg.client_timeout_s else "",
             f"{len(cfg.allowed_fingerprints)} models allowed" if cfg.allowed_fingerprints else "",
             *notes,
@@ -344,15 +341,16 @@ class DataPlaneServer:
         key = (msg.codec, msg.codec_params)
         return ClientState(peer, msg.session, msg.label, fp, key, regions, time.monotonic(), msg, warm_s)
 
-    def _drop_client(self, peer: bytes, why: str) -> None:
+    def _drop_client(self, peer: bytes, why: str, warn: bool = True) -> None:
         """Forget ``peer``'s registration: finish its queued rounds as cancelled, cancel its admitted jobs;
         its regions are released when its last job is over (at once if it has none)."""
         client = self.clients.pop(peer, None)
         if client is None:
             return
         self.counters["clients_dropped"] += 1
-        log = logger.info if why == "goodbye" else logger.warning  # goodbye: an ordinary detach
-        log("client %r dropped (%s): %d jobs cancelled", client.label, why, len(client.jobs))
+        (logger.warning if warn else logger.info)(
+            "client %r dropped (%s): %d jobs cancelled", client.label, why, len(client.jobs)
+        )
         self.leaving.append(client)
         for job, regions in self.pending.pop_client(peer):
             job.cancel(0)
