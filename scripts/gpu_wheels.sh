@@ -64,6 +64,10 @@ dill==0.4.1                 sglang.srt.utils
 compressed-tensors==0.18.0  sglang.srt.layers.quantization
 loguru==0.7.3               compressed-tensors
 gguf==0.19.0                sglang.srt.layers.quantization.gguf
+openai==2.8.0               sglang's Triton attention backend import chain (tests/test_gpu_attention.py)
+distro==1.9.0               openai
+sniffio==1.3.1              openai
+partial-json-parser==0.2.1.1.post7  sglang's Triton attention backend import chain
 "
 NVDEC="
 isal==1.9.1                 codec.format (the hevc codec's chunk framing)
