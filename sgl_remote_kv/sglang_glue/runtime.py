@@ -185,7 +185,7 @@ class RemoteKVRuntime:
             logger.info("shutdown: write-back drained in %.2f s", time.monotonic() - t0)
         else:
             logger.warning(
-                "shutdown: the write-back did not drain in %.0f s; %d queued jobs are lost",
+                "shutdown: the write-back did not drain in %g s; %d queued jobs are lost",
                 WRITEBACK_DRAIN_S,
                 self.writeback.pending(),
             )
