@@ -420,28 +420,25 @@ def _store_url(text: str) -> str:
 
 
 def _password_file(text: str) -> str:
-    if not text:
-        return ""
-    from pathlib import Path
-
     from sgl_remote_kv.store.credentials import read_password_file
 
-    try:
-        read_password_file(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return str(Path(text).resolve())
+    return _secret_file(text, read_password_file)
 
 
 def _auth_key_file(text: str) -> str:
+    from sgl_remote_kv.security import load_auth_key
+
+    return _secret_file(text, load_auth_key)
+
+
+def _secret_file(text: str, load) -> str:
+    """``text`` ("" = none) as an absolute path once ``load`` read it without a ``ValueError``."""
     if not text:
         return ""
     from pathlib import Path
 
-    from sgl_remote_kv.security import load_auth_key
-
     try:
-        load_auth_key(text)
+        load(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return str(Path(text).resolve())
