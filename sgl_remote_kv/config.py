@@ -36,6 +36,10 @@ class RemoteKVConfig:
     auth_key_file: str = ""  # "" -> values are not authenticated (see sgl_remote_kv/security.py)
     store_password_file: str = ""  # the Redis store's password, in a file (store/credentials.py)
     nvdec_instances: int = 2  # decoder instances of the NVDEC pool (--remote-kv nvdec|auto)
+    # hevc versions written and fetched, tokens per frame (0 = "full", the anchor, always included);
+    # None = 16, chunk/4 (else chunk/2) and full where they fit (docs/NVDEC.md "Adaptive resolution")
+    nvdec_resolutions: tuple[int, ...] | None = None
+    nvdec_fetch: str = "adaptive"  # "adaptive" (Alg. 1) or one resolution tried first ("full", "16", ...)
     layerwise: bool = False  # admit fully fetched requests before every layer is in the pool
     policy_margin: float = 1.0  # fetch when est. fetch time <= margin x est. recompute time
     dpu_cpus: tuple[int, ...] = ()  # cores the DPU data plane pins itself to; () = automatic
@@ -46,6 +50,8 @@ class RemoteKVConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dpu_cpus", tuple(self.dpu_cpus))  # JSON round trip gives a list
+        if self.nvdec_resolutions is not None:
+            object.__setattr__(self, "nvdec_resolutions", tuple(self.nvdec_resolutions))
         if any(not isinstance(c, int) or not 0 <= c < MAX_CPUS for c in self.dpu_cpus):
             raise ValueError(f"--remote-kv-dpu-cpus must be core ids in [0, {MAX_CPUS}), got {self.dpu_cpus}")
         if self.mode not in MODES:
@@ -90,6 +96,34 @@ class RemoteKVConfig:
             raise ValueError(f"--remote-kv-dpu-output must be one of {DPU_OUTPUTS}, got {self.dpu_output!r}")
         if not 1 <= self.nvdec_instances <= 64:
             raise ValueError(f"--remote-kv-nvdec-instances must be in [1, 64], got {self.nvdec_instances}")
+        try:
+            versions = self.nvdec_versions
+        except ValueError as e:
+            raise ValueError(f"--remote-kv-nvdec-resolutions: {e}") from None
+        if self.nvdec_fetch != "adaptive":
+            from sgl_remote_kv.nvdec.adapter import parse_resolution
+
+            try:
+                fixed = parse_resolution(self.nvdec_fetch)
+            except ValueError as e:
+                raise ValueError(f"--remote-kv-nvdec-fetch: {e}") from None
+            if fixed not in versions:
+                raise ValueError(
+                    f"--remote-kv-nvdec-fetch {self.nvdec_fetch} is not one of the resolutions {versions}"
+                )
+
+    @property
+    def nvdec_versions(self) -> tuple[int, ...]:
+        """The hevc resolutions (tokens per frame; 0 = full) this server writes and fetches, sorted."""
+        from sgl_remote_kv.nvdec.adapter import check_resolutions
+
+        if self.nvdec_resolutions is None:  # 16 and a quarter (else half) of the chunk, where they fit
+            c, picked = self.chunk_size, []
+            for r in (16, c // 4, c // 2):
+                if 16 <= r < c and r & (r - 1) == 0 and c % r == 0 and r not in picked and len(picked) < 2:
+                    picked.append(r)
+            return check_resolutions(picked, c)
+        return check_resolutions(self.nvdec_resolutions, self.chunk_size)
 
     @property
     def enabled(self) -> bool:
@@ -207,6 +241,26 @@ class RemoteKVConfig:
             default=2,
             metavar="N",
             help="Decoder instances in the NVDEC pool (--remote-kv nvdec|auto; default 2).",
+        )
+        g.add_argument(
+            "--remote-kv-nvdec-resolutions",
+            dest="remote_kv_nvdec_resolutions",
+            type=_nvdec_resolutions,
+            default=None,
+            metavar="LIST",
+            help="NVDEC path: the video resolutions (tokens per frame: 16, 32, 64, ... below the chunk size, "
+            "or full = the whole chunk on one frame) each chunk is written at and fetched from; full is "
+            "always written. Default 16, a quarter (else half) chunk and full: 16,64,full for 256-token "
+            "chunks. 'full' alone writes one version (no adaptive resolution).",
+        )
+        g.add_argument(
+            "--remote-kv-nvdec-fetch",
+            dest="remote_kv_nvdec_fetch",
+            type=_nvdec_fetch,
+            default="adaptive",
+            metavar="RES",
+            help="NVDEC path: adaptive (default: each chunk's resolution by KVFetcher's Alg. 1 from the "
+            "measured bandwidth and decode profile) or one resolution always tried first (full, 16, ...).",
         )
         g.add_argument(
             "--remote-kv-policy-margin",
@@ -335,6 +389,8 @@ class RemoteKVConfig:
             auth_key_file=getattr(ns, "remote_kv_auth_key_file", ""),
             store_password_file=getattr(ns, "remote_kv_store_password_file", ""),
             nvdec_instances=getattr(ns, "remote_kv_nvdec_instances", 2),
+            nvdec_resolutions=getattr(ns, "remote_kv_nvdec_resolutions", None),
+            nvdec_fetch=getattr(ns, "remote_kv_nvdec_fetch", "adaptive"),
             layerwise=getattr(ns, "remote_kv_layerwise", False),
             policy_margin=getattr(ns, "remote_kv_policy_margin", 1.0),
             dpu_cpus=getattr(ns, "remote_kv_dpu_cpus", ()),
@@ -366,6 +422,28 @@ _chunk_size = _bounded(int, 16, MAX_CHUNK_SIZE, multiple_of=16)
 _tail_tokens = _bounded(int, 0, MAX_CHUNK_SIZE, multiple_of=16)
 _nvdec_instances = _bounded(int, 1, 64)
 _policy_margin = _bounded(float, 0.0, 1e12)
+
+
+def _nvdec_resolutions(text: str) -> tuple[int, ...]:
+    """``"16,64,full"`` -> (16, 64, 0) (each checked against the chunk size in the config)."""
+    from sgl_remote_kv.nvdec.adapter import parse_resolution
+
+    try:
+        return tuple(parse_resolution(t) for t in text.split(",") if t.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _nvdec_fetch(text: str) -> str:
+    from sgl_remote_kv.nvdec.adapter import parse_resolution
+
+    t = text.strip().lower()
+    if t != "adaptive":
+        try:
+            parse_resolution(t)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"adaptive or a resolution: {e}") from None
+    return t
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:

@@ -22,6 +22,7 @@ import threading
 from collections import Counter as _Tally
 
 from sgl_remote_kv.codec.base import codec_names
+from sgl_remote_kv.nvdec.adapter import LABELS as NVDEC_RESOLUTIONS
 from sgl_remote_kv.store.breaker import rank
 from sgl_remote_kv.types import (
     DECISIONS,
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 BREAKER_CIRCUITS = ("read", "write")
 RESTART_REASONS = ("exited", "hung", "restarted")  # restarted: an attached service forgot this client
 CODECS = tuple(codec_names())  # hit_tokens/hit_chunks{codec}: which codec's chunks served a hit
+BUBBLE_KINDS = ("decoder_wait", "link_wait")  # nvdec_bubble_seconds{kind}
 NO_LEVEL = "none"  # hit_tokens_by_quality{quality}: QUALITY_LEVELS, or this for codecs without levels
 
 _LAT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -172,6 +174,34 @@ class RemoteKVMetrics:
     def writeback_skipped(self, reason: str, chunks: int = 1) -> None:
         self._inc("writeback_skipped", chunks, reason=reason)
 
+    # -- NVDEC adaptive resolution (labels: ``nvdec.adapter.LABELS``, tokens per frame or "full") ------
+    def nvdec_chunk(self, nbytes: float, resolution: str) -> None:
+        """The NVDEC path installed a chunk fetched at ``resolution`` (``nbytes`` on the wire)."""
+        r = self._resolution(resolution)
+        self._inc("nvdec_chunks", 1, resolution=r)
+        self._inc("nvdec_bytes", nbytes, resolution=r)
+
+    def nvdec_fallback(self, n: float = 1.0, resolution: str = "full") -> None:
+        """The store lacked a chunk's version at ``resolution``; the fetch tried the next one."""
+        self._inc("nvdec_fallbacks", n, resolution=self._resolution(resolution))
+
+    def nvdec_written(self, nbytes: float, resolution: str) -> None:
+        """The write-back stored a chunk's version at ``resolution`` (the store cost of each version)."""
+        r = self._resolution(resolution)
+        self._inc("nvdec_written_chunks", 1, resolution=r)
+        self._inc("nvdec_written_bytes", nbytes, resolution=r)
+
+    def nvdec_bubble(self, seconds: float, kind: str) -> None:
+        """Pipeline bubbles of an NVDEC fetch: ``decoder_wait`` (no chunk of it decoding while bytes were
+        still coming) or ``link_wait`` (the link stopped while the bitstream buffer was full)."""
+        self._inc("nvdec_bubble_seconds", seconds, kind=kind if kind in BUBBLE_KINDS else "decoder_wait")
+
+    def _resolution(self, resolution: str) -> str:
+        if resolution in NVDEC_RESOLUTIONS:
+            return resolution
+        self._fold(f"nvdec resolution {resolution!r}", "other")
+        return "other"
+
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return dict(self._tally)
@@ -258,7 +288,47 @@ def _build_prometheus() -> dict:
             "Time from parking a request in waiting_for_KV until its KV was ready (the fetch ended)",
             buckets=_LAT_BUCKETS,
         ),
+        "nvdec_chunks": Counter(
+            p + "nvdec_chunks", "Chunks the NVDEC path installed, by the resolution fetched", ["resolution"]
+        ),
+        "nvdec_bytes": Counter(
+            p + "nvdec_bytes",
+            "Wire bytes of the chunks the NVDEC path installed, by resolution",
+            ["resolution"],
+        ),
+        "nvdec_fallbacks": Counter(
+            p + "nvdec_fallbacks",
+            "NVDEC fetches of a chunk version the store lacked (the next resolution was tried)",
+            ["resolution"],
+        ),
+        "nvdec_written_chunks": Counter(
+            p + "nvdec_written_chunks",
+            "Chunk versions written back for the NVDEC path, by resolution",
+            ["resolution"],
+        ),
+        "nvdec_written_bytes": Counter(
+            p + "nvdec_written_bytes",
+            "Bytes of the chunk versions written back for the NVDEC path, by resolution (store cost)",
+            ["resolution"],
+        ),
+        "nvdec_bubble_seconds": Counter(
+            p + "nvdec_bubble_seconds",
+            "NVDEC fetch pipeline bubbles: decoder_wait (decoders idle for bytes), link_wait (link idle, "
+            "bitstream buffer full)",
+            ["kind"],
+        ),
     }
+    for res in (*NVDEC_RESOLUTIONS, "other"):
+        for name in (
+            "nvdec_chunks",
+            "nvdec_bytes",
+            "nvdec_fallbacks",
+            "nvdec_written_chunks",
+            "nvdec_written_bytes",
+        ):
+            metrics[name].labels(resolution=res)
+    for kind in BUBBLE_KINDS:
+        metrics["nvdec_bubble_seconds"].labels(kind=kind)
     for kind in FailureKind:  # every known series exists (at 0) from the start
         metrics["failures"].labels(kind=kind.value)
     for op in (*STORE_OPS, "other"):
