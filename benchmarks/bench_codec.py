@@ -310,6 +310,8 @@ def raw_bf16_row(ctx: EvalContext) -> dict:
 def spec_row(ctx: EvalContext, spec: Spec, timing: bool = True) -> dict | None:
     if spec.codec == "kvtc":
         return kvtc_row(ctx, spec, timing)
+    if spec.codec in PEER_ROWS:
+        return peer_row(ctx, spec, timing)
     try:
         codec = spec.make(ctx)
     except (ImportError, KeyError, TypeError, ValueError) as e:
@@ -328,6 +330,20 @@ def kvtc_row(ctx: EvalContext, spec: Spec, timing: bool = True) -> dict:
     peer = KVTC([t for t in ctx.texts if t.role == "tune"], rope, float(params["bits"]))
     row = ctx.measure(spec.label, peer.encode, peer.decode, timing, family=spec.family, codec_name="kvtc")
     row["params"], row["impl"] = params, "benchmarks.kvtc_peer.KVTC"
+    return row
+
+
+# Peers re-implemented under benchmarks/: codec name -> module with ``make(params)`` (an object with
+# ``encode(k, v, start) -> bytes`` and ``decode(blob) -> (k, v)``) and ``grid(family)`` (its RD points).
+PEER_ROWS = {"turboquant": "benchmarks.turboquant_peer", "ans": "benchmarks.ans_peer"}
+
+
+def peer_row(ctx: EvalContext, spec: Spec, timing: bool = True) -> dict:
+    """A ``PEER_ROWS`` peer at ``spec.params`` (data-oblivious: nothing fitted)."""
+    params = dict(spec.params)
+    peer = importlib.import_module(PEER_ROWS[spec.codec]).make(params)
+    row = ctx.measure(spec.label, peer.encode, peer.decode, timing, family=spec.family, codec_name=spec.codec)
+    row["params"], row["impl"] = params, f"{PEER_ROWS[spec.codec]}.{type(peer).__name__}"
     return row
 
 

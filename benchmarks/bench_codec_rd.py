@@ -21,6 +21,8 @@ import os
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import importlib  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -33,6 +35,7 @@ from benchmarks.bench_codec import (  # noqa: E402
     CACHEGEN_K,
     CACHEGEN_V,
     OUT,
+    PEER_ROWS,
     EvalContext,
     Spec,
     quant,
@@ -44,7 +47,7 @@ RD_OUT = OUT.with_name("codec_rd.json")
 POINTS_CACHE = kvdata.CACHE.parent / "rd_points.json"
 FLOORS = {"near_lossless": {"kl": 0.001, "top1": 0.98}, "loose": {"kl": 0.01, "top1": 0.0}}
 OURS = ("ours-deflate", "ours-rans", "transform-deflate", "transform-rans", "transform-rans-perhead")
-PEERS = ("cachegen", "shadowserve", "int8", "kvtc")
+PEERS = ("cachegen", "shadowserve", "int8", "kvtc", "turboquant", "turboquant-prod", "turboquant-vllm", "ans")
 KVTC_BITS = ("1", "1.5", "2", "2.5", "3", "3.5", "4", "5", "6", "8")
 UNIFORM = ("256", "192", "128", "96", "64", "32")
 
@@ -119,6 +122,10 @@ def family_specs(family: str) -> list[Spec]:
         ]
     if family == "kvtc":
         return [Spec(f"KVTC {b} bits/value", family, "kvtc", (("bits", b),)) for b in KVTC_BITS]
+    if family.startswith("turboquant") or family == "ans":  # peers in benchmarks/ (bench_codec.PEER_ROWS)
+        codec = "ans" if family == "ans" else "turboquant"
+        mod = importlib.import_module(PEER_ROWS[codec])
+        return [Spec(label, family, codec, tuple(sorted(p.items()))) for label, p in mod.grid(family)]
     if family == "int8":
         return [quant("256b/token stored", family, "quant_deflate", method="raw")]
     if family == "lossless":
@@ -132,6 +139,10 @@ FAMILIES = (
     "shadowserve",
     "cachegen",
     "kvtc",
+    "turboquant",
+    "turboquant-prod",
+    "turboquant-vllm",
+    "ans",
     "ours-deflate",
     "ours-rans",
     "transform-deflate",
@@ -158,6 +169,9 @@ def _key(spec: Spec, ctx: EvalContext) -> str:
     calibration it would use."""
     texts = ",".join(sorted(t.name for t in ctx.texts))
     params = dict(spec.params, code=_CODE_DIGEST)
+    if spec.codec in PEER_ROWS:  # and its own source
+        src = Path(importlib.import_module(PEER_ROWS[spec.codec]).__file__).read_bytes()
+        params["peer_code"] = hashlib.blake2b(src, digest_size=8).hexdigest()
     if spec.codec == "transform":
         try:
             params["calibration"] = tune_calibration(
