@@ -28,7 +28,7 @@ Deviations, stated: the paper's 2.5-bit example ("32 outlier channels at 3 bits,
 which is 2.25 bits) does not give its stated rate and says neither how outliers are chosen nor how the
 3.5-bit split is made; here half the channels are outliers (so b + 0.5 bits exactly), chosen per chunk and
 (layer, K/V, head) as the channels of largest RMS over the chunk's tokens (a 64-bit mask per head stored in
-the blob: online, no calibration). The Lloyd-Max codebook is solved numerically on a 2e5-point grid.
+the blob: online, no calibration). The Lloyd-Max codebook is solved numerically on a 2e5-point grid (symmetrized).
 No attention-sink or recent-window exemptions (the paper has none).
 
 **vLLM's merged variant** (``TurboQuantVLLM``, family ``turboquant-vllm``; read from
@@ -88,6 +88,7 @@ def lloyd_max(d: int, bits: int, density: str = "beta") -> tuple[np.ndarray, np.
         mass = np.diff(np.concatenate([[0.0], cf])[j])
         first = np.diff(np.concatenate([[0.0], cxf])[j])
         new = np.where(mass > 0, first / np.maximum(mass, 1e-300), c)
+        new = (new - new[::-1]) / 2  # both densities are even: keep the codebook exactly symmetric
         done = np.max(np.abs(new - c)) < 1e-13
         c = new
         if done:
