@@ -21,6 +21,7 @@ frame, never a whole chunk). Codec instances are immutable; decoders are passed 
 
 from __future__ import annotations
 
+import json
 import logging
 import struct
 import zlib
@@ -33,7 +34,7 @@ from sgl_remote_kv.nvdec.video import MAX_SIDE, VideoDecoder, encode_planes
 
 from sgl_remote_kv.codec import quant
 from sgl_remote_kv.codec.base import Codec, check_chunk_arrays
-from sgl_remote_kv.codec.errors import CorruptChunk
+from sgl_remote_kv.codec.errors import CorruptChunk, ForeignChunk
 from sgl_remote_kv.codec.format import ChunkHeader, layer_section
 from sgl_remote_kv.types import ModelFingerprint, numpy_storage_dtype
 
@@ -230,7 +231,7 @@ class HevcCodec(Codec):
             if header.layers[first + j].length:
                 raise CorruptChunk(f"layer {first + j} section of an hevc group must be empty")
         try:
-            fl = self.frame_layout(header.num_tokens, lay.num_kv_heads, lay.head_dim)
+            fl = self._layout_codec(header).frame_layout(header.num_tokens, lay.num_kv_heads, lay.head_dim)
         except ValueError as e:  # e.g. a tiling for another head count
             raise CorruptChunk(f"hevc layout: {e}") from None
         check_geometry(fl)
@@ -238,6 +239,27 @@ class HevcCodec(Codec):
         if gs.n_layers != nl:
             raise CorruptChunk("hevc group layer count mismatch")
         return gs, self.layer_sides(gs, first, header.num_tokens, lay.num_kv_heads, lay.head_dim), fl
+
+    def _layout_codec(self, header: ChunkHeader) -> HevcCodec:
+        """The codec whose frame layout ``header``'s chunk uses: this one, or a *version* of it (same
+        quantization and tiling, another ``tokens_per_frame``: adaptive resolution, ``adapter.py``), whose
+        codes dequantize exactly like this codec's. Any other params: ``ForeignChunk``."""
+        if header.params == self.params_bytes():
+            return self
+        try:
+            params = json.loads(header.params)
+            other = HevcCodec(**params) if isinstance(params, dict) else None
+        except (ValueError, TypeError):
+            other = None
+        mine = self.params()
+        if (
+            other is None
+            or other.params_bytes() != header.params
+            or {k: v for k, v in other.params().items() if k != "tokens_per_frame"}
+            != {k: v for k, v in mine.items() if k != "tokens_per_frame"}
+        ):
+            raise ForeignChunk("hevc chunk of another quantization or tiling")
+        return other
 
     # ---- frame-wise decode (the pool's path) ---------------------------------------------------------
     def iter_frames(self, blob, header: ChunkHeader, decoder: VideoDecoder) -> Iterator[FrameCodes]:

@@ -4,7 +4,9 @@
 - ``PrefillModel``: least-squares fit ``t(n) = b*n + c*n^2`` of prefill time over prompt tokens,
   from the server's own prefills (attention makes long prefills super-linear).
 - ``Policy.decide_among``: for the prefix each path could fetch, estimate the path's time (transfer +
-  decode + queueing) and the recompute time; pick the path that saves the most time among those the
+  decode + queueing; a path with its own model, ``estimators``, gives it: the NVDEC path pipelines
+  transfer and decode at the resolutions its adapter would pick, from the same link estimate) and the
+  recompute time; pick the path that saves the most time among those the
   mode allows (``dpu``/``nvdec``/``inproc`` force the path but still recompute when fetching cannot
   win; ``auto`` chooses). Unknown estimates start optimistic so the tier gets used and measured.
 
@@ -173,9 +175,18 @@ class InflightFetches:
 
 
 class Policy:
-    def __init__(self, config: PolicyConfig | None = None, available: tuple[str, ...] = ("inproc",)) -> None:
+    def __init__(
+        self,
+        config: PolicyConfig | None = None,
+        available: tuple[str, ...] = ("inproc",),
+        estimators: dict | None = None,
+    ) -> None:
         self.config = cfg = config or PolicyConfig()
         self.available = available
+        # path -> estimate(wire bytes, decoded bytes, queue depth, link s/B) -> (fetch s, decode share):
+        # a path's own model (the NVDEC path: Alg. 1 over its profiled decode table and its versions'
+        # sizes, ``nvdec/adapter.py``) instead of the per-byte decode EWMA
+        self.estimators = dict(estimators or {})
         self._lock = threading.Lock()
         # EWMAs of seconds per byte (not bytes per second): time estimates need the harmonic mean,
         # and one slow sample must be able to pull a fast estimate down.
@@ -260,6 +271,9 @@ class Policy:
         return (inproc,) if inproc in self.available else self.available
 
     def _estimate(self, path: str, nbytes: int, decoded: int, depth: int, spb: float) -> tuple[float, float]:
+        est = self.estimators.get(path)
+        if est is not None:
+            return est(nbytes, decoded, depth, spb)
         dec = decoded * self.decode_spb[path].value * (1 + depth)
         return nbytes * spb + dec, dec
 

@@ -6,8 +6,11 @@ different codecs never collide):
 
 - ``dpu``: write the configured codec (``default`` = the quantized default); read through the DPU data
   plane (in-process path if it cannot start).
-- ``nvdec``: write ``hevc`` (``--remote-kv-codec default`` resolves to hevc: NVDEC decodes video only);
-  read through ``NvdecFetchBackend`` over a ``DecoderPool`` of ``--remote-kv-nvdec-instances``. An
+- ``nvdec``: write ``hevc`` (``--remote-kv-codec default`` resolves to hevc: NVDEC decodes video only),
+  each chunk at every ``--remote-kv-nvdec-resolutions`` (``chunk_versions``); read through
+  ``NvdecFetchBackend`` over a ``DecoderPool`` of ``--remote-kv-nvdec-instances``, each chunk at the
+  resolution KVFetcher's Alg. 1 picks (``nvdec/adapter.py``; decode table profiled at start-up on that
+  pool, ``nvdec/profile.py``) unless ``--remote-kv-nvdec-fetch`` fixes one. An
   explicit non-hevc codec cannot be decoded by NVDEC: a warning, then the in-process path.
 - ``inproc``: write the configured codec like ``dpu``; read and decode on worker threads *inside the
   serving process* (``InProcessFetchBackend``). The CacheGen-Async-like baseline the interference
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 from sgl_remote_kv.codec.base import Codec, get_codec
@@ -89,9 +93,11 @@ def inproc_path(parts: PathParts) -> FetchPath:
 def nvdec_path(parts: PathParts, codec: Codec) -> FetchPath:
     from sgl_remote_kv.nvdec.fetch_nvdec import NvdecFetchBackend
     from sgl_remote_kv.nvdec.pool import DecoderPool
+    from sgl_remote_kv.sglang_glue import metrics as metrics_mod
 
     device, gpu_id, instances = _decoder_device(parts)
     pool = DecoderPool(instances=instances, device=device, gpu_id=gpu_id)
+    adapter = _resolution_adapter(parts, codec, pool)
     be = NvdecFetchBackend(
         parts.client,
         pool,
@@ -100,8 +106,57 @@ def nvdec_path(parts: PathParts, codec: Codec) -> FetchPath:
         parts.config.chunk_size,
         parts.kv_writer,
         on_done=parts.wakeup.set,
+        adapter=adapter,
+        metrics=metrics_mod.get(),
     )
-    return FetchPath(PathName.NVDEC, be, codec, closers=(pool,))
+    estimate = be.estimate if adapter is not None else None
+    return FetchPath(PathName.NVDEC, be, codec, closers=(pool,), estimate=estimate)
+
+
+def _resolution_adapter(parts: PathParts, codec: Codec, pool):
+    """Adaptive resolution over ``--remote-kv-nvdec-resolutions`` (None: one resolution, the anchor):
+    the decode table profiled on ``pool`` (or read from its cache file), then ``ResolutionAdapter``."""
+    from sgl_remote_kv.nvdec.adapter import ResolutionAdapter, label, parse_resolution
+    from sgl_remote_kv.nvdec.profile import serving_table
+
+    cfg, fp = parts.config, parts.fingerprint
+    versions = cfg.nvdec_versions
+    if len(versions) < 2 or getattr(codec, "tokens_per_frame", None) not in versions:
+        return None
+    t0 = time.perf_counter()
+    try:
+        table = serving_table(pool, codec, versions, fp, cfg.chunk_size)
+        fixed = None if cfg.nvdec_fetch == "adaptive" else parse_resolution(cfg.nvdec_fetch)
+        adapter = ResolutionAdapter(
+            table, fixed=fixed, chunk_bytes=cfg.chunk_size * fp.layout.bytes_per_token()
+        )
+    except (
+        ChunkError,
+        ValueError,
+        OSError,
+        RuntimeError,
+    ) as e:  # a decoder that cannot profile: one resolution
+        logger.warning("NVDEC decode profile failed (%r): fetching the full-frame version only", e)
+        return None
+    logger.info(
+        "NVDEC resolutions %s (fetch %s), decode table %s in %.1f s: %s s per chunk at load 1",
+        [label(r) for r in table.resolutions],
+        cfg.nvdec_fetch,
+        table.key,
+        time.perf_counter() - t0,
+        {label(r): round(row[0], 3) for r, row in zip(table.resolutions, table.latency, strict=True)},
+    )
+    return adapter
+
+
+def chunk_versions(cfg: RemoteKVConfig, codec: Codec, fingerprint: ModelFingerprint, on_written):
+    """What the write-back adds per chunk for adaptive resolution (``nvdec.versions.ChunkVersions``): the
+    other ``--remote-kv-nvdec-resolutions`` of an hevc write codec; None when one resolution is written."""
+    if codec.name != HEVC or len(cfg.nvdec_versions) < 2:
+        return None
+    from sgl_remote_kv.nvdec.versions import ChunkVersions
+
+    return ChunkVersions(codec, cfg.nvdec_versions, fingerprint, cfg.chunk_size, on_written)
 
 
 def _decoder_device(parts: PathParts) -> tuple[str, int, int]:

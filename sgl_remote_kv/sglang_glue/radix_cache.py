@@ -136,6 +136,7 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
         b.req_to_token_pool,
         runtime.WRITEBACK_QUEUE,
         tail_granule=tails,
+        versions=paths.chunk_versions(cfg, codec, fp, metrics.nvdec_written),
     )
     counter = layerwise.attach(b.kvcache, kv_writer, fp, metrics) if cfg.layerwise else None
     rt = runtime.build(

@@ -48,6 +48,7 @@ class FetchPath:
     backend: FetchBackend
     codec: Codec
     closers: tuple = field(default=())  # extra resources to close with the backend (e.g. a pool)
+    estimate: object = None  # the path's own fetch-time model for the policy (Policy.estimators), or None
 
     def close(self) -> None:
         self.backend.close()
@@ -232,7 +233,11 @@ def build(
         codec=codec,
         client=client,
         paths=by_name,
-        policy=Policy(pcfg, available=tuple(p.value for p in by_name)),
+        policy=Policy(
+            pcfg,
+            available=tuple(p.value for p in by_name),
+            estimators={p.name.value: p.estimate for p in paths if p.estimate is not None},
+        ),
         admission=admission,
         keys=keys or KeySpace(fingerprint, codec, config.chunk_size),
         wakeup=wakeup,

@@ -8,7 +8,9 @@ worker waits for) and queues one job; it never waits on the store or the device.
 queue: when full, the job is dropped and counted (``writeback_skipped{reason="queue_full"}``).
 
 A single worker thread then dedups against the store (``count_prefix``: chunks the store already has
-are not re-encoded), encodes the rest and ``put_many``s them. Stores publish a value only after it is
+are not re-encoded), encodes the rest and ``put_many``s them. With ``versions`` (the NVDEC path's
+adaptive resolution, ``nvdec/versions.py``) each full chunk is also encoded at the other resolutions,
+stored before the chunk's own key. Stores publish a value only after it is
 completely written, so readers never see a partial chunk.
 
 Buffers: the job owns the copied numpy KV; the worker drops it after the put.
@@ -59,6 +61,7 @@ class WriteBack:
         req_to_token_pool,
         max_queue: int,
         tail_granule: int = 0,
+        versions=None,
     ) -> None:
         self.codec, self.fingerprint, self.client, self.keys, self.metrics = (
             codec,
@@ -69,6 +72,8 @@ class WriteBack:
         )
         self.chunk_size = keys.chunk_size
         self.tail_granule = tail_granule  # tail sub-chunk tokens written at a request's end (0: none)
+        # nvdec.versions.ChunkVersions: each full chunk's other resolutions (adaptive resolution), or None
+        self.versions = versions
         self.kv_writer = kv_writer  # reads the KV of finished chunks (scheduler thread)
         self.req_to_token_pool = req_to_token_pool
         self._q: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queue)
@@ -168,7 +173,7 @@ class WriteBack:
         start = max(present, job.first_chunk)
         if present > job.first_chunk:
             self.metrics.writeback_skipped("present", min(present, last) - job.first_chunk)
-        items = []
+        items, extra = [], []
         for i in range(start, last):
             lo, hi = (i - job.first_chunk) * c, (i - job.first_chunk + 1) * c
             blob = self.codec.encode(
@@ -178,9 +183,23 @@ class WriteBack:
                 start=job.start + lo,
             )
             items.append((job.keys[i], blob))
+            if self.versions is not None:
+                extra += self.versions.encode(
+                    job.keys[i],
+                    np.ascontiguousarray(k[:, lo:hi]),
+                    np.ascontiguousarray(v[:, lo:hi]),
+                    job.start + lo,
+                )
         if not items:
             return
+        if extra:  # the other resolutions first: once a chunk's key is visible, its versions are too
+            done = self.client.put_many([(key, b) for key, b, _ in extra], job.tenant_tag)
+            if done < len(extra):
+                self.metrics.failure("writeback:store")
+            self.metrics.writeback(0, sum(len(b) for _, b, _ in extra[:done]))
         stored = self.client.put_many(items, job.tenant_tag)
         self.metrics.writeback(stored, sum(len(b) for _, b in items[:stored]))
+        if self.versions is not None:
+            self.versions.written(extra[:done] if extra else [], [b for _, b in items[:stored]])
         if stored < len(items):
             self.metrics.failure("writeback:store")
