@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-codec-speed bench-store bench-dpu bench-dpu-service bench-dpu-floor bench-nvdec \
+.PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-codec-speed bench-store bench-dpu bench-dpu-service bench-dpu-floor bench-nvdec bench-adaptive-resolution \
 	bench-cpu-attention bench-e2e bench-e2e-quick bench-burst bench-tail projection soak test-faults \
 	test-conformance dashboard bench-exactness gpu-rehearsal clean
 
@@ -83,6 +83,9 @@ bench-dpu-floor: model calibration
 
 bench-nvdec: model
 	$(PY) -m benchmarks.bench_nvdec
+
+bench-adaptive-resolution: model
+	$(PY) -m benchmarks.bench_adaptive_resolution
 
 bench-cpu-attention: model
 	$(PY) -m benchmarks.bench_cpu_attention
