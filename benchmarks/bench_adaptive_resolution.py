@@ -260,7 +260,9 @@ def main() -> None:
         "medians": med,
         "runs": rows,
         "every_hit_full": all(r["storage_tokens"] == a.chunks * CHUNK for rs in rows.values() for r in rs),
-        "tokens_equal_cold": all(r["same_tokens_as_cold"] for rs in rows.values() for r in rs),
+        "tokens_equal_cold": bool(cold["output_ids"])
+        and all(r["same_tokens_as_cold"] for rs in rows.values() for r in rs),
+        "cold_output_ids": cold["output_ids"],
         "store_bytes_per_version": cost,
         "writeback_s": round(writeback_s, 1),
         "trace": {

@@ -284,3 +284,51 @@ def test_serving_profile_is_measured_on_the_pool_and_cached(tmp_path, monkeypatc
     with DecoderPool(instances=1) as pool:  # a hostile/broken cache file is re-measured, not trusted
         t4 = prof.serving_table(pool, anchor, (0, 16), fp, C, samples=1, repeats=1, device="x")
     assert t4.key != t1.key and len(calls) == 3
+
+
+def test_writeback_stores_every_version_under_its_key(tmp_path):
+    """The write-back path (``WriteBack`` with ``ChunkVersions``) on a real store: anchor + versions, each
+    decoding to the pool's KV; the bytes of every version counted per resolution."""
+    import types
+
+    import torch
+
+    from sgl_remote_kv.kvpool import PoolTensors, writer_for
+    from sgl_remote_kv.sglang_glue.runtime import KeySpace
+    from sgl_remote_kv.sglang_glue.writeback import WriteBack
+    from sgl_remote_kv.store.client import open_client
+
+    fp = synthetic.fingerprint(num_layers=4, dtype="float32")
+    lay = fp.layout
+    pool = [torch.randn(256, lay.num_kv_heads, lay.head_dim) for _ in range(2 * lay.num_layers)]
+    writer = writer_for(PoolTensors(pool[: lay.num_layers], pool[lay.num_layers :]), lay)
+    n_tok = 2 * C + 5
+    slots = torch.randperm(256)[:n_tok]
+    request = types.SimpleNamespace(
+        rid="r",
+        cache_salt=None,
+        extra_key=None,
+        kv=types.SimpleNamespace(req_pool_idx=0),
+        full_untruncated_fill_ids=list(range(n_tok)),
+    )
+    anchor, metrics = HevcCodec(min_side=16), RemoteKVMetrics()
+    keys, client = KeySpace(fp, anchor, C), open_client(f"file://{tmp_path}/s")
+    versions = ChunkVersions(anchor, RES, fp, C, metrics.nvdec_written)
+    r2t = types.SimpleNamespace(req_to_token=slots[None, :].clone())
+    wb = WriteBack(anchor, fp, client, keys, metrics, writer, r2t, 8, versions=versions)
+    wb.offer(request, n_tok, final=True)
+    assert wb.flush(120)
+    wb.close()
+    full = keys.keys_for(request.full_untruncated_fill_ids, 2, None)
+    m = metrics.snapshot()
+    for r in RES:
+        blobs = client.get_many([ad.version_key(k, r) for k in full])
+        assert m[f"nvdec_written_chunks|resolution={ad.label(r)}"] == 2
+        assert m[f"nvdec_written_bytes|resolution={ad.label(r)}"] == sum(map(len, blobs))
+        for i, blob in enumerate(blobs):
+            k, v = version_codec(anchor, r).decode(blob, fp)
+            ref = anchor.decode(client.get_many([full[i]])[0], fp)
+            assert np.array_equal(k, ref[0]) and np.array_equal(v, ref[1])
+    assert m["written_chunks"] == 2 and m["written_bytes"] == sum(
+        m[f"nvdec_written_bytes|resolution={ad.label(r)}"] for r in RES
+    )
