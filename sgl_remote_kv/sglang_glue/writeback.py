@@ -9,8 +9,8 @@ queue: when full, the job is dropped and counted (``writeback_skipped{reason="qu
 
 A single worker thread then dedups against the store (``count_prefix``: chunks the store already has
 are not re-encoded), encodes the rest and ``put_many``s them. With ``versions`` (the NVDEC path's
-adaptive resolution, ``nvdec/versions.py``) each full chunk is also encoded at the other resolutions,
-stored before the chunk's own key. Stores publish a value only after it is
+adaptive resolution, ``nvdec/versions.py``) each stored full chunk is then also encoded at the other
+resolutions, stored after the chunks' own keys (hits first; a fetch falls back until they land). Stores publish a value only after it is
 completely written, so readers never see a partial chunk.
 
 Buffers: the job owns the copied numpy KV; the worker drops it after the put.
@@ -173,7 +173,7 @@ class WriteBack:
         start = max(present, job.first_chunk)
         if present > job.first_chunk:
             self.metrics.writeback_skipped("present", min(present, last) - job.first_chunk)
-        items, extra = [], []
+        items = []
         for i in range(start, last):
             lo, hi = (i - job.first_chunk) * c, (i - job.first_chunk + 1) * c
             blob = self.codec.encode(
@@ -183,23 +183,30 @@ class WriteBack:
                 start=job.start + lo,
             )
             items.append((job.keys[i], blob))
-            if self.versions is not None:
-                extra += self.versions.encode(
-                    job.keys[i],
-                    np.ascontiguousarray(k[:, lo:hi]),
-                    np.ascontiguousarray(v[:, lo:hi]),
-                    job.start + lo,
-                )
         if not items:
             return
-        if extra:  # the other resolutions first: once a chunk's key is visible, its versions are too
-            done = self.client.put_many([(key, b) for key, b, _ in extra], job.tenant_tag)
-            if done < len(extra):
-                self.metrics.failure("writeback:store")
-            self.metrics.writeback(0, sum(len(b) for _, b, _ in extra[:done]))
         stored = self.client.put_many(items, job.tenant_tag)
         self.metrics.writeback(stored, sum(len(b) for _, b in items[:stored]))
-        if self.versions is not None:
-            self.versions.written(extra[:done] if extra else [], [b for _, b in items[:stored]])
         if stored < len(items):
             self.metrics.failure("writeback:store")
+        if self.versions is not None and stored:
+            self._write_versions(job, k, v, start, start + stored, [b for _, b in items[:stored]])
+
+    def _write_versions(self, job: _Job, k, v, first: int, end: int, anchors: list[bytes]) -> None:
+        """Chunks ``[first, end)``'s other resolutions (adaptive resolution), after their own keys: a hit is
+        servable as soon as possible (and at a shutdown drain); until its versions land, a fetch falls back
+        to the chunk's own key."""
+        c, extra = job.tokens, []
+        for i in range(first, end):
+            lo, hi = (i - job.first_chunk) * c, (i - job.first_chunk + 1) * c
+            extra += self.versions.encode(
+                job.keys[i],
+                np.ascontiguousarray(k[:, lo:hi]),
+                np.ascontiguousarray(v[:, lo:hi]),
+                job.start + lo,
+            )
+        done = self.client.put_many([(key, b) for key, b, _ in extra], job.tenant_tag) if extra else 0
+        if done < len(extra):
+            self.metrics.failure("writeback:store")
+        self.metrics.writeback(0, sum(len(b) for _, b, _ in extra[:done]))
+        self.versions.written(extra[:done], anchors)
