@@ -359,8 +359,8 @@ class TurboQuantVLLM:
 
 # ---- benchmark registry -------------------------------------------------------------------------------
 
-PAPER_BITS = ("2", "2.5", "3", "3.5", "4", "5", "6")
-PROD_BITS = ("2", "2.5", "3", "3.5", "4", "5", "6")
+PAPER_BITS = ("2", "2.5", "3", "3.5", "4", "5", "6", "7", "8")  # 7-8: where this model's floors are
+PROD_BITS = ("3", "4", "5", "6", "8")
 
 
 def grid(family: str) -> list[tuple[str, dict]]:
