@@ -226,7 +226,7 @@ def tune_calibration(ctx: EvalContext, quality: str, group_heads: int | None = N
             )
         cal = cands[-1]
     fitted_on = set(json.loads(cal.report).get("texts", []))
-    tune = {Path(t.path).name for t in ctx.texts if t.role == "tune"}
+    tune = {t.name for t in ctx.texts if t.role == "tune"}
     if not fitted_on or not fitted_on <= tune:
         raise ValueError(
             f"calibration {cal.calib_id.hex()} was fitted on {sorted(fitted_on)}, not on tune texts only"

@@ -5,7 +5,9 @@ model through transformers) and the next ``CONT`` tokens are the teacher-forced 
 ``benchmarks.quality``. KV is stored as bf16 bits (``np.uint16``) shaped ``[layers, tokens, kv_heads, dim]``
 -- exactly what the codecs consume -- under ``<repo>/.cache/kvdata/``.
 
-Texts carry a role: ``tune`` texts choose the default codec config, ``heldout`` texts report it.
+Texts are the product's catalogue (``sgl_remote_kv.calibration_texts.SOURCES``: prose, code, JSON,
+non-English prose, chat turns) and carry a role: ``tune`` texts (the calibration's fit set,
+``CALIBRATION``) choose the default codec config, ``heldout`` texts (every other one) report it, per kind.
 
 CLI: ``python -m benchmarks.kvdata`` extracts everything and lists the texts with their paths.
 """
@@ -14,27 +16,21 @@ from __future__ import annotations
 
 import os
 import sys
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from sgl_remote_kv import calibration_texts as ct
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "kvdata"
 PREFIX = 1792  # 7 chunks of 256 tokens
 CONT = 64
 MIN_TOKENS = 2000
-_STDLIB = Path(sysconfig.get_paths()["stdlib"])
-
-# (name, role, candidate paths): the first existing candidate with >= MIN_TOKENS tokens is used.
-TEXT_SOURCES: list[tuple[str, str, list[Path]]] = [
-    ("gpl3", "tune", [Path("/usr/share/common-licenses/GPL-3")]),
-    ("dpkg_triggers", "tune", [Path("/usr/share/doc/dpkg/spec/triggers.txt")]),
-    ("apache2", "heldout", [Path("/usr/share/common-licenses/Apache-2.0")]),
-    ("mpl2", "heldout", [Path("/usr/share/common-licenses/MPL-2.0")]),
-    ("python_license", "heldout", [_STDLIB / "LICENSE.txt"]),
-    ("textwrap_py", "heldout", [_STDLIB / "textwrap.py"]),
+# (name, role, kind): every catalogue text; tune = the calibration's fit set.
+TEXT_SOURCES: list[tuple[str, str, str]] = [
+    (n, "tune" if n in ct.CALIBRATION else "heldout", s.kind.value) for n, s in ct.SOURCES.items()
 ]
 
 
@@ -42,6 +38,7 @@ TEXT_SOURCES: list[tuple[str, str, list[Path]]] = [
 class TextKV:
     name: str
     role: str
+    kind: str
     path: str
     total_tokens: int
     prefix_ids: np.ndarray  # [PREFIX] int64
@@ -110,18 +107,14 @@ def extract_kv(model, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return k, v
 
 
-def _resolve(cands: list[Path]) -> Path | None:
-    return next((p for p in cands if p.is_file()), None)
-
-
-def _extract_one(name: str, role: str, path: Path, model, tok) -> TextKV | None:
-    ids = np.asarray(tok(path.read_text(errors="replace"))["input_ids"], dtype=np.int64)
+def _extract_one(name: str, role: str, kind: str, path: Path, model, tok) -> TextKV | None:
+    ids = np.asarray(tok(ct.SOURCES[name].text(tok))["input_ids"], dtype=np.int64)
     if len(ids) < max(MIN_TOKENS, PREFIX + CONT):
         print(f"skip {name}: {path} has only {len(ids)} tokens", file=sys.stderr)
         return None
     prefix, cont = ids[:PREFIX], ids[PREFIX : PREFIX + CONT]
     k, v = extract_kv(model, prefix)
-    t = TextKV(name, role, str(path), len(ids), prefix, cont, f32_to_bf16(k), f32_to_bf16(v))
+    t = TextKV(name, role, kind, str(path), len(ids), prefix, cont, f32_to_bf16(k), f32_to_bf16(v))
     CACHE.mkdir(parents=True, exist_ok=True)
     tmp = CACHE / f"{name}.tmp.npz"
     np.savez(tmp, prefix_ids=prefix, cont_ids=cont, k=t.k, v=t.v, meta=np.array([role, str(path), len(ids)]))
@@ -129,7 +122,7 @@ def _extract_one(name: str, role: str, path: Path, model, tok) -> TextKV | None:
     return t
 
 
-def _load_cached(name: str, path: Path) -> TextKV | None:
+def _load_cached(name: str, kind: str, path: Path) -> TextKV | None:
     f = CACHE / f"{name}.npz"
     if not f.exists():
         return None
@@ -137,23 +130,24 @@ def _load_cached(name: str, path: Path) -> TextKV | None:
     role, cached_path, total = (str(x) for x in z["meta"])
     if cached_path != str(path):
         return None
-    return TextKV(name, role, cached_path, int(total), z["prefix_ids"], z["cont_ids"], z["k"], z["v"])
+    role = "tune" if name in ct.CALIBRATION else "heldout"  # the catalogue decides, not the cache
+    return TextKV(name, role, kind, cached_path, int(total), z["prefix_ids"], z["cont_ids"], z["k"], z["v"])
 
 
 def load_texts(names: list[str] | None = None, model_tok=None) -> list[TextKV]:
     """All available texts (or ``names``), extracting KV on first use."""
     texts = []
-    for name, role, cands in TEXT_SOURCES:
+    for name, role, kind in TEXT_SOURCES:
         if names and name not in names:
             continue
-        path = _resolve(cands)
-        if path is None:
-            print(f"skip {name}: none of {cands} exists", file=sys.stderr)
+        path = ct.SOURCES[name].path
+        if not path.is_file():
+            print(f"skip {name}: {path} does not exist", file=sys.stderr)
             continue
-        t = _load_cached(name, path)
+        t = _load_cached(name, kind, path)
         if t is None:
             model_tok = model_tok or load_model()
-            t = _extract_one(name, role, path, *model_tok)
+            t = _extract_one(name, role, kind, path, *model_tok)
         if t is not None:
             texts.append(t)
     return texts
@@ -164,6 +158,7 @@ def describe(texts: list[TextKV]) -> list[dict]:
         {
             "name": t.name,
             "role": t.role,
+            "kind": t.kind,
             "path": t.path,
             "total_tokens": t.total_tokens,
             "prefix_tokens": len(t.prefix_ids),
@@ -186,7 +181,7 @@ def cpu_model() -> str:
 def main() -> int:
     texts = load_texts()
     for d in describe(texts):
-        print(f"{d['name']:16s} {d['role']:8s} {d['total_tokens']:6d} tokens  {d['path']}")
+        print(f"{d['name']:22s} {d['role']:8s} {d['kind']:12s} {d['total_tokens']:6d} tokens  {d['path']}")
     if len(texts) < 4:
         print("fewer than 4 real texts found", file=sys.stderr)
         return 1

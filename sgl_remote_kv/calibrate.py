@@ -18,13 +18,20 @@ of every quality level in ``codec.calibration.LEVELS`` by measuring the model it
 4. the rANS frequencies of the symbols those steps produce.
 
 Writes ``<cache>/calibration/<id>.npz`` (``codec.calibration``), which servers of this model load at
-start. Minutes on 2 CPU cores for a 135M model. The texts should resemble what the tier will serve;
-never calibrate on the texts you report quality on.
+start. Minutes on 2 CPU cores for a 135M model. The texts should resemble what the tier will serve
+(default: ``calibration_texts.CALIBRATION``, every kind of text); never calibrate on the texts you
+report quality on.
+
+Reproducible: the same model, texts and code give the same calibration id on any x86-64 machine. The
+CLI re-executes itself with pinned numerics (``env.pinned_numerics_env``: AVX2 code paths in torch,
+MKL, oneDNN, OpenBLAS and numba, strict MKL reproducibility, ``--threads`` threads), the fit has no
+random step, its reductions run in a fixed order, and its report (covered by the id) holds no timing.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -35,13 +42,13 @@ from pathlib import Path
 
 import numpy as np
 
+from sgl_remote_kv import calibration_texts, env
 from sgl_remote_kv.codec import calibration as calib_mod
 from sgl_remote_kv.codec import rans, transform_ops
 from sgl_remote_kv.types import KVLayout, ModelFingerprint, RopeSpec
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TEXTS = (Path("/usr/share/common-licenses/GPL-3"), Path("/usr/share/doc/dpkg/spec/triggers.txt"))
 PREFIX, CONT, FIT_SKIP = 1792, 64, 4
 SINKS = 1  # positions stored exactly (the attention sink); measured: 4 gave the same KL as 1 here
 REF_STEP = 0.15
@@ -49,11 +56,13 @@ MARGIN = 0.6  # calibrate to this fraction of each level's KL target
 STEP_RANGE = (0.004, 2.0)
 PROBE = calib_mod.DEFAULT_LEVEL  # the level name provisional calibrations carry their candidate steps under
 BISECT = 5
+THREADS = 2  # the fit's thread count (part of what makes it reproducible; measured: 1 and 2 give equal bits)
 
 
 @dataclass
 class Text:
     name: str
+    digest: str  # SHA-256 of the text as the model read it
     prefix: np.ndarray  # [P] int64
     cont: np.ndarray  # [C] int64
     k: np.ndarray  # [L, P, H, D] float32 (RoPE applied, as cached)
@@ -73,10 +82,10 @@ class Scorer:
         self.tok = AutoTokenizer.from_pretrained(str(model_path))
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
 
-    def text(self, path: Path) -> Text:
-        ids = np.asarray(self.tok(path.read_text(errors="replace"))["input_ids"], np.int64)
+    def text(self, name: str, content: str) -> Text:
+        ids = np.asarray(self.tok(content)["input_ids"], np.int64)
         if len(ids) < 512 + CONT:
-            raise ValueError(f"{path}: {len(ids)} tokens, need >= {512 + CONT}")
+            raise ValueError(f"{name}: {len(ids)} tokens, need >= {512 + CONT}")
         p = min(PREFIX, (len(ids) - CONT) // 256 * 256)
         layers_mod = getattr(getattr(self.model, "model", None), "layers", None) or []
         qs: dict[int, np.ndarray] = {}
@@ -101,7 +110,8 @@ class Scorer:
             q = np.stack(
                 [np.mean(np.square(qs[i].reshape(qs[i].shape[0], -1, d)), axis=0) for i in range(len(qs))]
             )
-        return Text(path.name, ids[:p], ids[p : p + CONT], k, v, logp, q)
+        digest = hashlib.sha256(content.encode()).hexdigest()
+        return Text(name, digest, ids[:p], ids[p : p + CONT], k, v, logp, q)
 
     def out_proj(self, layer: int) -> np.ndarray | None:
         """The output projection [hidden, query heads * D] of ``layer`` (None if not Llama-like)."""
@@ -340,7 +350,7 @@ def fingerprint_for(model_path: Path, cfg: dict) -> ModelFingerprint:
 
 def calibrate(
     model_path: Path,
-    text_paths: list[Path],
+    sources: list[calibration_texts.TextSource],
     levels: tuple[str, ...] = calib_mod.LEVELS,
     out_dir: Path | None = None,
     group_heads: int | None = None,
@@ -356,7 +366,7 @@ def calibrate(
         raise ValueError(f"{heads} KV heads do not split into groups of {group_heads}")
     t0 = time.monotonic()
     scorer = Scorer(model_path)
-    texts = [scorer.text(p) for p in text_paths]
+    texts = [scorer.text(s.name, s.text(scorer.tok)) for s in sources]
     log(f"texts: {', '.join(f'{t.name} ({len(t.prefix)}+{len(t.cont)} tokens)' for t in texts)}")
     mean, basis = fit_basis(texts, rope, heads // group_heads)
     cal = Calibrator(
@@ -377,6 +387,7 @@ def calibrate(
         )
     report = {
         "texts": [t.name for t in texts],
+        "text_sha256": [t.digest for t in texts],
         "prefix": PREFIX,
         "cont": CONT,
         "margin": MARGIN,
@@ -384,7 +395,6 @@ def calibrate(
         "ref_step": REF_STEP,
         "levels": rows,
         "sensitivity": sens.tolist(),
-        "seconds": round(time.monotonic() - t0, 1),
     }
     result = calib_mod.Calibration(
         cal.key, rope, mean, basis, steps, freq, json.dumps(report, sort_keys=True), sinks=cal.sinks
@@ -403,7 +413,14 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         action="append",
         default=None,
-        help=f"calibration text file (repeatable; default: {', '.join(map(str, DEFAULT_TEXTS))})",
+        help="calibration text file (repeatable; default: the built-in set of every kind, "
+        f"{', '.join(calibration_texts.CALIBRATION)})",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=THREADS,
+        help=f"threads of the fit (default {THREADS}; another count may give another calibration id)",
     )
     ap.add_argument("--levels", default=",".join(calib_mod.LEVELS), help="quality levels (KL targets) to fit")
     ap.add_argument(
@@ -425,16 +442,23 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    texts = args.text or [p for p in DEFAULT_TEXTS if p.is_file()]
+    if args.text:
+        sources = [
+            calibration_texts.TextSource(p.name, calibration_texts.TextKind.PROSE, lambda p=p: p)
+            for p in args.text
+        ]
+    else:
+        sources = calibration_texts.calibration_sources()
     levels = tuple(lv.strip() for lv in args.levels.split(",") if lv.strip())
     bad = [lv for lv in levels if lv not in calib_mod.LEVELS]
-    missing = [p for p in texts if not p.is_file()]
+    missing = [p for p in sources if not p.path.is_file()]
     if not args.model_path.is_dir() or not (args.model_path / "config.json").is_file():
         ap.error(f"{args.model_path} is not a model directory with a config.json")
-    if not texts or missing:
-        ap.error(
-            f"no calibration text (missing: {', '.join(map(str, missing)) or 'all defaults'}); pass --text FILE"
-        )
+    if missing:
+        ap.error(f"calibration text missing: {', '.join(str(s.path) for s in missing)}; pass --text FILE")
+    for s in sources:
+        if why := s.check():  # found but not the pinned text: the fit works, its id will differ
+            logger.warning("%s: the calibration id will differ from the published one", why)
     if bad or not levels:
         ap.error(f"levels must be among {','.join(calib_mod.LEVELS)}")
     cfg = json.loads((args.model_path / "config.json").read_text())
@@ -451,19 +475,35 @@ def main(argv: list[str] | None = None) -> int:
             if c.model_key == calib_mod.model_key(fp)
             and c.group_dim == group_heads * fp.layout.head_dim
             and set(levels) <= set(c.levels)
+            and json.loads(c.report).get("texts") == [t.name for t in sources]
         ]
         if have:
             print(
-                f"calibration {have[-1].calib_id.hex()} exists for this model ({group_heads} heads per group)"
+                f"calibration {have[-1].calib_id.hex()} exists for this model ({group_heads} heads per group, "
+                "these texts)"
             )
             return 0
     try:
-        calibrate(args.model_path, texts, levels, args.out, group_heads)
+        calibrate(args.model_path, sources, levels, args.out, group_heads)
     except ValueError as e:  # RoPE this codec cannot undo, texts too short, ...
         print(f"calibration failed: {e}", file=sys.stderr)
         return 2
     return 0
 
 
+def _reexec_pinned() -> None:
+    """Run this CLI again in a process whose numeric libraries load with pinned code paths (see module doc)."""
+    threads = THREADS
+    for i, a in enumerate(sys.argv[1:], 1):  # argparse validates it after the re-exec
+        if a.startswith("--threads="):
+            threads = int(a.split("=", 1)[1])
+        elif a == "--threads" and i + 1 < len(sys.argv):
+            threads = int(sys.argv[i + 1])
+    cmd = [sys.executable, "-m", "sgl_remote_kv.calibrate", *sys.argv[1:]]
+    os.execve(sys.executable, cmd, env.pinned_numerics_env(threads))
+
+
 if __name__ == "__main__":
+    if not env.numerics_pinned():
+        _reexec_pinned()
     sys.exit(main())

@@ -10,6 +10,8 @@
 - ``SRKV_STORE_PASSWORD``: the Redis store's password, for URLs that name neither a password nor a
   ``password_file`` (``store/credentials.py``); inherited by the scheduler and data-plane processes, and
   never on a command line.
+- ``SRKV_PINNED_NUMERICS``: set by ``python -m sgl_remote_kv.calibrate`` when it re-executes itself with
+  pinned numerics (``pinned_numerics_env``; never set by hand).
 """
 
 from __future__ import annotations
@@ -22,6 +24,19 @@ CACHE_DIR = "SRKV_CACHE_DIR"
 CONFIG_JSON = "SRKV_CONFIG"
 ALLOW_SGLANG_VERSION = "SRKV_ALLOW_SGLANG_VERSION"
 STORE_PASSWORD = "SRKV_STORE_PASSWORD"
+PINNED_NUMERICS = "SRKV_PINNED_NUMERICS"
+
+# Third-party knobs that make float results independent of the x86 CPU a fit runs on: every library
+# takes its AVX2 code path (the oldest CPU the wheels' fast paths need), MKL in strict conditional-
+# reproducibility mode, a fixed thread count. Read by the libraries at load, hence set before a re-exec.
+_NUMERICS = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_CBWR": "AVX2,STRICT",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "OPENBLAS_CORETYPE": "Haswell",
+    "NUMBA_CPU_NAME": "haswell",
+}
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 
 def _flag(name: str) -> bool:
@@ -47,6 +62,20 @@ def store_password() -> str | None:
 
 def config_json() -> str | None:
     return os.environ.get(CONFIG_JSON) or None
+
+
+def numerics_pinned() -> bool:
+    return _flag(PINNED_NUMERICS)
+
+
+def pinned_numerics_env(threads: int) -> dict[str, str]:
+    """This process's environment plus the pinned-numerics knobs and ``threads`` threads everywhere."""
+    return {
+        **os.environ,
+        **_NUMERICS,
+        **dict.fromkeys(_THREAD_VARS, str(threads)),
+        PINNED_NUMERICS: "1",
+    }
 
 
 def publish_config_json(payload: str) -> None:

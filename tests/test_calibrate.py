@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sgl_remote_kv import calibrate
+from sgl_remote_kv import calibrate, calibration_texts
 from sgl_remote_kv.codec import calibration as cm
 from sgl_remote_kv.codec.base import default_codec, get_codec
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 
-HELD_OUT = Path("/usr/share/common-licenses/Apache-2.0")  # not a calibration text (DEFAULT_TEXTS)
+HELD_OUT = Path("/usr/share/common-licenses/Apache-2.0")  # not a calibration text
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:
@@ -36,7 +36,7 @@ def test_cli_refuses_bad_input_with_one_clear_line(tmp_path, capsys):
 def test_cli_refuses_bad_levels_texts_and_tp(model_dir, tmp_path, capsys):
     for argv, needle in (
         (["--levels", "0.3"], "levels must be among"),
-        (["--text", str(tmp_path / "missing.txt")], "no calibration text"),
+        (["--text", str(tmp_path / "missing.txt")], "calibration text missing"),
         (["--tp", "2"], "do not split over --tp 2"),
     ):
         with pytest.raises(SystemExit) as e:
@@ -58,7 +58,7 @@ def test_real_calibration_holds_on_a_held_out_text(model_dir):
     assert HELD_OUT.name not in report["texts"]
     assert [r["level"] for r in report["levels"]] == list(cal.levels)
     scorer = calibrate.Scorer(Path(model_dir))
-    text = scorer.text(HELD_OUT)
+    text = scorer.text(HELD_OUT.name, HELD_OUT.read_text())
     lay = fp.layout
     bfp = ModelFingerprint(
         fp.architecture, KVLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, "bfloat16"), fp.weights_id
@@ -96,7 +96,7 @@ def test_real_calibration_holds_on_a_held_out_text(model_dir):
 @pytest.mark.slow
 def test_the_command_fits_a_calibration_end_to_end(model_dir, tmp_path):
     """~3 min: one text, one level, into a directory of its own; the result loads and codes."""
-    text = calibrate.DEFAULT_TEXTS[0]
+    text = calibration_texts.SOURCES["gpl3"].path
     assert (
         calibrate.main(
             ["--model-path", model_dir, "--text", str(text), "--levels", "0.01", "--out", str(tmp_path)]

@@ -27,7 +27,7 @@ def short_text():
     path = next(p for _, _, cands in kvdata.TEXT_SOURCES for p in cands if p.is_file())
     ids = np.asarray(tok(path.read_text(errors="replace"))["input_ids"][: PREFIX + CONT], np.int64)
     k, v = kvdata.extract_kv(model, ids[:PREFIX])
-    text = TextKV("test", "tune", str(path), len(ids), ids[:PREFIX], ids[PREFIX:], k, v)
+    text = TextKV("test", "tune", "prose", str(path), len(ids), ids[:PREFIX], ids[PREFIX:], k, v)
     return model, text, quality.compute_baseline(model, text.prefix_ids, text.cont_ids)
 
 

@@ -283,7 +283,8 @@ def load_dir(directory: str | Path | None = None, *, force: bool = False) -> int
             return 0
         _LOADED_DIRS.add(d)
     n = 0
-    for p in sorted(d.glob("*.npz")) if d.is_dir() else []:
+    # oldest first, so "the newest-registered" (find_for) is the newest file: the latest fit wins
+    for p in sorted(d.glob("*.npz"), key=lambda f: (f.stat().st_mtime, f.name)) if d.is_dir() else []:
         try:
             register(Calibration.load(p))
             n += 1
