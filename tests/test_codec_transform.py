@@ -71,7 +71,7 @@ def test_rope_undo_then_apply_is_identity_far_into_the_sequence():
     assert np.max(np.abs(_rotate(x, 7, -1) - x)) > 0.1  # it does rotate
 
 
-@pytest.mark.parametrize("entropy", ["deflate", "rans"])
+@pytest.mark.parametrize("entropy", ["deflate", "rans", "auto"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_roundtrip_error_is_bounded_by_the_steps(cal, entropy, dtype):
     codec = get_codec("transform", calibration=cal.calib_id.hex(), quality="0.0005", entropy=entropy)
@@ -93,10 +93,39 @@ def test_roundtrip_error_is_bounded_by_the_steps(cal, entropy, dtype):
 def test_rans_and_deflate_variants_decode_identically(cal):
     k, v = kv("bfloat16", 256, scale=3.0)
     outs = []
-    for entropy in ("deflate", "rans"):
+    for entropy in ("deflate", "rans", "auto"):
         codec = get_codec("transform", calibration=cal.calib_id.hex(), entropy=entropy)
         outs.append(decode(codec.encode(k, v, fp("bfloat16"), start=256), fp("bfloat16")))
-    assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
+    for o in outs[1:]:
+        assert np.array_equal(outs[0][0], o[0]) and np.array_equal(outs[0][1], o[1])
+
+
+def test_auto_entropy_keeps_the_smaller_section_per_layer(cal):
+    """Per layer, auto's section is the smaller of the Deflate and rANS ones (+ its tag), so the blob is
+    never larger than either variant's; a bad tag is a corrupt chunk."""
+    from sgl_remote_kv.codec.errors import CorruptChunk
+    from sgl_remote_kv.codec.format import layer_section, parse_header
+
+    k, v = kv("float16", 256, scale=3.0)
+    k[:, :, :, : D // 2] *= np.float16(0.05)  # half the channels far from the calibration's spread
+    f = fp("float16")
+    blobs = {
+        e: get_codec("transform", calibration=cal.calib_id.hex(), entropy=e).encode(k, v, f, start=256)
+        for e in ("deflate", "rans", "auto")
+    }
+    hdrs = {e: parse_header(b, f) for e, b in blobs.items()}
+    tags = set()
+    for layer in range(L):
+        sec = {e: len(layer_section(blobs[e], hdrs[e], layer)) for e in blobs}
+        assert sec["auto"] == min(sec["deflate"], sec["rans"]) + 1
+        tags.add(bytes(layer_section(blobs["auto"], hdrs["auto"], layer)[:1]))
+    assert len(blobs["auto"]) <= min(len(blobs["deflate"]), len(blobs["rans"]))
+    codec = get_codec("transform", calibration=cal.calib_id.hex(), entropy="auto")
+    sec = bytearray(layer_section(blobs["auto"], hdrs["auto"], 0))
+    sec[0] = 7
+    with pytest.raises(CorruptChunk, match="entropy tag"):
+        codec.lossless_stage(memoryview(bytes(sec)), np.empty(codec.scratch_bytes(hdrs["auto"], 0), np.uint8))
+    assert tags <= {b"\x00", b"\x01"}
 
 
 def test_the_chunk_position_travels_in_the_blob(cal):

@@ -59,7 +59,10 @@ PRE = struct.Struct("<IIHBBHHII")
 RANS_SUB = struct.Struct("<III")
 MAX_ESCAPE_FRACTION = 4  # at most T*C/4 escapes per K or V of a layer (bounds the scratch size)
 _MODES = {"float32": 0, "float16": 1, "bfloat16": 2}
-ENTROPY = ("deflate", "rans")
+# auto: each layer section is whichever of the two is smaller, behind a one-byte tag (AUTO_TAG): the static
+# rANS tables win where the text resembles the calibration's, Deflate's per-block Huffman codes where not.
+ENTROPY = ("deflate", "rans", "auto")
+AUTO_TAG = {"deflate": 0, "rans": 1}
 
 
 class TransformCodec(Codec):
@@ -102,7 +105,7 @@ class TransformCodec(Codec):
 
     def params(self) -> dict:
         p = {"calibration": self.cal.calib_id.hex(), "quality": self.quality, "entropy": self.entropy}
-        if self.entropy == "deflate":
+        if self.entropy != "rans":
             p["level"] = self.level
         return p
 
@@ -142,20 +145,28 @@ class TransformCodec(Codec):
         group = (
             calib_mod.group_of(fingerprint, self.cal.groups, self.cal.group_dim) if group is None else group
         )
-        t_n = k.shape[0]
-        c_n = lay.num_kv_heads * lay.head_dim
-        gs = slice(group, group + c_n // self.cal.group_dim)
-        n_sink = ops.sink_count(self.cal, start, t_n)
-        cap = max(1, t_n * c_n // MAX_ESCAPE_FRACTION)
-        if self.entropy == "rans":
-            freq, _ = self.cal.encode_tables(self.quality)
-        else:
-            freq = np.empty((0, calib_mod.SYMBOLS), np.uint16)
+        n_sink = ops.sink_count(self.cal, start, k.shape[0])
         ys = [
             ops.forward(self.cal, layer, kv, group, quant.to_f32(a, lay.dtype).copy(), start)
             for kv, a in enumerate((k, v))
         ]
-        sfmt, sbytes, scales = ops.code_scales([ops.token_rms(y, n_sink) for y in ys])
+        scaled = ops.code_scales([ops.token_rms(y, n_sink) for y in ys])
+        args = (k, v, layer, group, start, n_sink, ys, scaled)
+        if self.entropy != "auto":
+            return self._section(self.entropy, *args)
+        return min((self._section(e, *args) for e in AUTO_TAG), key=len)
+
+    def _section(self, entropy, k, v, layer, group, start, n_sink, ys, scaled) -> bytes:
+        """One layer section with ``entropy`` as its lossless stage (tagged when the codec's is auto)."""
+        t_n, c_n = k.shape[0], k.shape[1] * k.shape[2]
+        sfmt, sbytes, scales = scaled
+        gs = slice(group, group + c_n // self.cal.group_dim)
+        cap = max(1, t_n * c_n // MAX_ESCAPE_FRACTION)
+        if entropy == "rans":
+            freq, _ = self.cal.encode_tables(self.quality)
+        else:
+            freq = np.empty((0, calib_mod.SYMBOLS), np.uint16)
+        tag = bytes([AUTO_TAG[entropy]]) if self.entropy == "auto" else b""
         syms, escs = [], []
         for kv, y in enumerate(ys):
             sym = np.empty((c_n, t_n), np.uint8)
@@ -175,8 +186,8 @@ class TransformCodec(Codec):
                 np.ascontiguousarray(v[:n_sink]).tobytes(),
             ]
         )
-        if self.entropy == "deflate":
-            return lz.pack_streams(
+        if entropy == "deflate":
+            return tag + lz.pack_streams(
                 lz.DEFLATE, self.level, [prefix, syms[0].tobytes(), syms[1].tobytes()], huffman_only=(1, 2)
             )
         fl, cum = self.cal.encode_tables(self.quality)
@@ -189,7 +200,7 @@ class TransformCodec(Codec):
                 raise ValueError(f"layer {layer}: a symbol has zero probability")
             words.append(w)
         head = RANS_SUB.pack(len(prefix), words[0].size, words[1].size)
-        return b"".join([head, prefix, words[0].tobytes(), words[1].tobytes()])
+        return b"".join([tag, head, prefix, words[0].tobytes(), words[1].tobytes()])
 
     # ---- decode -----------------------------------------------------------------------------
     def _check_slice(self, layer: int, group: int, c_n: int) -> None:
@@ -208,7 +219,14 @@ class TransformCodec(Codec):
         return PRE.size + scales + 2 * 2 * cap + 2 * sinks * c_n * lay.itemsize + 2 * t_n * c_n
 
     def lossless_stage(self, section: memoryview, out: np.ndarray) -> int:
-        if self.entropy == "deflate":
+        entropy = self.entropy
+        if entropy == "auto":
+            section = memoryview(section)
+            if len(section) < 1 or section[0] not in AUTO_TAG.values():
+                raise CorruptChunk("section has no valid entropy tag")
+            entropy = "deflate" if section[0] == AUTO_TAG["deflate"] else "rans"
+            section = section[1:]
+        if entropy == "deflate":
             return lz.unpack_streams(section, out, lz.DEFLATE)
         if len(section) < RANS_SUB.size + PRE.size:
             raise CorruptChunk("section shorter than its sub-header")
