@@ -10,6 +10,15 @@ Selection is honest: for each family and floor the best-ratio configuration is c
 texts only, then reported on the ``heldout`` texts (``benchmarks.kvdata.TEXT_SOURCES`` says which).
 Floors: near-lossless = mean KL <= 0.001 nats and top-1 >= 0.98; loose = mean KL <= 0.01.
 
+Per kind of text (``per_kind``: prose, code, JSON, non-English prose, chat turns; held-out texts of
+that kind only): our best point at KL <= 0.001 and the transform codec at the default level, each
+against the best peer point (every budget of every peer family) of at most the same KL on those texts.
+
+The transform codec's numbers come from the calibration a user's ``make calibration`` makes: the
+registered one must have been fitted on the default text set, and its id is recorded (``meta.calibration``);
+``--fresh-calibration`` fits one from scratch first (``python -m sgl_remote_kv.calibrate``, pinned
+numerics) into the cache directory.
+
 Writes ``docs/results/codec_rd.json`` and the plots ``codec_rd_kl.png`` / ``codec_rd_top1.png``.
 CLI: ``python -m benchmarks.bench_codec_rd [--families a,b] [--greedy] [--texts a,b]``.
 """
@@ -295,6 +304,75 @@ def peer_comparison(best: dict, points: list[dict] | None = None) -> dict:
     return res
 
 
+def kind_metrics(point: dict, kind: str) -> dict | None:
+    """A point's held-out metrics over the texts of ``kind``."""
+    kinds = {n: k for n, _, k in kvdata.TEXT_SOURCES}
+    sub = {n: v for n, v in point["per_text"].items() if v["role"] == "heldout" and kinds.get(n) == kind}
+    return subset_metrics({"per_text": sub}, None)
+
+
+def per_kind(points: list[dict], kinds: list[str], default_level: str, kl_floor: float = 0.001) -> dict:
+    """Per kind of held-out text: ours vs the best peer at KL <= ``kl_floor``, and the transform codec at
+    ``default_level`` (each entropy) vs the best peer of at most its KL there."""
+    out = {}
+    for kind in kinds:
+        rows = [(p, kind_metrics(p, kind)) for p in points]
+        rows = [(p, m) for p, m in rows if m]
+        ours = [(p, m) for p, m in rows if p["family"] in OURS]
+        peers = [(p, m) for p, m in rows if p["family"] in PEERS]
+
+        def best(cands, kl_max):
+            ok = [(p, m) for p, m in cands if m["kl"] <= kl_max]
+            return max(ok, key=lambda pm: pm[1]["ratio"]) if ok else None
+
+        def row(o, pe):
+            if not o:
+                return None
+            r = {"ours": o[0]["codec"], "ours_ratio": o[1]["ratio"], "ours_kl": o[1]["kl"]}
+            if pe:
+                r |= {
+                    "peer": pe[0]["codec"],
+                    "peer_family": pe[0]["family"],
+                    "peer_ratio": pe[1]["ratio"],
+                    "peer_kl": pe[1]["kl"],
+                    "gain": o[1]["ratio"] / pe[1]["ratio"],
+                }
+            return r
+
+        res = {"texts": next((m["texts"] for _, m in rows), 0)}
+        res["kl_le_0.001"] = row(best(ours, kl_floor), best(peers, kl_floor))
+        for p, m in ours:
+            if p["codec_name"] == "transform" and p["params"].get("quality") == default_level:
+                if "group_heads" not in p["params"]:
+                    res[f"default_level_{p['params']['entropy']}"] = row((p, m), best(peers, m["kl"]))
+        out[kind] = res
+    return out
+
+
+def check_calibration(fresh: bool) -> str:
+    """The calibration the transform points use: fitted from scratch with ``fresh``, else the registered
+    one, which must have been fitted on the default text set (what ``make calibration`` makes)."""
+    import subprocess
+
+    from sgl_remote_kv import calibration_texts
+    from sgl_remote_kv.codec import calibration
+
+    if fresh:
+        model = kvdata.model_dir()
+        subprocess.run(
+            [sys.executable, "-m", "sgl_remote_kv.calibrate", "--model-path", str(model)], check=True
+        )
+        calibration.load_dir(force=True)
+    cal = calibration.find_for(kvdata.fingerprint(), calibration.DEFAULT_LEVEL)
+    texts = json.loads(cal.report).get("texts")
+    if texts != list(calibration_texts.CALIBRATION):
+        raise SystemExit(
+            f"calibration {cal.calib_id.hex()} was fitted on {texts}, not the default set: run `make calibration` "
+            "or pass --fresh-calibration"
+        )
+    return cal.calib_id.hex()
+
+
 def _gain(o: dict, p: dict) -> dict:
     return {
         "ours": o["codec"],
@@ -375,14 +453,24 @@ def main(argv: list[str] | None = None) -> int:
         "--cached-only", action="store_true", help="no model runs: only points whose quality is memoized"
     )
     ap.add_argument("--out", type=Path, default=RD_OUT)
+    ap.add_argument(
+        "--fresh-calibration", action="store_true", help="fit the calibration from scratch first (minutes)"
+    )
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
+    calib_id = check_calibration(args.fresh_calibration)
     names = [n for n in args.texts.split(",") if n] or None
     ctx = EvalContext.create(names, greedy=args.greedy, threads=args.threads)
     ctx.memo_only = args.cached_only
     points = sweep(ctx, [f for f in args.families.split(",") if f])
     best = best_at_floors(points)
+    from sgl_remote_kv.codec.calibration import DEFAULT_LEVEL
+
+    kinds = list(dict.fromkeys(t.kind for t in ctx.texts if t.role == "heldout"))
     meta = {
+        "calibration": calib_id,
+        "cpu": kvdata.cpu_model(),
+        "default_level": DEFAULT_LEVEL,
         "texts": kvdata.describe(ctx.texts),
         "floors": FLOORS,
         "runtime_s": round(time.perf_counter() - t0, 1),
@@ -393,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         "best_at_floor": best,
         "peer_comparison": peer_comparison(best, points),
         "recommended": recommend(best),
+        "per_kind": per_kind(points, kinds, DEFAULT_LEVEL),
         "points": points,
     }
     args.out.write_text(json.dumps(res, indent=1))
@@ -420,6 +509,20 @@ def print_summary(res: dict) -> None:
             f"{fname}: ours {c['ours_ratio']:.2f} ({c['ours']}) vs best peer {c['peer_ratio']:.2f} "
             f"({c['peer_family']}: {c['peer']}) = {c['gain']:.2f}x"
         )
+    print("== per kind of held-out text ==")
+    for kind, r in res.get("per_kind", {}).items():
+        for what in ("kl_le_0.001", "default_level_deflate", "default_level_rans"):
+            c = r.get(what)
+            if not c:
+                continue
+            peer = (
+                f"best peer {c['peer_ratio']:.2f} ({c['peer']}, KL {c['peer_kl']:.5f}) = {c['gain']:.2f}x"
+                if "peer" in c
+                else "no peer"
+            )
+            print(
+                f"  {kind:12s} {what:22s} ours {c['ours_ratio']:.2f} ({c['ours']}, KL {c['ours_kl']:.5f}) vs {peer}"
+            )
     print(f"runtime {res['meta']['runtime_s']} s")
 
 
