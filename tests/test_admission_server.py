@@ -29,6 +29,8 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(1000, 30000) for _ in range(CHUNKS * CHUNK + 6)] for _ in range(N_REQ)]
 
 
+# make test-slow (default run kept near 30 min): ~115 s; admission is unit-tested on fakes
+@pytest.mark.slow
 def test_burst_larger_than_the_pool_finishes_exact_with_bounded_slot_waits(model_dir, tmp_path):
     prompts = _prompts()
     store = f"file://{tmp_path / 'store'}"

@@ -159,6 +159,8 @@ def test_engine_keywords_validate_like_the_cli(model_dir):
     assert seen["exported"] is None, "a refused Engine must not export the tier's config"
 
 
+# make test-slow (default run kept near 30 min): ~100 s; the drain is in test_shutdown_drain_server
+@pytest.mark.slow
 def test_engine_restart_hit(model_dir, tmp_path):
     """A (keywords) shuts down right after generating a prompt that ends mid-chunk; B (configure) gets
     the prompt's whole stored prefix: the shutdown drained the write-back, tail sub-chunks included."""

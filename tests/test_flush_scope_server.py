@@ -24,6 +24,8 @@ from tests.fixtures.remote_kv_server import CHUNK, flush_cache, remote_kv_server
 pytestmark = [pytest.mark.e2e]
 
 
+# make test-slow (default run kept near 30 min): ~120 s
+@pytest.mark.slow
 def test_flush_scope_tier_then_local(model_dir, tmp_path):
     store = f"file://{tmp_path / 'store'}"
     case = make_case(AutoTokenizer.from_pretrained(model_dir), "flush-scope", n_chunks=3)

@@ -19,6 +19,8 @@ pytestmark = pytest.mark.e2e
 DOC = " ".join(f"Paragraph {i}: a heron number {i} waits by river {i * 5 % 11} at dawn." for i in range(30))
 
 
+# make test-slow (default run kept near 30 min): ~120 s
+@pytest.mark.slow
 def test_concurrent_same_prefix_fetches_once(model_dir, tmp_path):
     from transformers import AutoTokenizer
 

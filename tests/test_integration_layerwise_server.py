@@ -131,6 +131,8 @@ def _assert_exact(out: dict, base: dict, usable: int) -> None:
     assert abs(_logprob(out) - _logprob(base)) < 1e-3
 
 
+# make test-slow (default run kept near 30 min): ~70 s; data-plane SIGKILLs: test_dpu_process, test_faults_server
+@pytest.mark.slow
 def test_dpu_layerwise_exact_survives_data_plane_kill(model_dir, tmp_path):
     """``--remote-kv dpu --remote-kv-layerwise``, one server (DMA slowed down so layers are still
     missing at admission): a remote hit admitted at "verified" gives the cold run's token and logprob;

@@ -55,6 +55,8 @@ def test_committed_grafana_dashboard_matches_the_panels():
     assert len(committed["panels"]) == len(dashboard.panels())
 
 
+# make test-slow (default run kept near 30 min): ~80 s with a real Prometheus
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_prometheus_scrapes_a_tier_server_and_every_panel_has_data(model_dir, tmp_path):
     from tests.fixtures.remote_kv_server import remote_kv_server
