@@ -11,10 +11,11 @@ chunks, the default resolutions 16, 64 tokens/frame and full, FFmpeg's software 
    (local cache flushed before each, policy margin 1e9 so every one is a remote hit).
 3. During each measured fetch the link follows the paper's Fig. 17/23 trace (6 -> 3 -> 4 Gbps) *scaled*
    to what this CPU's decoder pool keeps up with: ``unit = R_full / 4`` where ``R_full`` is the rate at
-   which the link delivers full-frame chunks as fast as the pool decodes them (decode latency at full
-   load / instances, from the server's own measured profile; chunk bytes from the writer's metrics). So
-   6 units is decode-bound, 3 link-bound, 4 balanced. Phases last a third of the chunks each at 4 units
-   (``tc qdisc replace`` from a thread while the fetch runs).
+   which the link delivers full-frame chunks as fast as the server's fetch consumes them (the writer
+   server, ``--remote-kv-nvdec-fetch full``, fetches the prompt twice over the unshaped link: seconds per
+   chunk of the second fetch, ``kv_wait_seconds``; chunk bytes from the writer's metrics). So 6 units is
+   decode-bound, 3 link-bound, 4 balanced. Each phase lasts a third of that calibration fetch
+   (``tc qdisc replace`` from a thread while the fetch runs; the last phase holds until the end).
 
 Per fetch: TTFT (first streamed token), the server's NVDEC bubbles (decoder waiting for bytes, link
 waiting for the decoder), bytes and resolutions fetched (``/metrics`` deltas), tokens vs cold.
@@ -25,6 +26,7 @@ Reported: medians over the reps; ``adaptive_ttft_s``, ``best_fixed_ttft_s``, ``w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import statistics
@@ -134,10 +136,11 @@ class Trace(threading.Thread):
             self.changes.append((round(time.perf_counter() - t0, 3), round(units * self.unit, 2)))
 
 
-def _unit(model: str, written: dict, instances: int = 2) -> tuple[float, dict]:
+def _unit(model: str, written: dict, chunk_s: float, instances: int = 2) -> tuple[float, dict]:
     """The trace unit (Mbit/s): a quarter of the rate at which full-frame chunks arrive as fast as the
-    pool decodes them. Decode latency from the same measured profile the servers use (cache file hit),
-    chunk bytes from the writer's per-resolution written bytes."""
+    server's fetch consumes them (``chunk_s``: seconds per chunk of an unshaped full-frame fetch, measured
+    in the server); chunk bytes from the writer's per-resolution written bytes. The servers' measured
+    decode profile (a cache-file hit) is recorded beside it."""
     from sgl_remote_kv.nvdec.hevc_codec import HevcCodec
     from sgl_remote_kv.nvdec.pool import DecoderPool
     from sgl_remote_kv.nvdec.profile import serving_table
@@ -157,8 +160,7 @@ def _unit(model: str, written: dict, instances: int = 2) -> tuple[float, dict]:
     for lab in LABELS:
         n = written.get(f'{P}nvdec_written_chunks_total{{resolution="{lab}"}}', 0)
         sizes[lab] = written.get(f'{P}nvdec_written_bytes_total{{resolution="{lab}"}}', 0) / max(n, 1)
-    lat_full = table.lookup(0, instances)[0] / instances  # seconds per chunk of the decode stage at full load
-    r_full = sizes["full"] / lat_full  # bytes/s
+    r_full = sizes["full"] / chunk_s  # bytes/s at which the link keeps the server's full-frame fetch busy
     info = {
         "profile_key": table.key,
         "decode_s_per_chunk_load1": {
@@ -170,6 +172,7 @@ def _unit(model: str, written: dict, instances: int = 2) -> tuple[float, dict]:
             for r, row in zip(table.resolutions, table.latency, strict=True)
         },
         "chunk_bytes": {k: int(v) for k, v in sizes.items()},
+        "fetch_s_per_chunk_full_unshaped": round(chunk_s, 3),
         "balanced_full_mbit": round(r_full * 8 / 1e6, 2),
     }
     return r_full * 8 / 1e6 / 4, info
@@ -189,6 +192,8 @@ def _fetch(srv, store, ids, unit, phase_s, cold_ids, new_tokens) -> dict:
     per = {lab: int(d.get(f'{P}nvdec_chunks_total{{resolution="{lab}"}}', 0)) for lab in LABELS}
     return {
         "ttft_s": round(out["ttft_s"], 3),
+        "fetch_s": round(metric(d, "remote_kv_kv_wait_seconds_sum"), 3),  # parked -> KV in the pool
+        "link_s": round(metric(d, "remote_kv_fetch_seconds_sum"), 3),  # the fetch thread's transfers
         "storage_tokens": out["storage_tokens"],
         "decoder_wait_s": round(d.get(f'{P}nvdec_bubble_seconds_total{{kind="decoder_wait"}}', 0.0), 3),
         "link_wait_s": round(d.get(f'{P}nvdec_bubble_seconds_total{{kind="link_wait"}}', 0.0), 3),
@@ -203,7 +208,7 @@ def _fetch(srv, store, ids, unit, phase_s, cold_ids, new_tokens) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--chunks", type=int, default=9, help="remote chunks in the prompt (256 tokens each)")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out", type=Path, default=OUT)
@@ -218,7 +223,7 @@ def main() -> None:
     rows: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="srkv-adaptive-") as tmp, shaped_store(Path(tmp)) as store:
         # 1. cold answer + write-back of every version (unshaped link)
-        with _server(model, store.url, "adaptive", Path(tmp)) as w:
+        with _server(model, store.url, "full", Path(tmp)) as w:
             t0 = time.perf_counter()
             cold = _stream(w.base_url, ids, a.new_tokens)
             deadline = time.monotonic() + 1800  # every chunk at 3 resolutions: libx265 on a loaded CPU
@@ -228,38 +233,53 @@ def main() -> None:
                 time.sleep(2.0)
             writeback_s = time.perf_counter() - t0
             written = scrape(w.base_url)
-        unit, info = _unit(model, written)
-        phase_s = a.chunks / 3 * info["chunk_bytes"]["full"] * 8 / 1e6 / (4 * unit)
+            # calibration: unshaped full-frame fetches (the first warms the pool); seconds per chunk
+            for _ in range(2):
+                flush_device_cache(w.base_url)
+                before = scrape(w.base_url)
+                _stream(w.base_url, ids, 1)
+                time.sleep(0.5)
+                calib_s = metric(delta(scrape(w.base_url), before), "remote_kv_kv_wait_seconds_sum")
+        unit, info = _unit(model, written, calib_s / a.chunks)
+        phase_s = a.chunks / 3 * calib_s / a.chunks  # a third of the chunks per phase, at the balanced rate
         cost = {
             lab: int(written.get(f'{P}nvdec_written_bytes_total{{resolution="{lab}"}}', 0)) for lab in LABELS
         }
         logger.info("trace unit %.1f Mbit/s, phase %.2f s; store cost per version %s", unit, phase_s, cost)
-        # 2./3. each configuration: warm-up, then the measured fetches under the trace
-        for cfg in configs:
-            store.set_rate(TRACE[0][0] * unit)
-            with _server(model, store.url, cfg, Path(tmp)) as srv:
+        # 2./3. every configuration's server up at once (idle servers sleep); one warm-up fetch each, then
+        # the measured fetches interleaved (rep-major, the order rotated per rep: load drifts on this box)
+        store.set_rate(TRACE[0][0] * unit)
+        with contextlib.ExitStack() as stack:
+            servers = {cfg: stack.enter_context(_server(model, store.url, cfg, Path(tmp))) for cfg in configs}
+            for cfg, srv in servers.items():
                 warm = _fetch(srv, store, ids, unit, phase_s, cold["output_ids"], a.new_tokens)
                 logger.info("%s warm-up: %s", cfg, warm)
                 rows[cfg] = []
-                for rep in range(a.reps):
-                    r = _fetch(srv, store, ids, unit, phase_s, cold["output_ids"], a.new_tokens)
+            for rep in range(a.reps):
+                order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
+                for cfg in order:
+                    r = _fetch(servers[cfg], store, ids, unit, phase_s, cold["output_ids"], a.new_tokens)
                     logger.info("%s rep %d: %s", cfg, rep, r)
                     rows[cfg].append(r)
         store.set_rate(None)
     med = {
         cfg: {
             k: statistics.median(r[k] for r in rs)
-            for k in ("ttft_s", "decoder_wait_s", "link_wait_s", "bytes_fetched")
+            for k in ("ttft_s", "fetch_s", "link_s", "decoder_wait_s", "link_wait_s", "bytes_fetched")
         }
         for cfg, rs in rows.items()
     }
     fixed = {c: m["ttft_s"] for c, m in med.items() if c != "adaptive"}
+    fixed_fetch = {c: m["fetch_s"] for c, m in med.items() if c != "adaptive"}
     result = {
         "adaptive_ttft_s": med.get("adaptive", {}).get("ttft_s"),
         "best_fixed_ttft_s": min(fixed.values()) if fixed else None,
         "best_fixed": min(fixed, key=fixed.get) if fixed else None,
         "worst_fixed_ttft_s": max(fixed.values()) if fixed else None,
         "worst_fixed": max(fixed, key=fixed.get) if fixed else None,
+        "adaptive_fetch_s": med.get("adaptive", {}).get("fetch_s"),
+        "best_fixed_fetch_s": min(fixed_fetch.values()) if fixed_fetch else None,
+        "worst_fixed_fetch_s": max(fixed_fetch.values()) if fixed_fetch else None,
         "cold_ttft_s": round(cold["ttft_s"], 3),
         "medians": med,
         "runs": rows,
@@ -291,13 +311,15 @@ def main() -> None:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     print(
-        f"\n{'config':<10} {'TTFT s':>8} {'dec wait s':>11} {'link wait s':>12} {'MB fetched':>11}  resolutions"
+        f"\n{'config':<10} {'TTFT s':>8} {'fetch s':>8} {'dec wait s':>11} {'link wait s':>12} "
+        f"{'MB fetched':>11}  resolutions"
     )
     for cfg, rs in rows.items():
         m = med[cfg]
         res = rs[len(rs) // 2]["chunks_by_resolution"]
         print(
-            f"{cfg:<10} {m['ttft_s']:>8.2f} {m['decoder_wait_s']:>11.2f} {m['link_wait_s']:>12.2f} "
+            f"{cfg:<10} {m['ttft_s']:>8.2f} {m['fetch_s']:>8.2f} {m['decoder_wait_s']:>11.2f} "
+            f"{m['link_wait_s']:>12.2f} "
             f"{m['bytes_fetched'] / 1e6:>11.2f}  {res}"
         )
     print(
@@ -308,6 +330,9 @@ def main() -> None:
                     "adaptive_ttft_s",
                     "best_fixed_ttft_s",
                     "worst_fixed_ttft_s",
+                    "adaptive_fetch_s",
+                    "best_fixed_fetch_s",
+                    "worst_fixed_fetch_s",
                     "adaptive_vs_worst",
                     "adaptive_over_best",
                     "tokens_equal_cold",
