@@ -55,7 +55,14 @@ from benchmarks.bench_codec import (  # noqa: E402
 RD_OUT = OUT.with_name("codec_rd.json")
 POINTS_CACHE = kvdata.CACHE.parent / "rd_points.json"
 FLOORS = {"near_lossless": {"kl": 0.001, "top1": 0.98}, "loose": {"kl": 0.01, "top1": 0.0}}
-OURS = ("ours-deflate", "ours-rans", "transform-deflate", "transform-rans", "transform-rans-perhead")
+OURS = (
+    "ours-deflate",
+    "ours-rans",
+    "transform-deflate",
+    "transform-rans",
+    "transform-auto",
+    "transform-rans-perhead",
+)
 PEERS = ("cachegen", "shadowserve", "int8", "kvtc", "turboquant", "turboquant-prod", "turboquant-vllm", "ans")
 KVTC_BITS = ("1", "1.5", "2", "2.5", "3", "3.5", "4", "5", "6", "8")
 UNIFORM = ("256", "192", "128", "96", "64", "32")
@@ -107,7 +114,7 @@ def family_specs(family: str) -> list[Spec]:
             k, v = _scaled_cachegen(f)
             out.append(quant(f"CacheGen bins x{f} ({k} | {v})", family, codec, k, v))
         return out
-    if family in ("transform-deflate", "transform-rans"):
+    if family in ("transform-deflate", "transform-rans", "transform-auto"):
         from sgl_remote_kv.codec.calibration import LEVELS
 
         entropy = family.split("-")[1]
@@ -156,6 +163,7 @@ FAMILIES = (
     "ours-rans",
     "transform-deflate",
     "transform-rans",
+    "transform-auto",
     "transform-rans-perhead",
 )
 

@@ -56,7 +56,10 @@ MARGIN = 0.6  # calibrate to this fraction of each level's KL target
 STEP_RANGE = (0.004, 2.0)
 PROBE = calib_mod.DEFAULT_LEVEL  # the level name provisional calibrations carry their candidate steps under
 BISECT = 5
-THREADS = 2  # the fit's thread count (part of what makes it reproducible; measured: 1 and 2 give equal bits)
+# The fit's thread count, part of what makes it reproducible (measured: the model's KV has equal bits at 1
+# and 2 threads). One: an OpenMP team of 2 on a busy 2-core machine spent 7.8 CPU-s per KL evaluation
+# instead of 1.2 (spinning at barriers).
+THREADS = 1
 
 
 @dataclass
