@@ -4,7 +4,7 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-codec-speed bench-store bench-dpu bench-dpu-service bench-dpu-floor bench-nvdec bench-adaptive-resolution \
 	bench-cpu-attention bench-e2e bench-e2e-quick bench-burst bench-tail projection soak test-faults \
-	test-conformance dashboard bench-exactness gpu-rehearsal clean
+	test-conformance dashboard bench-exactness bench-task-accuracy gpu-rehearsal clean
 
 setup:
 	bash scripts/setup_env.sh
@@ -66,6 +66,12 @@ bench-codec-speed: calibration
 # Greedy divergence of remote vs local hits per codec, and of exact-KV requests (real servers)
 bench-exactness: model
 	$(PY) -m benchmarks.bench_exactness
+
+# Task accuracy (passkey / multi-key / key-value retrieval) of recompute, local hits and remote hits per codec
+# and quality level, with confidence intervals (real servers, float32: the build the calibration belongs to;
+# ~40 min on an idle 2-core machine; --items/--levels/--codecs shorten it)
+bench-task-accuracy: calibration
+	$(PY) -m benchmarks.bench_task_accuracy
 
 bench-store: setup
 	$(PY) -m benchmarks.bench_store

@@ -1,0 +1,541 @@
+"""Task accuracy of recompute, local hits and remote hits per codec and quality level, on real servers
+(``make bench-task-accuracy``; part 3 of issue #38: task accuracy, not only KL).
+
+Items (``benchmarks/task_accuracy_items.py``): RULER-style retrieval from ~1,000-token haystacks cut from
+the texts on this machine, the needle at depths 10%..90%: ``passkey`` (one pass key), ``multikey`` (four
+coloured doors' pass keys, one asked), ``kv`` (four "population of X" records, one asked); chat template,
+the assistant's answer primed ("The pass key is"), greedy, scored by string match on the first number.
+
+One ``--remote-kv dpu`` server per codec / quality level (levels have their own key namespaces), file://
+store in a temporary directory, chunks of 64 tokens, fetch always preferred (``--remote-kv-policy-margin
+1e9``), float32 weights (the build the calibration belongs to). Per server, per item: a cold request
+(recomputed, written back), on the first server the same request again (a **local hit**: SGLang's radix
+cache), then after the write-back went quiet and ``/flush_cache`` every item once more: a **remote hit**
+(the document's chunks come back through the codec; ``cached_tokens_details.storage`` says how many
+tokens, reported as the remote-hit token share). The transform codec's default level is served by a
+server started without ``--remote-kv-quality`` (what a user gets), the metrics' ``quality`` label says
+which level that was.
+
+Reported per condition and task: accuracy with a Wilson 95% interval; for every condition against
+recompute on the same items: the accuracy delta with a paired bootstrap 95% interval, McNemar's exact
+p-value, and the share of items whose extracted answer differs. Top level: ``default_accuracy_delta``
+(remote hit at the default level minus recompute, a fraction) with its interval, and ``per_level``.
+Writes ``docs/results/task_accuracy.json`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import random
+import re
+import shlex
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.e2e_probe import generate
+from benchmarks.e2e_server import flush_device_cache, metric, scrape
+from benchmarks.task_accuracy_items import TASKS, Item, extract, load_corpus, make_items, score
+from sgl_remote_kv.launcher import ServerSpec, SGLangServer
+from sgl_remote_kv.model import ensure_model
+from sgl_remote_kv.types import DEFAULT_QUALITY, QUALITY_LEVELS
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "docs" / "results" / "task_accuracy.json"
+CODECS = ("transform", "lossless", "quant_deflate")  # transform: one server per --levels entry
+CHUNK = 64
+ANSWER_TOKENS = 8  # " 48213." is 7 tokens; generation also stops at a newline
+BOOTSTRAP = 5000
+log = logging.getLogger("bench_task_accuracy")
+
+
+# -- statistics -------------------------------------------------------------------------------------
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion k/n."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return (max(0.0, mid - half), min(1.0, mid + half))
+
+
+def paired_bootstrap(
+    a: list[bool], b: list[bool], reps: int = BOOTSTRAP, seed: int = 0
+) -> tuple[float, float]:
+    """95% percentile interval of mean(b) - mean(a) over items resampled with replacement (paired)."""
+    d = [int(y) - int(x) for x, y in zip(a, b, strict=True)]
+    if not d:
+        return (0.0, 0.0)
+    rng = random.Random(seed)
+    n = len(d)
+    means = sorted(sum(d[rng.randrange(n)] for _ in range(n)) / n for _ in range(reps))
+    return (means[int(0.025 * reps)], means[min(reps - 1, int(0.975 * reps))])
+
+
+def mcnemar_exact(a: list[bool], b: list[bool]) -> dict:
+    """Discordant pairs (a right / b wrong, a wrong / b right) and the exact two-sided p-value."""
+    lost = sum(1 for x, y in zip(a, b, strict=True) if x and not y)
+    gained = sum(1 for x, y in zip(a, b, strict=True) if y and not x)
+    m = lost + gained
+    tail = sum(math.comb(m, i) for i in range(min(lost, gained) + 1)) / 2**m if m else 1.0
+    return {"lost": lost, "gained": gained, "p": min(1.0, 2 * tail)}
+
+
+def accuracy(correct: list[bool]) -> dict:
+    k, n = sum(correct), len(correct)
+    lo, hi = wilson(k, n)
+    return {"correct": k, "items": n, "accuracy": k / n if n else None, "ci95": [lo, hi]}
+
+
+def versus(ref: list[bool], other: list[bool], ref_ans: list, other_ans: list, seed: int) -> dict:
+    n = len(ref)
+    lo, hi = paired_bootstrap(ref, other, seed=seed)
+    return {
+        "delta": (sum(other) - sum(ref)) / n if n else None,
+        "ci95": [lo, hi],
+        "mcnemar": mcnemar_exact(ref, other),
+        "answer_changed": sum(1 for x, y in zip(ref_ans, other_ans, strict=True) if x != y) / n
+        if n
+        else None,
+    }
+
+
+# -- servers ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Condition:
+    name: str  # e.g. "transform@0.001", "lossless"
+    codec: str  # --remote-kv-codec
+    quality: str | None  # --remote-kv-quality (None: the server's default)
+
+
+def conditions(codecs: list[str], levels: list[str]) -> list[Condition]:
+    """The default level first (the headline; its server gives recompute and local hits), then the other
+    codecs, then the other levels, finest first."""
+    out = []
+    levels = sorted(levels, key=lambda q: (q != DEFAULT_QUALITY, QUALITY_LEVELS.index(q)))
+    for c in codecs:
+        if c == "transform":
+            for q in levels:
+                # the default level is served by a server started without the flag: what a user gets
+                out.append(Condition(f"transform@{q}", "default", None if q == DEFAULT_QUALITY else q))
+        else:
+            out.append(Condition(c, c, None))
+    rank = {c.name: k for k, c in enumerate(out)}
+    return sorted(
+        out,
+        key=lambda c: (
+            c.name != f"transform@{DEFAULT_QUALITY}",
+            c.name.startswith("transform@"),
+            rank[c.name],
+        ),
+    )
+
+
+def wait_written(url: str, min_chunks: int, quiet_s: float = 4.0, timeout_s: float = 900.0) -> float:
+    """Wait until at least ``min_chunks`` chunks were written back and the counter then stood still for
+    ``quiet_s`` (tail sub-chunks come on top); a loaded machine encodes slowly, and a flush before the
+    write-back landed would turn remote hits into misses. Returns the written bytes."""
+    deadline = time.monotonic() + timeout_s
+    last, since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        m = scrape(url)
+        chunks = metric(m, "remote_kv_written_chunks_total")
+        if chunks != last:
+            last, since = chunks, time.monotonic()
+        elif chunks >= min_chunks and time.monotonic() - since >= quiet_s:
+            return metric(m, "remote_kv_written_bytes_total")
+        time.sleep(1.0)
+    log.warning("write-back: %s of at least %d chunks after %.0f s", last, min_chunks, timeout_s)
+    return metric(scrape(url), "remote_kv_written_bytes_total")
+
+
+def server_args(cond: Condition, store: Path) -> tuple[str, ...]:
+    args = [
+        "--enable-metrics",
+        "--enable-cache-report",
+        "--attention-backend",
+        "torch_native",
+        "--remote-kv",
+        "dpu",
+        "--remote-kv-store",
+        f"file://{store}",
+        "--remote-kv-codec",
+        cond.codec,
+        "--remote-kv-chunk-size",
+        str(CHUNK),
+        "--remote-kv-policy-margin",
+        "1e9",
+    ]
+    if cond.quality is not None:
+        args += ["--remote-kv-quality", cond.quality]
+    return tuple(args)
+
+
+def _ask(url: str, ids: list[int], tok, tokens: int = ANSWER_TOKENS) -> dict:
+    t0 = time.monotonic()
+    out = generate(url, ids, tokens, ignore_eos=False, stop=["\n"])
+    meta = out.get("meta_info", {})
+    return {
+        "text": tok.decode(out["output_ids"], skip_special_tokens=True),
+        "first_token": out["output_ids"][0] if out["output_ids"] else None,
+        "cached": meta.get("cached_tokens") or 0,
+        "storage": (meta.get("cached_tokens_details") or {}).get("storage") or 0,
+        "s": time.monotonic() - t0,
+    }
+
+
+def _each(fn, prompts: list[list[int]], concurrency: int) -> list:
+    """``fn(ids)`` for every prompt, ``concurrency`` at a time, results in prompt order."""
+    if concurrency <= 1:
+        return [fn(ids) for ids in prompts]
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(fn, prompts))
+
+
+def run_server(
+    model: str,
+    cond: Condition,
+    prompts: list[list[int]],
+    tok,
+    workdir: Path,
+    logdir: Path,
+    first: bool,
+    concurrency: int,
+) -> dict:
+    """Cold pass (on the first server each prompt at once again: the local hit; later servers generate one
+    token only: the cold pass is their write-back), then ``/flush_cache`` and the remote pass."""
+    store = workdir / f"store-{cond.name}"
+    t0 = time.monotonic()
+    spec = ServerSpec(
+        model_path=model,
+        extra_args=server_args(cond, store),
+        log_path=str(logdir / f"server-{cond.name}.log"),
+    )
+    with SGLangServer(spec) as srv:
+        url = srv.base_url
+        started = time.monotonic() - t0
+
+        def cold_local(ids: list[int]) -> tuple[dict, dict | None]:
+            cold = _ask(url, ids, tok, ANSWER_TOKENS if first else 1)
+            # right after its cold request: the radix cache still holds the whole prompt
+            return cold, (_ask(url, ids, tok) if first else None)
+
+        pairs = _each(cold_local, prompts, concurrency)
+        cold, loc = [c for c, _ in pairs], [x for _, x in pairs if x is not None]
+        t_cold = time.monotonic()
+        log.info("%s: cold%s pass %.0fs", cond.name, " + local" if first else "", t_cold - t0 - started)
+        written = wait_written(url, sum((len(p) - 1) // CHUNK for p in prompts))
+        flush_device_cache(url)
+        t_flush = time.monotonic()
+        remote = _each(lambda ids: _ask(url, ids, tok), prompts, concurrency)
+        t_remote = time.monotonic()
+        metrics = scrape(url)
+    served_by = sorted(
+        set(
+            re.findall(
+                r'codec="([^"]+)"', " ".join(k for k, v in metrics.items() if "hit_tokens_total" in k and v)
+            )
+        )
+    )
+    quality = sorted(
+        set(
+            re.findall(
+                r'quality="([^"]+)"',
+                " ".join(k for k, v in metrics.items() if "hit_tokens_by_quality" in k and v),
+            )
+        )
+    )
+    row = {
+        "condition": cond.name,
+        "server_args": list(server_args(cond, Path("<tmp>/store"))),
+        "served_by": served_by,
+        "quality_served": quality,
+        "cold": cold,
+        "local": loc,
+        "remote": remote,
+        "written_bytes": written,
+        "fetched_bytes": metric(metrics, "remote_kv_fetched_bytes_total") or None,
+        "failures": {k: v for k, v in metrics.items() if "failures" in k and v},
+        "seconds": {
+            "start": started,
+            "cold": t_cold - t0 - started,
+            "writeback_wait": t_flush - t_cold,
+            "remote": t_remote - t_flush,
+            "remote_request_mean": sum(r["s"] for r in remote) / len(remote),
+        },
+    }
+    log.info(
+        "%s: served by %s %s, remote-hit share %.3f, %.0fs",
+        cond.name,
+        served_by,
+        quality,
+        sum(r["storage"] for r in remote) / max(1, sum(len(p) for p in prompts)),
+        time.monotonic() - t0,
+    )
+    return row
+
+
+# -- report -----------------------------------------------------------------------------------------
+def summarize(items: list[Item], answers: dict[str, list[str]], seed: int) -> dict:
+    """Per condition: accuracy per task and over all; vs recompute: paired delta, CI, McNemar."""
+    by_task = {t: [i for i, it in enumerate(items) if it.task == t] for t in TASKS}
+    by_task = {t: ix for t, ix in by_task.items() if ix}
+    correct = {c: [score(a, it) for a, it in zip(ans, items, strict=True)] for c, ans in answers.items()}
+    extracted = {c: [extract(a, it) for a, it in zip(ans, items, strict=True)] for c, ans in answers.items()}
+    ref, ref_x = correct["recompute"], extracted["recompute"]
+    out = {}
+    for c in answers:
+        row = {"all": accuracy(correct[c])}
+        for t, ix in by_task.items():
+            row[t] = accuracy([correct[c][i] for i in ix])
+        depths = sorted({it.depth for it in items})
+        row["by_depth"] = {
+            f"{d:.1f}": accuracy([correct[c][i] for i, it in enumerate(items) if it.depth == d])
+            for d in depths
+        }
+        if c != "recompute":
+            row["vs_recompute"] = {"all": versus(ref, correct[c], ref_x, extracted[c], seed)}
+            for t, ix in by_task.items():
+                row["vs_recompute"][t] = versus(
+                    [ref[i] for i in ix],
+                    [correct[c][i] for i in ix],
+                    [ref_x[i] for i in ix],
+                    [extracted[c][i] for i in ix],
+                    seed,
+                )
+        out[c] = row
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def table(result: dict) -> str:
+    tasks = result["tasks"]
+    head = ["condition", "remote-hit share"] + [f"{t} acc % [95% CI]" for t in tasks]
+    head += [
+        "all acc % [95% CI]",
+        "delta vs recompute, pts [95% CI]",
+        "McNemar lost/gained (p)",
+        "answers changed",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c, row in result["conditions"].items():
+        cells = [
+            c,
+            _pct(row.get("remote_hit_token_share")) + ("%" if "remote_hit_token_share" in row else ""),
+        ]
+        for t in [*tasks, "all"]:
+            a = row[t]
+            cells.append(f"{_pct(a['accuracy'])} [{_pct(a['ci95'][0])}, {_pct(a['ci95'][1])}]")
+        v = row.get("vs_recompute", {}).get("all")
+        if v:
+            cells.append(f"{100 * v['delta']:+.1f} [{100 * v['ci95'][0]:+.1f}, {100 * v['ci95'][1]:+.1f}]")
+            m = v["mcnemar"]
+            cells.append(f"{m['lost']}/{m['gained']} ({m['p']:.2f})")
+            cells.append(f"{100 * v['answer_changed']:.1f}%")
+        else:
+            cells += ["(reference)", "-", "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def level_table(result: dict) -> str:
+    lines = ["| level | remote-hit share | accuracy % | delta vs recompute, pts [95% CI] | answers changed |"]
+    lines.append("|---|---|---|---|---|")
+    for q, r in result["per_level"].items():
+        lines.append(
+            f"| {q}{' (default)' if q == result['default_level'] else ''} | {_pct(r['remote_hit_token_share'])}% | "
+            f"{_pct(r['accuracy'])} | {100 * r['delta']:+.1f} [{100 * r['ci95'][0]:+.1f}, {100 * r['ci95'][1]:+.1f}] | "
+            f"{_pct(r['answer_changed'])}% |"
+        )
+    return "\n".join(lines)
+
+
+def build_result(
+    rows: list[dict],
+    items: list[Item],
+    prompts: list[list[int]],
+    tasks: list[str],
+    levels: list[str],
+    args: argparse.Namespace,
+    meta: dict,
+    complete: bool,
+) -> dict:
+    """The JSON of the servers run so far (recompute and local hits from the first)."""
+    first = rows[0]
+    answers = {
+        "recompute": [r["text"] for r in first["cold"]],
+        "local_hit": [r["text"] for r in first["local"]],
+    }
+    for r in rows:
+        answers[f"remote:{r['condition']}"] = [x["text"] for x in r["remote"]]
+    cond_rows = summarize(items, answers, args.seed)
+    total_prompt = sum(len(p) for p in prompts)
+    cond_rows["local_hit"]["cached_token_share"] = sum(x["cached"] for x in first["local"]) / total_prompt
+    for r in rows:
+        c = cond_rows[f"remote:{r['condition']}"]
+        c["remote_hit_token_share"] = sum(x["storage"] for x in r["remote"]) / total_prompt
+        c["cached_token_share"] = sum(x["cached"] for x in r["remote"]) / total_prompt
+        c["items_with_remote_hit"] = sum(1 for x in r["remote"] if x["storage"] > 0)
+        c["served_by"], c["quality_served"] = r["served_by"], r["quality_served"]
+        c["server_args"], c["seconds"], c["failures"] = r["server_args"], r["seconds"], r["failures"]
+        c["written_bytes"], c["fetched_bytes"] = r["written_bytes"], r["fetched_bytes"]
+        # recompute is deterministic (fp32, one request at a time): every server's cold first token should
+        # equal the first server's
+        c["cold_first_token_differs_from_recompute"] = sum(
+            1 for x, y in zip(r["cold"], first["cold"], strict=True) if x["first_token"] != y["first_token"]
+        )
+    per_level = {}
+    for q in sorted(levels, key=QUALITY_LEVELS.index):
+        c = cond_rows.get(f"remote:transform@{q}")
+        if c:
+            v = c["vs_recompute"]["all"]
+            per_level[q] = {
+                "accuracy": c["all"]["accuracy"],
+                "delta": v["delta"],
+                "ci95": v["ci95"],
+                "mcnemar": v["mcnemar"],
+                "answer_changed": v["answer_changed"],
+                "remote_hit_token_share": c["remote_hit_token_share"],
+                "served_by": c["served_by"],
+                "quality_served": c["quality_served"],
+            }
+    default = cond_rows.get(f"remote:transform@{DEFAULT_QUALITY}")
+    result = {
+        "model": "SmolLM2-135M-Instruct float32 (dequantized from GGUF Q4_1)",
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "loadavg_start": meta["load_start"],
+            "loadavg_end": os.getloadavg(),
+        },
+        "command": "python -m benchmarks.bench_task_accuracy " + shlex.join(meta["argv"]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "wall_s": time.monotonic() - meta["t_start"],
+        "complete": complete,
+        "conditions_run": [r["condition"] for r in rows],
+        "tasks": tasks,
+        "items_per_task": args.items,
+        "items": len(items),
+        "doc_tokens": args.doc_tokens,
+        "prompt_tokens": {
+            "min": min(map(len, prompts)),
+            "max": max(map(len, prompts)),
+            "mean": total_prompt / len(prompts),
+        },
+        "chunk_size": CHUNK,
+        "answer_tokens": ANSWER_TOKENS,
+        "concurrency": args.concurrency,
+        "seed": args.seed,
+        "default_level": DEFAULT_QUALITY,
+        "default_accuracy_delta": default["vs_recompute"]["all"]["delta"] if default else None,
+        "default_accuracy_delta_ci95": default["vs_recompute"]["all"]["ci95"] if default else None,
+        "per_level": per_level,
+        "conditions": cond_rows,
+        "per_item": [
+            {
+                "task": it.task,
+                "index": it.index,
+                "depth": it.depth,
+                "actual_depth": round(it.actual_depth, 4),
+                "answer": it.answer,
+                "prompt_tokens": len(p),
+                "outputs": {c: answers[c][i] for c in answers},
+                "remote_hit_tokens": {f"remote:{r['condition']}": r["remote"][i]["storage"] for r in rows},
+            }
+            for i, (it, p) in enumerate(zip(items, prompts, strict=True))
+        ],
+    }
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--items", type=int, default=18, help="items per task (depths cycle through 10%%..90%%)")
+    ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("--codecs", default=",".join(CODECS), help="transform = one server per --levels entry")
+    ap.add_argument("--levels", default=",".join(QUALITY_LEVELS), help="transform codec quality levels")
+    ap.add_argument("--doc-tokens", type=int, default=1000, help="haystack length in tokens")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="requests in flight (1: one at a time, the cleanest comparison; more: batched, faster on a loaded "
+        "machine, and batch shapes add their own float noise, which local_hit and lossless then show)",
+    )
+    ap.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "srkv-task-accuracy-logs")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[task-accuracy] %(message)s")
+    codecs = [c for c in args.codecs.split(",") if c]
+    levels = [q for q in args.levels.split(",") if q]
+    tasks = [t for t in args.tasks.split(",") if t]
+    for q in levels:
+        if q not in QUALITY_LEVELS:
+            ap.error(f"--levels: {q!r} is not one of {QUALITY_LEVELS}")
+    t_start = time.monotonic()
+    load_start = os.getloadavg()
+
+    from transformers import AutoTokenizer
+
+    model = str(ensure_model("float32"))
+    tok = AutoTokenizer.from_pretrained(model)
+
+    def count(s: str) -> int:
+        return len(tok(s, add_special_tokens=False)["input_ids"])
+
+    corpus = load_corpus()
+    items = [it for t in tasks for it in make_items(t, args.items, args.seed, corpus, count, args.doc_tokens)]
+    prompts = []
+    for it in items:
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": it.user_message}], tokenize=False, add_generation_prompt=True
+        )
+        prompts.append(tok(text + it.prime, add_special_tokens=False)["input_ids"])
+    log.info("%d items, prompts %d..%d tokens", len(items), min(map(len, prompts)), max(map(len, prompts)))
+
+    rows: list[dict] = []
+    conds = conditions(codecs, levels)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"argv": argv if argv is not None else sys.argv[1:], "t_start": t_start, "load_start": load_start}
+    with tempfile.TemporaryDirectory(prefix="srkv-taskacc-") as tmp:
+        for k, cond in enumerate(conds):
+            rows.append(
+                run_server(model, cond, prompts, tok, Path(tmp), args.log_dir, k == 0, args.concurrency)
+            )
+            # written after every server: an interrupted run keeps what it measured ("complete": false)
+            result = build_result(
+                rows, items, prompts, tasks, levels, args, meta, complete=k == len(conds) - 1
+            )
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(table(result))
+    if result["per_level"]:
+        print()
+        print(level_table(result))
+    if result["default_accuracy_delta"] is not None:
+        lo, hi = result["default_accuracy_delta_ci95"]
+        print(
+            f"\ndefault_accuracy_delta (remote hit at {DEFAULT_QUALITY} - recompute): "
+            f"{result['default_accuracy_delta']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+        )
+    print(f"wrote {args.out} ({result['wall_s'] / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
