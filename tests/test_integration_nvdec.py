@@ -22,6 +22,9 @@ pytestmark = pytest.mark.e2e
 TOPICS = ("rivers of Europe", "how bees make honey")
 # The restart must read through NVDEC: the policy may otherwise prefer recompute on a loaded box.
 ALWAYS_FETCH = ("--remote-kv-policy-margin", "1e9")
+# One version per chunk (the full frame): the extra resolutions' write-back tripled this test's time; the
+# adaptive versions are served in tests/test_nvdec_adaptive_server.py (slow) and test_nvdec_adaptive_serving.py.
+ONE_VERSION = ("--remote-kv-nvdec-resolutions", "full")
 NEW_TOKENS = 16
 
 
@@ -38,7 +41,7 @@ def written(model_dir, tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [_prompt(tok, t) for t in TOPICS]
     store = f"file://{tmp_path_factory.mktemp('nvdec') / 'store'}"
-    with remote_kv_server(model_dir, store, codec="default", mode="nvdec") as s1:
+    with remote_kv_server(model_dir, store, *ONE_VERSION, codec="default", mode="nvdec") as s1:
         ref = [generate(s1, p, NEW_TOKENS)[0]["output_ids"] for p in prompts]
         need = sum((len(p) - 1) // CHUNK for p in prompts)
         deadline = time.monotonic() + 300  # hevc encode is ~1-2 s per chunk on a loaded CPU
@@ -57,7 +60,7 @@ def _agreement(ref, outs) -> tuple[int, int]:
 
 def test_nvdec_restart_remote_hit(model_dir, written):
     store, prompts, ref = written
-    with remote_kv_server(model_dir, store, *ALWAYS_FETCH, codec="default", mode="nvdec") as s2:
+    with remote_kv_server(model_dir, store, *ALWAYS_FETCH, *ONE_VERSION, codec="default", mode="nvdec") as s2:
         outs = [generate(s2, p, NEW_TOKENS)[0] for p in prompts]
         m = metrics(s2)
     for p, o in zip(prompts, outs, strict=True):
