@@ -43,7 +43,7 @@ from pathlib import Path
 
 from benchmarks.e2e_probe import generate
 from benchmarks.e2e_server import flush_device_cache, metric, scrape
-from benchmarks.task_accuracy_items import TASKS, Item, extract, load_corpus, make_items, score
+from benchmarks.task_accuracy_items import TASKS, Item, extract, load_corpus, make_suite, score
 from sgl_remote_kv.launcher import ServerSpec, SGLangServer
 from sgl_remote_kv.model import ensure_model
 from sgl_remote_kv.types import DEFAULT_QUALITY, QUALITY_LEVELS
@@ -54,6 +54,7 @@ CODECS = ("transform", "lossless", "quant_deflate")  # transform: one server per
 CHUNK = 64
 ANSWER_TOKENS = 8  # " 48213." is 7 tokens; generation also stops at a newline
 BOOTSTRAP = 5000
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")  # --server-threads
 log = logging.getLogger("bench_task_accuracy")
 
 
@@ -141,15 +142,16 @@ def conditions(codecs: list[str], levels: list[str]) -> list[Condition]:
     )
 
 
-def wait_written(url: str, min_chunks: int, quiet_s: float = 4.0, timeout_s: float = 900.0) -> float:
-    """Wait until at least ``min_chunks`` chunks were written back and the counter then stood still for
+def wait_written(url: str, min_chunks: int, quiet_s: float = 4.0, timeout_s: float = 300.0) -> float:
+    """Wait until at least ``min_chunks`` chunks were written back (or skipped) and the count stood still for
     ``quiet_s`` (tail sub-chunks come on top); a loaded machine encodes slowly, and a flush before the
     write-back landed would turn remote hits into misses. Returns the written bytes."""
     deadline = time.monotonic() + timeout_s
     last, since = None, time.monotonic()
     while time.monotonic() < deadline:
         m = scrape(url)
-        chunks = metric(m, "remote_kv_written_chunks_total")
+        # a chunk already in the store (another prompt's identical prefix) is skipped, not written
+        chunks = metric(m, "remote_kv_written_chunks_total") + metric(m, "remote_kv_writeback_skipped_total")
         if chunks != last:
             last, since = chunks, time.monotonic()
         elif chunks >= min_chunks and time.monotonic() - since >= quiet_s:
@@ -211,6 +213,7 @@ def run_server(
     logdir: Path,
     first: bool,
     concurrency: int,
+    threads: int = 0,
 ) -> dict:
     """Cold pass (on the first server each prompt at once again: the local hit; later servers generate one
     token only: the cold pass is their write-back), then ``/flush_cache`` and the remote pass."""
@@ -439,6 +442,7 @@ def build_result(
         "chunk_size": CHUNK,
         "answer_tokens": ANSWER_TOKENS,
         "concurrency": args.concurrency,
+        "server_threads": args.server_threads or None,
         "seed": args.seed,
         "default_level": DEFAULT_QUALITY,
         "default_accuracy_delta": default["vs_recompute"]["all"]["delta"] if default else None,
@@ -477,6 +481,14 @@ def main(argv: list[str] | None = None) -> int:
         help="requests in flight (1: one at a time, the cleanest comparison; more: batched, faster on a loaded "
         "machine, and batch shapes add their own float noise, which local_hit and lossless then show)",
     )
+    ap.add_argument(
+        "--server-threads",
+        type=int,
+        default=0,
+        help="OpenMP/BLAS threads of each server (0: torch's default, one per core). On a machine shared with "
+        "other busy processes use 1: two OpenMP threads that cannot run at once spin at every barrier (a "
+        "prefill GEMM ran 2.3x slower with 2 threads than with 1 at load average 8 here)",
+    )
     ap.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "srkv-task-accuracy-logs")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
@@ -499,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         return len(tok(s, add_special_tokens=False)["input_ids"])
 
     corpus = load_corpus()
-    items = [it for t in tasks for it in make_items(t, args.items, args.seed, corpus, count, args.doc_tokens)]
+    items = make_suite(tasks, args.items, args.seed, corpus, count, args.doc_tokens)
     prompts = []
     for it in items:
         text = tok.apply_chat_template(
@@ -516,7 +528,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="srkv-taskacc-") as tmp:
         for k, cond in enumerate(conds):
             rows.append(
-                run_server(model, cond, prompts, tok, Path(tmp), args.log_dir, k == 0, args.concurrency)
+                run_server(
+                    model,
+                    cond,
+                    prompts,
+                    tok,
+                    Path(tmp),
+                    args.log_dir,
+                    k == 0,
+                    args.concurrency,
+                    args.server_threads,
+                )
             )
             # written after every server: an interrupted run keeps what it measured ("complete": false)
             result = build_result(

@@ -14,7 +14,8 @@ Everything is deterministic given the corpus, the seed and the token counter: th
 model's tokenizer (``count_tokens``), tests a stand-in. Depths are fractions of the haystack's tokens
 (the needle's start over the haystack's length, questions and templates excluded); an item records the
 depth it asked for and the one it got (sentence granularity). No two items of one call start with the
-same paragraph, so their prompts share no prefix beyond the chat template's few tokens.
+same opening (first 60 characters), so their prompts share no 64-token chunk, only the chat template's few
+tokens.
 
 Scoring (``score``) is by string match on the first candidate in the model's output: for numeric
 answers the first number (thousands separators, spaces or narrow spaces between digit groups,
@@ -46,6 +47,7 @@ DEPTHS = (
 CORPUS_GLOBS = ("/usr/share/common-licenses/*", "/usr/share/doc/*/copyright")
 MIN_PARAGRAPH_CHARS = 120
 MAX_SENTENCE_CHARS = 500
+START_KEY_CHARS = 60  # items start at paragraphs whose first 60 characters (~12 tokens) differ
 
 COLOURS = ("red", "blue", "green", "yellow", "black", "white", "orange", "purple")
 PLACES = ("Zorbia", "Quenland", "Trivania", "Morlond", "Aspeth", "Kelvaria", "Dunmark", "Oressa")
@@ -159,6 +161,35 @@ def _insert(
     return doc, actual
 
 
+def pick_starts(paragraphs: Sequence[str], n: int, rng: random.Random) -> list[int]:
+    """``n`` start paragraphs whose openings (first ``START_KEY_CHARS`` characters) all differ: two prompts
+    sharing a 64-token chunk would turn one's cold request into a remote hit."""
+    firsts: dict[str, int] = {}
+    for k, para in enumerate(paragraphs):
+        firsts.setdefault(para[:START_KEY_CHARS].lower(), k)
+    candidates = sorted(firsts.values())
+    if n > len(candidates):
+        raise ValueError(f"{n} items need {n} distinct start paragraphs; the corpus has {len(candidates)}")
+    return rng.sample(candidates, n)
+
+
+def make_suite(
+    tasks: Sequence[str],
+    n: int,
+    seed: int,
+    paragraphs: Sequence[str],
+    count: TokenCounter,
+    doc_tokens: int = 1000,
+) -> list[Item]:
+    """``n`` items of every task, no two of them (of any task) starting alike."""
+    starts = pick_starts(paragraphs, n * len(tasks), random.Random(f"starts:{seed}"))
+    return [
+        it
+        for k, task in enumerate(tasks)
+        for it in make_items(task, n, seed, paragraphs, count, doc_tokens, starts=starts[k * n : (k + 1) * n])
+    ]
+
+
 def make_items(
     task: str,
     n: int,
@@ -167,15 +198,18 @@ def make_items(
     count: TokenCounter,
     doc_tokens: int = 1000,
     depths: Sequence[float] = DEPTHS,
+    starts: Sequence[int] | None = None,
 ) -> list[Item]:
     """``n`` items of ``task``; item ``i`` asks at depth ``depths[i % len(depths)]`` (by default 10%..90%, in an
-    order that spreads the first few items over the range)."""
+    order that spreads the first few items over the range). ``starts``: the paragraphs the haystacks begin
+    at (default: ``pick_starts``)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; one of {TASKS}")
-    if n > len(paragraphs):
-        raise ValueError(f"{n} items need {n} distinct start paragraphs; the corpus has {len(paragraphs)}")
+    if starts is None:
+        starts = pick_starts(paragraphs, n, random.Random(f"starts:{task}:{seed}"))
+    if len(starts) != n:
+        raise ValueError(f"{n} items need {n} start paragraphs, got {len(starts)}")
     rng = random.Random(f"{task}:{seed}")
-    starts = rng.sample(range(len(paragraphs)), n)
     items = []
     for i, start in enumerate(starts):
         depth = depths[i % len(depths)]

@@ -14,6 +14,7 @@ from benchmarks.task_accuracy_items import (
     first_choice,
     first_number,
     make_items,
+    make_suite,
     score,
     split_paragraphs,
 )
@@ -84,7 +85,7 @@ def test_answer_at_stated_depth(corpus, task):
         assert it.document == it.document.strip() and it.needle in it.user_message
         assert it.user_message.endswith(it.question)
     # no two items share their start (so no two prompts share a prefix)
-    assert len({it.document[:40] for it in items}) == len(items)
+    assert len({it.document[:60].lower() for it in items}) == len(items)
 
 
 def _needles(it: Item) -> list[str]:
@@ -107,6 +108,13 @@ def test_kv_record_block(corpus):
         assert len(recs) == 4
         place = re.search(r"population of (\w+)\?", it.question).group(1)
         assert recs[place] == it.answer
+
+
+def test_suite_items_never_start_alike(corpus):
+    items = make_suite(TASKS, 12, seed=0, paragraphs=corpus, count=count, doc_tokens=200)
+    assert [it.task for it in items] == [t for t in TASKS for _ in range(12)]
+    assert len({it.document[:60].lower() for it in items}) == len(items)
+    assert items == make_suite(TASKS, 12, seed=0, paragraphs=corpus, count=count, doc_tokens=200)
 
 
 def test_unknown_task_and_small_corpus(corpus):
