@@ -4,7 +4,7 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-codec-speed bench-store bench-dpu bench-dpu-service bench-dpu-floor bench-nvdec bench-adaptive-resolution \
 	bench-cpu-attention bench-e2e bench-e2e-quick bench-burst bench-tail projection soak test-faults \
-	test-conformance dashboard bench-exactness bench-task-accuracy gpu-rehearsal clean
+	test-conformance dashboard bench-exactness bench-task-accuracy gpu-rehearsal bench-calibration clean
 
 setup:
 	bash scripts/setup_env.sh
@@ -54,6 +54,11 @@ gpu-rehearsal:
 	bash scripts/gpu_rehearsal.sh
 
 # Benchmarks print tables and write docs/results/*.json (+ PNG plots). None of them is a test.
+# The calibration `make calibration` made: its id and the held-out ratios per kind of text, level and entropy
+# coder (docs/results/calibration.json, what tests/test_calibration_reproducible.py holds a fresh fit to).
+bench-calibration: calibration
+	$(PY) -m benchmarks.bench_calibration
+
 bench-codec-rd: calibration
 	$(PY) -m benchmarks.bench_codec_rd
 

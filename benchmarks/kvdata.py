@@ -178,6 +178,18 @@ def cpu_model() -> str:
         return "unknown"
 
 
+def cpu_isa() -> list[str]:
+    """The vector-ISA flags of this CPU that can change float results (for benchmark metadata)."""
+    wanted = {"avx", "avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "f16c"}
+    try:
+        flags = next(
+            line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return []
+    return sorted(wanted & set(flags))
+
+
 def main() -> int:
     texts = load_texts()
     for d in describe(texts):
