@@ -466,11 +466,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    calib_id = check_calibration(args.fresh_calibration)
+    families = [f for f in args.families.split(",") if f]
+    # peers alone need no calibration (their points can be computed, and cached, before the fit is done)
+    calib_id = check_calibration(args.fresh_calibration) if any(f in OURS for f in families) else None
     names = [n for n in args.texts.split(",") if n] or None
     ctx = EvalContext.create(names, greedy=args.greedy, threads=args.threads)
     ctx.memo_only = args.cached_only
-    points = sweep(ctx, [f for f in args.families.split(",") if f])
+    points = sweep(ctx, families)
     best = best_at_floors(points)
     from sgl_remote_kv.codec.calibration import DEFAULT_LEVEL
 
