@@ -7,6 +7,7 @@ import pytest
 
 from benchmarks import kvdata, quality
 from benchmarks.kvdata import TextKV
+from sgl_remote_kv import calibration_texts as ct
 
 PREFIX, CONT = 128, 16
 
@@ -24,7 +25,9 @@ def test_bf16_bits_round_trip():
 @pytest.fixture(scope="module")
 def short_text():
     model, tok = kvdata.load_model(threads=2)
-    path = next(p for _, _, cands in kvdata.TEXT_SOURCES for p in cands if p.is_file())
+    path = next(
+        ct.SOURCES[name].path for name, _, _ in kvdata.TEXT_SOURCES if ct.SOURCES[name].path.is_file()
+    )
     ids = np.asarray(tok(path.read_text(errors="replace"))["input_ids"][: PREFIX + CONT], np.int64)
     k, v = kvdata.extract_kv(model, ids[:PREFIX])
     text = TextKV("test", "tune", "prose", str(path), len(ids), ids[:PREFIX], ids[PREFIX:], k, v)
