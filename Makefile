@@ -4,7 +4,7 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-codec-speed bench-store bench-dpu bench-dpu-service bench-dpu-floor bench-nvdec bench-adaptive-resolution \
 	bench-cpu-attention bench-e2e bench-e2e-quick bench-burst bench-tail projection soak test-faults \
-	test-conformance dashboard bench-exactness bench-task-accuracy gpu-rehearsal bench-calibration clean
+	test-conformance dashboard bench-exactness bench-task-accuracy gpu-rehearsal bench-calibration bench-quality-proxy clean
 
 setup:
 	bash scripts/setup_env.sh
@@ -58,6 +58,11 @@ gpu-rehearsal:
 # coder (docs/results/calibration.json, what tests/test_calibration_reproducible.py holds a fresh fit to).
 bench-calibration: calibration
 	$(PY) -m benchmarks.bench_calibration
+
+# Can an encoder predict a text's KL from its KV (a per-chunk quality controller's premise)? The KV-energy
+# proxy against measured KL per text (docs/results/quality_proxy.json).
+bench-quality-proxy: calibration
+	$(PY) -m benchmarks.bench_quality_proxy
 
 bench-codec-rd: calibration
 	$(PY) -m benchmarks.bench_codec_rd
