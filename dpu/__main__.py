@@ -15,9 +15,9 @@ import logging
 import os
 import sys
 
+from sgl_remote_kv.contract.protocol import decode_warmup
 from sgl_remote_kv.store.credentials import url_password_warning
 
-from .protocol import decode_warmup
 from .server import DataPlaneConfig, DataPlaneServer
 from .settings import SERVICE_LOG_LEVEL, DataPlaneSettings, add_flags, from_namespace
 from .store_proxy import StoreProxy, StoreProxyConfig
@@ -101,7 +101,7 @@ def config_from_args(ns: argparse.Namespace) -> DataPlaneConfig:
         raise SystemExit("--store -: no store URL on stdin")
     key = b""
     if ns.auth_key_file:
-        from sgl_remote_kv.security import load_auth_key
+        from sgl_remote_kv.store.security import load_auth_key
 
         try:
             key = load_auth_key(ns.auth_key_file)

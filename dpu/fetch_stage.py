@@ -24,12 +24,12 @@ from typing import Protocol
 import numpy as np
 
 from sgl_remote_kv.codec.errors import CorruptChunk
+from sgl_remote_kv.contract.protocol import BlobRef, Message
 from sgl_remote_kv.store import corruption
 from sgl_remote_kv.store.streaming import StreamOutcome
 
 from .buffers import layer_bytes
 from .fetch_gate import FetchGate
-from .protocol import BlobRef, Message
 from .receive import ChunkReceiver
 from .tasks import ChunkTask, JobState, PipelineConfig
 

@@ -13,6 +13,8 @@ import logging
 import os
 from dataclasses import dataclass
 
+from sgl_remote_kv.contract.endpoints import ipc_path
+
 logger = logging.getLogger(__name__)
 
 
@@ -25,9 +27,9 @@ class BoundFile:
     @classmethod
     def after_bind(cls, endpoint: str) -> BoundFile | None:
         """The file ``endpoint`` was just bound on; None for tcp://, an abstract socket or no file."""
-        if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        path = ipc_path(endpoint)
+        if path is None:
             return None
-        path = endpoint[len("ipc://") :]
         try:
             st = os.stat(path)
         except OSError:

@@ -59,11 +59,11 @@ import numpy as np
 
 from sgl_remote_kv.codec.errors import CORRUPTION, ChunkError, ForeignChunk
 from sgl_remote_kv.codec.format import layer_section
+from sgl_remote_kv.contract.protocol import BlobRef, ChunkDone, ChunkFailed, JobDone, LayerDone, Message
 from sgl_remote_kv.store import corruption
 
 from .buffers import ChunkRegion, StagingBuffers, layer_bytes
 from .fetch_stage import FetchStage
-from .protocol import BlobRef, ChunkDone, ChunkFailed, JobDone, LayerDone, Message
 from .tasks import STAGES, ChunkTask, JobState, PipelineConfig, RoundTable, SlabQueue, StageStats, layer_major
 
 logger = logging.getLogger(__name__)

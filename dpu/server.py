@@ -41,12 +41,12 @@ import zmq
 
 from sgl_remote_kv import __version__
 from sgl_remote_kv.codec.errors import ChunkError
-from sgl_remote_kv.control import shm_names
+from sgl_remote_kv.contract import auth, shm_names
+from sgl_remote_kv.contract import protocol as P
+from sgl_remote_kv.contract.endpoints import check_endpoint
 from sgl_remote_kv.store.base import redact_url
 from sgl_remote_kv.types import ModelFingerprint
 
-from . import auth
-from . import protocol as P
 from .buffers import DestRegion, StagingBuffers, plan_rounds
 from .ipc_file import BoundFile
 from .pipeline import Pipeline
@@ -81,10 +81,9 @@ class DataPlaneConfig:
     inherited_regions: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.endpoint.startswith(("ipc://", "tcp://")):
-            raise ValueError(f"endpoint must be ipc:// or tcp://, got {self.endpoint!r}")
-        if self.endpoint.startswith("tcp://") and not self.auth_key:
-            raise ValueError("a tcp:// endpoint must be authenticated: give --auth-key-file")
+        check_endpoint(
+            self.endpoint, authenticated=bool(self.auth_key), what="endpoint", key_hint="--auth-key-file"
+        )
         if not 0 <= self.client_timeout_s <= 3600:
             raise ValueError("client_timeout_s must be in [0, 3600]")
 

@@ -18,6 +18,7 @@ from .tasks import STAGES, PipelineConfig
 
 FETCH_CONCURRENCY = ("adaptive", "fixed")
 SERVICE_LOG_LEVEL = "INFO"
+MAX_CPUS = 4096
 HOST_FLAGS = frozenset(
     {
         "--endpoint",
@@ -123,6 +124,29 @@ class DataPlaneSettings:
         return from_namespace(ns, **overrides)
 
 
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """``"0,2-3"`` -> (0, 2, 3): sorted, unique, each in [0, MAX_CPUS). Raises ``ValueError``."""
+    out: set[int] = set()
+    for part in filter(None, text.replace(" ", "").split(",")):
+        lo, _, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"bad cpu list {text!r}") from None
+        if not 0 <= first <= last < MAX_CPUS:
+            raise ValueError(f"bad cpu list {text!r} (core ids in [0, {MAX_CPUS}))")
+        out.update(range(first, last + 1))
+    return tuple(sorted(out))
+
+
+def cpu_list_arg(text: str) -> tuple[int, ...]:
+    """argparse type for core lists (``--remote-kv-dpu-cpus``, the data plane's ``--cpus``)."""
+    try:
+        return parse_cpu_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # a ValueError for the caller, not SystemExit
         raise ValueError(message)
@@ -143,7 +167,6 @@ def _size(text: str) -> int:
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     """The settings as command-line flags (defaults from ``DataPlaneSettings``)."""
-    from sgl_remote_kv.config import cpu_list_arg
 
     d = DataPlaneSettings()
     for i, stage in enumerate(STAGES):

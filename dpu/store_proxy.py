@@ -27,10 +27,11 @@ from dataclasses import dataclass
 
 import zmq
 
+from sgl_remote_kv.contract import auth
+from sgl_remote_kv.contract import protocol as P
+from sgl_remote_kv.contract.endpoints import check_endpoint
 from sgl_remote_kv.store.base import KVStore, StoreError, open_store, redact_url
 
-from . import auth
-from . import protocol as P
 from .ipc_file import BoundFile
 
 logger = logging.getLogger(__name__)
@@ -44,12 +45,12 @@ class StoreProxyConfig:
     workers: int = 4
 
     def __post_init__(self) -> None:
-        if not self.endpoint.startswith(("ipc://", "tcp://")):
-            raise ValueError(f"store endpoint {self.endpoint!r}: ipc:// or tcp:// expected")
-        if self.endpoint.startswith("tcp://") and not self.auth_key:
-            raise ValueError(
-                "a tcp:// store endpoint needs --auth-key-file (the store would be open to anyone)"
-            )
+        check_endpoint(
+            self.endpoint,
+            authenticated=bool(self.auth_key),
+            what="store endpoint",
+            key_hint="--auth-key-file (the store would be open to anyone)",
+        )
         if self.workers < 1:
             raise ValueError("workers must be >= 1")
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sgl_remote_kv.contract.protocol import BlobRef, ChunkDest, ChunksVerified, LayerDone
 from sgl_remote_kv.types import numpy_storage_dtype
 
 from .buffers import ChunkRegion
-from .protocol import BlobRef, ChunkDest, ChunksVerified, LayerDone
 
 STAGES = ("fetch", "inflate", "dequant", "dma")
 

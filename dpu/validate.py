@@ -16,10 +16,10 @@ from collections.abc import Mapping
 
 from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.codec.errors import ChunkError
-from sgl_remote_kv.control import shm_names
+from sgl_remote_kv.contract import protocol as P
+from sgl_remote_kv.contract import shm_names
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 
-from . import protocol as P
 from .buffers import DestRegion, layer_bytes
 
 logger = logging.getLogger(__name__)

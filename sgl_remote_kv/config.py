@@ -14,15 +14,12 @@ import logging
 from dataclasses import asdict, dataclass, fields
 
 from sgl_remote_kv import env
+from sgl_remote_kv.contract.endpoints import check_endpoint
+from sgl_remote_kv.dpu.settings import MAX_CPUS
+from sgl_remote_kv.flags import DEFAULT_TAIL_TOKENS, FLUSH_SCOPES, MAX_CHUNK_SIZE, MODES, add_flags
 from sgl_remote_kv.types import DEFAULT_QUALITY, DPU_OUTPUTS, QUALITY_LEVELS
 
 logger = logging.getLogger(__name__)
-
-MODES = ("off", "dpu", "nvdec", "inproc", "auto")
-FLUSH_SCOPES = ("local", "tier")
-MAX_CHUNK_SIZE = 8192
-MAX_CPUS = 4096
-DEFAULT_TAIL_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -33,7 +30,7 @@ class RemoteKVConfig:
     tail_tokens: int | None = None  # tail sub-chunk size; None = 64 where it divides a larger chunk, 0 = off
     codec: str = "default"
     quality: str = DEFAULT_QUALITY  # transform codec: the KL target of its calibration level
-    auth_key_file: str = ""  # "" -> values are not authenticated (see sgl_remote_kv/security.py)
+    auth_key_file: str = ""  # "" -> values are not authenticated (see sgl_remote_kv/store/security.py)
     store_password_file: str = ""  # the Redis store's password, in a file (store/credentials.py)
     nvdec_instances: int = 2  # decoder instances of the NVDEC pool (--remote-kv nvdec|auto)
     # hevc versions written and fetched, tokens per frame (0 = "full", the anchor, always included);
@@ -76,14 +73,12 @@ class RemoteKVConfig:
             raise ValueError(f"--remote-kv-quality must be one of {QUALITY_LEVELS}, got {self.quality!r}")
         if self.flush not in FLUSH_SCOPES:
             raise ValueError(f"--remote-kv-flush must be one of {FLUSH_SCOPES}, got {self.flush!r}")
-        if self.dpu_endpoint and not self.dpu_endpoint.startswith(("ipc://", "tcp://")):
-            raise ValueError(
-                f"--remote-kv-dpu-endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.dpu_endpoint!r}"
-            )
-        if self.dpu_endpoint.startswith("tcp://") and not self.auth_key_file:
-            raise ValueError(
-                "--remote-kv-dpu-endpoint tcp://... needs --remote-kv-auth-key-file (the endpoint's "
-                "CURVE keys are derived from that secret)"
+        if self.dpu_endpoint:
+            check_endpoint(
+                self.dpu_endpoint,
+                authenticated=bool(self.auth_key_file),
+                what="--remote-kv-dpu-endpoint",
+                key_hint="--remote-kv-auth-key-file (the endpoint's CURVE keys are derived from that secret)",
             )
         if self.store_password_file:
             from sgl_remote_kv.store.credentials import with_password_file
@@ -146,7 +141,7 @@ class RemoteKVConfig:
 
             url = with_password_file(url, self.store_password_file)
         if self.auth_key_file:
-            from sgl_remote_kv.security import auth_store_url
+            from sgl_remote_kv.store.security import auth_store_url
 
             url = auth_store_url(url, self.auth_key_file)
         return url
@@ -171,171 +166,7 @@ class RemoteKVConfig:
         return cls.from_json(payload) if payload else cls()
 
     # --- CLI edge ---
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        g = parser.add_argument_group("sgl-remote-kv (remote compressed KV tier)")
-        g.add_argument(
-            "--remote-kv",
-            dest="remote_kv",
-            default="off",
-            choices=MODES,
-            help="Remote KV tier: off, dpu (DPU data plane), nvdec (video decoder pool), "
-            "inproc (decode inside the serving process: the baseline), auto.",
-        )
-        g.add_argument(
-            "--remote-kv-store",
-            dest="remote_kv_store",
-            default="",
-            type=_store_url,
-            metavar="URL",
-            help="Store URL: file:///dir (embedded, default), redis://host:port/db, "
-            "redis+cluster://host:port[,host:port]. Keep a password out of it (it would show in ps): "
-            "--remote-kv-store-password-file or SRKV_STORE_PASSWORD.",
-        )
-        g.add_argument(
-            "--remote-kv-store-password-file",
-            dest="remote_kv_store_password_file",
-            type=_password_file,
-            default="",
-            metavar="PATH",
-            help="File holding the Redis store's password (one line), for a --remote-kv-store URL without "
-            "one; every process of the tier reads it from there, so it never shows on a command line. "
-            "Or set SRKV_STORE_PASSWORD.",
-        )
-        g.add_argument(
-            "--remote-kv-chunk-size",
-            dest="remote_kv_chunk_size",
-            type=_chunk_size,
-            default=256,
-            metavar="TOKENS",
-            help="Tokens per remote KV chunk (multiple of 16; default 256).",
-        )
-        g.add_argument(
-            "--remote-kv-tail-tokens",
-            dest="remote_kv_tail_tokens",
-            type=_tail_tokens,
-            default=None,
-            metavar="TOKENS",
-            help="Store and fetch the last, partial chunk of a prompt in sub-chunks of this many tokens "
-            "(0 = off; default 64 when it divides the chunk size).",
-        )
-        g.add_argument(
-            "--remote-kv-codec",
-            dest="remote_kv_codec",
-            default="default",
-            help="Chunk codec name (see docs/CODEC.md); 'default' picks the near-lossless default.",
-        )
-        g.add_argument(
-            "--remote-kv-auth-key-file",
-            dest="remote_kv_auth_key_file",
-            type=_auth_key_file,
-            default="",
-            metavar="PATH",
-            help="Shared secret (hex or raw, >= 16 bytes): values carry a MAC bound to their key; "
-            "others' writes become misses (docs/RELIABILITY.md).",
-        )
-        g.add_argument(
-            "--remote-kv-nvdec-instances",
-            dest="remote_kv_nvdec_instances",
-            type=_nvdec_instances,
-            default=2,
-            metavar="N",
-            help="Decoder instances in the NVDEC pool (--remote-kv nvdec|auto; default 2).",
-        )
-        g.add_argument(
-            "--remote-kv-nvdec-resolutions",
-            dest="remote_kv_nvdec_resolutions",
-            type=_nvdec_resolutions,
-            default=None,
-            metavar="LIST",
-            help="NVDEC path: the video resolutions (tokens per frame: 16, 32, 64, ... below the chunk size, "
-            "or full = the whole chunk on one frame) each chunk is written at and fetched from; full is "
-            "always written. Default 16, a quarter (else half) chunk and full: 16,64,full for 256-token "
-            "chunks. 'full' alone writes one version (no adaptive resolution).",
-        )
-        g.add_argument(
-            "--remote-kv-nvdec-fetch",
-            dest="remote_kv_nvdec_fetch",
-            type=_nvdec_fetch,
-            default="adaptive",
-            metavar="RES",
-            help="NVDEC path: adaptive (default: each chunk's resolution by KVFetcher's Alg. 1 from the "
-            "measured bandwidth and decode profile) or one resolution always tried first (full, 16, ...).",
-        )
-        g.add_argument(
-            "--remote-kv-policy-margin",
-            dest="remote_kv_policy_margin",
-            type=_policy_margin,
-            default=1.0,
-            metavar="X",
-            help="Fetch when the estimated fetch time is at most X times the estimated recompute time "
-            "(default 1.0; 0 = never fetch, large = always fetch when the store has the prefix).",
-        )
-        g.add_argument(
-            "--remote-kv-layerwise",
-            dest="remote_kv_layerwise",
-            action="store_true",
-            help="Layer-wise fetch/compute pipelining (docs/INTEGRATION.md); off by default.",
-        )
-        g.add_argument(
-            "--remote-kv-dpu-cpus",
-            dest="remote_kv_dpu_cpus",
-            type=cpu_list_arg,
-            default=(),
-            metavar="LIST",
-            help="Cores the DPU data plane process pins itself to (e.g. 1 or 2-3,6), emulating a DPU's "
-            "own cores; default: the last quarter of the cores on >= 4-core hosts, else unpinned.",
-        )
-        g.add_argument(
-            "--remote-kv-dpu-endpoint",
-            dest="remote_kv_dpu_endpoint",
-            type=_dpu_endpoint,
-            default="",
-            metavar="ENDPOINT",
-            help="Attach to a running data-plane service (python -m sgl_remote_kv.dpu --endpoint ...) at "
-            "ipc://PATH or tcp://HOST:PORT (tcp needs --remote-kv-auth-key-file, the service's secret) "
-            "instead of spawning a private data plane per scheduler process; --remote-kv-dpu-cpus/-args "
-            "then do not apply (the service has its own).",
-        )
-        g.add_argument(
-            "--remote-kv-dpu-output",
-            dest="remote_kv_dpu_output",
-            choices=DPU_OUTPUTS,
-            default="auto",
-            help="What the DPU data plane writes for the KV pool: kv (it decodes the KV), codes (it only "
-            "entropy-decodes; the pool's writer dequantizes / inverse-transforms, on the GPU for a GPU pool, "
-            "on this process's CPU for a CPU pool), or auto (default): codes for a GPU pool, kv for a CPU "
-            "pool. Codecs without a device dequant stage always fetch kv.",
-        )
-        g.add_argument(
-            "--remote-kv-dpu-args",
-            dest="remote_kv_dpu_args",
-            type=_dpu_args,
-            default="",
-            metavar="FLAGS",
-            help="Extra flags for the DPU data plane process (see python -m sgl_remote_kv.dpu --help), "
-            "e.g. '--layer-group 2' or the fault injection '--dma-delay-s 0.05' (tests, benchmarks).",
-        )
-
-        g.add_argument(
-            "--remote-kv-quality",
-            dest="remote_kv_quality",
-            choices=QUALITY_LEVELS,
-            default=DEFAULT_QUALITY,
-            help="Transform codec only: the quality level (a KL target in nats, from the model's calibration) "
-            f"chunks are written and read at. Default {DEFAULT_QUALITY}, the near-lossless floor; a coarser "
-            "level is smaller and is never chosen silently (/metrics: hit_tokens_by_quality).",
-        )
-        g.add_argument(
-            "--remote-kv-flush",
-            dest="remote_kv_flush",
-            choices=FLUSH_SCOPES,
-            default="local",
-            help="What /flush_cache drops. local (default): this server's radix cache only; the remote tier "
-            "keeps its chunks (shared with other servers, it survives restarts), so the next request may be "
-            "a remote hit, as with SGLang's HiCache L3. tier: also retire every chunk this model has in the "
-            "store (a new store generation), so the next request misses everywhere (docs/CONFORMANCE.md).",
-        )
+    add_cli_args = staticmethod(add_flags)  # the flags: flags.py
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> RemoteKVConfig:
@@ -399,124 +230,3 @@ class RemoteKVConfig:
             dpu_output=getattr(ns, "remote_kv_dpu_output", "auto"),
             flush=getattr(ns, "remote_kv_flush", "local"),
         )
-
-
-def _bounded(cast, lo, hi, multiple_of: int | None = None):
-    """An argparse ``type`` parsing ``cast(text)`` within [lo, hi] (and a multiple of ``multiple_of``)."""
-    what = "an integer" if cast is int else "a number"
-    rule = f"a multiple of {multiple_of} in [{lo:g}, {hi:g}]" if multiple_of else f"in [{lo:g}, {hi:g}]"
-
-    def parse(text: str):
-        try:
-            value = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
-        if not lo <= value <= hi or (multiple_of and value % multiple_of):
-            raise argparse.ArgumentTypeError(f"must be {rule}, got {value}")
-        return value
-
-    return parse
-
-
-_chunk_size = _bounded(int, 16, MAX_CHUNK_SIZE, multiple_of=16)
-_tail_tokens = _bounded(int, 0, MAX_CHUNK_SIZE, multiple_of=16)
-_nvdec_instances = _bounded(int, 1, 64)
-_policy_margin = _bounded(float, 0.0, 1e12)
-
-
-def _nvdec_resolutions(text: str) -> tuple[int, ...]:
-    """``"16,64,full"`` -> (16, 64, 0) (each checked against the chunk size in the config)."""
-    from sgl_remote_kv.nvdec.adapter import parse_resolution
-
-    try:
-        return tuple(parse_resolution(t) for t in text.split(",") if t.strip())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _nvdec_fetch(text: str) -> str:
-    from sgl_remote_kv.nvdec.adapter import parse_resolution
-
-    t = text.strip().lower()
-    if t != "adaptive":
-        try:
-            parse_resolution(t)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(f"adaptive or a resolution: {e}") from None
-    return t
-
-
-def parse_cpu_list(text: str) -> tuple[int, ...]:
-    """``"0,2-3"`` -> (0, 2, 3): sorted, unique, each in [0, MAX_CPUS). Raises ``ValueError``."""
-    out: set[int] = set()
-    for part in filter(None, text.replace(" ", "").split(",")):
-        lo, _, hi = part.partition("-")
-        try:
-            first, last = int(lo), int(hi or lo)
-        except ValueError:
-            raise ValueError(f"bad cpu list {text!r}") from None
-        if not 0 <= first <= last < MAX_CPUS:
-            raise ValueError(f"bad cpu list {text!r} (core ids in [0, {MAX_CPUS}))")
-        out.update(range(first, last + 1))
-    return tuple(sorted(out))
-
-
-def cpu_list_arg(text: str) -> tuple[int, ...]:
-    """argparse type for core lists (``--remote-kv-dpu-cpus``, the data plane's ``--cpus``)."""
-    try:
-        return parse_cpu_list(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _dpu_args(text: str) -> str:
-    """Data-plane flags, checked by parsing them into ``DataPlaneSettings`` (the data plane's own flags)."""
-    import shlex
-
-    from sgl_remote_kv.dpu.settings import DataPlaneSettings
-
-    try:
-        DataPlaneSettings.from_flags(shlex.split(text))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
-def _dpu_endpoint(text: str) -> str:
-    if text and not text.startswith(("ipc://", "tcp://")) or text in ("ipc://", "tcp://"):
-        raise argparse.ArgumentTypeError(f"must be ipc://PATH or tcp://HOST:PORT, got {text!r}")
-    return text
-
-
-def _store_url(text: str) -> str:
-    from sgl_remote_kv.preflight import check_store_url
-
-    try:
-        return check_store_url(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _password_file(text: str) -> str:
-    from sgl_remote_kv.store.credentials import read_password_file
-
-    return _secret_file(text, read_password_file)
-
-
-def _auth_key_file(text: str) -> str:
-    from sgl_remote_kv.security import load_auth_key
-
-    return _secret_file(text, load_auth_key)
-
-
-def _secret_file(text: str, load) -> str:
-    """``text`` ("" = none) as an absolute path once ``load`` read it without a ``ValueError``."""
-    if not text:
-        return ""
-    from pathlib import Path
-
-    try:
-        load(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return str(Path(text).resolve())

@@ -36,7 +36,7 @@ def _unwrap(url: str) -> str:
     while True:
         low = url.lower()
         if low.startswith("auth+"):
-            from sgl_remote_kv.security import split_auth_url
+            from sgl_remote_kv.store.security import split_auth_url
 
             url, _ = split_auth_url(url)
         elif low.startswith("faulty+"):

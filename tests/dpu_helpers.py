@@ -70,7 +70,8 @@ def register_raw(sock, client, region: str | None = None) -> None:
     import os
 
     import msgspec
-    from sgl_remote_kv.dpu import protocol as P
+
+    from sgl_remote_kv.contract import protocol as P
 
     reg = client._proc.register
     if region is not None:
@@ -110,7 +111,7 @@ def codecs():
 
 def protocol_samples() -> list:
     """One valid message of every kind (the protocol round-trip test and the fuzzers start from these)."""
-    from sgl_remote_kv.dpu import protocol as P
+    from sgl_remote_kv.contract import protocol as P
 
     fp = P.Fingerprint("Arch", P.Layout(30, 3, 64, "float32"), "w", 0, 1, b"d" * 32)
     dest = P.ChunkDest(b"k" * 32, 256, 0, 4096, 128)

@@ -25,10 +25,10 @@ import pytest
 from sgl_remote_kv.admin import cli, scan
 from sgl_remote_kv.admin.scan import ValueKind
 from sgl_remote_kv.codec.base import get_codec
-from sgl_remote_kv.security import seal
 from sgl_remote_kv.store.base import open_store
 from sgl_remote_kv.store.framing import frame
 from sgl_remote_kv.store.keys import GENERATION_MAGIC, tenant_salt, tenant_tag
+from sgl_remote_kv.store.security import seal
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 
 pytest_plugins = ["fixtures.redis_servers"]

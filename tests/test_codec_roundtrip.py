@@ -135,7 +135,7 @@ def test_default_codec_roundtrips():
 
 def test_blob_flags_are_refused_authenticity_is_the_stores():
     """No blob flag is defined (the codec-level MAC is gone: the store frames values with an HMAC bound
-    to their key, ``security.py``); a blob with any flag set is corrupt, not silently accepted."""
+    to their key, ``store/security.py``); a blob with any flag set is corrupt, not silently accepted."""
     from sgl_remote_kv.codec.errors import CorruptChunk
 
     fp = synthetic.fingerprint(dtype="float16")

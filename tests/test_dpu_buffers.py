@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from sgl_remote_kv.dpu.buffers import DestRegion, StagingBuffers, chunk_bytes, plan_rounds
 
-from sgl_remote_kv.control import shm_names
+from sgl_remote_kv.contract import shm_names
 from sgl_remote_kv.control.host_region import HostRegion
 from sgl_remote_kv.types import KVLayout
 

@@ -32,7 +32,7 @@ from sgl_remote_kv.dpu.buffers import chunk_bytes
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.codec.base import decode
-from sgl_remote_kv.control import shm_names
+from sgl_remote_kv.contract import shm_names
 from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
 from sgl_remote_kv.control.host_region import HostRegion
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
@@ -307,8 +307,9 @@ def test_layer_wait_means_layer_is_in_the_pool(tmp_path, make_client):
     "case", ["past_region", "codes_past_region", "codes_area_too_small", "codes_no_device_dequant"]
 )
 def test_bad_destination_is_rejected_not_written(tmp_path, case):
-    from sgl_remote_kv.dpu import protocol as P
     from sgl_remote_kv.dpu.buffers import layer_bytes
+
+    from sgl_remote_kv.contract import protocol as P
 
     codec = codecs()["lossless" if case in ("past_region", "codes_no_device_dequant") else "quant"]
     url = f"file://{tmp_path}/store"

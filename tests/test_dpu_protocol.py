@@ -8,7 +8,8 @@ import struct
 import msgspec
 import pytest
 from dpu_helpers import protocol_samples
-from sgl_remote_kv.dpu import protocol as P
+
+from sgl_remote_kv.contract import protocol as P
 
 
 def samples() -> list:

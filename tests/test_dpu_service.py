@@ -34,7 +34,8 @@ from dpu_service_helpers import (
     slots_flags,
     wait_until,
 )
-from sgl_remote_kv.dpu import protocol as P
+
+from sgl_remote_kv.contract import protocol as P
 
 
 @pytest.fixture

@@ -27,9 +27,9 @@ from dpu_service_helpers import (
     service_stats,
     slots_flags,
 )
-from sgl_remote_kv.dpu import protocol as P
 
-from sgl_remote_kv.control import shm_names
+from sgl_remote_kv.contract import protocol as P
+from sgl_remote_kv.contract import shm_names
 from sgl_remote_kv.control.dpu_client import DpuClientConfig
 from sgl_remote_kv.control.host_region import HostRegion
 from sgl_remote_kv.types import ModelFingerprint
@@ -134,9 +134,8 @@ def test_tcp_endpoint_needs_auth_and_refuses_a_wrong_key(env, tmp_path):
         s.send(P.encode(register_msg(rank_fp(1), ["srkv-dpu-1-2-0badf00d"])))
         assert not s.poll(1500)
     # a peer that knows the service's public key but not the secret: its key is refused by ZAP
-    from sgl_remote_kv.dpu.auth import curve_keys
-
-    from sgl_remote_kv.security import load_auth_key
+    from sgl_remote_kv.contract.auth import curve_keys
+    from sgl_remote_kv.store.security import load_auth_key
 
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)

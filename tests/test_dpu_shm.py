@@ -23,14 +23,14 @@ from dpu_helpers import CHUNK, FP, codecs
 from sgl_remote_kv.dpu.buffers import chunk_bytes
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
-from sgl_remote_kv.control import shm_names
+from sgl_remote_kv.contract import shm_names
 from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
 
 SHM = Path("/dev/shm")
 _CREATOR = textwrap.dedent(
     """
     import sys, time
-    from sgl_remote_kv.control import shm_names
+    from sgl_remote_kv.contract import shm_names
     from sgl_remote_kv.control.host_region import HostRegion
     r = HostRegion(1 << 20, shm_names.region_name(), named=True)  # a service's client
     print(r.name, flush=True)
@@ -146,7 +146,7 @@ def test_data_plane_unlinking_its_dead_hosts_region_prints_no_tracker_traceback(
     code = textwrap.dedent(
         """
         import subprocess, sys
-        from sgl_remote_kv.control import shm_names
+        from sgl_remote_kv.contract import shm_names
         from sgl_remote_kv.control.host_region import HostRegion
         name = shm_names.region_name()
         r = HostRegion(1 << 16, name, named=True)

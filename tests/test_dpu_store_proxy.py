@@ -10,8 +10,8 @@ import time
 import pytest
 import zmq
 from dpu_service_helpers import Service
-from sgl_remote_kv.dpu import protocol as P
 
+from sgl_remote_kv.contract import protocol as P
 from sgl_remote_kv.store.base import open_store
 from sgl_remote_kv.store.client import ClientConfig, open_client
 

@@ -16,12 +16,12 @@ import sys
 
 import pytest
 from dpu_helpers import CHUNK, FP, codecs
-from sgl_remote_kv.dpu import protocol as P
 from sgl_remote_kv.dpu.__main__ import build_parser, config_from_args
 from sgl_remote_kv.dpu.buffers import chunk_bytes
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.codec.base import default_codec
+from sgl_remote_kv.contract import protocol as P
 from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
 
 _FRESH = """

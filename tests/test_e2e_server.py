@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sgl_remote_kv.control import shm_names
+from sgl_remote_kv.contract import shm_names
 from sgl_remote_kv.launcher import ServerSpec, SGLangServer
 
 pytestmark = pytest.mark.e2e

@@ -1,4 +1,4 @@
-"""Authenticated values (``sgl_remote_kv/security.py``): a store others can write to cannot poison
+"""Authenticated values (``sgl_remote_kv/store/security.py``): a store others can write to cannot poison
 answers. Real embedded store, real client, real fetch backend; the "attacker" writes the inner store
 directly (no secret)."""
 
@@ -14,7 +14,12 @@ from benchmarks import synthetic_kv as synthetic
 from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.codec.format import CRC, FIXED, crc32
 from sgl_remote_kv.config import RemoteKVConfig
-from sgl_remote_kv.security import (
+from sgl_remote_kv.sglang_glue.fetch import InProcessFetchBackend
+from sgl_remote_kv.store.base import open_store
+from sgl_remote_kv.store.client import ClientConfig, StoreClient
+from sgl_remote_kv.store.framing import frame, unframe
+from sgl_remote_kv.store.local import LocalStore
+from sgl_remote_kv.store.security import (
     MAC_LEN,
     AuthenticatedStore,
     AuthKeyError,
@@ -24,11 +29,6 @@ from sgl_remote_kv.security import (
     split_auth_url,
     unseal,
 )
-from sgl_remote_kv.sglang_glue.fetch import InProcessFetchBackend
-from sgl_remote_kv.store.base import open_store
-from sgl_remote_kv.store.client import ClientConfig, StoreClient
-from sgl_remote_kv.store.framing import frame, unframe
-from sgl_remote_kv.store.local import LocalStore
 
 SECRET = bytes(range(32))
 CHUNK = 32
@@ -199,7 +199,7 @@ def test_world_readable_key_warns_once(tmp_path, caplog):
     p = tmp_path / "open.key"
     p.write_text(SECRET.hex())
     os.chmod(p, 0o644)
-    with caplog.at_level("WARNING", logger="sgl_remote_kv.security"):
+    with caplog.at_level("WARNING", logger="sgl_remote_kv.store.security"):
         load_auth_key(p)
     assert sum("every user" in r.message for r in caplog.records) == 1
 

@@ -27,7 +27,6 @@ from dpu_helpers import CHUNK, FP, LAYOUT, codecs, make_pool, put_chunks, random
 
 from benchmarks.redis_server import RedisServer, free_port
 from sgl_remote_kv.config import RemoteKVConfig
-from sgl_remote_kv.security import auth_store_url
 from sgl_remote_kv.sglang_glue.fetch import InProcessFetchBackend
 from sgl_remote_kv.store import corruption
 from sgl_remote_kv.store.base import url_options
@@ -35,6 +34,7 @@ from sgl_remote_kv.store.client import ClientConfig, open_client
 from sgl_remote_kv.store.credentials import read_password_file, with_password_file
 from sgl_remote_kv.store.framing import frame, unframe
 from sgl_remote_kv.store.redis_store import redis_key
+from sgl_remote_kv.store.security import auth_store_url
 from tests.fixtures.dpu_clients import dp_spec
 
 pytest_plugins = ["fixtures.redis_servers", "fixtures.dpu_clients"]

@@ -22,10 +22,10 @@ from urllib.parse import unquote, urlsplit
 from sgl_remote_kv.codec.base import codec_class
 from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.codec.format import MAGIC, layer_section, parse_header
-from sgl_remote_kv.security import AUTH_PREFIX, load_auth_key, split_auth_url, unseal
 from sgl_remote_kv.store.base import open_store, redact_url
 from sgl_remote_kv.store.framing import read_frame
 from sgl_remote_kv.store.keys import GENERATION_MAGIC, SHARED_TAG
+from sgl_remote_kv.store.security import AUTH_PREFIX, load_auth_key, split_auth_url, unseal
 
 # Releases before ``GENERATION_MAGIC`` wrote a generation as 16 bare random bytes; no chunk blob is that
 # short (its fixed header alone is longer), and only our client frames values (CRC bound to the key).

@@ -26,7 +26,7 @@ Layout (all integers little-endian)::
 The header CRC covers the layer table, which holds each section's CRC, so header + payload are covered
 and a streaming consumer can verify layer ``i`` as soon as its section arrived. ``parse_header`` checks
 magic, version, limits, lengths and the header CRC before anything proportional to claimed sizes is
-allocated. Authenticity is the store's job (``security.py``: the value is framed with an HMAC bound
+allocated. Authenticity is the store's job (``store/security.py``: the value is framed with an HMAC bound
 to its chunk key when ``--remote-kv-auth-key-file`` is set); the blob itself carries checksums only.
 """
 

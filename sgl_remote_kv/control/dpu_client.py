@@ -52,13 +52,14 @@ from dataclasses import dataclass
 import zmq
 
 from sgl_remote_kv.codec.errors import ChunkError
-from sgl_remote_kv.dpu import protocol as P
+from sgl_remote_kv.contract import protocol as P
+from sgl_remote_kv.contract import shm_names
+from sgl_remote_kv.contract.endpoints import check_endpoint
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
 from sgl_remote_kv.kvpool import KVWriteError
 from sgl_remote_kv.store import corruption
 from sgl_remote_kv.types import DPU_OUTPUTS, ModelFingerprint
 
-from . import shm_names
 from .dpu_process import AttachedService, DataPlaneProcess
 from .host_region import HostRegion
 from .jobs import FetchHandle, FetchResult, HostRound, KVTarget
@@ -93,11 +94,12 @@ class DpuClientConfig:
     def __post_init__(self) -> None:
         if self.output not in DPU_OUTPUTS:
             raise ValueError(f"data-plane output must be one of {DPU_OUTPUTS}, got {self.output!r}")
-        if self.endpoint and not self.endpoint.startswith(("ipc://", "tcp://")):
-            raise ValueError(f"data-plane endpoint must be ipc:// or tcp://, got {self.endpoint!r}")
-        if self.endpoint.startswith("tcp://") and not self.auth_key_file:
-            raise ValueError(
-                "a tcp:// data-plane endpoint needs an auth key file (--remote-kv-auth-key-file)"
+        if self.endpoint:
+            check_endpoint(
+                self.endpoint,
+                authenticated=bool(self.auth_key_file),
+                what="data-plane endpoint",
+                key_hint="an auth key file (--remote-kv-auth-key-file)",
             )
 
 
@@ -191,7 +193,7 @@ class DpuClient:
             [self.dest.name.lstrip("/")],
         )
         if self._attached:
-            from sgl_remote_kv.security import load_auth_key
+            from sgl_remote_kv.store.security import load_auth_key
 
             key = load_auth_key(cfg.auth_key_file) if cfg.auth_key_file else b""
             self._proc = AttachedService(self._ctx, cfg.endpoint, register, key)

@@ -30,10 +30,9 @@ import time
 
 import zmq
 
-from sgl_remote_kv.dpu import protocol as P
+from sgl_remote_kv.contract import protocol as P
+from sgl_remote_kv.contract import shm_names
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
-
-from . import shm_names
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +85,7 @@ class _Link:
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES + 1024)
         if self._auth_key:
-            from sgl_remote_kv.dpu import auth
+            from sgl_remote_kv.contract import auth
 
             auth.connect_as_client(self.sock, self._auth_key)
         self._before_connect()

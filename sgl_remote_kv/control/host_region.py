@@ -27,7 +27,7 @@ import os
 
 import numpy as np
 
-from .shm_names import SHM_DIR
+from sgl_remote_kv.contract.shm_names import SHM_DIR
 
 logger = logging.getLogger(__name__)
 _fallback_logged = False

@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sgl_remote_kv.dpu import protocol as P
+from sgl_remote_kv.contract import protocol as P
 from sgl_remote_kv.dpu.buffers import plan_rounds
 from sgl_remote_kv.kvpool import KVWriteError
 from sgl_remote_kv.types import KVLayout

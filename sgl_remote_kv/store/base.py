@@ -20,7 +20,7 @@ URL schemes (resolved lazily, so using the embedded store never imports redis):
 - ``redis://host:port/db``: standalone Redis (``redis_store.py``)
 - ``redis+cluster://host:port[,host:port...]``: Redis Cluster (``redis_cluster.py``)
 - ``faulty+<inner url>``: fault-injecting wrapper around any of the above (``faulty.py``)
-- ``auth+<inner url>?auth_key_file=PATH``: MAC-authenticated values (``sgl_remote_kv/security.py``)
+- ``auth+<inner url>?auth_key_file=PATH``: MAC-authenticated values (``sgl_remote_kv/store/security.py``)
 - ``dpu+ipc:///path`` / ``dpu+tcp://host:port``: the store of a data-plane service that runs a store proxy
   (``--store-endpoint``), for hosts that cannot reach the store themselves (``via_dpu.py``)
 
@@ -228,7 +228,7 @@ _REGISTRY: dict[str, str] = {
     "rediss": "sgl_remote_kv.store.redis_store:open_redis",
     "rediss+cluster": "sgl_remote_kv.store.redis_cluster:open_redis_cluster",
     "faulty": "sgl_remote_kv.store.faulty:open_faulty",
-    "auth": "sgl_remote_kv.security:open_auth_store",
+    "auth": "sgl_remote_kv.store.security:open_auth_store",
     "dpu+ipc": "sgl_remote_kv.store.via_dpu:open_via_dpu",
     "dpu+tcp": "sgl_remote_kv.store.via_dpu:open_via_dpu",
 }

@@ -29,7 +29,8 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from sgl_remote_kv.dpu import protocol as P
+from sgl_remote_kv.contract import protocol as P
+from sgl_remote_kv.contract.endpoints import IPC, check_endpoint
 
 from .base import (
     Counters,
@@ -51,10 +52,12 @@ class ServiceStore:
     """See module docstring."""
 
     def __init__(self, endpoint: str, timeout_s: float = 30.0, auth_key: bytes = b"") -> None:
-        if endpoint.startswith("tcp://") and not auth_key:
-            raise ValueError("a dpu+tcp:// store needs auth_key_file (the service's shared secret)")
-        if not endpoint.startswith(("ipc://", "tcp://")):
-            raise ValueError(f"store proxy endpoint {endpoint!r}: ipc:// or tcp:// expected")
+        check_endpoint(
+            endpoint,
+            authenticated=bool(auth_key),
+            what="store proxy endpoint (dpu+ URL)",
+            key_hint="auth_key_file (the service's shared secret)",
+        )
         if not timeout_s > 0:
             raise ValueError("timeout must be > 0")
         self.endpoint, self.timeout_s, self._auth_key = endpoint, timeout_s, auth_key
@@ -107,7 +110,7 @@ class ServiceStore:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_VALUE_BYTES)
             if self._auth_key:
-                from sgl_remote_kv.dpu import auth
+                from sgl_remote_kv.contract import auth
 
                 auth.connect_as_client(sock, self._auth_key)
             sock.connect(self.endpoint)
@@ -119,7 +122,7 @@ class ServiceStore:
     def _call(self, op: str, keys: Sequence[bytes], values: list[bytes] | None = None):
         if len(keys) > P.MAX_STORE_KEYS:
             raise ValueError(f"{len(keys)} keys in one call; at most {P.MAX_STORE_KEYS}")
-        if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[len("ipc://") :]):
+        if self.endpoint.startswith(IPC) and not os.path.exists(self.endpoint[len(IPC) :]):
             raise StoreUnavailable(f"no store proxy at {self.endpoint}")  # not listening: fail fast
         req = next(self._ids)
         sock = self._socket()
@@ -159,7 +162,7 @@ def open_via_dpu(url: str) -> ServiceStore:
     endpoint = f"{scheme}://{parts.netloc}{parts.path}"
     key = b""
     if opts.get("auth_key_file"):
-        from sgl_remote_kv.security import load_auth_key
+        from sgl_remote_kv.store.security import load_auth_key
 
         key = load_auth_key(opts["auth_key_file"])
     try:

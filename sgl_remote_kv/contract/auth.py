@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils import z85
 
+from .endpoints import IPC
+
 logger = logging.getLogger(__name__)
 
 _TAG = b"sgl-remote-kv/dpu-curve/v1/"
@@ -96,7 +98,7 @@ def bind_server(ctx: zmq.Context, sock: zmq.Socket, endpoint: str, secret: bytes
     when ``secret`` is given (the ZAP handle, to stop at shutdown; else None), and an ``ipc://`` socket
     file created 0600 (umask 077: only this user may connect, the local socket's authentication)."""
     zap = serve(ctx, sock, secret) if secret else None
-    if not endpoint.startswith("ipc://"):
+    if not endpoint.startswith(IPC):
         sock.bind(endpoint)
         return zap
     old = os.umask(0o077)
