@@ -41,7 +41,7 @@ from sgl_remote_kv.dpu.settings import DataPlaneSettings
 from benchmarks import kvdata
 from sgl_remote_kv.codec.base import default_codec, get_codec
 from sgl_remote_kv.codec.format import layer_section
-from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 from sgl_remote_kv.store.client import open_client
 
 OUT = kvdata.REPO / "docs" / "results" / "dpu.json"

@@ -66,8 +66,8 @@ from benchmarks.e2e_server import REDIS_PORT, shaped_store
 from benchmarks.netshape import netns_supported
 from sgl_remote_kv.codec import calibration
 from sgl_remote_kv.codec.base import default_codec, get_codec
-from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
-from sgl_remote_kv.control.jobs import KVTarget
+from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
+from sgl_remote_kv.fetch.dpu_client.jobs import KVTarget
 from sgl_remote_kv.kvpool import PoolTensors, writer_for
 from sgl_remote_kv.store.client import open_client
 from sgl_remote_kv.store.redis_store import redis_key

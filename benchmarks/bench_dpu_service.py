@@ -27,7 +27,7 @@ from sgl_remote_kv.dpu.settings import DataPlaneSettings
 from benchmarks import kvdata
 from benchmarks.bench_dpu import FP, GB, LAYOUT, _cpu_s, load_chunks, put
 from sgl_remote_kv.codec.base import default_codec
-from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 
 OUT = kvdata.REPO / "docs" / "results" / "dpu_service.json"
 REQ_TOKENS = 1792

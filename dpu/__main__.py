@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m sgl_remote_kv.dpu",
         description="sgl-remote-kv data plane: fetch -> inflate -> dequantize -> copy into a shared "
-        "destination region, driven over ZeroMQ by the host control plane.",
+        "destination region, driven over ZeroMQ by the host's DPU client.",
     )
     p.add_argument(
         "--endpoint", required=True, help="ZeroMQ endpoint to bind (ipc:///path or tcp://host:port)"

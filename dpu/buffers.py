@@ -14,8 +14,8 @@ Memory model (ShadowServe §4.3, in software):
 - Compressed blobs come from the store client as ``bytes`` it allocates (the Python store clients give
   no receive-into-buffer API); their number in flight is bounded by the slots (one blob per admitted
   chunk, dropped when the chunk leaves the inflate stage).
-- ``DestRegion`` is the DMA destination: shared memory created and owned by the host control plane
-  (``control/host_region.py``), mapped here by name or by an inherited descriptor. The host pins it for
+- ``DestRegion`` is the DMA destination: shared memory created and owned by the host's DPU client
+  (``fetch/dpu_client/host_region.py``), mapped here by name or by an inherited descriptor. The host pins it for
   its device writes.
 
 Ownership: the server thread owns slot assignment; a chunk's regions belong to the worker currently
@@ -131,7 +131,7 @@ class StagingBuffers:
 
 
 class DestRegion:
-    """A host's destination region mapped here; the host creates and owns it (``control/host_region.py``).
+    """A host's destination region mapped here; the host creates and owns it (``fetch/dpu_client/host_region.py``).
 
     ``attach``: a region a host named under /dev/shm (a client of a shared service); ``inherited``: the
     anonymous region of the host that spawned this process, by the descriptor it passed down (no name in

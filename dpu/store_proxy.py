@@ -1,7 +1,7 @@
 """The data-plane service's store proxy: the store calls of hosts that cannot reach the store.
 
 In the ShadowServe topology the data plane owns the path to the store; the serving processes keep only a
-control plane (and, here, no route to the store at all). Their lookups (``count_prefix``), write-backs
+DPU client (and, here, no route to the store at all). Their lookups (``count_prefix``), write-backs
 (``put_many``), generation markers (``get_many``) and corrupt-value deletions (``delete_many``) come to
 this proxy as ``protocol.StoreRequest`` s on its own ZeroMQ ROUTER endpoint (``--store-endpoint``; CURVE with
 the service's secret when it has one, required for ``tcp://``) and run against the service's store

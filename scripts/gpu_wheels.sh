@@ -9,7 +9,7 @@
 # (/work/.library/device/KINDS.md); each wheel below was found missing there by importing the suite's
 # modules against exactly that package set. Versions are the ones .venv holds (make setup).
 #
-# "core": what `import sgl_remote_kv.{kernels,kvpool,codec,dpu,control.dpu_client}` and
+# "core": what `import sgl_remote_kv.{kernels,kvpool,codec,dpu,fetch.dpu_client}` and
 # `python -m sgl_remote_kv.dpu` need, plus what `from sglang.srt.mem_cache.memory_pool import
 # MHATokenToKVPool` needs on CUDA. SGLang's wheel is slimmed: its five Rust extension modules (*.so:
 # HTTP/gRPC server, benchmark, multimodal, radix-tree core; 19 MB of its 39 MB) are dropped; importing
@@ -39,7 +39,7 @@ SLIM=${GPU_WHEELS_SLIM_SGLANG:-1}
 
 # name==version             needed by
 CORE_BASE="
-pyzmq==27.3.0               control.dpu_client, dpu (ZeroMQ between the control and data planes)
+pyzmq==27.3.0               fetch.dpu_client, dpu (ZeroMQ between the DPU client and the data plane)
 msgspec==0.22.0             contract.protocol (wire messages); SGLang too
 isal==1.9.1                 codec.format, codec.lz (deflate)
 zstandard==0.25.0           codec.lz

@@ -105,8 +105,8 @@ def check_chunk_fits(chunk_size: int, pool_tokens: int, layout, data_plane: bool
         )
     if not data_plane:
         return
-    from sgl_remote_kv.control.dpu_client import DpuClientConfig
     from sgl_remote_kv.dpu.buffers import chunk_bytes, plan_rounds
+    from sgl_remote_kv.fetch.dpu_client.client import DpuClientConfig
 
     cfg = DpuClientConfig(store_url="")
     slot = min(cfg.dest_slot_bytes, cfg.process.slot_bytes)

@@ -11,10 +11,10 @@ import torch
 
 from sgl_remote_kv.admission import AdmissionSettings, Agreement, Collaborators, WaitingForKV
 from sgl_remote_kv.codec.base import get_codec
+from sgl_remote_kv.fetch.base import FetchHandle, FetchPath
+from sgl_remote_kv.metrics import RemoteKVMetrics
 from sgl_remote_kv.policy.estimator import Policy, PolicyConfig
-from sgl_remote_kv.sglang_glue.fetch import FetchHandle
-from sgl_remote_kv.sglang_glue.metrics import RemoteKVMetrics
-from sgl_remote_kv.sglang_glue.runtime import FetchPath, KeySpace
+from sgl_remote_kv.runtime import KeySpace
 from sgl_remote_kv.types import KVFidelity, KVLayout, ModelFingerprint, PathName
 
 C = 16  # chunk size

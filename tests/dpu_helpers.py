@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from sgl_remote_kv.codec.base import get_codec
-from sgl_remote_kv.control.jobs import KVTarget
+from sgl_remote_kv.fetch.dpu_client.jobs import KVTarget
 from sgl_remote_kv.kvpool import PoolTensors, writer_for
 from sgl_remote_kv.store.client import open_client
 from sgl_remote_kv.types import KVLayout, ModelFingerprint

@@ -20,7 +20,7 @@ from sgl_remote_kv.dpu.buffers import chunk_bytes
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.contract import protocol as P
-from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 
 LAYOUT32 = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, dtype="float32")

@@ -37,8 +37,9 @@ from sglang.test.kits.unified_radix_cache.fixtures import build_fixture, match_p
 from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures
 from sglang.test.mem_cache_utils import finish_req
 
+from sgl_remote_kv import runtime
 from sgl_remote_kv.config import RemoteKVConfig
-from sgl_remote_kv.sglang_glue import radix_cache, runtime
+from sgl_remote_kv.sglang_glue import radix_cache
 from sgl_remote_kv.sglang_glue.radix_cache import RemoteKVRadixCache
 
 VARIANTS = ("sglang", "tier_off", "tier_on")

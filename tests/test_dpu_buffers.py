@@ -9,7 +9,7 @@ import pytest
 from sgl_remote_kv.dpu.buffers import DestRegion, StagingBuffers, chunk_bytes, plan_rounds
 
 from sgl_remote_kv.contract import shm_names
-from sgl_remote_kv.control.host_region import HostRegion
+from sgl_remote_kv.fetch.dpu_client.host_region import HostRegion
 from sgl_remote_kv.types import KVLayout
 
 LAY = KVLayout(30, 3, 64, "bfloat16")

@@ -36,8 +36,8 @@ from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.codec.base import decode
 from sgl_remote_kv.contract import protocol as P
-from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
-from sgl_remote_kv.control.jobs import HostRound
+from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
+from sgl_remote_kv.fetch.dpu_client.jobs import HostRound
 
 CB = chunk_bytes(LAYOUT, CHUNK)
 N = 3

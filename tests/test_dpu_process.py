@@ -33,8 +33,8 @@ from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.codec.base import decode
 from sgl_remote_kv.contract import shm_names
-from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
-from sgl_remote_kv.control.host_region import HostRegion
+from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
+from sgl_remote_kv.fetch.dpu_client.host_region import HostRegion
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 from tests.fixtures.dpu_clients import dp_spec
 
@@ -397,7 +397,7 @@ def test_data_plane_exits_when_the_host_dies(tmp_path):
 import sys, time
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from dpu_helpers import FP, codecs
-from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
 spec = DataPlaneSettings(slot_bytes=1 << 20)
 c = DpuClient(DpuClientConfig("file://{tmp_path}/store", dest_slot_bytes=1 << 20, process=spec), FP, codecs()["lossless"])

@@ -1,4 +1,4 @@
-"""How the DPU client writes a round's chunks into the pool (``control/rounds.py``): each chunk as soon as
+"""How the DPU client writes a round's chunks into the pool (``fetch/dpu_client/rounds.py``): each chunk as soon as
 its layers are in the destination region, not once every chunk of the round is (the last chunk's write is
 then all that follows the last byte off the link); a chunk is a hit only once all its layers were written,
 counted as a prefix in chunk order whatever order the writes ran in; a failed write fails its own chunks
@@ -16,8 +16,8 @@ from sgl_remote_kv.dpu.buffers import chunk_bytes
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.codec.base import decode
-from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
-from sgl_remote_kv.control.jobs import FetchHandle, KVTarget
+from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
+from sgl_remote_kv.fetch.dpu_client.jobs import FetchHandle, KVTarget
 from sgl_remote_kv.kvpool import KVWriteError
 
 CB = chunk_bytes(LAYOUT, CHUNK)

@@ -117,7 +117,7 @@ import sys, time
 sys.path.insert(0, {tests!r})
 from dpu_helpers import CHUNK, codecs
 from dpu_service_helpers import CB, rank_fp
-from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 cfg = DpuClientConfig({url!r}, dest_slot_bytes=8 * CB, endpoint={ep!r}, heartbeat_s=0.2)
 c = DpuClient(cfg, rank_fp(0), codecs()["lossless"])
 c.start()
@@ -259,7 +259,7 @@ def test_serving_flag_attaches_the_backend_to_the_service(env):
     import argparse
 
     from sgl_remote_kv.config import RemoteKVConfig
-    from sgl_remote_kv.sglang_glue.fetch_dpu import start_dpu_backend
+    from sgl_remote_kv.fetch.dpu import start_dpu_backend
 
     url, make_service, _ = env
     svc = make_service(*slots_flags(), "--allow-fingerprint", rank_fp(0).digest().hex())
@@ -355,7 +355,7 @@ def test_a_service_logs_its_start_and_attaches_at_info_and_leaves_nothing_when_s
     had sent its ``Register`` several times (each used to replace the last, one WARNING each). Stopped by
     ``sig``: exit 0, its socket files (endpoint, store proxy) and the client's region gone."""
     from sgl_remote_kv import __version__
-    from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+    from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 
     url = f"file://{tmp_path}/store"
     endpoint, proxy = f"ipc://{tmp_path}/dpu.sock", f"ipc://{tmp_path}/store.sock"

@@ -30,8 +30,8 @@ from dpu_service_helpers import (
 
 from sgl_remote_kv.contract import protocol as P
 from sgl_remote_kv.contract import shm_names
-from sgl_remote_kv.control.dpu_client import DpuClientConfig
-from sgl_remote_kv.control.host_region import HostRegion
+from sgl_remote_kv.fetch.dpu_client.client import DpuClientConfig
+from sgl_remote_kv.fetch.dpu_client.host_region import HostRegion
 from sgl_remote_kv.types import ModelFingerprint
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, {tests!r})
 import numpy as np, redis
 from dpu_helpers import CHUNK, codecs, make_pool, pool_tokens
 from dpu_service_helpers import LAYOUT32, random_kv, rank_fp
-from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 
 def say(*a):
     print(*a, flush=True)

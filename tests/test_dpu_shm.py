@@ -24,14 +24,14 @@ from sgl_remote_kv.dpu.buffers import chunk_bytes
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.contract import shm_names
-from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 
 SHM = Path("/dev/shm")
 _CREATOR = textwrap.dedent(
     """
     import sys, time
     from sgl_remote_kv.contract import shm_names
-    from sgl_remote_kv.control.host_region import HostRegion
+    from sgl_remote_kv.fetch.dpu_client.host_region import HostRegion
     r = HostRegion(1 << 20, shm_names.region_name(), named=True)  # a service's client
     print(r.name, flush=True)
     time.sleep(600)
@@ -85,7 +85,7 @@ _HOST = textwrap.dedent(
     import sys, time
     sys.path.insert(0, sys.argv[1])
     from dpu_helpers import CHUNK, FP, codecs
-    from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+    from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
     from sgl_remote_kv.dpu.buffers import chunk_bytes
     from sgl_remote_kv.dpu.settings import DataPlaneSettings
     spec = DataPlaneSettings(workers=(1, 1, 1, 1), slots=1, slot_bytes=chunk_bytes(FP.layout, CHUNK))
@@ -147,7 +147,7 @@ def test_data_plane_unlinking_its_dead_hosts_region_prints_no_tracker_traceback(
         """
         import subprocess, sys
         from sgl_remote_kv.contract import shm_names
-        from sgl_remote_kv.control.host_region import HostRegion
+        from sgl_remote_kv.fetch.dpu_client.host_region import HostRegion
         name = shm_names.region_name()
         r = HostRegion(1 << 16, name, named=True)
         child = '''

@@ -37,7 +37,7 @@ from sgl_remote_kv.dpu.settings import DataPlaneSettings
 from strict_device import StrictDevice, StrictKVPool
 
 from sgl_remote_kv.codec.base import decode
-from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 
 CB = chunk_bytes(LAYOUT, CHUNK)
 
@@ -146,7 +146,7 @@ def test_device_fault_during_the_write_fails_the_round_never_a_hit(client, dev):
 def test_device_hang_is_a_timed_out_write_and_readers_stay_fenced(client, dev):
     c, keys, _ = client
     kv = StrictKVPool(dev, LAYOUT, 512, torch.bfloat16)
-    from sgl_remote_kv.control.jobs import KVTarget
+    from sgl_remote_kv.fetch.dpu_client.jobs import KVTarget
     from sgl_remote_kv.kvpool import PoolTensors, writer_for
 
     writer = writer_for(PoolTensors(kv.k_buffer, kv.v_buffer), LAYOUT, timeout_s=0.3, ops=dev)
@@ -166,7 +166,7 @@ def test_device_hang_is_a_timed_out_write_and_readers_stay_fenced(client, dev):
 def test_close_with_a_wedged_device_does_not_hang(client, dev):
     import time
 
-    from sgl_remote_kv.control.jobs import KVTarget
+    from sgl_remote_kv.fetch.dpu_client.jobs import KVTarget
     from sgl_remote_kv.kvpool import PoolTensors, writer_for
 
     c, keys, _ = client
@@ -191,7 +191,7 @@ def test_a_finished_chunk_whose_layers_never_reached_the_pool_is_not_a_hit():
     with one layer missing it is not."""
     import threading
 
-    from sgl_remote_kv.control.jobs import DONE, FetchHandle, HostRound, KVTarget
+    from sgl_remote_kv.fetch.dpu_client.jobs import DONE, FetchHandle, HostRound, KVTarget
     from sgl_remote_kv.kvpool import PoolTensors, writer_for
 
     k = [
@@ -218,7 +218,7 @@ def test_a_hung_write_holds_up_neither_submit_nor_another_cancel_and_cancel_wait
     frees the KV slots next)."""
     import time
 
-    from sgl_remote_kv.control.jobs import KVTarget
+    from sgl_remote_kv.fetch.dpu_client.jobs import KVTarget
     from sgl_remote_kv.kvpool import PoolTensors, writer_for
 
     c, keys, _ = client

@@ -22,7 +22,7 @@ from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.codec import calibration as cm
 from sgl_remote_kv.codec.base import decode, get_codec
-from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 
 
 @pytest.fixture

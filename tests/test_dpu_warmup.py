@@ -22,7 +22,7 @@ from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.codec.base import default_codec
 from sgl_remote_kv.contract import protocol as P
-from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 
 _FRESH = """
 from sgl_remote_kv.codec import quant

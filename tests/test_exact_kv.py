@@ -15,9 +15,9 @@ import pytest
 
 from sgl_remote_kv.admission import Phase, WaitingForKV
 from sgl_remote_kv.codec.base import get_codec
+from sgl_remote_kv.fetch.base import FetchPath
 from sgl_remote_kv.policy.estimator import Policy, PolicyConfig
 from sgl_remote_kv.sglang_glue import seam
-from sgl_remote_kv.sglang_glue.runtime import FetchPath
 from sgl_remote_kv.store.keys import tenant_salt
 from sgl_remote_kv.types import KVFidelity, PathName
 from tests.admission_fakes import C, make_queue, req

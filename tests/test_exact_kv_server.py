@@ -29,7 +29,7 @@ from transformers import AutoTokenizer
 
 from benchmarks.redis_server import RedisServer, free_port
 from sgl_remote_kv.calibrate import fingerprint_for
-from sgl_remote_kv.sglang_glue.runtime import resolve_codec
+from sgl_remote_kv.fetch.paths import resolve_codec
 from sgl_remote_kv.types import RopeSpec
 from tests.fixtures.faults import gen, make_case, metric, wait_written
 from tests.fixtures.remote_kv_server import flush_cache, remote_kv_server, storage_tokens

@@ -17,7 +17,7 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from sgl_remote_kv.sglang_glue import generation
+from sgl_remote_kv.store import generation
 from tests.fixtures.faults import ask, gen, make_case, metric, prime, wait_for, wait_written
 from tests.fixtures.remote_kv_server import CHUNK, flush_cache, remote_kv_server, storage_tokens
 

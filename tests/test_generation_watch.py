@@ -14,8 +14,8 @@ import time
 import pytest
 
 from sgl_remote_kv.codec.base import get_codec
-from sgl_remote_kv.sglang_glue import generation
-from sgl_remote_kv.sglang_glue.runtime import KeySpace
+from sgl_remote_kv.runtime import KeySpace
+from sgl_remote_kv.store import generation
 from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.store.client import ClientConfig, StoreClient
 from sgl_remote_kv.store.faulty import FaultConfig, FaultyStore

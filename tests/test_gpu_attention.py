@@ -27,7 +27,7 @@ pytestmark = [
         "sglang.srt.mem_cache.memory_pool",
         "sglang.srt.layers.attention.triton_backend",
         "transformers",  # the stand-in runner's hf_config
-        "sgl_remote_kv.control.dpu_client",
+        "sgl_remote_kv.fetch.dpu_client.client",
         "sgl_remote_kv.dpu.server",
     ),
 ]

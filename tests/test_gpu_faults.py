@@ -33,7 +33,7 @@ from sgl_remote_kv.types import KVLayout, ModelFingerprint
 # every test builds an SGLang pool on CUDA
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_needs("sglang.srt.mem_cache.memory_pool")]
 # the DPU client and its data-plane process
-needs_dpu = pytest.mark.gpu_needs("sgl_remote_kv.control.dpu_client", "sgl_remote_kv.dpu.server")
+needs_dpu = pytest.mark.gpu_needs("sgl_remote_kv.fetch.dpu_client.client", "sgl_remote_kv.dpu.server")
 
 LAY = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16")
 FP = ModelFingerprint("TestArch", LAY, "w" * 16)
@@ -111,7 +111,7 @@ def test_a_stalled_side_stream_makes_the_dpu_fetch_a_miss(tmp_path):
     from dpu_helpers import codecs
     from tier_scenarios import CHUNK, N_CHUNKS, dpu_client, store_chunks
 
-    from sgl_remote_kv.control.jobs import KVTarget
+    from sgl_remote_kv.fetch.dpu_client.jobs import KVTarget
 
     codec = codecs()["lossless"]
     url = f"file://{tmp_path}/store"
@@ -143,7 +143,7 @@ def test_two_writers_share_the_dpu_region_pinned_once(tmp_path):
     from dpu_helpers import codecs
     from tier_scenarios import CHUNK, N_CHUNKS, dpu_client, store_chunks
 
-    from sgl_remote_kv.control.jobs import KVTarget
+    from sgl_remote_kv.fetch.dpu_client.jobs import KVTarget
     from sgl_remote_kv.kvpool.host_pin import cuda_pinner
 
     codec = codecs()["lossless"]

@@ -25,7 +25,7 @@ def _module(tmp_path, monkeypatch, name: str, body: str) -> str:
 
 def test_a_missing_third_party_module_is_named(tmp_path, monkeypatch):
     assert missing_module(["json", "srkv_gate_absent_pkg"]) == "srkv_gate_absent_pkg"
-    # like sgl_remote_kv.control.dpu_client without pyzmq: the module imports, its dependency is absent
+    # like sgl_remote_kv.fetch.dpu_client.client without pyzmq: the module imports, its dependency is absent
     mod = _module(tmp_path, monkeypatch, "srkv_gate_needs_dep", "import srkv_gate_absent_dep.sub\n")
     assert missing_module([mod]) == "srkv_gate_absent_dep"
     assert missing_module(["json"]) is None

@@ -32,7 +32,7 @@ from sgl_remote_kv.types import KVLayout, numpy_storage_dtype
 # every test builds an SGLang pool on CUDA
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_needs("sglang.srt.mem_cache.memory_pool")]
 # the DPU client and its data-plane process (`python -m sgl_remote_kv.dpu`: ZeroMQ, msgspec, ...)
-needs_dpu = pytest.mark.gpu_needs("sgl_remote_kv.control.dpu_client", "sgl_remote_kv.dpu.server")
+needs_dpu = pytest.mark.gpu_needs("sgl_remote_kv.fetch.dpu_client.client", "sgl_remote_kv.dpu.server")
 
 TD = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -62,7 +62,7 @@ def _writer(pool, layout):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("pinned", [True, False])
 def test_writer_into_sglang_pool_is_exact(dtype, pinned):
-    from sgl_remote_kv.control.host_region import HostRegion
+    from sgl_remote_kv.fetch.dpu_client.host_region import HostRegion
 
     lay = KVLayout(num_layers=6, num_kv_heads=3, head_dim=64, dtype=dtype)
     pool = _sglang_pool(lay, 4096)
@@ -129,8 +129,8 @@ def _dpu_fetch_into_cuda(tmp_path, codec, output: str, seed: int):
     from sgl_remote_kv.dpu.buffers import chunk_bytes
     from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
-    from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
-    from sgl_remote_kv.control.jobs import KVTarget
+    from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
+    from sgl_remote_kv.fetch.dpu_client.jobs import KVTarget
 
     url = f"file://{tmp_path}/store"
     keys, blobs = put_chunks(url, codec, random_chunks(5, seed=seed))

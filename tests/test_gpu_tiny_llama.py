@@ -29,7 +29,7 @@ pytestmark = [
     pytest.mark.gpu_needs(
         "transformers",
         "sglang.srt.mem_cache.memory_pool",
-        "sgl_remote_kv.control.dpu_client",
+        "sgl_remote_kv.fetch.dpu_client.client",
         "sgl_remote_kv.dpu.server",
     ),
 ]

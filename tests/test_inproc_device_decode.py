@@ -18,10 +18,11 @@ from strict_device import StrictDevice, StrictKVPool
 from benchmarks import synthetic_kv as synthetic
 from sgl_remote_kv.codec import quant
 from sgl_remote_kv.codec.base import get_codec
+from sgl_remote_kv.fetch.base import FetchHandle
+from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
 from sgl_remote_kv.kvpool import KVWriteError, PoolTensors, writer_for
+from sgl_remote_kv.metrics import RemoteKVMetrics
 from sgl_remote_kv.sglang_glue import layerwise
-from sgl_remote_kv.sglang_glue.fetch import FetchHandle, InProcessFetchBackend
-from sgl_remote_kv.sglang_glue.metrics import RemoteKVMetrics
 from sgl_remote_kv.store.client import open_client
 
 C, N = 16, 3

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sgl_remote_kv.codec.base import get_codec
-from sgl_remote_kv.sglang_glue.fetch import InProcessFetchBackend
+from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
 from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.store.client import open_client
 from sgl_remote_kv.types import KVLayout, ModelFingerprint

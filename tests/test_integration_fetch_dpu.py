@@ -1,12 +1,12 @@
-"""``DpuFetchHandle`` (our view of a data-plane fetch) over a stand-in control-plane handle: the hit
+"""``DpuFetchHandle`` (our view of a data-plane fetch) over a stand-in DPU-client handle: the hit
 prefix, failure kind, decoded bytes and the compressed wire bytes the data plane reports per chunk."""
 
 from __future__ import annotations
 
 import threading
 
-from sgl_remote_kv.control.jobs import FetchResult
-from sgl_remote_kv.sglang_glue.fetch_dpu import DpuFetchHandle
+from sgl_remote_kv.fetch.dpu import DpuFetchHandle
+from sgl_remote_kv.fetch.dpu_client.jobs import FetchResult
 
 C, BPT = 64, 1000
 

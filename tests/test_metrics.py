@@ -8,7 +8,7 @@ def test_metric_labels_are_closed_sets_and_preregistered():
     series), and every known series exists at 0 before its first event (alerts see 0, not no data)."""
     from prometheus_client import REGISTRY
 
-    from sgl_remote_kv.sglang_glue.metrics import get
+    from sgl_remote_kv.metrics import get
     from sgl_remote_kv.types import FailureKind
 
     m = get()

@@ -11,15 +11,15 @@ import pytest
 import sgl_remote_kv.nvdec  # noqa: F401
 from sgl_remote_kv.nvdec import adapter as ad
 from sgl_remote_kv.nvdec import profile as prof
-from sgl_remote_kv.nvdec.fetch_nvdec import NvdecFetchBackend, decoder_wait_s
 from sgl_remote_kv.nvdec.hevc_codec import HevcCodec
 from sgl_remote_kv.nvdec.pool import ChunkResult, DecoderPool
 from sgl_remote_kv.nvdec.versions import ChunkVersions, version_codec
 
 from benchmarks import synthetic_kv as synthetic
 from sgl_remote_kv.codec.errors import ForeignChunk
+from sgl_remote_kv.fetch.nvdec import NvdecFetchBackend, decoder_wait_s
+from sgl_remote_kv.metrics import RemoteKVMetrics
 from sgl_remote_kv.policy.estimator import Policy, PolicyConfig
-from sgl_remote_kv.sglang_glue.metrics import RemoteKVMetrics
 from tests.test_nvdec_fetch import DictClient, _pool
 
 C = 64
@@ -294,7 +294,7 @@ def test_writeback_stores_every_version_under_its_key(tmp_path):
     import torch
 
     from sgl_remote_kv.kvpool import PoolTensors, writer_for
-    from sgl_remote_kv.sglang_glue.runtime import KeySpace
+    from sgl_remote_kv.runtime import KeySpace
     from sgl_remote_kv.sglang_glue.writeback import WriteBack
     from sgl_remote_kv.store.client import open_client
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import sgl_remote_kv.nvdec  # noqa: F401
 import torch
-from sgl_remote_kv.nvdec.fetch_nvdec import NvdecFetchBackend
 from sgl_remote_kv.nvdec.hevc_codec import HevcCodec
 from sgl_remote_kv.nvdec.pool import DecoderPool
 
 from benchmarks import synthetic_kv as synthetic
+from sgl_remote_kv.fetch.nvdec import NvdecFetchBackend
 
 C = 8
 
@@ -128,8 +128,8 @@ def test_layerwise_install_of_a_direct_nvdec_fetch_reads_the_written_slots():
     so the layer-transfer counter only waits for each layer and never re-writes it."""
     from pool_fake import FakeKVPool
 
+    from sgl_remote_kv.metrics import RemoteKVMetrics
     from sgl_remote_kv.sglang_glue import layerwise
-    from sgl_remote_kv.sglang_glue.metrics import RemoteKVMetrics
 
     fp, codec, data, rk, rv = _setup()
     kv = FakeKVPool(fp.layout, 64, getattr(torch, fp.layout.dtype))

@@ -135,8 +135,8 @@ def test_decoder_pool_device_follows_the_kv_pool(caplog):
     from strict_device import StrictDevice
 
     from sgl_remote_kv.config import RemoteKVConfig
+    from sgl_remote_kv.fetch.paths import _decoder_device
     from sgl_remote_kv.kvpool import PoolTensors, writer_for
-    from sgl_remote_kv.sglang_glue.paths import _decoder_device
     from sgl_remote_kv.types import KVLayout
 
     lay = KVLayout(2, 1, 8, "float32")

@@ -10,9 +10,10 @@ import pytest
 from sgl_remote_kv.admission import Phase, WaitingForKV
 from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.config import RemoteKVConfig
+from sgl_remote_kv.fetch import paths
+from sgl_remote_kv.fetch.base import FetchPath
 from sgl_remote_kv.policy.estimator import Policy, PolicyConfig
-from sgl_remote_kv.sglang_glue import paths
-from sgl_remote_kv.sglang_glue.runtime import FetchPath, KeySpace
+from sgl_remote_kv.runtime import KeySpace
 from sgl_remote_kv.types import KVLayout, ModelFingerprint, PathName
 from tests.admission_fakes import C, make_queue, req
 

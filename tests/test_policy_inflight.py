@@ -9,9 +9,10 @@ import threading
 
 import pytest
 
+from sgl_remote_kv import runtime
 from sgl_remote_kv.config import RemoteKVConfig
+from sgl_remote_kv.fetch import paths
 from sgl_remote_kv.policy.estimator import Policy, PolicyConfig
-from sgl_remote_kv.sglang_glue import paths, runtime
 from sgl_remote_kv.store.client import open_client
 from sgl_remote_kv.types import KVLayout, ModelFingerprint, PathName
 

@@ -123,8 +123,9 @@ def test_a_cache_without_kv_allocator_runs_without_the_tier(monkeypatch, caplog)
     from sglang.srt.mem_cache import registry
     from sglang.test.kits.unified_radix_cache.core import DisabledUnifiedRadixCacheFixtures
 
+    from sgl_remote_kv import runtime
     from sgl_remote_kv.config import RemoteKVConfig
-    from sgl_remote_kv.sglang_glue import radix_cache, runtime, seam
+    from sgl_remote_kv.sglang_glue import radix_cache, seam
 
     params = DisabledUnifiedRadixCacheFixtures()._params(disable=False)  # the kit's own parameters
     ctx = types.SimpleNamespace(params=params, disable_radix_cache=False)

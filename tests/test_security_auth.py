@@ -14,7 +14,7 @@ from benchmarks import synthetic_kv as synthetic
 from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.codec.format import CRC, FIXED, crc32
 from sgl_remote_kv.config import RemoteKVConfig
-from sgl_remote_kv.sglang_glue.fetch import InProcessFetchBackend
+from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
 from sgl_remote_kv.store.base import open_store
 from sgl_remote_kv.store.client import ClientConfig, StoreClient
 from sgl_remote_kv.store.framing import frame, unframe

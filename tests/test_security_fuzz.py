@@ -34,7 +34,7 @@ from sgl_remote_kv.codec.base import decode as generic_decode
 from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.codec.format import CRC, FIXED, LAYER_ENTRY, crc32
 from sgl_remote_kv.contract import protocol as P
-from sgl_remote_kv.sglang_glue.fetch import InProcessFetchBackend
+from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
 from sgl_remote_kv.store.client import ClientConfig, StoreClient
 from sgl_remote_kv.store.local import LocalStore
 

@@ -11,7 +11,7 @@ import itertools
 import pytest
 
 from sgl_remote_kv.codec.base import get_codec
-from sgl_remote_kv.sglang_glue.runtime import KeySpace
+from sgl_remote_kv.runtime import KeySpace
 from sgl_remote_kv.store.client import ClientConfig, StoreClient
 from sgl_remote_kv.store.keys import tenant_salt
 from sgl_remote_kv.store.local import LocalStore

@@ -18,11 +18,12 @@ import pytest
 import torch
 from dpu_helpers import FP, LAYOUT, codecs
 
+from sgl_remote_kv import runtime
 from sgl_remote_kv.config import RemoteKVConfig
+from sgl_remote_kv.fetch.base import FetchPath
+from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
 from sgl_remote_kv.kvpool import PoolTensors, writer_for
-from sgl_remote_kv.sglang_glue import runtime
-from sgl_remote_kv.sglang_glue.fetch import InProcessFetchBackend
-from sgl_remote_kv.sglang_glue.metrics import RemoteKVMetrics
+from sgl_remote_kv.metrics import RemoteKVMetrics
 from sgl_remote_kv.sglang_glue.writeback import WriteBack
 from sgl_remote_kv.store.client import open_client
 from sgl_remote_kv.types import PathName
@@ -48,7 +49,7 @@ def _runtime(url: str) -> tuple[runtime.RemoteKVRuntime, types.SimpleNamespace]:
     keys = runtime.KeySpace(FP, codec, CH)
     r2t = types.SimpleNamespace(req_to_token=slots[None, :].clone())
     wb = WriteBack(codec, FP, client, keys, RemoteKVMetrics(), writer, r2t, 8, tail_granule=G)
-    path = runtime.FetchPath(PathName.INPROC, InProcessFetchBackend(client, codec, FP, CH), codec)
+    path = FetchPath(PathName.INPROC, InProcessFetchBackend(client, codec, FP, CH), codec)
     cfg = RemoteKVConfig(mode="inproc", chunk_size=CH)  # the write-back above has its own tail granule
     rt = runtime.build(
         cfg, FP, codec, client, [path], threading.Event(), kv_writer=writer, keys=keys, writeback=wb

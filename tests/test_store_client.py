@@ -304,7 +304,7 @@ def test_lookup_errors_are_not_misses_and_reach_the_listener(inner) -> None:
 def test_breaker_state_changes_reach_the_metrics_gauge(inner) -> None:
     """Every read-breaker transition is reported once (open, then the half-open probe, then closed) and
     lands in the metrics' ``store_breaker_state{circuit}`` gauge (0 closed, 1 half-open, 2 open)."""
-    from sgl_remote_kv.sglang_glue.metrics import RemoteKVMetrics
+    from sgl_remote_kv.metrics import RemoteKVMetrics
 
     client, faulty = make(inner)
     metrics, seen = RemoteKVMetrics(), []

@@ -27,7 +27,7 @@ from dpu_helpers import CHUNK, FP, LAYOUT, codecs, make_pool, put_chunks, random
 
 from benchmarks.redis_server import RedisServer, free_port
 from sgl_remote_kv.config import RemoteKVConfig
-from sgl_remote_kv.sglang_glue.fetch import InProcessFetchBackend
+from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
 from sgl_remote_kv.store import corruption
 from sgl_remote_kv.store.base import url_options
 from sgl_remote_kv.store.client import ClientConfig, open_client

@@ -18,10 +18,10 @@ from dpu_helpers import FP, LAYOUT, codecs, make_pool, pool_tokens, random_chunk
 
 from sgl_remote_kv.admission import Phase
 from sgl_remote_kv.codec.base import decode
+from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
 from sgl_remote_kv.kvpool import PoolTensors, writer_for
-from sgl_remote_kv.sglang_glue.fetch import InProcessFetchBackend
-from sgl_remote_kv.sglang_glue.metrics import RemoteKVMetrics
-from sgl_remote_kv.sglang_glue.runtime import KeySpace
+from sgl_remote_kv.metrics import RemoteKVMetrics
+from sgl_remote_kv.runtime import KeySpace
 from sgl_remote_kv.sglang_glue.writeback import WriteBack
 from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.store.client import open_client
@@ -72,7 +72,7 @@ def test_dpu_data_plane_fetches_full_and_tail_chunks_in_one_job_bit_exact(tmp_pa
     from sgl_remote_kv.dpu.buffers import chunk_bytes
     from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
-    from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+    from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 
     codec = codecs()["quant"]
     url = f"file://{tmp_path}/s"

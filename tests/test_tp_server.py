@@ -66,7 +66,7 @@ def _rank_keys(model_dir: str, ids: list[int], tp_rank: int) -> list[bytes]:
     """The store keys rank ``tp_rank`` of a TP=3 fp32 server uses for ``ids`` (tenant salt: none)."""
     import json
 
-    from sgl_remote_kv.sglang_glue.runtime import resolve_codec
+    from sgl_remote_kv.fetch.paths import resolve_codec
     from sgl_remote_kv.sglang_glue.seam import weights_id_for
     from sgl_remote_kv.store import keys
     from sgl_remote_kv.types import KVLayout, ModelFingerprint

@@ -166,7 +166,7 @@ def _scenario_queue(rank: int, ag: Agreement) -> list:
     import concurrent.futures as cf
 
     from sgl_remote_kv.admission import ParkedRequest, Phase
-    from sgl_remote_kv.sglang_glue.fetch import FetchHandle
+    from sgl_remote_kv.fetch.base import FetchHandle
     from sgl_remote_kv.types import KVLayout, ModelFingerprint
     from tests.admission_fakes import C, make_queue, req
 

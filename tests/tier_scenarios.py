@@ -75,7 +75,7 @@ def dpu_client(url: str, fp: ModelFingerprint, codec, *, blob_area: bool, dma_de
     from sgl_remote_kv.dpu.buffers import chunk_bytes
     from sgl_remote_kv.dpu.settings import DataPlaneSettings, Debug
 
-    from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
+    from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 
     cb = chunk_bytes(fp.layout, CHUNK)
     spec = DataPlaneSettings(
@@ -147,10 +147,10 @@ def attention_over_fetched_kv(device: str, dtype: str, workdir: Path, dma_delay_
     from dpu_helpers import codecs
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
+    from sgl_remote_kv.fetch.dpu import DpuFetchBackend
     from sgl_remote_kv.kvpool import PoolTensors, writer_for
+    from sgl_remote_kv.metrics import RemoteKVMetrics
     from sgl_remote_kv.sglang_glue import layerwise
-    from sgl_remote_kv.sglang_glue.fetch_dpu import DpuFetchBackend
-    from sgl_remote_kv.sglang_glue.metrics import RemoteKVMetrics
 
     lay = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=dtype)
     fp = ModelFingerprint("TestArch", lay, "w" * 16)
@@ -319,7 +319,7 @@ def tiny_llama_over_fetched_kv(
         writer = writer_for(PoolTensors(pool.k_buffer, pool.v_buffer), lay)
         slots = (torch.randperm(250, generator=torch.Generator().manual_seed(5))[:PREFIX] + 1).to(torch.int64)
         with dpu_client(url, fp, codec, blob_area=False) as client:
-            from sgl_remote_kv.control.jobs import KVTarget
+            from sgl_remote_kv.fetch.dpu_client.jobs import KVTarget
 
             t0 = time.perf_counter()
             res = client.fetch("llama", keys, CHUNK, KVTarget(writer, slots), timeout=120)

@@ -107,7 +107,7 @@ class Collaborators:
     host: HostOps
     paths: Mapping[PathName, FetchPathLike]
     policy: object  # policy.estimator.Policy
-    metrics: object  # sglang_glue.metrics.RemoteKVMetrics
+    metrics: object  # metrics.RemoteKVMetrics
     lookup: Callable[[list[bytes]], object]  # StoreClient.lookup_prefix
     delete: Callable[[list[bytes]], object]  # StoreClient.delete_many
     keys: Callable[[list[int], int, str | None, object], list[bytes]]  # (ids, chunks, salt, codec)

@@ -1,4 +1,4 @@
-"""Control-channel messages between the host (control plane) and the data plane, over ZeroMQ.
+"""Control-channel messages between the host (the DPU client) and the data plane, over ZeroMQ.
 
 Wire format of one message (one ZeroMQ frame, no pickle anywhere)::
 

@@ -11,7 +11,7 @@ since boot, so a recycled pid is not mistaken for the creator), and ``sweep_stal
 pattern, nor a region whose creator is alive (or cannot be checked: no /proc).
 
 A spawned data plane's run directory (its IPC endpoint until the host connected, under the temp dir;
-``dpu_process.py``) carries the same kind of name; a host killed with its data plane while it starts
+``fetch/dpu_client/link.py``) carries the same kind of name; a host killed with its data plane while it starts
 leaves it behind, so ``sweep_stale_dirs`` removes the directories of dead creators.
 
 Threads: pure functions; the sweeps run on the thread calling ``DpuClient.start``.

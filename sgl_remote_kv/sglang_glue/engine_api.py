@@ -20,8 +20,8 @@ import logging
 import time
 
 from sgl_remote_kv.config import RemoteKVConfig
+from sgl_remote_kv.runtime import WRITEBACK_DRAIN_S
 from sgl_remote_kv.sglang_glue import seam
-from sgl_remote_kv.sglang_glue.runtime import WRITEBACK_DRAIN_S
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ A non-direct path stages each layer and this class writes it through the pool's 
 and NVDEC paths are *direct*: the DPU client's receiver thread (the decoder pool's workers) write each
 layer (layer group) into the slots as it is ready (``layer_ready``, set only after the write returned),
 so waiting is all this class does for them; the DPU's fallback blobs are host copies the
-data plane made before signalling verified (``fetch_dpu.py``), and falling back cancels the client's
+data plane made before signalling verified (``fetch/dpu.py``), and falling back cancels the client's
 handle first (under the client's lock), after which the receiver never writes the slots again. The
 in-process path is decoded *on demand* (``on_demand``): its worker is cancelled at admission and each
 layer is decoded from the verified blobs in the forward thread when first needed — a Python decode
@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sgl_remote_kv.codec.errors import ChunkError
+from sgl_remote_kv.fetch.base import FetchHandle
 from sgl_remote_kv.kvpool import KVWriteError
-from sgl_remote_kv.sglang_glue.fetch import FetchHandle
 from sgl_remote_kv.types import numpy_storage_dtype
 
 logger = logging.getLogger(__name__)

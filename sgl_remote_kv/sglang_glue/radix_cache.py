@@ -24,12 +24,14 @@ import threading
 
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from sgl_remote_kv import preflight
+from sgl_remote_kv import metrics as metrics_mod
+from sgl_remote_kv import preflight, runtime
 from sgl_remote_kv.config import RemoteKVConfig
+from sgl_remote_kv.fetch import paths
 from sgl_remote_kv.kvpool.warmup import warm_up
-from sgl_remote_kv.sglang_glue import generation, layerwise, paths, runtime, seam
-from sgl_remote_kv.sglang_glue import metrics as metrics_mod
+from sgl_remote_kv.sglang_glue import layerwise, seam
 from sgl_remote_kv.sglang_glue.writeback import WriteBack
+from sgl_remote_kv.store import generation
 from sgl_remote_kv.store.base import redact_url
 from sgl_remote_kv.types import FailureKind
 

@@ -29,8 +29,9 @@ from __future__ import annotations
 import logging
 import time
 
+from sgl_remote_kv import runtime
 from sgl_remote_kv.admission import Agreement, Collaborators, WaitingForKV
-from sgl_remote_kv.sglang_glue import runtime, seam
+from sgl_remote_kv.sglang_glue import seam
 from sgl_remote_kv.types import FailureKind
 
 logger = logging.getLogger(__name__)

@@ -43,9 +43,9 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoa
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 from sgl_remote_kv.codec.base import get_codec
+from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
 from sgl_remote_kv.model import model_identity
 from sgl_remote_kv.sglang_glue import seam
-from sgl_remote_kv.sglang_glue.fetch import InProcessFetchBackend
 from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.store.client import ClientConfig, open_client
 from sgl_remote_kv.types import ModelFingerprint

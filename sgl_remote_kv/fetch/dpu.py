@@ -1,4 +1,4 @@
-"""Fetch backend over the DPU data plane (``sgl_remote_kv.control.dpu_client.DpuClient``).
+"""Fetch backend over the DPU data plane (``sgl_remote_kv.fetch.dpu_client.client.DpuClient``).
 
 Unlike the in-process backend, this one is *direct*: the caller (the waiting_for_KV queue, on the
 scheduler thread) reserves the destination KV slots in SGLang's pool before submitting, and the DPU
@@ -28,13 +28,13 @@ import shlex
 
 import torch
 
-from sgl_remote_kv.sglang_glue.fetch import FetchHandle
+from sgl_remote_kv.fetch.base import FetchHandle
 
 logger = logging.getLogger(__name__)
 
 
 class DpuFetchHandle(FetchHandle):
-    """Adapter: our ``FetchHandle`` view of a ``control.jobs.FetchHandle``."""
+    """Adapter: our ``FetchHandle`` view of a ``dpu_client.jobs.FetchHandle``."""
 
     direct = True  # the KV lands in the caller's slots (written by the client's receiver thread)
     decoded_here = False  # the data plane decodes: its time is part of ``fetch_s``
@@ -136,7 +136,7 @@ class DpuFetchBackend:
         kv_slots: torch.Tensor,
         tokens: list[int] | None = None,
     ) -> FetchHandle:
-        from sgl_remote_kv.control.jobs import KVTarget
+        from sgl_remote_kv.fetch.dpu_client.jobs import KVTarget
 
         target = KVTarget(self.kv_writer, kv_slots.to("cpu", torch.int64))  # host copy, on this thread
         inner = self.client.submit(
@@ -159,8 +159,8 @@ def start_dpu_backend(
     (``hung`` / ``restarted``); ``on_write(seconds, layers, output)``: the client's receiver thread wrote fetched
     layers into the pool."""
     try:
-        from sgl_remote_kv.control.dpu_client import DpuClient, DpuClientConfig
         from sgl_remote_kv.dpu.settings import DataPlaneSettings
+        from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 
         # --remote-kv-dpu-args (validated by config) and --remote-kv-dpu-cpus (empty: auto = None)
         flags = shlex.split(config.dpu_args)

@@ -1,4 +1,4 @@
-"""Host control plane for the DPU data plane; lives in the SGLang scheduler process.
+"""The DPU client: the host side of the DPU data plane; lives in the SGLang scheduler process.
 
 ``DpuClient`` creates the shared destination region, spawns ``python -m sgl_remote_kv.dpu`` as its own
 process (pinned away from the serving cores when the machine has enough) -- or, with
@@ -60,9 +60,9 @@ from sgl_remote_kv.kvpool import KVWriteError
 from sgl_remote_kv.store import corruption
 from sgl_remote_kv.types import DPU_OUTPUTS, ModelFingerprint
 
-from .dpu_process import AttachedService, DataPlaneProcess
 from .host_region import HostRegion
 from .jobs import FetchHandle, FetchResult, HostRound, KVTarget
+from .link import AttachedService, DataPlaneProcess
 from .round_io import RoundIO
 from .rounds import RoundBook
 

@@ -32,17 +32,48 @@ import threading
 import time
 from dataclasses import dataclass
 
-from sgl_remote_kv.codec.base import Codec, get_codec
+from sgl_remote_kv.codec.base import Codec, default_codec, get_codec
+from sgl_remote_kv.codec.calibration import CalibrationError
 from sgl_remote_kv.codec.errors import ChunkError
+from sgl_remote_kv.codec.transform import TransformCodec
 from sgl_remote_kv.config import RemoteKVConfig
-from sgl_remote_kv.sglang_glue.fetch import InProcessFetchBackend
-from sgl_remote_kv.sglang_glue.runtime import FetchPath, resolve_codec
+from sgl_remote_kv.fetch.base import FetchPath
+from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
 from sgl_remote_kv.store.client import StoreClient
-from sgl_remote_kv.types import ModelFingerprint, PathName, RopeSpec
+from sgl_remote_kv.types import DEFAULT_QUALITY, ModelFingerprint, PathName, RopeSpec
 
 logger = logging.getLogger(__name__)
 
 HEVC = "hevc"
+
+
+def resolve_codec(
+    name: str,
+    fingerprint: ModelFingerprint | None = None,
+    rope: RopeSpec | None = None,
+    quality: str = DEFAULT_QUALITY,
+    entropy: str = "deflate",
+) -> Codec:
+    """The codec a deployment writes. ``default``: the transform codec of the model's calibration at
+    ``quality`` (needs ``fingerprint`` and the model's ``rope``) with ``entropy`` as its lossless stage
+    (``deflate``: what a DPU inflates; ``rans``: smaller, for decoders on the host), or, when the model
+    has no usable calibration, the default quantized codec (logged once, naming the command that calibrates);
+    ``transform``: the same, but a missing calibration is logged as an error; anything else by registry
+    name."""
+    if name in ("", "default", "transform"):
+        try:
+            if fingerprint is None or rope is None:
+                raise CalibrationError("no model RoPE the transform codec can undo")
+            return TransformCodec.for_model(fingerprint, quality, entropy, rope=rope)
+        except CalibrationError as e:
+            log = logger.error if name == "transform" else logger.warning
+            log("transform codec unavailable, writing %s instead: %s", default_codec().name, e)
+        try:
+            return default_codec()
+        except (ImportError, KeyError) as e:  # default codec module not present in this build
+            logger.warning("default codec unavailable (%r); using lossless", e)
+            return get_codec("lossless")
+    return get_codec(name)
 
 
 def write_codec(
@@ -91,9 +122,9 @@ def inproc_path(parts: PathParts) -> FetchPath:
 
 
 def nvdec_path(parts: PathParts, codec: Codec) -> FetchPath:
-    from sgl_remote_kv.nvdec.fetch_nvdec import NvdecFetchBackend
+    from sgl_remote_kv import metrics as metrics_mod
+    from sgl_remote_kv.fetch.nvdec import NvdecFetchBackend
     from sgl_remote_kv.nvdec.pool import DecoderPool
-    from sgl_remote_kv.sglang_glue import metrics as metrics_mod
 
     device, gpu_id, instances = _decoder_device(parts)
     pool = DecoderPool(instances=instances, device=device, gpu_id=gpu_id)
@@ -178,7 +209,7 @@ def _decoder_device(parts: PathParts) -> tuple[str, int, int]:
 
 def _dpu_or_inproc(parts: PathParts) -> FetchPath:
     if parts.codec.name != HEVC:
-        from sgl_remote_kv.sglang_glue.fetch_dpu import start_dpu_backend
+        from sgl_remote_kv.fetch.dpu import start_dpu_backend
 
         be = start_dpu_backend(
             parts.config,

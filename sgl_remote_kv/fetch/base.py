@@ -1,25 +1,22 @@
-"""Fetch backends: get chunks from the store and decode them into a staging buffer.
-
-The SGLang glue talks to a small interface so the decode path can be swapped:
+"""The fetch-path interface: what the waiting_for_KV queue (``admission/``) drives, whatever gets the
+chunks and decodes them (``inproc.py``: worker threads of this process; ``dpu.py``: the DPU data plane;
+``nvdec.py``: the video decoder pool). ``paths.py`` chooses the paths and the codec.
 
 - ``FetchBackend.submit(request_id, keys, start_token, kv_slots, tokens) -> FetchHandle`` starts fetching
   ``keys`` (consecutive chunk keys of one prompt, the first one starting at token ``start_token``;
   ``tokens``: each chunk's token count — full chunks, then possibly tail sub-chunks; backends with
   ``tails = False`` take full chunks only); a *direct*
   backend (``direct = True``: DPU, NVDEC) writes the KV into the reserved KV slots itself
-  through the pool's ``KVWriter``, the others stage it for the install;
+  through the pool's ``KVWriter``, the others stage it (``handle.k``/``handle.v`` or ``handle.codes``)
+  for the install;
 - ``FetchHandle`` reports progress: ``layers_ready`` (layers fully decoded for every chunk that is
   still valid), ``done()``, ``ok_chunks`` (leading chunks fetched and decoded; chunks after the first
   failure are dropped, since a hit must stay prefix-contiguous), ``failure`` (kind of the first
-  failure), ``cancel()``.
+  failure), ``cancel()``;
+- ``FetchPath``: one backend plus the codec it decodes (``paths.build_paths``).
 
-``InProcessFetchBackend`` is the in-process baseline ("CacheGen-Async-like"): worker threads of the
-scheduler process run ``StoreClient.get_many`` and decode layer-major into numpy staging arrays. With a
-device KV pool and a codec with a device dequant stage (``Codec.device_dequant``: the quantized and
-transform codecs; ``keep_codes``) the workers run only the lossless stage and stage the codes
-(``handle.codes``): the pool's ``KVWriter`` dequantizes them on the device at install (the CacheGen-like
-"GPU decode" baseline; for the transform codec also its inverse transform and RoPE). The DPU data-plane client (``sgl_remote_kv.control.dpu_client``)
-implements the same interface.
+``ThreadedFetchBackend`` is the base of the backends that fetch on a thread pool of this process
+(in-process, NVDEC).
 
 Threads: ``submit``/``cancel``/reads of a handle happen on the scheduler thread; the decode runs on
 the backend's worker threads. Buffers: the staging arrays ``handle.k``/``handle.v``
@@ -36,6 +33,7 @@ import itertools
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -44,7 +42,7 @@ import torch
 from sgl_remote_kv.codec.base import Codec
 from sgl_remote_kv.codec.errors import CORRUPTION, ChunkError
 from sgl_remote_kv.kvpool import KVWriter
-from sgl_remote_kv.types import ModelFingerprint, numpy_storage_dtype
+from sgl_remote_kv.types import ModelFingerprint, PathName
 
 logger = logging.getLogger(__name__)
 
@@ -272,90 +270,18 @@ class ThreadedFetchBackend:
         raise NotImplementedError
 
 
-class InProcessFetchBackend(ThreadedFetchBackend):
-    """Fetch + decode in worker threads of this process (see module docstring). ``keep_codes``: stage
-    the lossless stage's codes for device dequantization (codecs with ``device_dequant`` only)."""
+@dataclass(frozen=True)
+class FetchPath:
+    """One way to get a prefix into the pool: a backend plus the codec it decodes. A path's chunks
+    live under its codec's namespace (codec id + params are part of every key)."""
 
-    def __init__(self, *args, keep_codes: bool = False, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.keep_codes = keep_codes and self.codec.device_dequant
+    name: PathName
+    backend: FetchBackend
+    codec: Codec
+    closers: tuple = field(default=())  # extra resources to close with the backend (e.g. a pool)
+    estimate: object = None  # the path's own fetch-time model for the policy (Policy.estimators), or None
 
-    def _fetch_and_decode(self, handle: FetchHandle, keys: list[bytes]) -> None:
-        if handle.cancelled:
-            handle._fail_from(0, "cancelled")
-            return
-        t0 = time.perf_counter()
-        blobs = self.client.get_many(keys)
-        handle.fetch_s = time.perf_counter() - t0
-        for i, blob in enumerate(blobs):
-            if blob is None:
-                handle._fail_from(i, "store_miss")
-                break
-            handle.fetched_bytes += len(blob)
-        headers = self._verify(handle, keys, blobs)
-        if handle.ok_chunks == 0 or handle.cancelled:
-            if handle.cancelled:
-                handle._fail_from(0, "cancelled")
-            return
-        if self.keep_codes:
-            self._stage_codes(handle, keys, blobs, headers)
-        else:
-            self._decode_layer_major(handle, keys, blobs, headers)
-
-    def _stage_codes(self, handle: FetchHandle, keys: list[bytes], blobs: list, headers: list) -> None:
-        """Lossless stage only, layer-major: ``handle.codes[layer][chunk]`` (views into per-chunk buffers)."""
-        lay = self.fingerprint.layout
-        t0 = time.perf_counter()
-        codes: list[list] = []
-        for layer in range(lay.num_layers):
-            row = []
-            for i in range(handle.ok_chunks):
-                buf = np.empty(self.codec.scratch_bytes(headers[i], layer), np.uint8)
-                try:
-                    row.append(self.codec.codes_stage(blobs[i], headers[i], layer, buf))
-                except ChunkError as e:
-                    self._chunk_error(handle, i, keys[i], e)
-                    break
-            codes.append(row)
-            if handle.cancelled:
-                handle._fail_from(0, "cancelled")
-                return
-            if handle.ok_chunks == 0:
-                return
-        handle.codes = [row[: handle.ok_chunks] for row in codes]
-        handle.layers_ready = lay.num_layers
-        handle.decode_s = time.perf_counter() - t0
-        handle.decoded_bytes = handle.ok_tokens * lay.bytes_per_token()
-
-    def _decode_layer_major(self, handle: FetchHandle, keys: list[bytes], blobs: list, headers: list) -> None:
-        lay = self.fingerprint.layout
-        shape = (lay.num_layers, handle.offsets[handle.ok_chunks], lay.num_kv_heads, lay.head_dim)
-        dt = numpy_storage_dtype(lay.dtype)
-        handle.k, handle.v = np.empty(shape, dt), np.empty(shape, dt)
-        t0 = time.perf_counter()
-        scratch = np.empty(1, np.uint8)
-        for layer in range(lay.num_layers):
-            for i in range(handle.ok_chunks):
-                need = self.codec.scratch_bytes(headers[i], layer)
-                if scratch.size < need:
-                    scratch = np.empty(need, np.uint8)
-                try:
-                    self.codec.decode_layer_into(
-                        blobs[i],
-                        headers[i],
-                        layer,
-                        scratch,
-                        handle.k[layer, handle.span(i)],
-                        handle.v[layer, handle.span(i)],
-                    )
-                except ChunkError as e:
-                    self._chunk_error(handle, i, keys[i], e)
-                    break
-            if handle.cancelled:
-                handle._fail_from(0, "cancelled")
-                return
-            if handle.ok_chunks == 0:
-                return
-            handle.layers_ready = layer + 1
-        handle.decode_s = time.perf_counter() - t0
-        handle.decoded_bytes = handle.k[:, : handle.ok_tokens].nbytes * 2
+    def close(self) -> None:
+        self.backend.close()
+        for c in self.closers:
+            c.close()

@@ -34,13 +34,13 @@ import threading
 import time
 
 import numpy as np
+
+from sgl_remote_kv.codec.errors import CORRUPTION, ChunkError
+from sgl_remote_kv.fetch.base import FetchHandle, ThreadedFetchBackend
+from sgl_remote_kv.kvpool import KVWriteError, KVWriter
 from sgl_remote_kv.nvdec.adapter import ResolutionAdapter, label, version_key
 from sgl_remote_kv.nvdec.hevc_codec import GROUP, FrameCodes, HevcCodec
 from sgl_remote_kv.nvdec.pool import DecoderPool, PoolClosed, SlotWriter
-
-from sgl_remote_kv.codec.errors import CORRUPTION, ChunkError
-from sgl_remote_kv.kvpool import KVWriteError, KVWriter
-from sgl_remote_kv.sglang_glue.fetch import FetchHandle, ThreadedFetchBackend
 from sgl_remote_kv.types import FailureKind, ModelFingerprint, numpy_storage_dtype
 
 logger = logging.getLogger(__name__)

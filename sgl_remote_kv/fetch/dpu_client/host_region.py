@@ -3,7 +3,7 @@
 Two kinds, chosen by who attaches:
 
 - for a data plane the host spawns, *anonymous* memory (``memfd_create``): it never has a name in any
-  file system; the child inherits the descriptor (``dpu_process``: ``--region-fd``, also every restarted
+  file system; the child inherits the descriptor (``link.py``: ``--region-fd``, also every restarted
   child) and the kernel frees the memory when the last process holding it is gone. So a server that
   stops or is killed in any way -- SIGTERM, ``Engine.shutdown`` (SGLang SIGKILLs the scheduler and its
   data plane together: ``kill_process_tree``), the OOM killer -- leaves nothing in /dev/shm. It is not

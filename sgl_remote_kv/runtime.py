@@ -19,70 +19,22 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from sgl_remote_kv import metrics as metrics_mod
 from sgl_remote_kv.admission import AdmissionSettings
-from sgl_remote_kv.codec.base import Codec, default_codec, get_codec
-from sgl_remote_kv.codec.calibration import CalibrationError
-from sgl_remote_kv.codec.transform import TransformCodec
+from sgl_remote_kv.codec.base import Codec
 from sgl_remote_kv.config import RemoteKVConfig
+from sgl_remote_kv.fetch.base import FetchPath
 from sgl_remote_kv.policy.estimator import Policy, PolicyConfig
-from sgl_remote_kv.sglang_glue import metrics as metrics_mod
-from sgl_remote_kv.sglang_glue.fetch import FetchBackend
 from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.store.client import ClientConfig, StoreClient, open_client
-from sgl_remote_kv.types import DEFAULT_QUALITY, ModelFingerprint, PathName, RopeSpec
+from sgl_remote_kv.types import ModelFingerprint, PathName
 
 logger = logging.getLogger(__name__)
 
 WRITEBACK_QUEUE = 64  # pending write-back jobs; more are dropped (never blocks serving)
 WRITEBACK_DRAIN_S = 10.0  # /flush_cache and a graceful scheduler exit wait at most this long
-
-
-@dataclass(frozen=True)
-class FetchPath:
-    """One way to get a prefix into the pool: a backend plus the codec it decodes. A path's chunks
-    live under its codec's namespace (codec id + params are part of every key)."""
-
-    name: PathName
-    backend: FetchBackend
-    codec: Codec
-    closers: tuple = field(default=())  # extra resources to close with the backend (e.g. a pool)
-    estimate: object = None  # the path's own fetch-time model for the policy (Policy.estimators), or None
-
-    def close(self) -> None:
-        self.backend.close()
-        for c in self.closers:
-            c.close()
-
-
-def resolve_codec(
-    name: str,
-    fingerprint: ModelFingerprint | None = None,
-    rope: RopeSpec | None = None,
-    quality: str = DEFAULT_QUALITY,
-    entropy: str = "deflate",
-) -> Codec:
-    """The codec a deployment writes. ``default``: the transform codec of the model's calibration at
-    ``quality`` (needs ``fingerprint`` and the model's ``rope``) with ``entropy`` as its lossless stage
-    (``deflate``: what a DPU inflates; ``rans``: smaller, for decoders on the host), or, when the model
-    has no usable calibration, the default quantized codec (logged once, naming the command that calibrates);
-    ``transform``: the same, but a missing calibration is logged as an error; anything else by registry
-    name."""
-    if name in ("", "default", "transform"):
-        try:
-            if fingerprint is None or rope is None:
-                raise CalibrationError("no model RoPE the transform codec can undo")
-            return TransformCodec.for_model(fingerprint, quality, entropy, rope=rope)
-        except CalibrationError as e:
-            log = logger.error if name == "transform" else logger.warning
-            log("transform codec unavailable, writing %s instead: %s", default_codec().name, e)
-        try:
-            return default_codec()
-        except (ImportError, KeyError) as e:  # default codec module not present in this build
-            logger.warning("default codec unavailable (%r); using lossless", e)
-            return get_codec("lossless")
-    return get_codec(name)
 
 
 class KeySpace:
