@@ -204,10 +204,18 @@ def _key(spec: Spec, ctx: EvalContext) -> str:
 _CODE_DIGEST = _code_digest()
 
 
-def _jobs(families: list[str]) -> list[tuple[str, Spec]]:
+def _jobs(families: list[str], levels: tuple[str, ...] | None = None) -> list[tuple[str, Spec]]:
     """(family, spec) in run order; each ours-rans config right after its ours-deflate twin (same
-    quantization, so its quality is a memo hit) so that an interrupted sweep still compares them."""
+    quantization, so its quality is a memo hit) so that an interrupted sweep still compares them. The
+    transform families run level by level (finest first), only ``levels`` if given."""
     jobs = [(f, s) for f in families if f != "ours-rans" for s in family_specs(f)]
+    quality = {s.label: dict(s.params).get("quality") for _, s in jobs}
+    if levels is not None:
+        jobs = [(f, s) for f, s in jobs if quality[s.label] is None or quality[s.label] in levels]
+    order = {lv: i for i, lv in enumerate(sorted({q for q in quality.values() if q}, key=float))}
+    jobs.sort(
+        key=lambda fs: order.get(quality[fs[1].label], -1)
+    )  # stable: non-transform jobs keep their order
     if "ours-rans" not in families:
         return jobs
     rans = {s.label: s for s in family_specs("ours-rans")}
@@ -219,10 +227,10 @@ def _jobs(families: list[str]) -> list[tuple[str, Spec]]:
     return out + [("ours-rans", s) for s in rans.values()]
 
 
-def sweep(ctx: EvalContext, families: list[str]) -> list[dict]:
+def sweep(ctx: EvalContext, families: list[str], levels: tuple[str, ...] | None = None) -> list[dict]:
     cache = json.loads(POINTS_CACHE.read_text()) if POINTS_CACHE.exists() else {}
     points = []
-    for fam, spec in _jobs(families):
+    for fam, spec in _jobs(families, levels):
         key = _key(spec, ctx)
         if key not in cache:
             t0 = time.perf_counter()
@@ -466,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", type=Path, default=RD_OUT)
     ap.add_argument(
+        "--levels", default="", help="transform families: only these quality levels (default: all)"
+    )
+    ap.add_argument(
         "--fresh-calibration", action="store_true", help="fit the calibration from scratch first (minutes)"
     )
     args = ap.parse_args(argv)
@@ -476,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in args.texts.split(",") if n] or None
     ctx = EvalContext.create(names, greedy=args.greedy, threads=args.threads)
     ctx.memo_only = args.cached_only
-    points = sweep(ctx, families)
+    points = sweep(ctx, families, tuple(q for q in args.levels.split(",") if q) or None)
     best = best_at_floors(points)
     from sgl_remote_kv.codec.calibration import DEFAULT_LEVEL
 
