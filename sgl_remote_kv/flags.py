@@ -12,6 +12,7 @@ from sgl_remote_kv.types import DEFAULT_QUALITY, DPU_OUTPUTS, QUALITY_LEVELS
 
 MODES = ("off", "dpu", "nvdec", "inproc", "auto")
 FLUSH_SCOPES = ("local", "tier")
+INTEGRATIONS = ("seam", "linker")
 MAX_CHUNK_SIZE = 8192
 DEFAULT_TAIL_TOKENS = 64
 
@@ -115,6 +116,15 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         metavar="X",
         help="Fetch when the estimated fetch time is at most X times the estimated recompute time "
         "(default 1.0; 0 = never fetch, large = always fetch when the store has the prefix).",
+    )
+    g.add_argument(
+        "--remote-kv-integration",
+        dest="remote_kv_integration",
+        choices=INTEGRATIONS,
+        default="seam",
+        help="How the tier reaches SGLang: seam (our radix cache installs fetched chunks before admission; "
+        "the default) or linker (SGLang's UnifiedCacheLinker API copies staged pages into the slots it "
+        "allocates; docs/INTEGRATION.md).",
     )
     g.add_argument(
         "--remote-kv-layerwise",

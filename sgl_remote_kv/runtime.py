@@ -94,6 +94,9 @@ class RemoteKVRuntime:
     writeback: object = None  # writeback.WriteBack, or None (tests of the read path)
     layerwise: object = None  # layerwise.LayerwiseInstalls (--remote-kv-layerwise), or None
     generation: object = None  # generation.GenerationWatch (follows other servers' tier flushes), or None
+    # kvpool.staged.StagedPages: the linker integration's host staging, which the fetch paths write into
+    # (``kv_writer`` stays the pool's: the linker's loads and the write-back's reads); None: seam mode
+    staged: object = None
 
     @property
     def chunk_size(self) -> int:
@@ -170,6 +173,7 @@ def build(
     layerwise=None,
     generation=None,
     admission: AdmissionSettings | None = None,
+    staged=None,
 ) -> RemoteKVRuntime:
     """The runtime over decided parts; the policy is built here from the paths and the config."""
     if not paths:
@@ -198,6 +202,7 @@ def build(
         writeback=writeback,
         layerwise=layerwise,
         generation=generation,
+        staged=staged,
     )
 
 

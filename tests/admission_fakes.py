@@ -164,14 +164,16 @@ def make_queue(
     margin: float | None = None,
     fp: ModelFingerprint = FP,
     tail: int = 0,
+    wrap_tree=None,
 ):
-    """A queue over fresh doubles (``tail``: tail sub-chunk tokens, 0 = off); returns a namespace
+    """A queue over fresh doubles (``tail``: tail sub-chunk tokens, 0 = off; ``wrap_tree(tree)``: the
+    ``TreeOps`` the queue gets over the tree double); returns a namespace
     (q, tree, host, be, stored(req, chunks[, codec][, subs]), c)."""
     tree, host, be, store = Tree(capacity), Host(), Backend(), Store()
     keys = KeySpace(fp, CODEC, C)
     pcfg = PolicyConfig(mode="dpu") if margin is None else PolicyConfig(mode="dpu", margin=margin)
     c = Collaborators(
-        tree=tree,
+        tree=tree if wrap_tree is None else wrap_tree(tree),
         host=host,
         paths={PathName.DPU: FetchPath(PathName.DPU, be, CODEC)},
         policy=Policy(pcfg, available=("dpu",)),

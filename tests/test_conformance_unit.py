@@ -30,6 +30,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.runtime_context import get_server_args
 from sglang.test.kits.unified_radix_cache import fixtures as kit_fixtures
 from sglang.test.kits.unified_radix_cache.config import CONFIGS, supports_hicache
@@ -131,6 +132,16 @@ class TierScenarios(UnifiedRadixCacheFixtures):
         self.v = _Variant(self.variant, self._tmp.enter_context(tempfile.TemporaryDirectory()))
         self.addCleanup(self._tmp.close)
         self.addCleanup(self.v.close)
+        # The write-back's AFTER hook on ``UnifiedRadixCache.checkpoint``, as the plugin has SGLang apply it
+        # in a server (HookRegistry: the original, then the hook with its result).
+        original = UnifiedRadixCache.checkpoint
+
+        def hooked(cache, req, *args, **kwargs):
+            return radix_cache.after_checkpoint(
+                original(cache, req, *args, **kwargs), cache, req, *args, **kwargs
+            )
+
+        self._tmp.enter_context(mock.patch.object(UnifiedRadixCache, "checkpoint", hooked))
         # This machine has no accelerator: the kit's pools live on the CPU, for every variant alike.
         self._tmp.enter_context(mock.patch.object(kit_fixtures, "get_device", lambda: "cpu"))
 

@@ -46,10 +46,12 @@ INTERNALS = {
     "_subprocess_watchdog",
     "get_all_child_pids",
 }
-# Entry points: hook/registry registration, the radix cache subclass, the CPU platform and attention
-# backend (which implement SGLang interfaces and receive its objects as arguments).
+# Entry points: hook/registry registration, the radix cache subclass, the linker (SGLang's public
+# ``UnifiedCacheLinker``), the CPU platform and attention backend (which implement SGLang interfaces and
+# receive its objects as arguments).
 ENTRY_POINTS = {
     "plugin.py",
+    "linker.py",
     "scheduler_hooks.py",
     "radix_cache.py",
     "cpu_attention.py",

@@ -9,7 +9,8 @@ HookRegistry hooks; SGLang applies them right after all plugins ran.
 - Offline engine: ``sgl_remote_kv.configure(remote_kv="dpu", ...)`` before ``sglang.Engine(...)``
   parses the options with the CLI's rules and exports the config the same way (``configure``).
 - Both: a BEFORE hook on ``ServerArgs.resolve_once`` selects our radix cache backend when the tier is on
-  and the user picked none.
+  and the user picked none, or (``--remote-kv-integration linker``) sets SGLang's linker flags to
+  ``linker.RemoteKVLinker``.
 - Scheduler processes: ``RemoteKVConfig.current()`` reads it back.
 - Offline engine, in the process that builds it: ``sglang.Engine(remote_kv="dpu", ...)`` keywords, and
   ``Engine.shutdown`` stops the schedulers gracefully first so the write-back drains (``engine_api``).
@@ -57,9 +58,20 @@ def _publish(cfg: RemoteKVConfig) -> None:
 
 
 def _before_resolve(server_args, *args, **kwargs):
-    """``ServerArgs.resolve_once`` (launch_server and ``sglang.Engine`` alike): select our radix cache
-    backend when the tier is on and the user picked none."""
-    if RemoteKVConfig.current().enabled and getattr(server_args, "radix_cache_backend", None) is None:
+    """``ServerArgs.resolve_once`` (launch_server and ``sglang.Engine`` alike), when the tier is on: with
+    ``--remote-kv-integration linker`` set SGLang's four linker flags to our linker (unless the user set
+    them), else select our radix cache backend when the user picked none."""
+    cfg = RemoteKVConfig.current()
+    if not cfg.enabled:
+        return None
+    if cfg.integration == "linker":
+        if not getattr(server_args, "enable_unified_cache_external_linker", False):
+            from sgl_remote_kv.sglang_glue.linker import linker_config
+
+            server_args.enable_unified_cache_external_linker = True
+            server_args.unified_cache_external_linker_backend = "dynamic"
+            server_args.unified_cache_external_linker_config = linker_config()
+    elif getattr(server_args, "radix_cache_backend", None) is None:
         from sgl_remote_kv.sglang_glue.radix_cache import BACKEND_NAME
 
         server_args.radix_cache_backend = BACKEND_NAME

@@ -12,8 +12,9 @@ installs them into this tree as ordinary device nodes. ``match_prefix`` then see
 so there is never a network round trip inside it, ``init_load_back`` is never asked for remote tokens
 (no "all or nothing" promise can be broken), and a failed fetch is simply a shorter device hit.
 
-Writes: ``checkpoint`` (called by the scheduler thread after each prefill chunk and at finish) hands
-the newly computed full chunks to the write-back worker; ``release_host_resources`` (SGLang's graceful
+Writes: an AFTER hook on ``UnifiedRadixCache.checkpoint`` (scheduler thread, after each prefill chunk
+and at finish; also on the linker integration's plain cache) hands the newly computed full chunks to the
+write-back worker; ``release_host_resources`` (SGLang's graceful
 scheduler exit) lets it store what it queued before the process ends.
 """
 
@@ -26,6 +27,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sgl_remote_kv import metrics as metrics_mod
 from sgl_remote_kv import preflight, runtime
+from sgl_remote_kv.admission import AdmissionSettings
 from sgl_remote_kv.config import RemoteKVConfig
 from sgl_remote_kv.fetch import paths
 from sgl_remote_kv.kvpool.warmup import warm_up
@@ -62,18 +64,21 @@ class RemoteKVRadixCache(UnifiedRadixCache):
                 logger.warning("remote-kv write-back drain at shutdown failed: %r", e)
         super().release_host_resources()
 
-    def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
-        super().checkpoint(req, up_to=up_to, **kwargs)
-        rt = runtime.get()
-        if rt is None or rt.writeback is None:
-            return
-        try:
-            rt.writeback.offer(req, up_to, final=seam.req_finished(req))
-        except Exception as e:  # boundary: write-back must never break the scheduler
-            rt.metrics.failure(FailureKind.WRITEBACK_OFFER)
-            logger.warning("write-back offer failed for %s: %r", seam.SchedulerHost.rid(req), e)
-        if seam.req_finished(req):
-            rt.writeback.forget(seam.SchedulerHost.rid(req))
+
+def after_checkpoint(result, cache, req, *args, up_to: int, **kwargs):
+    """AFTER hook on ``UnifiedRadixCache.checkpoint`` (scheduler thread, after each prefill chunk and at
+    finish; both integrations): hand the newly computed full chunks to the write-back worker."""
+    rt = runtime.get()
+    if rt is None or rt.writeback is None:
+        return result
+    try:
+        rt.writeback.offer(req, up_to, final=seam.req_finished(req))
+    except Exception as e:  # boundary: write-back must never break the scheduler
+        rt.metrics.failure(FailureKind.WRITEBACK_OFFER)
+        logger.warning("write-back offer failed for %s: %r", seam.SchedulerHost.rid(req), e)
+    if seam.req_finished(req):
+        rt.writeback.forget(seam.SchedulerHost.rid(req))
+    return result
 
 
 def build(ctx):
@@ -100,8 +105,9 @@ def build(ctx):
     return cache
 
 
-def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKVRuntime:
-    """Decide every part, then build the runtime once (``runtime.py``)."""
+def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig, staged=None) -> runtime.RemoteKVRuntime:
+    """Decide every part, then build the runtime once (``runtime.py``). ``staged`` (the linker
+    integration's ``StagedPages``): the fetch paths write there, and the queue may fill all of it."""
     fp = b.fingerprint
     codec = paths.write_codec(cfg, fp, b.rope)
     data_plane = cfg.mode in ("dpu", "auto") and codec.name != paths.HEVC
@@ -120,7 +126,7 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
         fp,
         codec,
         client,
-        kv_writer,
+        kv_writer if staged is None else staged.writer,
         wakeup,
         on_store_error=metrics.store_error,
         on_restart=metrics.dataplane_restart,
@@ -153,6 +159,10 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
         writeback=writeback,
         layerwise=counter,
         generation=generation.GenerationWatch(client, fp, keys),
+        admission=None
+        if staged is None
+        else AdmissionSettings(cfg.chunk_size, cfg.tail_granule, max_pool_fraction=1.0),
+        staged=staged,
     )
     logger.info(
         "remote KV tier ready: store %s, fetch paths %s, codec %r, chunk %d, layout %s",
@@ -166,8 +176,14 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
 
 
 def register() -> None:
-    """Register the backend (idempotent; runs in every process from the plugin's ``load``)."""
+    """Register the backend and the write-back hook (idempotent; every process, from the plugin's ``load``)."""
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    HookRegistry.register(
+        "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint",
+        after_checkpoint,
+        HookType.AFTER,
+    )
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, build)

@@ -1,7 +1,7 @@
 """HookRegistry hooks on SGLang's ``Scheduler`` that run the waiting_for_KV queue.
 
 Hooks (registered by ``register()`` from the plugin's ``load()``, in every process; they do nothing
-unless ``--remote-kv`` is on and the ``remote_kv`` radix cache built the runtime):
+unless ``--remote-kv`` is on and the ``remote_kv`` radix cache or the linker built the runtime):
 
 - AROUND ``_add_request_to_queue``: a new request whose prompt may hit the remote tier is parked in
   the waiting_for_KV queue instead of SGLang's waiting queue (retracted requests pass through).
@@ -18,6 +18,9 @@ unless ``--remote-kv`` is on and the ``remote_kv`` radix cache built the runtime
   scheduler a batch's time includes waiting for the previous one, a slight over-estimate of
   recompute cost (it biases towards fetching).
 
+With ``--remote-kv-integration linker`` the queue's tree is ``admission.staged_tree.StagedTree``: a
+released request's chunks are staged, and SGLang's linker wrapper loads them (``linker.py``).
+
 All hooks run on the scheduler thread. The queue object (``admission.WaitingForKV``) lives on the
 scheduler instance (``scheduler._srkv_queue``), created on first use with its collaborators from the
 process's runtime and the SGLang seam. A released request goes back through ``_add_request_to_queue``
@@ -31,6 +34,7 @@ import time
 
 from sgl_remote_kv import runtime
 from sgl_remote_kv.admission import Agreement, Collaborators, WaitingForKV
+from sgl_remote_kv.admission.staged_tree import StagedTree
 from sgl_remote_kv.sglang_glue import seam
 from sgl_remote_kv.types import FailureKind
 
@@ -62,8 +66,12 @@ def _build_queue(scheduler, rt: runtime.RemoteKVRuntime) -> WaitingForKV | None:
     if why is not None:
         logger.warning("remote KV reads disabled: %s", why)
         return None
+    device = seam.SGLangTree(tree, rt.kv_writer)
+    if rt.staged is not None:  # the linker integration: fetched chunks are staged for SGLang's load
+        page = rt.staged.page
+        device = StagedTree(device, rt.staged, lambda req, end: seam.page_hashes(req, end, page))
     c = Collaborators(
-        tree=seam.SGLangTree(tree, rt.kv_writer),
+        tree=device,
         host=seam.SchedulerHost(scheduler),
         paths=rt.paths,
         policy=rt.policy,

@@ -165,16 +165,11 @@ class SGLangTree:
             return "chunk size not a multiple of page size"
         return None
 
-    def _key(self, req, end: int):
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-
-        return RadixKey(array("q", req.origin_input_ids[:end]), req.extra_key, cache_salt=req.cache_salt)
-
     def match(self, req, end: int) -> LocalMatch:
         """Local (device) match of the first ``end`` prompt tokens; no I/O."""
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
-        m = self.tree.match_prefix(MatchPrefixParams(key=self._key(req, end)))
+        m = self.tree.match_prefix(MatchPrefixParams(key=_radix_key(req, end)))
         return LocalMatch(m.device_prefix_len, m.last_device_node)
 
     def lock(self, node):
@@ -218,8 +213,14 @@ class SGLangTree:
             raise RuntimeError(f"prefix node holds {len(prefix)} tokens, expected {start}")
         value = torch.cat([prefix, slots.to(device=prefix.device, dtype=torch.int64)])
         end = start + len(slots)
-        res = self.tree.insert(InsertParams(key=self._key(req, end), value=value, prev_prefix_len=start))
+        res = self.tree.insert(InsertParams(key=_radix_key(req, end), value=value, prev_prefix_len=start))
         return self.tree.lock(res.last_device_node)
+
+
+def _radix_key(req, end: int):
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    return RadixKey(array("q", req.origin_input_ids[:end]), req.extra_key, cache_salt=req.cache_salt)
 
 
 # -- the scheduler (admission.ports.HostOps) ------------------------------------------------------------
@@ -231,23 +232,18 @@ class SchedulerHost:
         self.s = scheduler
         self.releasing = False
 
+    salt, fidelity, isolate_exact = (
+        staticmethod(req_salt),
+        staticmethod(req_fidelity),
+        staticmethod(isolate_exact),
+    )
+
     @staticmethod
     def rid(req) -> str:
         return req.rid
 
     def prompt(self, req) -> list[int]:
         return req.origin_input_ids
-
-    def salt(self, req) -> str | None:
-        return req_salt(req)
-
-    @staticmethod
-    def fidelity(req) -> KVFidelity:
-        return req_fidelity(req)
-
-    @staticmethod
-    def isolate_exact(req) -> None:
-        isolate_exact(req)
 
     def eligible(self, req) -> bool:
         # embeddings have no token keys; streaming sessions own their KV row
@@ -352,6 +348,7 @@ class BuildContext:
     req_to_token_pool: object
     fingerprint: ModelFingerprint
     rope: RopeSpec | None = None  # the model's RoPE (``rope_of``)
+    page_size: int = 1
 
 
 def weights_id_for(model_path: str, hf_config=None) -> str:
@@ -382,18 +379,39 @@ def tier_unsupported(ctx) -> str | None:
 
 def build_context(ctx) -> BuildContext:
     """Raises ``UnsupportedPool`` for pools the tier cannot address."""
-    params = ctx.params
-    kvcache = params.token_to_kv_pool_allocator.get_kvcache()
-    hf_config = ctx.model_config.hf_config
-    archs = getattr(hf_config, "architectures", None) or ["unknown"]
-    fp = ModelFingerprint(
-        architecture=archs[0],
-        layout=pool_layout(kvcache),
-        weights_id=weights_id_for(ctx.server_args.model_path, hf_config),
-        tp_rank=ctx.tp_rank,
-        tp_size=ctx.tp_size,
+    hf = ctx.model_config.hf_config
+    return _context(ctx.params, ctx.server_args.model_path, hf, ctx.tp_rank, ctx.tp_size)
+
+
+def linker_build_context(server_args, params) -> BuildContext:
+    """``build_context`` from a linker's constructor arguments (``CacheInitParams`` has no model config:
+    it is read from ``server_args.model_path``; the TP rank from ``params.tp_cache_group``)."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(server_args.model_path, trust_remote_code=server_args.trust_remote_code)
+    group = params.tp_cache_group
+    dist = torch.distributed.is_initialized() and group is not None
+    rank, size = (
+        (torch.distributed.get_rank(group), torch.distributed.get_world_size(group)) if dist else (0, 1)
     )
-    return BuildContext(kvcache, params.req_to_token_pool, fp, rope_of(hf_config))
+    return _context(params, server_args.model_path, hf, rank, size)
+
+
+def _context(params, model_path: str, hf_config, tp_rank: int, tp_size: int) -> BuildContext:
+    kvcache = params.token_to_kv_pool_allocator.get_kvcache()
+    archs = getattr(hf_config, "architectures", None) or ["unknown"]
+    layout = pool_layout(kvcache)
+    fp = ModelFingerprint(archs[0], layout, weights_id_for(model_path, hf_config), tp_rank, tp_size)
+    return BuildContext(kvcache, params.req_to_token_pool, fp, rope_of(hf_config), params.page_size)
+
+
+def page_hashes(req, end: int, page_size: int) -> list[str]:
+    """SGLang's chained storage hashes of the full pages of the first ``end`` prompt tokens: what the
+    linker wrapper computes for a request's uncached tail (``mem_cache.utils.get_storage_hash_str``)."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    n = end // page_size * page_size
+    return get_storage_hash_str(_radix_key(req, n), None, page_size=page_size) if n else []
 
 
 # -- the offline Engine -----------------------------------------------------------------------------------

@@ -1,0 +1,151 @@
+"""Staged pages: fetched KV held in host memory until SGLang's linker copies it into the pool.
+
+The linker integration (``sglang_glue/linker.py``) never writes fetched KV into slots SGLang has not
+handed it: SGLang allocates a request's slots only in the linker's ``load``, after ``lookup`` promised the
+pages. So every fetch path writes into *rows* of this host area instead (through ``writer``, the same
+``KVWriter`` contract as the pool's), the admission queue ``stage``s the rows under SGLang's page hashes,
+``leading`` answers ``lookup`` from memory alone, and ``pin`` + ``read_layer`` feed the per-layer copy.
+
+Ownership: rows are the queue's from ``alloc`` until ``stage`` (or ``free``); a staged entry owns its rows
+until the last ``Pin`` on it is released, then they return to the free list. A page hash indexes at most
+one entry (a second staging of the same page keeps the first); ``forget`` unindexes everything (a tier
+flush) while pinned rows stay valid until released.
+
+Threads: any thread (one lock guards the index, the pins and the free list). The KV in a row is written
+by the one fetch the rows were reserved for, before ``stage``; loads read it only through a pin.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from sgl_remote_kv.types import KVLayout
+
+from .writer import TORCH_DTYPES, HostKVWriter, PoolTensors, _numpy_view
+
+
+@dataclass
+class Pin:
+    """Pages held for a reader: ``rows`` are their KV rows, page after page. ``release`` once."""
+
+    entries: tuple[int, ...]
+    rows: torch.Tensor
+    released: bool = field(default=False, repr=False)
+
+
+@dataclass
+class _Entry:
+    rows: torch.Tensor
+    hashes: list[str]
+    refs: int = 1
+
+
+class StagedPages:
+    def __init__(self, layout: KVLayout, rows: int, page_size: int, pin_memory: bool = False) -> None:
+        if rows <= 0 or page_size <= 0:
+            raise ValueError(f"staging needs rows > 0 and page_size > 0, got {rows}, {page_size}")
+        self.layout, self.page, self.capacity = layout, page_size, rows
+        shape = (rows, layout.num_kv_heads, layout.head_dim)
+        dt = TORCH_DTYPES[layout.dtype]
+
+        def buf() -> torch.Tensor:
+            t = torch.zeros(shape, dtype=dt)
+            return t.pin_memory() if pin_memory else t
+
+        self._k = [buf() for _ in range(layout.num_layers)]
+        self._v = [buf() for _ in range(layout.num_layers)]
+        self.writer = HostKVWriter(PoolTensors(self._k, self._v), layout)  # the fetch paths' destination
+        self._lock = threading.Lock()
+        self._free = list(range(rows - 1, -1, -1))
+        self._index: dict[str, tuple[int, int]] = {}  # page hash -> (entry id, page within the entry)
+        self._entries: dict[int, _Entry] = {}
+        self._ids = itertools.count()
+
+    # -- rows (the admission queue) ----------------------------------------------------------------
+    def free_rows(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        with self._lock:
+            if n > len(self._free):
+                return None
+            got = self._free[len(self._free) - n :]
+            del self._free[len(self._free) - n :]
+        return torch.tensor(got[::-1], dtype=torch.int64)
+
+    def free(self, rows: torch.Tensor | None) -> None:
+        if rows is not None and rows.numel():
+            with self._lock:
+                self._free.extend(rows.tolist())
+
+    def stage(self, hashes: list[str], rows: torch.Tensor) -> Pin:
+        """``rows`` hold the KV of consecutive pages named ``hashes`` (a trailing partial page is owned
+        but not indexed). Returns the stager's pin on the new entry."""
+        if len(rows) < len(hashes) * self.page:
+            raise ValueError(f"{len(rows)} rows for {len(hashes)} pages of {self.page}")
+        with self._lock:
+            eid = next(self._ids)
+            self._entries[eid] = _Entry(rows, list(hashes))
+            for i, h in enumerate(hashes):
+                self._index.setdefault(h, (eid, i))
+        return Pin((eid,), rows[: len(hashes) * self.page])
+
+    # -- pages (lookup and load) ---------------------------------------------------------------------
+    def leading(self, hashes: list[str]) -> int:
+        """How many of ``hashes``, from the first, are staged."""
+        with self._lock:
+            n = 0
+            while n < len(hashes) and hashes[n] in self._index:
+                n += 1
+            return n
+
+    def pin(self, hashes: list[str]) -> Pin | None:
+        """Hold the pages ``hashes`` (all staged) for a reader; None if one of them is not."""
+        p = self.page
+        with self._lock:
+            where = [self._index.get(h) for h in hashes]
+            if any(w is None for w in where):
+                return None
+            ids = tuple(dict.fromkeys(eid for eid, _ in where))
+            for eid in ids:
+                self._entries[eid].refs += 1
+            parts = [self._entries[eid].rows[i * p : (i + 1) * p] for eid, i in where]
+        return Pin(ids, torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64))
+
+    def release(self, pin: Pin | None) -> None:
+        if pin is None or pin.released:
+            return
+        pin.released = True
+        with self._lock:
+            for eid in pin.entries:
+                e = self._entries[eid]
+                e.refs -= 1
+                if e.refs == 0:
+                    del self._entries[eid]
+                    for h in e.hashes:
+                        if self._index.get(h, (None,))[0] == eid:
+                            del self._index[h]
+                    self._free.extend(e.rows.tolist())
+
+    def forget(self) -> None:
+        """Unindex every page (nothing new can be pinned); pinned rows stay until released."""
+        with self._lock:
+            self._index.clear()
+
+    def staged_pages(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def read_layer(self, rows: torch.Tensor, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copies ``([1, T, H, D], [1, T, H, D])`` of one layer of ``rows`` (the writer's source format)."""
+        idx = rows.numpy()
+        storage = self.writer.storage
+        k = _numpy_view(self._k[layer])[idx].view(storage)[None]
+        v = _numpy_view(self._v[layer])[idx].view(storage)[None]
+        return k, v

@@ -1,0 +1,193 @@
+"""``RemoteKVLinker``: the tier through SGLang's public ``UnifiedCacheLinker`` API (``--remote-kv-integration
+linker``; docs/INTEGRATION.md "The linker integration").
+
+SGLang loads it with its own flags (the plugin sets them: ``--enable-unified-cache-external-linker
+--unified-cache-external-linker-backend dynamic --unified-cache-external-linker-config
+'{"linker": "RemoteKVLinker", "linker_module_path": "sgl_remote_kv.sglang_glue.linker"}'``) and constructs
+it in each scheduler process with the KV pool and TP group, where it builds the process's runtime.
+
+Reads: the waiting_for_KV queue (scheduler hooks) parks a request, fetches, verifies and decodes its
+chunks into host staging (``kvpool.staged.StagedPages`` via ``admission.staged_tree.StagedTree``) and only
+then releases it to SGLang. So:
+
+- ``lookup`` answers from staging alone (no I/O: it runs inside ``match_prefix``);
+- ``load`` pins the staged pages for the slots SGLang allocated (a page gone: False, SGLang recomputes);
+- ``start_layer_wise_loading`` copies them layer by layer on the load thread through the pool's
+  ``KVWriter`` and completes SGLang's ``LayerWiseLoadCounter``, which the forward waits on per layer.
+
+Nothing fallible but that deterministic copy runs after ``lookup``; a failed copy is reported to SGLang
+(``LayerWiseLoadCounter.fail``), which aborts the loading requests with a 503 on every rank.
+
+Writes stay on the checkpoint write-back (``scheduler_hooks``: token ids, positions and the request's
+fidelity are there; ``offload`` gets page hashes and slots only): ``offload`` takes every node and
+completes it at once, so SGLang does not offer it again.
+
+Every method catches at its boundary (an exception here would stop the scheduler) and answers "miss".
+Threads: the linker methods run on the scheduler thread; the copy on the load thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter, UnifiedCacheLinker
+
+from sgl_remote_kv import metrics as metrics_mod
+from sgl_remote_kv import runtime
+from sgl_remote_kv.config import RemoteKVConfig
+from sgl_remote_kv.kvpool.staged import StagedPages
+from sgl_remote_kv.sglang_glue import seam
+from sgl_remote_kv.types import FailureKind
+
+logger = logging.getLogger(__name__)
+
+LINKER_CLASS = "RemoteKVLinker"
+LINKER_MODULE = __name__
+# host staging rows, as a fraction of the device pool's slots (the seam integration's queue share)
+STAGED_FRACTION = 0.5
+
+
+def linker_config() -> dict:
+    """``--unified-cache-external-linker-config`` for this linker."""
+    return {"linker": LINKER_CLASS, "linker_module_path": LINKER_MODULE, "linker_extra_config": {}}
+
+
+def _kv(transfers: list[PoolTransfer]) -> PoolTransfer:
+    return next(t for t in transfers if t.name == PoolName.KV)
+
+
+class RemoteKVLinker(UnifiedCacheLinker):
+    def __init__(self, server_args, params, *, components, extra_config, forward_stream) -> None:
+        from sgl_remote_kv.sglang_glue import radix_cache
+
+        cfg = RemoteKVConfig.current()
+        if not cfg.enabled:
+            raise ValueError("RemoteKVLinker needs --remote-kv dpu|nvdec|inproc|auto")
+        seam.check_version()
+        self.pools = {PoolName.KV: None}  # the wrapper reads only which pools a linker serves
+        self.staged: StagedPages | None = None  # None: the tier is off on this pool (every lookup misses)
+        try:
+            b = seam.linker_build_context(server_args, params)
+        except seam.UnsupportedPool as e:
+            logger.warning("remote KV tier disabled: %s", e)
+            self.layer_done_counter = LayerWiseLoadCounter(1)
+            return
+        self.pools = {PoolName.KV: b.kvcache}
+        layout = b.fingerprint.layout
+        rows = max(cfg.chunk_size, int(b.kvcache.size * STAGED_FRACTION))
+        on_device = str(getattr(b.kvcache, "device", "cpu")).startswith("cuda")
+        self.staged = StagedPages(layout, rows, b.page_size, pin_memory=on_device)
+        self.rt = radix_cache.build_runtime(b, cfg, staged=self.staged)
+        self.layer_done_counter = LayerWiseLoadCounter(layout.num_layers)
+        self._layers = layout.num_layers
+        self._pending: dict[str, tuple] = {}  # rid -> (pin, device slots), until the batch starts
+        self._copies: queue.Queue = queue.Queue()
+        self._offloaded = 0  # offloads taken and not yet popped
+        threading.Thread(target=self._copy_loop, name="srkv-linker-load", daemon=True).start()
+        runtime.publish(self.rt)
+        logger.info("remote KV tier through the linker API: %d staging rows, page %d", rows, b.page_size)
+
+    # -- reads --------------------------------------------------------------------------------------
+    def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
+        if self.staged is None:
+            return []
+        try:
+            n = self.staged.leading(_kv(transfers).keys)
+        except Exception as e:  # boundary: a miss
+            self._failed("lookup", e)
+            return []
+        return list(range(1, n + 1))  # every length is restorable; the wrapper intersects the ranks' sets
+
+    def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
+        if self.staged is None:
+            return False
+        try:
+            kv = _kv(transfers)
+            pin = self.staged.pin(kv.keys)
+            if pin is None:  # released since lookup: SGLang frees the slots and recomputes
+                return False
+            if len(pin.rows) != len(kv.device_indices):
+                self.staged.release(pin)
+                return False
+            self._pending[rid] = (pin, kv.device_indices)
+            return True
+        except Exception as e:  # boundary: a miss
+            self._failed("load", e)
+            return False
+
+    def start_layer_wise_loading(self) -> int:
+        if not self._pending:
+            return -1
+        index = self.layer_done_counter.update_producer()
+        self._copies.put((index, list(self._pending.values())))
+        self._pending = {}
+        return index
+
+    def _copy_loop(self) -> None:
+        while True:
+            index, batch = self._copies.get()
+            try:
+                for layer in range(self._layers):
+                    for pin, slots in batch:
+                        k, v = self.staged.read_layer(pin.rows, layer)
+                        self.rt.kv_writer.write(k, v, slots, layer_lo=layer)
+                    self.layer_done_counter.complete(index, layer)
+            except Exception as e:  # thread boundary: SGLang aborts this batch's loading requests (503)
+                metrics_mod.get().failure(FailureKind.WRITE)
+                logger.error("remote KV linker load failed: %r", e)
+                self.layer_done_counter.fail(index, e)
+            finally:
+                for pin, _ in batch:
+                    self.staged.release(pin)
+
+    def finish_layer_wise_loading(self, counter_index: int) -> bool:
+        return self.layer_done_counter.finish(counter_index)
+
+    def cancel_queued_load(self, rid: str) -> bool:
+        got = self._pending.pop(rid, None)
+        if got is not None:
+            self.staged.release(got[0])
+        return got is not None
+
+    # -- writes: the checkpoint write-back stores; offload only completes -----------------------------
+    def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
+        self._offloaded += 1
+        return True
+
+    def num_completed_offloads(self) -> int:
+        return self._offloaded
+
+    def pop_completed_offload(self) -> bool:
+        self._offloaded -= 1
+        return True
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """``/flush_cache``: staged pages are forgotten (pinned ones stay until released), then the tier's
+        flush scope (``RemoteKVRuntime.on_flush``)."""
+        self._offloaded = 0
+        self.layer_done_counter.reset()
+        if self.staged is None:
+            return
+        try:
+            self.staged.forget()
+            self.rt.on_flush()
+        except Exception as e:  # boundary: SGLang's flush must go on
+            self._failed("reset", e)
+
+    def close(self) -> None:
+        """SGLang's graceful scheduler exit: the write-back drains first."""
+        if self.staged is None:
+            return
+        try:
+            self.rt.on_shutdown()
+        except Exception as e:  # boundary: SGLang's own release must still run
+            metrics_mod.get().failure(FailureKind.WRITEBACK)
+            logger.warning("remote-kv write-back drain at shutdown failed: %r", e)
+
+    def _failed(self, what: str, e: Exception) -> None:
+        metrics_mod.get().failure(FailureKind.INTERNAL)
+        logger.warning("remote KV linker %s failed: %r", what, e)

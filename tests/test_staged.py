@@ -1,0 +1,141 @@
+"""The linker integration's host staging (``kvpool.staged.StagedPages``) and the queue's tree over it
+(``admission.staged_tree.StagedTree``), without SGLang: rows reserved, written through the staging
+writer, staged under page hashes, pinned by readers, freed only when the last pin is released."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+
+from sgl_remote_kv.admission.staged_tree import StagedTree
+from sgl_remote_kv.kvpool.staged import StagedPages
+from sgl_remote_kv.types import KVLayout
+from tests.admission_fakes import C, make_queue, req
+
+PAGE = 4
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32")
+
+
+def _kv(tokens: int, seed: int, layout: KVLayout = LAYOUT):
+    rng = np.random.default_rng(seed)
+    shape = (layout.num_layers, tokens, layout.num_kv_heads, layout.head_dim)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    if layout.dtype == "bfloat16":  # storage: raw bf16 bits
+        k, v = (
+            torch.from_numpy(a).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16) for a in (k, v)
+        )
+    return k, v
+
+
+def hashes(ids: list[int], end: int, page: int = PAGE) -> list[str]:
+    """Chained per-page hashes of the first ``end`` tokens (full pages), like SGLang's."""
+    out, prev = [], b""
+    for i in range(end // page):
+        prev = hashlib.sha256(prev + bytes(str(ids[i * page : (i + 1) * page]), "ascii")).digest()
+        out.append(prev.hex())
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_staged_rows_round_trip_and_are_freed_by_the_last_pin(dtype):
+    layout = KVLayout(2, 1, 8, dtype)
+    s = StagedPages(layout, rows=32, page_size=PAGE)
+    rows = s.alloc(10)  # 2 full pages + a partial one
+    assert s.free_rows() == 22
+    k, v = _kv(10, 1, layout)
+    s.writer.write(k, v, rows)
+    ids = list(range(100, 110))
+    stager = s.stage(hashes(ids, 10), rows)
+    assert s.leading(hashes(ids, 10)) == 2 and s.staged_pages() == 2
+    assert s.leading(hashes(list(range(10)), 10)) == 0
+
+    reader = s.pin(hashes(ids, 8)[1:])  # the second page only
+    for layer in range(2):
+        rk, rv = s.read_layer(reader.rows, layer)
+        assert rk.shape == (1, PAGE, 1, 8) and rk.dtype == s.writer.storage
+        assert np.array_equal(rk[0], k[layer, PAGE : 2 * PAGE]) and np.array_equal(
+            rv[0], v[layer, PAGE : 2 * PAGE]
+        )
+
+    s.release(stager)
+    assert s.free_rows() == 22 and s.leading(hashes(ids, 10)) == 2  # the reader still holds the entry
+    s.release(reader)
+    s.release(reader)  # idempotent
+    assert s.free_rows() == 32 and s.leading(hashes(ids, 10)) == 0 and s.staged_pages() == 0
+    assert s.pin(hashes(ids, 8)) is None
+
+
+def test_staging_refuses_what_does_not_fit_and_keeps_the_first_copy_of_a_page():
+    s = StagedPages(LAYOUT, rows=16, page_size=PAGE)
+    assert s.alloc(17) is None
+    a, b = s.alloc(8), s.alloc(8)
+    assert s.alloc(1) is None
+    ids = list(range(8))
+    s.writer.write(*_kv(8, 1), a)
+    s.writer.write(*_kv(8, 2), b)
+    first = s.stage(hashes(ids, 8), a)
+    second = s.stage(hashes(ids, 8), b)  # a concurrent fetch of the same pages
+    pin = s.pin(hashes(ids, 8))
+    assert torch.equal(pin.rows, a)
+    s.release(second)
+    assert s.free_rows() == 8  # the duplicate's rows are back; the first copy is untouched
+    s.release(first)
+    s.release(pin)
+    assert s.free_rows() == 16
+    with pytest.raises(ValueError):
+        s.stage(hashes(ids, 8), s.alloc(4))
+
+
+def test_forget_unindexes_but_keeps_pinned_rows_until_released():
+    s = StagedPages(LAYOUT, rows=8, page_size=PAGE)
+    rows = s.alloc(8)
+    k, v = _kv(8, 3)
+    s.writer.write(k, v, rows)
+    ids = list(range(8))
+    stager = s.stage(hashes(ids, 8), rows)
+    reader = s.pin(hashes(ids, 8))
+    s.forget()
+    assert s.leading(hashes(ids, 8)) == 0 and s.pin(hashes(ids, 8)) is None
+    assert np.array_equal(s.read_layer(reader.rows, 1)[0][0], k[1])  # a running load still reads its pages
+    s.release(stager)
+    s.release(reader)
+    assert s.free_rows() == 8
+
+
+def _staged_queue(rows: int = 256):
+    staged = StagedPages(LAYOUT, rows=rows, page_size=PAGE)
+    ns = make_queue(
+        fraction=1.0, wrap_tree=lambda t: StagedTree(t, staged, lambda r, end: hashes(r.ids, end))
+    )
+    return ns, staged
+
+
+def test_queue_stages_a_fetched_hit_and_pins_it_until_admission():
+    ns, staged = _staged_queue()
+    r = req("a", 3 * C + 5)
+    ns.stored(r, 3)
+    assert ns.q.park(r)
+    for _ in range(3):
+        ns.q.poll()
+    assert "a" in ns.be.handles, "fetch submitted"
+    slots = ns.be.handles["a"].kv_slots
+    assert len(slots) == 3 * C and staged.free_rows() == 256 - 3 * C  # staging rows, not pool slots
+    ns.be.finish("a")
+    for _ in range(3):
+        ns.q.poll()
+    assert ns.host.released == ["a"]
+    assert staged.leading(hashes(r.ids, 3 * C)) == 3 * C // PAGE  # what SGLang's lookup will report
+    assert ns.tree.locks == 1  # the device prefix node, held with the staged pages until admission
+
+    # a second request with the same prompt sees the staged pages as its local prefix: no second fetch
+    r2 = req("b", 3 * C + 5)
+    m = ns.c.tree.match(r2, len(r2.ids))
+    assert m.prefix_len == 3 * C
+
+    ns.host.waiting_reqs.clear()  # SGLang admitted the request: the queue drops its hold
+    ns.q.poll()
+    assert ns.tree.locks == 0 and staged.free_rows() == 256 and staged.staged_pages() == 0
