@@ -4,6 +4,7 @@ writer, staged under page hashes, pinned by readers, freed only when the last pi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import numpy as np
@@ -139,3 +140,61 @@ def test_queue_stages_a_fetched_hit_and_pins_it_until_admission():
     ns.host.waiting_reqs.clear()  # SGLang admitted the request: the queue drops its hold
     ns.q.poll()
     assert ns.tree.locks == 0 and staged.free_rows() == 256 and staged.staged_pages() == 0
+
+
+# -- the linker's load into a device pool, under the strict CUDA double's rules ----------------------------
+@pytest.fixture
+def dev():
+    from tests.strict_device import StrictDevice
+
+    d = StrictDevice()
+    yield d
+    d.close()
+
+
+def _device_load(dev, timeout_s: float = 10.0):
+    from sgl_remote_kv.kvpool import PoolTensors, writer_for
+    from sgl_remote_kv.sglang_glue.linker import FencedCounter
+    from tests.strict_device import StrictKVPool
+
+    lay = KVLayout(3, 2, 8, "bfloat16")
+    kv = StrictKVPool(dev, lay, 64, torch.bfloat16)
+    writer = writer_for(PoolTensors(kv.k_buffer, kv.v_buffer), lay, timeout_s, ops=dev)
+    staged = StagedPages(lay, rows=32, page_size=PAGE)
+    rows, ids = staged.alloc(8), list(range(8))
+    k, v = _kv(8, 5, lay)
+    staged.writer.write(k, v, rows)
+    staged.stage(hashes(ids, 8), rows)
+    pin = staged.pin(hashes(ids, 8))
+    slots = torch.randperm(64, generator=torch.Generator().manual_seed(3))[:8].to(torch.int64)
+    counter = FencedCounter(lay.num_layers, writer)
+    index = counter.update_producer()
+    counter.set_consumer(index)
+    return kv, writer, staged, pin, slots, counter, index, k
+
+
+def test_linker_load_into_a_strict_device_pool_is_bit_exact(dev):
+    """The copy runs through the device writer (H2D + scatter on its side stream, a layer complete only
+    once its event completed); the forward reads each layer after ``wait_until`` (``FencedCounter``:
+    also a stream wait on the write's event), under the strict double's rules, bit for bit."""
+    kv, writer, staged, pin, slots, counter, index, k = _device_load(dev)
+    staged.copy_out([(pin, slots)], writer, functools.partial(counter.complete, index))
+    for layer in range(3):
+        counter.wait_until(layer)
+        got = kv.get_key_buffer(layer)[slots].cpu()
+        assert torch.equal(got, torch.from_numpy(k[layer].view(np.int16)).view(torch.bfloat16))
+    assert counter.finish(index)
+
+
+def test_a_hung_device_fails_the_load_and_sglang_is_told(dev):
+    """A write that does not complete within the writer's timeout raises ``KVWriteError``; the linker then
+    fails the counter, and ``finish`` reports the batch as not landed (SGLang aborts those requests)."""
+    from sgl_remote_kv.kvpool import KVWriteError
+
+    kv, writer, staged, pin, slots, counter, index, _ = _device_load(dev, timeout_s=0.2)
+    dev.hang()
+    with pytest.raises(KVWriteError):
+        staged.copy_out([(pin, slots)], writer, functools.partial(counter.complete, index))
+    counter.fail(index, KVWriteError("hung"))
+    dev.resume()
+    assert not counter.finish(index)

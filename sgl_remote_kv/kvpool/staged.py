@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -141,6 +142,18 @@ class StagedPages:
     def staged_pages(self) -> int:
         with self._lock:
             return len(self._index)
+
+    def copy_out(
+        self, batch: Sequence[tuple[Pin, torch.Tensor]], writer, on_layer: Callable[[int], None]
+    ) -> None:
+        """Layer by layer, each pin's pages into its pool slots (``[(pin, slots)]``) through ``writer`` (the
+        pool's ``KVWriter``: a layer is complete when it returns); ``on_layer(layer)`` after each layer.
+        Raises ``KVWriteError``."""
+        for layer in range(self.layout.num_layers):
+            for pin, slots in batch:
+                k, v = self.read_layer(pin.rows, layer)
+                writer.write(k, v, slots, layer_lo=layer)
+            on_layer(layer)
 
     def read_layer(self, rows: torch.Tensor, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Copies ``([1, T, H, D], [1, T, H, D])`` of one layer of ``rows`` (the writer's source format)."""

@@ -28,6 +28,7 @@ Threads: the linker methods run on the scheduler thread; the copy on the load th
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -59,6 +60,20 @@ def _kv(transfers: list[PoolTransfer]) -> PoolTransfer:
     return next(t for t in transfers if t.name == PoolName.KV)
 
 
+class FencedCounter(LayerWiseLoadCounter):
+    """SGLang's layer counter whose ``wait_until(layer)`` (the forward thread, before attention reads the
+    layer) also makes the reading stream wait on the KV writer's event for that layer: on a device pool
+    the copy ran on the writer's side stream (``KVWriter.wait_layer``; a no-op on host pools)."""
+
+    def __init__(self, num_layers: int, writer) -> None:
+        super().__init__(num_layers)
+        self.writer = writer
+
+    def wait_until(self, threshold: int) -> None:
+        super().wait_until(threshold)
+        self.writer.wait_layer(threshold)
+
+
 class RemoteKVLinker(UnifiedCacheLinker):
     def __init__(self, server_args, params, *, components, extra_config, forward_stream) -> None:
         from sgl_remote_kv.sglang_glue import radix_cache
@@ -81,8 +96,7 @@ class RemoteKVLinker(UnifiedCacheLinker):
         on_device = str(getattr(b.kvcache, "device", "cpu")).startswith("cuda")
         self.staged = StagedPages(layout, rows, b.page_size, pin_memory=on_device)
         self.rt = radix_cache.build_runtime(b, cfg, staged=self.staged)
-        self.layer_done_counter = LayerWiseLoadCounter(layout.num_layers)
-        self._layers = layout.num_layers
+        self.layer_done_counter = FencedCounter(layout.num_layers, self.rt.kv_writer)
         self._pending: dict[str, tuple] = {}  # rid -> (pin, device slots), until the batch starts
         self._copies: queue.Queue = queue.Queue()
         self._offloaded = 0  # offloads taken and not yet popped
@@ -130,11 +144,9 @@ class RemoteKVLinker(UnifiedCacheLinker):
         while True:
             index, batch = self._copies.get()
             try:
-                for layer in range(self._layers):
-                    for pin, slots in batch:
-                        k, v = self.staged.read_layer(pin.rows, layer)
-                        self.rt.kv_writer.write(k, v, slots, layer_lo=layer)
-                    self.layer_done_counter.complete(index, layer)
+                self.staged.copy_out(
+                    batch, self.rt.kv_writer, functools.partial(self.layer_done_counter.complete, index)
+                )
             except Exception as e:  # thread boundary: SGLang aborts this batch's loading requests (503)
                 metrics_mod.get().failure(FailureKind.WRITE)
                 logger.error("remote KV linker load failed: %r", e)
