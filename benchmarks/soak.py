@@ -32,6 +32,7 @@ import signal
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -57,11 +58,13 @@ FAULT_KINDS = (
     "dpu_sigterm",
     "kv_write_fail",
 )
-LEGS = {  # name -> (tp size, layer-wise). SmolLM2-135M has 9 attention / 3 KV heads: TP 3 is its only TP > 1
-    "tp1": (1, False),
-    "tp1-lw": (1, True),
-    "tp3": (3, False),
-    "tp3-lw": (3, True),
+LEGS = {  # name -> (tp size, layer-wise, integration). SmolLM2-135M: 3 KV heads, so TP 3 is its only TP > 1
+    "tp1": (1, False, "seam"),
+    "tp1-lw": (1, True, "seam"),
+    "tp3": (3, False, "seam"),
+    "tp3-lw": (3, True, "seam"),
+    "tp1-linker": (1, False, "linker"),
+    "tp3-linker": (3, False, "linker"),
 }
 # A KV-pool write that fails after a layer-wise request was admitted cannot become a recompute (the
 # request is in its forward pass; docs/INTEGRATION.md "What is not done yet"): not injected there.
@@ -253,6 +256,7 @@ def run(args) -> dict:
             "recoveries",
             "fault_episodes",
             "dataplane_restarts",
+            "aborted_load_failed",
         )
     }
     faults = {k: sum(r["faults"][k] for r in results) for k in FAULT_KINDS}
@@ -282,12 +286,13 @@ def parse_legs(text: str, requests: int) -> list[tuple[str, int]]:
 
 
 def leg_spec(model: str, leg: str, store_addr: str, write_flag: Path, log: str) -> ServerSpec:
-    tp, layerwise = LEGS[leg]
+    tp, layerwise, integration = LEGS[leg]
     extra = ("--enable-metrics", "--enable-cache-report", "--attention-backend", "torch_native")
     extra += ("--remote-kv", "dpu", "--remote-kv-store", f"redis://{store_addr}/0?timeout=1")
     extra += ("--remote-kv-chunk-size", str(CHUNK), "--remote-kv-codec", "lossless")
     extra += ("--remote-kv-policy-margin", "1e9")  # fetch whenever the store has it: exercise the fetch path
     extra += ("--remote-kv-layerwise",) if layerwise else ()
+    extra += ("--remote-kv-integration", integration)
     extra += ("--tp", str(tp)) if tp > 1 else ()
     env = {
         "PYTHONPATH": os.pathsep.join([str(KV_WRITE_FAULT_DIR), os.environ.get("PYTHONPATH", "")]),
@@ -337,6 +342,7 @@ def soak(
     rss_start, kv_start, split_start = tree_rss_mb(srv.proc.pid), used_kv_tokens(srv), rss_split_mb(srv)
     inj = Injector(srv, proxy, rdb, rng, write_flag)
     stats = {"requests": 0, "tokens_compared": 0, "wrong_tokens": 0, "remote_hit_tokens": 0}
+    stats["aborted_load_failed"] = 0  # linker integration: a pool write that failed after the load began
     stats["recoveries"] = 0  # fault episodes followed by a remote hit before the next fault
     kinds = [k for k in FAULT_KINDS if not (layerwise and k in LAYERWISE_EXCLUDED)]
     remaining, awaiting_recovery = 0, False
@@ -350,22 +356,30 @@ def soak(
         t = rng.randrange(len(convs[c]))
         sig_thread = threading.Thread(target=inj.fire_signal)
         sig_thread.start()
-        out = generate(srv, convs[c][t])
-        sig_thread.join()
-        ref = refs[(c, t)]
-        got = out["output_ids"]
+        try:
+            out = generate(srv, convs[c][t])
+        except urllib.error.HTTPError as e:  # SGLang aborts a request whose linker load failed (503)
+            if e.code != 503:
+                raise
+            out = None
+        finally:
+            sig_thread.join()
         stats["requests"] += 1
-        stats["tokens_compared"] += len(ref)
-        stats["wrong_tokens"] += sum(a != b for a, b in zip(got, ref, strict=False)) + abs(
-            len(got) - len(ref)
-        )
+        if out is None:
+            stats["aborted_load_failed"] += 1
+        else:
+            ref, got = refs[(c, t)], out["output_ids"]
+            stats["tokens_compared"] += len(ref)
+            stats["wrong_tokens"] += sum(a != b for a, b in zip(got, ref, strict=False)) + abs(
+                len(got) - len(ref)
+            )
+            hit = storage_tokens(out)
+            stats["remote_hit_tokens"] += hit
+            if awaiting_recovery and inj.active is None and hit > 0:
+                stats["recoveries"] += 1
+                awaiting_recovery = False
         if stats["requests"] % 10 == 0:
             logger.info("soak: %s, faults %s", stats, {k: v for k, v in inj.counts.items() if v})
-        hit = storage_tokens(out)
-        stats["remote_hit_tokens"] += hit
-        if awaiting_recovery and inj.active is None and hit > 0:
-            stats["recoveries"] += 1
-            awaiting_recovery = False
         if inj.active is not None:
             remaining -= 1
             if remaining <= 0:

@@ -80,3 +80,51 @@ def test_flush_scope_flag():
     assert RemoteKVConfig.from_namespace(ns).flush == "tier"
     with pytest.raises(ValueError, match="--remote-kv"):
         RemoteKVConfig.from_json(json.dumps({"mode": "nope"}))
+
+
+def test_integration_flag():
+    assert RemoteKVConfig.from_namespace(_parser().parse_args(["--remote-kv", "dpu"])).integration == "seam"
+    ns = _parser().parse_args(["--remote-kv", "inproc", "--remote-kv-integration", "linker"])
+    cfg = RemoteKVConfig.from_namespace(ns)
+    assert cfg.integration == "linker" and RemoteKVConfig.from_json(cfg.to_json()) == cfg
+    with pytest.raises(argparse.ArgumentError):
+        _parser().parse_args(["--remote-kv-integration", "fork"])
+    # the seam's early admission needs pool slots before the fetch ends: not with the linker
+    ns = _parser().parse_args(
+        ["--remote-kv", "dpu", "--remote-kv-integration", "linker", "--remote-kv-layerwise"]
+    )
+    with pytest.raises(ValueError, match="--remote-kv-layerwise"):
+        RemoteKVConfig.from_namespace(ns)
+
+
+@pytest.mark.parametrize(
+    ("integration", "preset", "want_backend", "want_linker"),
+    [
+        ("seam", None, "remote_kv", None),
+        ("linker", None, None, "sgl_remote_kv.sglang_glue.linker"),
+        ("seam", "sgl_remote_kv.sglang_glue.linker", None, "sgl_remote_kv.sglang_glue.linker"),
+        ("linker", "some.other.linker", None, "some.other.linker"),  # theirs kept (the tier off, warned)
+    ],
+)
+def test_resolve_hook_selects_the_integration(monkeypatch, integration, preset, want_backend, want_linker):
+    """The plugin's BEFORE hook on ``ServerArgs.resolve_once``: our radix cache backend, or SGLang's linker
+    flags naming ``RemoteKVLinker``; linker flags the user set are left alone."""
+    import types
+
+    from sgl_remote_kv.sglang_glue import plugin
+
+    cfg = RemoteKVConfig(mode="inproc", integration=integration)
+    monkeypatch.setattr(RemoteKVConfig, "current", classmethod(lambda cls: cfg))
+    sa = types.SimpleNamespace(
+        radix_cache_backend=None,
+        enable_unified_cache_external_linker=preset is not None,
+        unified_cache_external_linker_backend="dynamic" if preset else None,
+        unified_cache_external_linker_config={"linker": "X", "linker_module_path": preset}
+        if preset
+        else None,
+    )
+    plugin._before_resolve(sa)
+    assert sa.radix_cache_backend == want_backend
+    got = (sa.unified_cache_external_linker_config or {}).get("linker_module_path")
+    assert got == want_linker
+    assert sa.enable_unified_cache_external_linker == (want_linker is not None)

@@ -57,3 +57,32 @@ def test_linker_restart_hit_is_token_identical(model_dir, tmp_path, mode):
     assert out["output_ids"] == cold["output_ids"]
     assert m.get(f'sglang:remote_kv_decisions_total{{path="{mode}"}}', 0) == 1, m
     assert total(m, "failures") == 0, m
+
+
+def test_sglang_own_linker_flags_naming_our_linker_run_the_tier(model_dir, tmp_path):
+    """The other way in: SGLang's four linker flags naming ``RemoteKVLinker`` (no
+    ``--remote-kv-integration``). One server: cold, written back, ``/flush_cache`` (drops only the local
+    cache), the same prompt again is a remote hit through the linker, token-identical."""
+    import json
+
+    from tests.fixtures.remote_kv_server import flush_cache
+
+    prompt = _prompt(model_dir, "named on SGLang's own command line")
+    need = (len(prompt) - 1) // CHUNK
+    flags = (
+        "--enable-unified-cache-external-linker",
+        "--unified-cache-external-linker-backend",
+        "dynamic",
+        "--unified-cache-external-linker-config",
+        json.dumps({"linker": "RemoteKVLinker", "linker_module_path": "sgl_remote_kv.sglang_glue.linker"}),
+    )
+    with remote_kv_server(model_dir, f"file://{tmp_path / 'store'}", *flags, mode="inproc") as s:
+        cold = generate(s, prompt, 8)[0]
+        _wait_written(s, need)
+        flush_cache(s)
+        out = generate(s, prompt, 8)[0]
+        log = s.log_text()
+    assert "remote KV tier through the linker API" in log
+    details = out["meta_info"]["cached_tokens_details"]
+    assert storage_tokens(out) == need * CHUNK and details["device"] == 0, details
+    assert out["output_ids"] == cold["output_ids"]

@@ -59,18 +59,23 @@ def _publish(cfg: RemoteKVConfig) -> None:
 
 def _before_resolve(server_args, *args, **kwargs):
     """``ServerArgs.resolve_once`` (launch_server and ``sglang.Engine`` alike), when the tier is on: with
-    ``--remote-kv-integration linker`` set SGLang's four linker flags to our linker (unless the user set
-    them), else select our radix cache backend when the user picked none."""
+    ``--remote-kv-integration linker`` set SGLang's linker flags to our linker; a user who set those flags
+    to our linker themselves gets the linker integration too; else select our radix cache backend when
+    the user picked none."""
     cfg = RemoteKVConfig.current()
     if not cfg.enabled:
         return None
-    if cfg.integration == "linker":
-        if not getattr(server_args, "enable_unified_cache_external_linker", False):
-            from sgl_remote_kv.sglang_glue.linker import linker_config
+    from sgl_remote_kv.sglang_glue.linker import LINKER_MODULE, linker_config
 
-            server_args.enable_unified_cache_external_linker = True
-            server_args.unified_cache_external_linker_backend = "dynamic"
-            server_args.unified_cache_external_linker_config = linker_config()
+    if getattr(server_args, "enable_unified_cache_external_linker", False):
+        theirs = getattr(server_args, "unified_cache_external_linker_config", None) or {}
+        if theirs.get("linker_module_path") != LINKER_MODULE:
+            logger.warning("--remote-kv is off: another unified-cache linker is configured (%s)", theirs)
+        return None
+    if cfg.integration == "linker":
+        server_args.enable_unified_cache_external_linker = True
+        server_args.unified_cache_external_linker_backend = "dynamic"
+        server_args.unified_cache_external_linker_config = linker_config()
     elif getattr(server_args, "radix_cache_backend", None) is None:
         from sgl_remote_kv.sglang_glue.radix_cache import BACKEND_NAME
 
