@@ -84,6 +84,8 @@ class RemoteKVLinker(UnifiedCacheLinker):
         seam.check_version()
         self.pools = {PoolName.KV: None}  # the wrapper reads only which pools a linker serves
         self.staged: StagedPages | None = None  # None: the tier is off on this pool (every lookup misses)
+        self._pending: dict[str, tuple] = {}  # rid -> (pin, device slots), until the batch starts
+        self._offloaded = 0  # offloads taken and not yet popped
         try:
             b = seam.linker_build_context(server_args, params)
         except seam.UnsupportedPool as e:
@@ -97,9 +99,7 @@ class RemoteKVLinker(UnifiedCacheLinker):
         self.staged = StagedPages(layout, rows, b.page_size, pin_memory=on_device)
         self.rt = radix_cache.build_runtime(b, cfg, staged=self.staged)
         self.layer_done_counter = FencedCounter(layout.num_layers, self.rt.kv_writer)
-        self._pending: dict[str, tuple] = {}  # rid -> (pin, device slots), until the batch starts
         self._copies: queue.Queue = queue.Queue()
-        self._offloaded = 0  # offloads taken and not yet popped
         threading.Thread(target=self._copy_loop, name="srkv-linker-load", daemon=True).start()
         runtime.publish(self.rt)
         logger.info("remote KV tier through the linker API: %d staging rows, page %d", rows, b.page_size)
