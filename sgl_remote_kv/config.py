@@ -85,11 +85,6 @@ class RemoteKVConfig:
             raise ValueError(
                 f"--remote-kv-integration must be one of {INTEGRATIONS}, got {self.integration!r}"
             )
-        if self.integration == "linker" and self.layerwise:
-            raise ValueError(
-                "--remote-kv-layerwise is the seam integration's; the linker integration always loads "
-                "staged pages layer by layer (drop the flag or use --remote-kv-integration seam)"
-            )
         if self.flush not in FLUSH_SCOPES:
             raise ValueError(f"--remote-kv-flush must be one of {FLUSH_SCOPES}, got {self.flush!r}")
         if self.dpu_endpoint:

@@ -144,12 +144,19 @@ class StagedPages:
             return len(self._index)
 
     def copy_out(
-        self, batch: Sequence[tuple[Pin, torch.Tensor]], writer, on_layer: Callable[[int], None]
+        self,
+        batch: Sequence[tuple[Pin, torch.Tensor]],
+        writer,
+        on_layer: Callable[[int], None],
+        ready: Callable[[int], None] | None = None,
     ) -> None:
         """Layer by layer, each pin's pages into its pool slots (``[(pin, slots)]``) through ``writer`` (the
-        pool's ``KVWriter``: a layer is complete when it returns); ``on_layer(layer)`` after each layer.
-        Raises ``KVWriteError``."""
+        pool's ``KVWriter``: a layer is complete when it returns); ``ready(layer)`` first (returns once the
+        layer is in the rows: layer-wise installs still decoding into them), ``on_layer(layer)`` after.
+        Raises ``KVWriteError`` (and whatever ``ready`` raises)."""
         for layer in range(self.layout.num_layers):
+            if ready is not None:
+                ready(layer)
             for pin, slots in batch:
                 k, v = self.read_layer(pin.rows, layer)
                 writer.write(k, v, slots, layer_lo=layer)

@@ -18,6 +18,12 @@ then releases it to SGLang. So:
 Nothing fallible but that deterministic copy runs after ``lookup``; a failed copy is reported to SGLang
 (``LayerWiseLoadCounter.fail``), which aborts the loading requests with a 503 on every rank.
 
+``--remote-kv-layerwise``: the queue stages a request's rows once every chunk is fetched and *verified*
+(``Installer.admit_early``), before the fetch path has decoded every layer into them; the rows are then
+filled by ``layerwise.LayerwiseInstalls`` (not attached to the pool here), and the load thread waits for
+each layer there (its in-process fallback decode included) before copying it. A verified chunk that then
+fails to decode (a codec bug) fails the load: a 503, not the stopped scheduler of the seam integration.
+
 Writes stay on the checkpoint write-back (``scheduler_hooks``: token ids, positions and the request's
 fidelity are there; ``offload`` gets page hashes and slots only): ``offload`` takes every node and
 completes it at once, so SGLang does not offer it again.
@@ -144,9 +150,9 @@ class RemoteKVLinker(UnifiedCacheLinker):
         while True:
             index, batch = self._copies.get()
             try:
-                self.staged.copy_out(
-                    batch, self.rt.kv_writer, functools.partial(self.layer_done_counter.complete, index)
-                )
+                done = functools.partial(self.layer_done_counter.complete, index)
+                ready = self.rt.layerwise.wait_until if self.rt.layerwise is not None else None
+                self.staged.copy_out(batch, self.rt.kv_writer, done, ready)
             except Exception as e:  # thread boundary: SGLang aborts this batch's loading requests (503)
                 metrics_mod.get().failure(FailureKind.WRITE)
                 logger.error("remote KV linker load failed: %r", e)

@@ -146,7 +146,11 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig, staged=None) -> run
         tail_granule=tails,
         versions=paths.chunk_versions(cfg, codec, fp, metrics.nvdec_written),
     )
-    counter = layerwise.attach(b.kvcache, kv_writer, fp, metrics) if cfg.layerwise else None
+    counter = None
+    if cfg.layerwise and staged is None:  # the pool's layer counter: the forward waits on it per layer
+        counter = layerwise.attach(b.kvcache, kv_writer, fp, metrics)
+    elif cfg.layerwise:  # linker: installs into the staging rows, awaited by the linker's load thread
+        counter = layerwise.LayerwiseInstalls(staged.writer, fp, metrics)
     rt = runtime.build(
         cfg,
         fp,
