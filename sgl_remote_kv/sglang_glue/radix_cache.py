@@ -146,6 +146,10 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig, staged=None) -> run
         tail_granule=tails,
         versions=paths.chunk_versions(cfg, codec, fp, metrics.nvdec_written),
     )
+    # the seam queue may hold half the pool (the default); the linker's staging is the queue's alone
+    queue_share = (
+        None if staged is None else AdmissionSettings(cfg.chunk_size, cfg.tail_granule, max_pool_fraction=1.0)
+    )
     counter = None
     if cfg.layerwise and staged is None:  # the pool's layer counter: the forward waits on it per layer
         counter = layerwise.attach(b.kvcache, kv_writer, fp, metrics)
@@ -163,9 +167,7 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig, staged=None) -> run
         writeback=writeback,
         layerwise=counter,
         generation=generation.GenerationWatch(client, fp, keys),
-        admission=None
-        if staged is None
-        else AdmissionSettings(cfg.chunk_size, cfg.tail_granule, max_pool_fraction=1.0),
+        admission=queue_share,
         staged=staged,
     )
     logger.info(
