@@ -34,10 +34,9 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
-from benchmarks.e2e_server import delta, flush_device_cache, metric, scrape, shaped_store
+from benchmarks.e2e_server import delta, flush_device_cache, metric, scrape, shaped_store, stream_generate
 from benchmarks.netshape import netns_supported
 from sgl_remote_kv.launcher import ServerSpec, SGLangServer
 from sgl_remote_kv.model import ensure_model
@@ -84,37 +83,6 @@ def _server(model: str, store_url: str, fetch: str, workdir: Path) -> SGLangServ
         fetch,
     )
     return SGLangServer(ServerSpec(model_path=model, extra_args=args, max_total_tokens=16384))
-
-
-def _stream(base_url: str, ids: list[int], new_tokens: int) -> dict:
-    """Streamed greedy /generate: TTFT (first chunk), total time, output ids, storage tokens."""
-    body = {
-        "input_ids": ids,
-        "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens},
-        "stream": True,
-    }
-    req = urllib.request.Request(
-        base_url + "/generate", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
-    )
-    t0 = time.perf_counter()
-    ttft, last = None, None
-    with urllib.request.urlopen(req, timeout=900) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            last = json.loads(line[5:])
-    total = time.perf_counter() - t0
-    meta = (last or {}).get("meta_info", {})
-    details = meta.get("cached_tokens_details") or {}
-    return {
-        "ttft_s": ttft,
-        "total_s": total,
-        "output_ids": list((last or {}).get("output_ids", [])),
-        "storage_tokens": int(details.get("storage") or 0),
-    }
 
 
 class Trace(threading.Thread):
@@ -209,7 +177,7 @@ def _fetch(srv, store, ids, unit, phase_s, cold_ids, new_tokens) -> dict:
     before = scrape(srv.base_url)
     trace = Trace(store, unit, phase_s)
     trace.start()
-    out = _stream(srv.base_url, ids, new_tokens)
+    out = stream_generate(srv.base_url, ids, new_tokens)
     trace.stop.set()
     trace.join()
     time.sleep(0.5)  # the fetch's metrics land after the response
@@ -252,7 +220,7 @@ def main() -> None:
         # 1. cold answer + write-back of every version (unshaped link)
         with _server(model, store.url, "full", Path(tmp)) as w:
             t0 = time.perf_counter()
-            cold = _stream(w.base_url, ids, a.new_tokens)
+            cold = stream_generate(w.base_url, ids, a.new_tokens)
             deadline = time.monotonic() + 1800  # every chunk at 3 resolutions: libx265 on a loaded CPU
             while metric(scrape(w.base_url), "remote_kv_nvdec_written_chunks_total") < len(LABELS) * a.chunks:
                 if time.monotonic() > deadline:
@@ -264,7 +232,7 @@ def main() -> None:
             for _ in range(2):
                 flush_device_cache(w.base_url)
                 before = scrape(w.base_url)
-                _stream(w.base_url, ids, 1)
+                stream_generate(w.base_url, ids, 1)
                 time.sleep(0.5)
                 calib_s = metric(delta(scrape(w.base_url), before), "remote_kv_kv_wait_seconds_sum")
         unit, info = _unit(model, written, calib_s / a.chunks)

@@ -19,9 +19,9 @@ import logging
 import statistics
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
+from benchmarks.e2e_server import metric, scrape, stream_generate
 from sgl_remote_kv.launcher import ServerSpec, SGLangServer
 from sgl_remote_kv.model import ensure_model
 
@@ -58,35 +58,8 @@ def spec(model: str, store: str, mode: str, integration: str, log: str) -> Serve
     return ServerSpec(model_path=model, extra_args=extra, max_total_tokens=16384, log_path=log)
 
 
-def stream(base_url: str, ids: list[int], n: int) -> tuple[float, list[int], dict]:
-    """(TTFT s, output ids, meta_info) of a greedy streamed ``/generate``."""
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n}, "stream": True}
-    req = urllib.request.Request(
-        base_url + "/generate", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
-    )
-    t0, ttft, last, pieces = time.perf_counter(), None, None, []
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            last = json.loads(line[5:])
-            pieces.append(last["output_ids"])
-    n_out = last["meta_info"]["completion_tokens"]
-    ids = last["output_ids"] if len(last["output_ids"]) == n_out else [t for p in pieces for t in p]
-    return ttft, ids, last["meta_info"]
-
-
 def written(base_url: str) -> float:
-    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("sglang:remote_kv_written_chunks_total")
-    )
+    return metric(scrape(base_url), "remote_kv_written_chunks_total")
 
 
 def run(args) -> dict:
@@ -99,7 +72,7 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="srkv-bench-integration-") as tmp:
         store = f"file://{tmp}/store"
         with SGLangServer(spec(model, store, "dpu", "seam", f"{tmp}/writer.log")) as w:
-            refs = [stream(w.base_url, p, args.new_tokens)[1] for p in ps]
+            refs = [stream_generate(w.base_url, p, args.new_tokens, 600)["output_ids"] for p in ps]
             deadline = time.monotonic() + 300
             while written(w.base_url) < need:
                 if time.monotonic() > deadline:
@@ -112,16 +85,15 @@ def run(args) -> dict:
                     log = f"{tmp}/{integration}-{mode}-{rep}.log"
                     with SGLangServer(spec(model, store, mode, integration, log)) as srv:
                         for i, p in enumerate(ps):
-                            ttft, out, meta = stream(srv.base_url, p, args.new_tokens)
-                            details = meta.get("cached_tokens_details") or {}
+                            out = stream_generate(srv.base_url, p, args.new_tokens, 600)
                             rows.setdefault((integration, mode), []).append(
                                 {
                                     "rep": rep,
                                     "prompt": i,
-                                    "ttft_s": round(ttft, 4),
+                                    "ttft_s": round(out["ttft_s"], 4),
                                     "prompt_tokens": len(p),
-                                    "remote_tokens": int(details.get("storage") or 0),
-                                    "identical": out == refs[i],
+                                    "remote_tokens": out["storage_tokens"],
+                                    "identical": out["output_ids"] == refs[i],
                                 }
                             )
                     logger.info("rep %d %s %s done", rep, integration, mode)

@@ -215,6 +215,38 @@ def wait_writeback_idle(base_url: str, quiet_s: float = 4.0, timeout_s: float = 
     return last or 0.0
 
 
+def stream_generate(base_url: str, ids: list[int], new_tokens: int, timeout_s: float = 900) -> dict:
+    """Streamed greedy /generate: TTFT (first chunk), total time, output ids (SGLang streams them cumulative
+    unless ``--incremental-streaming-output``), storage tokens."""
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens},
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        base_url + "/generate", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
+    t0 = time.perf_counter()
+    ttft, last = None, None
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            last = json.loads(line[5:])
+    total = time.perf_counter() - t0
+    meta = (last or {}).get("meta_info", {})
+    details = meta.get("cached_tokens_details") or {}
+    return {
+        "ttft_s": ttft,
+        "total_s": total,
+        "output_ids": list((last or {}).get("output_ids", [])),
+        "storage_tokens": int(details.get("storage") or 0),
+    }
+
+
 def flush_device_cache(base_url: str) -> None:
     req = urllib.request.Request(base_url + "/flush_cache", method="POST")
     with urllib.request.urlopen(req, timeout=60) as r:

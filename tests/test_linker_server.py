@@ -4,16 +4,15 @@ API (``sglang_glue/linker.py``) on a real CPU server with the real model.
 A server writes a prompt back (checkpoint write-back, the same keys as the seam integration); after a
 restart (empty local cache) the waiting_for_KV queue fetches and stages the chunks, SGLang's ``lookup``
 reports them, ``load`` copies them layer by layer, and SGLang reports the tokens as ``storage`` hits
-(the queue marks them as it does on the seam integration). Tokens equal the cold run (lossless codec, float32). Both fetch paths that write into a destination: the
-in-process decode and the DPU data plane.
+(the queue marks them as it does on the seam integration). Tokens equal the cold run (lossless codec,
+float32). Both fetch paths that write into a destination: the in-process decode and the DPU data plane.
 """
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
+from tests.fixtures.faults import wait_written
 from tests.fixtures.remote_kv_server import CHUNK, generate, metrics, remote_kv_server, storage_tokens, total
 
 pytestmark = [pytest.mark.e2e]
@@ -29,13 +28,6 @@ def _prompt(model_dir, words: str) -> list[int]:
     return tok(body + "\nQuestion: which clause comes last?", add_special_tokens=False)["input_ids"]
 
 
-def _wait_written(srv, need: int) -> None:
-    deadline = time.monotonic() + 120
-    while metrics(srv).get("sglang:remote_kv_written_chunks_total", 0) < need:
-        assert time.monotonic() < deadline, "write-back did not finish"
-        time.sleep(0.5)
-
-
 @pytest.mark.parametrize("mode", ["inproc", "dpu"])
 def test_linker_restart_hit_is_token_identical(model_dir, tmp_path, mode):
     prompt = _prompt(model_dir, "into the slots SGLang allocated")
@@ -43,7 +35,7 @@ def test_linker_restart_hit_is_token_identical(model_dir, tmp_path, mode):
     store = f"file://{tmp_path / 'store'}"
     with remote_kv_server(model_dir, store, *LINKER, mode=mode) as s1:
         cold = generate(s1, prompt, 8)[0]
-        _wait_written(s1, need)
+        wait_written(s1, 0, need, 120)
         assert "remote KV tier through the linker API" in s1.log_text()
     with remote_kv_server(model_dir, store, *LINKER, mode=mode) as s2:
         out = generate(s2, prompt, 8)[0]
@@ -78,7 +70,7 @@ def test_sglang_own_linker_flags_naming_our_linker_run_the_tier(model_dir, tmp_p
     )
     with remote_kv_server(model_dir, f"file://{tmp_path / 'store'}", *flags, mode="inproc") as s:
         cold = generate(s, prompt, 8)[0]
-        _wait_written(s, need)
+        wait_written(s, 0, need, 120)
         flush_cache(s)
         out = generate(s, prompt, 8)[0]
         log = s.log_text()

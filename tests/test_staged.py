@@ -32,6 +32,14 @@ def _kv(tokens: int, seed: int, layout: KVLayout = LAYOUT):
     return k, v
 
 
+def free_rows(s: StagedPages) -> int:
+    return len(s._free)
+
+
+def staged_pages(s: StagedPages) -> int:
+    return len(s._index)
+
+
 def hashes(ids: list[int], end: int, page: int = PAGE) -> list[str]:
     """Chained per-page hashes of the first ``end`` tokens (full pages), like SGLang's."""
     out, prev = [], b""
@@ -46,12 +54,12 @@ def test_staged_rows_round_trip_and_are_freed_by_the_last_pin(dtype):
     layout = KVLayout(2, 1, 8, dtype)
     s = StagedPages(layout, rows=32, page_size=PAGE)
     rows = s.alloc(10)  # 2 full pages + a partial one
-    assert s.free_rows() == 22
+    assert free_rows(s) == 22
     k, v = _kv(10, 1, layout)
     s.writer.write(k, v, rows)
     ids = list(range(100, 110))
     stager = s.stage(hashes(ids, 10), rows)
-    assert s.leading(hashes(ids, 10)) == 2 and s.staged_pages() == 2
+    assert s.leading(hashes(ids, 10)) == 2 and staged_pages(s) == 2
     assert s.leading(hashes(list(range(10)), 10)) == 0
 
     reader = s.pin(hashes(ids, 8)[1:])  # the second page only
@@ -63,10 +71,10 @@ def test_staged_rows_round_trip_and_are_freed_by_the_last_pin(dtype):
         )
 
     s.release(stager)
-    assert s.free_rows() == 22 and s.leading(hashes(ids, 10)) == 2  # the reader still holds the entry
+    assert free_rows(s) == 22 and s.leading(hashes(ids, 10)) == 2  # the reader still holds the entry
     s.release(reader)
     s.release(reader)  # idempotent
-    assert s.free_rows() == 32 and s.leading(hashes(ids, 10)) == 0 and s.staged_pages() == 0
+    assert free_rows(s) == 32 and s.leading(hashes(ids, 10)) == 0 and staged_pages(s) == 0
     assert s.pin(hashes(ids, 8)) is None
 
 
@@ -83,10 +91,10 @@ def test_staging_refuses_what_does_not_fit_and_keeps_the_first_copy_of_a_page():
     pin = s.pin(hashes(ids, 8))
     assert torch.equal(pin.rows, a)
     s.release(second)
-    assert s.free_rows() == 8  # the duplicate's rows are back; the first copy is untouched
+    assert free_rows(s) == 8  # the duplicate's rows are back; the first copy is untouched
     s.release(first)
     s.release(pin)
-    assert s.free_rows() == 16
+    assert free_rows(s) == 16
     with pytest.raises(ValueError):
         s.stage(hashes(ids, 8), s.alloc(4))
 
@@ -104,7 +112,7 @@ def test_forget_unindexes_but_keeps_pinned_rows_until_released():
     assert np.array_equal(s.read_layer(reader.rows, 1)[0][0], k[1])  # a running load still reads its pages
     s.release(stager)
     s.release(reader)
-    assert s.free_rows() == 8
+    assert free_rows(s) == 8
 
 
 def _staged_queue(rows: int = 256):
@@ -124,7 +132,7 @@ def test_queue_stages_a_fetched_hit_and_pins_it_until_admission():
         ns.q.poll()
     assert "a" in ns.be.handles, "fetch submitted"
     slots = ns.be.handles["a"].kv_slots
-    assert len(slots) == 3 * C and staged.free_rows() == 256 - 3 * C  # staging rows, not pool slots
+    assert len(slots) == 3 * C and free_rows(staged) == 256 - 3 * C  # staging rows, not pool slots
     ns.be.finish("a")
     for _ in range(3):
         ns.q.poll()
@@ -139,7 +147,7 @@ def test_queue_stages_a_fetched_hit_and_pins_it_until_admission():
 
     ns.host.waiting_reqs.clear()  # SGLang admitted the request: the queue drops its hold
     ns.q.poll()
-    assert ns.tree.locks == 0 and staged.free_rows() == 256 and staged.staged_pages() == 0
+    assert ns.tree.locks == 0 and free_rows(staged) == 256 and staged_pages(staged) == 0
 
 
 # -- the linker's load into a device pool, under the strict CUDA double's rules ----------------------------

@@ -68,10 +68,6 @@ class StagedPages:
         self._ids = itertools.count()
 
     # -- rows (the admission queue) ----------------------------------------------------------------
-    def free_rows(self) -> int:
-        with self._lock:
-            return len(self._free)
-
     def alloc(self, n: int) -> torch.Tensor | None:
         with self._lock:
             if n > len(self._free):
@@ -138,10 +134,6 @@ class StagedPages:
         """Unindex every page (nothing new can be pinned); pinned rows stay until released."""
         with self._lock:
             self._index.clear()
-
-    def staged_pages(self) -> int:
-        with self._lock:
-            return len(self._index)
 
     def copy_out(
         self,
