@@ -159,6 +159,8 @@ def _nal_units(data: bytes) -> Iterator[bytes]:
     while i >= 0:
         starts.append(i + 3)
         i = data.find(b"\x00\x00\x01", i + 3)
+    if not starts:  # no start code: no NAL unit (a junk packet; check_bitstream then finds no SPS)
+        return
     for a, b in zip(starts, [*starts[1:], len(data) + 3], strict=True):
         yield data[a : b - 3]
 

@@ -355,3 +355,20 @@ def test_hevc_randomized_sps_mutations_never_escape(decoder_opens):
         outcomes["same"] += 1
     assert outcomes["error"] >= 200, outcomes
     assert time.perf_counter() - t0 < 60
+
+
+def test_hevc_packets_without_start_codes_are_corrupt_chunks():
+    """Packets holding no Annex-B start code at all (found by the first GPU run, where the NAL splitter
+    raised ValueError instead of finding no unit): junk after the headers' packet is a typed error, and
+    a video of junk alone has no SPS. The checks are pure Python, the same before FFmpeg and NVDEC."""
+    from sgl_remote_kv.nvdec import video
+
+    from tests.nvdec_video_helpers import _decode_all, _videos
+
+    packets, count, h, w = _videos()[0]
+    assert count > 1 and len(packets) == count
+    assert list(video._nal_units(b"\xff" * 700)) == []
+    with pytest.raises(CorruptChunk, match="sequence parameter set"):
+        video.check_bitstream([memoryview(b"\xff" * 700)] * count, h, w)
+    with pytest.raises(CorruptChunk):
+        _decode_all(video.VideoDecoder("cpu"), [packets[0], *[b"\xff" * 700] * (count - 1)], count, h, w)
