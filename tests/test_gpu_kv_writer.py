@@ -12,8 +12,8 @@
   codec (Triton inverse transform, escapes, a sink token) within one step of the dtype of its CPU decode.
 
 Skipped with the reason when there is no CUDA device (always, in CI), or naming the module when SGLang
-or a data-plane dependency was not carried to the GPU machine (``tests/gpu_gate.py``). Never ran in
-development.
+or a data-plane dependency was not carried to the GPU machine (``tests/gpu_gate.py``). Passed on an
+H200 (docs/HARDWARE.md).
 """
 
 from __future__ import annotations

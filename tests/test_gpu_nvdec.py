@@ -6,7 +6,7 @@ The bitstreams and their expected decodes are committed (``tests/fixtures/nvdec/
 ``tests/nvdec_fixtures.py`` and ``tests/test_nvdec_fixtures.py``), so the GPU machine needs PyNvVideoCodec
 but no PyAV (``scripts/gpu_wheels.sh nvdec``). Skipped with the reason: no CUDA device; a driver without
 NVDEC's ``libnvcuvid.so.1`` (checked first, before PyNvVideoCodec is imported); PyNvVideoCodec not
-installed or unusable. Never ran on the development machine (no GPU). The CPU tests of the backend's glue
+installed or unusable. Passed on an H200 (docs/HARDWARE.md); CI has no GPU. The CPU tests of the backend's glue
 are ``test_nvdec_nvcodec.py``.
 """
 

@@ -6,8 +6,8 @@ cudart bindings, through ``host_pin``: registrations are counted per range and a
 so H2D copies out of the DPU destination region are real async DMA; anything else is staged through
 pinned memory by the writer.
 
-Never ran on a GPU in development (no GPU there): ``tests/test_gpu_kv_writer.py`` (``pytest -m gpu``,
-``scripts/gpu_check.sh``) exercises it against a real SGLang ``MHATokenToKVPool`` on CUDA.
+``tests/test_gpu_kv_writer.py`` and ``tests/test_gpu_faults.py`` (``pytest -m gpu``, ``scripts/gpu_check.sh``;
+passed on an H200, docs/HARDWARE.md) exercise it against a real SGLang ``MHATokenToKVPool`` on CUDA.
 """
 
 from __future__ import annotations
