@@ -53,7 +53,7 @@ class RemoteKVConfig:
     flush: str = "local"  # what /flush_cache drops: "local" (this server's cache) or also the "tier"'s chunks
     # how the tier reaches SGLang: "seam" (our radix cache backend installs fetched chunks into the tree)
     # or "linker" (SGLang's UnifiedCacheLinker API loads staged pages; docs/INTEGRATION.md)
-    integration: str = "seam"
+    integration: str = "linker"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dpu_cpus", tuple(self.dpu_cpus))  # JSON round trip gives a list
@@ -243,5 +243,5 @@ class RemoteKVConfig:
             dpu_endpoint=getattr(ns, "remote_kv_dpu_endpoint", ""),
             dpu_output=getattr(ns, "remote_kv_dpu_output", "auto"),
             flush=getattr(ns, "remote_kv_flush", "local"),
-            integration=getattr(ns, "remote_kv_integration", "seam"),
+            integration=getattr(ns, "remote_kv_integration", "linker"),
         )

@@ -121,10 +121,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--remote-kv-integration",
         dest="remote_kv_integration",
         choices=INTEGRATIONS,
-        default="seam",
-        help="How the tier reaches SGLang: seam (our radix cache installs fetched chunks before admission; "
-        "the default) or linker (SGLang's UnifiedCacheLinker API copies staged pages into the slots it "
-        "allocates; docs/INTEGRATION.md).",
+        default="linker",
+        help="How the tier reaches SGLang: linker (SGLang's UnifiedCacheLinker API copies staged pages into "
+        "the slots it allocates; the default) or seam (our radix cache installs fetched chunks before "
+        "admission; docs/INTEGRATION.md).",
     )
     g.add_argument(
         "--remote-kv-layerwise",

@@ -83,7 +83,7 @@ def test_flush_scope_flag():
 
 
 def test_integration_flag():
-    assert RemoteKVConfig.from_namespace(_parser().parse_args(["--remote-kv", "dpu"])).integration == "seam"
+    assert RemoteKVConfig.from_namespace(_parser().parse_args(["--remote-kv", "dpu"])).integration == "linker"
     ns = _parser().parse_args(["--remote-kv", "inproc", "--remote-kv-integration", "linker"])
     cfg = RemoteKVConfig.from_namespace(ns)
     assert cfg.integration == "linker" and RemoteKVConfig.from_json(cfg.to_json()) == cfg
