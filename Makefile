@@ -4,7 +4,7 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-codec-speed bench-store bench-dpu bench-dpu-service bench-dpu-floor bench-nvdec bench-adaptive-resolution \
 	bench-cpu-attention bench-e2e bench-e2e-quick bench-burst bench-tail projection soak test-faults \
-	test-conformance dashboard bench-exactness bench-task-accuracy gpu-rehearsal bench-calibration bench-quality-proxy bench-integration clean
+	test-conformance dashboard bench-exactness bench-task-accuracy gpu-rehearsal bench-calibration bench-quality-proxy clean
 
 setup:
 	bash scripts/setup_env.sh
@@ -109,10 +109,6 @@ bench-cpu-attention: model
 bench-e2e: model
 	$(MAKE) calibration MODEL_DTYPE=bfloat16
 	$(PY) -m benchmarks.bench_e2e
-
-# The seam and linker integrations side by side (remote-hit TTFT, tokens vs cold): docs/results/integration_linker.json
-bench-integration: model
-	$(PY) -m benchmarks.bench_integration
 
 bench-e2e-quick: model
 	$(MAKE) calibration MODEL_DTYPE=bfloat16

@@ -58,16 +58,14 @@ FAULT_KINDS = (
     "dpu_sigterm",
     "kv_write_fail",
 )
-LEGS = {  # name -> (tp size, layer-wise, integration). SmolLM2-135M: 3 KV heads, so TP 3 is its only TP > 1
-    "tp1": (1, False, "seam"),
-    "tp1-lw": (1, True, "seam"),
-    "tp3": (3, False, "seam"),
-    "tp3-lw": (3, True, "seam"),
-    "tp1-linker": (1, False, "linker"),
-    "tp3-linker": (3, False, "linker"),
+LEGS = {  # name -> (tp size, layer-wise). SmolLM2-135M: 3 KV heads, so TP 3 is its only TP > 1
+    "tp1": (1, False),
+    "tp1-lw": (1, True),
+    "tp3": (3, False),
+    "tp3-lw": (3, True),
 }
-# A KV-pool write that fails after a layer-wise request was admitted cannot become a recompute (the
-# request is in its forward pass; docs/INTEGRATION.md "What is not done yet"): not injected there.
+# A write that fails after a layer-wise request was released cannot become a recompute (its load has
+# begun; docs/INTEGRATION.md "Limits"): not injected there.
 LAYERWISE_EXCLUDED = ("kv_write_fail",)
 TP_BIND = {3: "0|1|0-1"}  # SGLANG_CPU_OMP_THREADS_BIND: one entry per rank (more ranks than cores here)
 KV_WRITE_FAULT_DIR = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "kv_write_fault"
@@ -286,13 +284,12 @@ def parse_legs(text: str, requests: int) -> list[tuple[str, int]]:
 
 
 def leg_spec(model: str, leg: str, store_addr: str, write_flag: Path, log: str) -> ServerSpec:
-    tp, layerwise, integration = LEGS[leg]
+    tp, layerwise = LEGS[leg]
     extra = ("--enable-metrics", "--enable-cache-report", "--attention-backend", "torch_native")
     extra += ("--remote-kv", "dpu", "--remote-kv-store", f"redis://{store_addr}/0?timeout=1")
     extra += ("--remote-kv-chunk-size", str(CHUNK), "--remote-kv-codec", "lossless")
     extra += ("--remote-kv-policy-margin", "1e9")  # fetch whenever the store has it: exercise the fetch path
     extra += ("--remote-kv-layerwise",) if layerwise else ()
-    extra += ("--remote-kv-integration", integration)
     extra += ("--tp", str(tp)) if tp > 1 else ()
     env = {
         "PYTHONPATH": os.pathsep.join([str(KV_WRITE_FAULT_DIR), os.environ.get("PYTHONPATH", "")]),
@@ -342,7 +339,7 @@ def soak(
     rss_start, kv_start, split_start = tree_rss_mb(srv.proc.pid), used_kv_tokens(srv), rss_split_mb(srv)
     inj = Injector(srv, proxy, rdb, rng, write_flag)
     stats = {"requests": 0, "tokens_compared": 0, "wrong_tokens": 0, "remote_hit_tokens": 0}
-    stats["aborted_load_failed"] = 0  # linker integration: a pool write that failed after the load began
+    stats["aborted_load_failed"] = 0  # a pool write that failed after SGLang's load began (a 503)
     stats["recoveries"] = 0  # fault episodes followed by a remote hit before the next fault
     kinds = [k for k in FAULT_KINDS if not (layerwise and k in LAYERWISE_EXCLUDED)]
     remaining, awaiting_recovery = 0, False

@@ -19,7 +19,6 @@ from sgl_remote_kv.dpu.settings import MAX_CPUS
 from sgl_remote_kv.flags import (
     DEFAULT_TAIL_TOKENS,
     FLUSH_SCOPES,
-    INTEGRATIONS,
     MAX_CHUNK_SIZE,
     MODES,
     add_flags,
@@ -51,9 +50,6 @@ class RemoteKVConfig:
     dpu_endpoint: str = ""  # "": spawn a private data plane; else attach to the data-plane service there
     dpu_output: str = "auto"  # what the data plane writes for the pool: kv, codes, auto (codes on a GPU pool)
     flush: str = "local"  # what /flush_cache drops: "local" (this server's cache) or also the "tier"'s chunks
-    # how the tier reaches SGLang: "seam" (our radix cache backend installs fetched chunks into the tree)
-    # or "linker" (SGLang's UnifiedCacheLinker API loads staged pages; docs/INTEGRATION.md)
-    integration: str = "linker"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dpu_cpus", tuple(self.dpu_cpus))  # JSON round trip gives a list
@@ -81,10 +77,6 @@ class RemoteKVConfig:
             raise ValueError(f"--remote-kv-policy-margin must be in [0, 1e12], got {self.policy_margin}")
         if self.quality not in QUALITY_LEVELS:
             raise ValueError(f"--remote-kv-quality must be one of {QUALITY_LEVELS}, got {self.quality!r}")
-        if self.integration not in INTEGRATIONS:
-            raise ValueError(
-                f"--remote-kv-integration must be one of {INTEGRATIONS}, got {self.integration!r}"
-            )
         if self.flush not in FLUSH_SCOPES:
             raise ValueError(f"--remote-kv-flush must be one of {FLUSH_SCOPES}, got {self.flush!r}")
         if self.dpu_endpoint:
@@ -243,5 +235,4 @@ class RemoteKVConfig:
             dpu_endpoint=getattr(ns, "remote_kv_dpu_endpoint", ""),
             dpu_output=getattr(ns, "remote_kv_dpu_output", "auto"),
             flush=getattr(ns, "remote_kv_flush", "local"),
-            integration=getattr(ns, "remote_kv_integration", "linker"),
         )

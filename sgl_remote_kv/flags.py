@@ -12,7 +12,6 @@ from sgl_remote_kv.types import DEFAULT_QUALITY, DPU_OUTPUTS, QUALITY_LEVELS
 
 MODES = ("off", "dpu", "nvdec", "inproc", "auto")
 FLUSH_SCOPES = ("local", "tier")
-INTEGRATIONS = ("seam", "linker")
 MAX_CHUNK_SIZE = 8192
 DEFAULT_TAIL_TOKENS = 64
 
@@ -116,15 +115,6 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         metavar="X",
         help="Fetch when the estimated fetch time is at most X times the estimated recompute time "
         "(default 1.0; 0 = never fetch, large = always fetch when the store has the prefix).",
-    )
-    g.add_argument(
-        "--remote-kv-integration",
-        dest="remote_kv_integration",
-        choices=INTEGRATIONS,
-        default="linker",
-        help="How the tier reaches SGLang: linker (SGLang's UnifiedCacheLinker API copies staged pages into "
-        "the slots it allocates; the default) or seam (our radix cache installs fetched chunks before "
-        "admission; docs/INTEGRATION.md).",
     )
     g.add_argument(
         "--remote-kv-layerwise",

@@ -9,7 +9,7 @@ until it answers; a store that refuses the credentials is reported as such, at E
 Errors are ``ValueError`` with one line naming the URL and the problem; ``config.py`` turns them
 into ``argparse.ArgumentTypeError`` so argparse prints ``argument --remote-kv-store: ...`` and exits.
 
-``check_chunk_fits`` runs later, in the scheduler process (``radix_cache.build``), the first place
+``check_chunk_fits`` runs later, in the scheduler process (``assemble.build_runtime``), the first place
 that knows the KV pool's size and the model's KV layout: a ``--remote-kv-chunk-size`` larger than the
 pool or than the DPU data plane's staging slot could never be used, so it raises ``StartupError``
 (one line naming the flag, the limit and the largest chunk size that fits). The scheduler process

@@ -1,6 +1,6 @@
 """The remote KV tier of one SGLang scheduler process: built once, then read-only.
 
-``radix_cache.build`` (the first code that sees the KV pool, the model and the TP rank) decides
+``assemble.build_runtime`` (the first code that sees the KV pool, the model and the TP rank) decides
 everything first — store client, write codec, fetch paths, KV writer, write-back, layer-wise counter —
 and then constructs one ``RemoteKVRuntime`` (``build``) and publishes it (``publish``). The scheduler
 hooks read it through ``get()``; nothing mutates it afterwards.
@@ -94,8 +94,8 @@ class RemoteKVRuntime:
     writeback: object = None  # writeback.WriteBack, or None (tests of the read path)
     layerwise: object = None  # layerwise.LayerwiseInstalls (--remote-kv-layerwise), or None
     generation: object = None  # generation.GenerationWatch (follows other servers' tier flushes), or None
-    # kvpool.staged.StagedPages: the linker integration's host staging, which the fetch paths write into
-    # (``kv_writer`` stays the pool's: the linker's loads and the write-back's reads); None: seam mode
+    # kvpool.staged.StagedPages: the linker's host staging, which the fetch paths write into (``kv_writer``
+    # stays the pool's: the linker's loads and the write-back's reads); None only in read-path tests
     staged: object = None
 
     @property

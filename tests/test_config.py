@@ -82,48 +82,52 @@ def test_flush_scope_flag():
         RemoteKVConfig.from_json(json.dumps({"mode": "nope"}))
 
 
-def test_integration_flag():
-    assert RemoteKVConfig.from_namespace(_parser().parse_args(["--remote-kv", "dpu"])).integration == "linker"
-    ns = _parser().parse_args(["--remote-kv", "inproc", "--remote-kv-integration", "linker"])
-    cfg = RemoteKVConfig.from_namespace(ns)
-    assert cfg.integration == "linker" and RemoteKVConfig.from_json(cfg.to_json()) == cfg
-    with pytest.raises(argparse.ArgumentError):
-        _parser().parse_args(["--remote-kv-integration", "fork"])
-    # layer-wise admission runs on either integration (the linker's load waits for the installs)
-    ns = _parser().parse_args(
-        ["--remote-kv", "dpu", "--remote-kv-integration", "linker", "--remote-kv-layerwise"]
-    )
+def test_there_is_one_integration():
+    """The linker is the only integration: ``--remote-kv-integration`` (seam|linker) is gone."""
+    with pytest.raises(SystemExit):  # argparse: unrecognized arguments
+        _parser().parse_args(["--remote-kv", "dpu", "--remote-kv-integration", "linker"])
+    ns = _parser().parse_args(["--remote-kv", "dpu", "--remote-kv-layerwise"])
     assert RemoteKVConfig.from_namespace(ns).layerwise
 
 
 @pytest.mark.parametrize(
-    ("integration", "preset", "want_backend", "want_linker"),
+    ("preset", "extra", "want_linker"),
     [
-        ("seam", None, "remote_kv", None),
-        ("linker", None, None, "sgl_remote_kv.sglang_glue.linker"),
-        ("seam", "sgl_remote_kv.sglang_glue.linker", None, "sgl_remote_kv.sglang_glue.linker"),
-        ("linker", "some.other.linker", None, "some.other.linker"),  # theirs kept (the tier off, warned)
+        (None, {}, "sgl_remote_kv.sglang_glue.linker"),
+        ("sgl_remote_kv.sglang_glue.linker", {}, "sgl_remote_kv.sglang_glue.linker"),  # theirs = ours
+        ("some.other.linker", {}, "some.other.linker"),  # theirs kept (the tier off, warned)
+        (None, {"radix_cache_backend": "lmcache"}, None),  # SGLang refuses the linker next to these:
+        (None, {"disable_radix_cache": True}, None),  # the tier off, warned, the server runs
+        (None, {"enable_hierarchical_cache": True}, None),
     ],
 )
-def test_resolve_hook_selects_the_integration(monkeypatch, integration, preset, want_backend, want_linker):
-    """The plugin's BEFORE hook on ``ServerArgs.resolve_once``: our radix cache backend, or SGLang's linker
-    flags naming ``RemoteKVLinker``; linker flags the user set are left alone."""
+def test_resolve_hook_sets_the_linker_flags(monkeypatch, caplog, preset, extra, want_linker):
+    """The plugin's BEFORE hook on ``ServerArgs.resolve_once``: SGLang's linker flags naming
+    ``RemoteKVLinker``; linker flags the user set are left alone; an option SGLang refuses next to its
+    linker keeps the tier off with one warning instead of a server that does not start."""
+    import logging
     import types
 
     from sgl_remote_kv.sglang_glue import plugin
 
-    cfg = RemoteKVConfig(mode="inproc", integration=integration)
-    monkeypatch.setattr(RemoteKVConfig, "current", classmethod(lambda cls: cfg))
+    monkeypatch.setattr(RemoteKVConfig, "current", classmethod(lambda cls: RemoteKVConfig(mode="inproc")))
     sa = types.SimpleNamespace(
         radix_cache_backend=None,
+        disable_radix_cache=False,
+        enable_hierarchical_cache=False,
         enable_unified_cache_external_linker=preset is not None,
         unified_cache_external_linker_backend="dynamic" if preset else None,
         unified_cache_external_linker_config={"linker": "X", "linker_module_path": preset}
         if preset
         else None,
     )
-    plugin._before_resolve(sa)
-    assert sa.radix_cache_backend == want_backend
+    vars(sa).update(extra)
+    with caplog.at_level(logging.WARNING, logger=plugin.__name__):
+        plugin._before_resolve(sa)
     got = (sa.unified_cache_external_linker_config or {}).get("linker_module_path")
     assert got == want_linker
     assert sa.enable_unified_cache_external_linker == (want_linker is not None)
+    warned = [r.getMessage() for r in caplog.records if r.name == plugin.__name__]
+    assert len(warned) == (0 if want_linker == "sgl_remote_kv.sglang_glue.linker" else 1), warned
+    if extra:
+        assert "--remote-kv is off" in warned[0] and next(iter(extra)).replace("_", "-") in warned[0]

@@ -44,7 +44,7 @@ from sglang.test.kits.prefix_cache_branching_kit import PrefixCacheBranchingMixi
 from sglang.test.kits.unified_radix_cache_kit import AccuracyTwoPassMixin, UnifiedRadixTreeTestMixin
 
 from sgl_remote_kv.launcher import ServerSpec, SGLangServer
-from tests.fixtures.remote_kv_server import CHUNK, INTEGRATION, flush_cache
+from tests.fixtures.remote_kv_server import CHUNK, flush_cache
 
 pytestmark = [pytest.mark.e2e]
 
@@ -173,7 +173,6 @@ class _Pool:
                 args += ["--remote-kv", "dpu", "--remote-kv-store", f"file://{self.store}"]
                 args += ["--remote-kv-chunk-size", str(CHUNK), "--remote-kv-codec", "lossless"]
                 args += ["--remote-kv-policy-margin", "1e9"]
-                args += ["--remote-kv-integration", INTEGRATION] if INTEGRATION else []
             spec = ServerSpec(
                 model_path=self.model_dir,
                 extra_args=tuple(args),

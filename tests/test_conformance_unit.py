@@ -1,21 +1,22 @@
 """SGLang's own unit kit for ``UnifiedRadixCache`` (``sglang/test/kits/unified_radix_cache``, imported
-from the installed SGLang, nothing copied) run against ``RemoteKVRadixCache`` built through our factory.
+from the installed SGLang, nothing copied) run with our linker attached.
 
 The kit ships fixtures, not test bodies: ``build_fixture`` (pools, allocator, tree for each of the kit's
 ``CONFIGS``: full attention at page sizes 1-128, Mamba and SWA hybrids) and the step mixin
 ``UnifiedRadixCacheFixtures`` (insert, in-flight requests, HiCache backup, load-back, eviction). The
-scenarios below use only those steps and run, for every kit config, on three caches:
+scenarios below use only those steps and run, for every kit config, on two caches:
 
 - ``sglang``: the kit's own ``UnifiedRadixCache`` (the baseline; a scenario must pass here first);
-- ``tier_off``: ``RemoteKVRadixCache`` through ``radix_cache.build`` with ``--remote-kv off``;
-- ``tier_on``: the same with the tier on (``inproc`` path, embedded store in a tmp dir). On the full-
-  attention configs the runtime is built over the kit's pool, finished requests are written back, and a
-  second cache built over the same store (a restart) finds them; on hybrid configs (Mamba, SWA) the tier
-  stays off with one warning (``seam.UnsupportedPool``), and the cache must still behave.
+- ``linker``: the same cache with ``RemoteKVLinker`` attached the way SGLang's factory attaches a linker
+  (``init_cache_linker``, its layer counter registered on the pool), the tier on (``inproc`` path,
+  embedded store in a tmp dir). On the full-attention configs the runtime is built over the kit's pool,
+  finished requests are written back (the checkpoint hook), and a second cache built over the same store
+  (a restart) finds them; on hybrid configs (Mamba, SWA) the tier stays off with one warning
+  (``seam.UnsupportedPool``), and the cache must still behave.
 
-``build_fixture`` constructs ``UnifiedRadixCache(params=...)`` itself; for our variants that name is
-patched, for the duration of one build, to a callable that goes through SGLang's real
-``TreeCacheBuildContext`` and our registered factory.
+``build_fixture`` constructs ``UnifiedRadixCache(params=...)`` itself; for the linker variant that name is
+patched, for the duration of one build, to a callable that builds the cache and attaches the linker. The
+kit has no model directory: the linker's model config is a stand-in (``AutoConfig`` patched).
 """
 
 from __future__ import annotations
@@ -28,10 +29,8 @@ from unittest import mock
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-from sglang.srt.runtime_context import get_server_args
 from sglang.test.kits.unified_radix_cache import fixtures as kit_fixtures
 from sglang.test.kits.unified_radix_cache.config import CONFIGS, supports_hicache
 from sglang.test.kits.unified_radix_cache.fixtures import build_fixture, match_prefix, node_device_value
@@ -40,10 +39,9 @@ from sglang.test.mem_cache_utils import finish_req
 
 from sgl_remote_kv import runtime
 from sgl_remote_kv.config import RemoteKVConfig
-from sgl_remote_kv.sglang_glue import radix_cache
-from sgl_remote_kv.sglang_glue.radix_cache import RemoteKVRadixCache
+from sgl_remote_kv.sglang_glue import linker, scheduler_hooks
 
-VARIANTS = ("sglang", "tier_off", "tier_on")
+VARIANTS = ("sglang", "linker")
 CHUNK = 128  # a multiple of every kit page size
 
 
@@ -60,39 +58,40 @@ class _Variant:
         self.warnings: list[str] = []
 
     def config(self) -> RemoteKVConfig:
-        if self.name == "tier_on":
-            return RemoteKVConfig(
-                mode="inproc",
-                store_url=f"file://{self.store_dir}",
-                chunk_size=CHUNK,
-                codec="lossless",
-                tail_tokens=0,
-                policy_margin=1e9,
-            )
-        return RemoteKVConfig(mode="off")
-
-    def _through_factory(self, params):
-        ctx = TreeCacheBuildContext(
-            server_args=get_server_args(),
-            params=params,
-            is_hybrid_swa=ComponentType.SWA in params.tree_components,
-            is_hybrid_ssm=ComponentType.MAMBA in params.tree_components,
-            enable_hierarchical_cache=False,
-            disable_radix_cache=False,
-            tp_worker=None,
-            model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(architectures=["KitModel"])),
-            tp_size=1,
-            tp_rank=0,
-            tp_group=None,
+        return RemoteKVConfig(
+            mode="inproc",
+            store_url=f"file://{self.store_dir}",
+            chunk_size=CHUNK,
+            codec="lossless",
+            tail_tokens=0,
+            policy_margin=1e9,
         )
+
+    def _with_linker(self, params):
+        cache = UnifiedRadixCache(params)
         runtime._RUNTIME = None
         handler = _Capture(self.warnings)
-        logging.getLogger(radix_cache.__name__).addHandler(handler)
+        logging.getLogger(linker.__name__).addHandler(handler)
+        hf = types.SimpleNamespace(architectures=["KitModel"])
+        server_args = types.SimpleNamespace(model_path="kit-model", trust_remote_code=False)
         try:
-            with mock.patch.object(RemoteKVConfig, "current", classmethod(lambda cls: self.config())):
-                cache = radix_cache.build(ctx)
+            with (
+                mock.patch.object(RemoteKVConfig, "current", classmethod(lambda cls: self.config())),
+                mock.patch("transformers.AutoConfig.from_pretrained", return_value=hf),
+            ):
+                ours = linker.RemoteKVLinker(
+                    server_args,
+                    params,
+                    components=set(cache.components),
+                    extra_config={},
+                    forward_stream=None,
+                )
         finally:
-            logging.getLogger(radix_cache.__name__).removeHandler(handler)
+            logging.getLogger(linker.__name__).removeHandler(handler)
+        cache.init_cache_linker(ours)
+        params.token_to_kv_pool_allocator.get_kvcache().register_layer_transfer_counter(
+            ours.layer_done_counter
+        )
         if runtime.get() is not None:
             self.runtimes.append(runtime.get())
         return cache
@@ -100,9 +99,7 @@ class _Variant:
     def build(self, cfg):
         if self.name == "sglang":
             return build_fixture(cfg)
-        with mock.patch.object(
-            kit_fixtures, "UnifiedRadixCache", lambda params: self._through_factory(params)
-        ):
+        with mock.patch.object(kit_fixtures, "UnifiedRadixCache", lambda params: self._with_linker(params)):
             return build_fixture(cfg)
 
     def close(self) -> None:
@@ -137,7 +134,7 @@ class TierScenarios(UnifiedRadixCacheFixtures):
         original = UnifiedRadixCache.checkpoint
 
         def hooked(cache, req, *args, **kwargs):
-            return radix_cache.after_checkpoint(
+            return scheduler_hooks.after_checkpoint(
                 original(cache, req, *args, **kwargs), cache, req, *args, **kwargs
             )
 
@@ -147,9 +144,8 @@ class TierScenarios(UnifiedRadixCacheFixtures):
 
     def _fixture(self):
         cache, allocator, rtp = self.v.build(self.cfg)
-        if self.variant != "sglang":
-            self.assertIsInstance(cache, RemoteKVRadixCache)
-        if self.variant == "tier_on":
+        if self.variant == "linker":
+            self.assertIsInstance(cache.linker.cache_linker, linker.RemoteKVLinker)
             if _full_only(self.cfg):
                 self.assertIsNotNone(runtime.get(), self.v.warnings)
             else:  # hybrid pools: one clear warning, the tier off, the cache unchanged
@@ -157,6 +153,14 @@ class TierScenarios(UnifiedRadixCacheFixtures):
                 self.assertEqual(len(self.v.warnings), 1, self.v.warnings)
                 self.assertIn("remote KV tier disabled", self.v.warnings[0])
         return cache, allocator, rtp
+
+    def _insert(self, cache, *args, **kwargs):
+        out = super()._insert(cache, *args, **kwargs)
+        if self.variant == "linker":
+            # what the scheduler runs every step: the linker's offload of the inserted nodes (it completes
+            # at once; the write-back stores) is committed and the nodes' offload locks released
+            cache.check_hicache_events()
+        return out
 
     def _seq(self, start: int, pages: int) -> list[int]:
         return self._make_seq(start, pages)
@@ -189,7 +193,7 @@ class TierScenarios(UnifiedRadixCacheFixtures):
         finish_req(cache, req, up_to=len(ids))
         self.assertEqual(match_prefix(cache, ids).device_prefix_len, len(ids))
         rt = runtime.get()
-        if self.variant != "tier_on" or rt is None:
+        if self.variant != "linker" or rt is None:
             return
         cache.reset()  # what /flush_cache runs: the tree is emptied, the queued write-back lands first
         self.assertEqual(match_prefix(cache, ids).device_prefix_len, 0)

@@ -19,7 +19,7 @@ import pytest
 from benchmarks import synthetic_kv as synthetic
 from benchmarks.redis_server import RedisServer, free_port
 from sgl_remote_kv.codec.base import get_codec
-from sgl_remote_kv.sglang_glue.seam import weights_id_for
+from sgl_remote_kv.model import model_identity
 from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.store.corruption import short_key
 from sgl_remote_kv.store.framing import frame, unframe
@@ -89,7 +89,7 @@ def srv(model_dir, proxy):
 @pytest.fixture(scope="module")
 def chunk_keys(model_dir):
     """The keys the server derives for a prompt (same fingerprint, codec and namespace as the glue)."""
-    fp = ModelFingerprint("LlamaForCausalLM", KVLayout(30, 3, 64, "float32"), weights_id_for(model_dir), 0, 1)
+    fp = ModelFingerprint("LlamaForCausalLM", KVLayout(30, 3, 64, "float32"), model_identity(model_dir), 0, 1)
     codec = get_codec("lossless")
 
     def keys(ids: list[int], n: int, salt: str | None = None) -> list[bytes]:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from calibration_helpers import make_calibration
+from pool_fake import attach_installs
 from strict_device import StrictDevice, StrictKVPool
 
 from benchmarks import synthetic_kv as synthetic
@@ -22,7 +23,6 @@ from sgl_remote_kv.fetch.base import FetchHandle
 from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
 from sgl_remote_kv.kvpool import KVWriteError, PoolTensors, writer_for
 from sgl_remote_kv.metrics import RemoteKVMetrics
-from sgl_remote_kv.sglang_glue import layerwise
 from sgl_remote_kv.store.client import open_client
 
 C, N = 16, 3
@@ -122,7 +122,7 @@ def test_a_failing_device_is_a_write_error_for_the_install(stored, dev):
 def test_layerwise_on_demand_decode_dequantizes_on_the_device(stored, dev):
     client, codec, keys, k, v = stored
     kv, w = _device_pool(dev)
-    counter = layerwise.attach(kv, w, FP, RemoteKVMetrics())
+    counter = attach_installs(kv, w, FP, RemoteKVMetrics())
     h = FetchHandle("r", N, 0, C)
     blobs = client.get_many(keys)
     h._mark_verified(blobs, [codec.parse(b, FP) for b in blobs])

@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from pool_fake import FakeKVPool
+from pool_fake import FakeKVPool, attach_installs
 
 from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.fetch.base import FetchHandle
@@ -64,9 +64,8 @@ def _assert_pool_holds(pool: Pool, slots, k, v) -> None:
 def test_verified_then_per_layer_waits_install_exact_kv(stored):
     client, codec, keys, k, v = stored
     pool = Pool()
-    counter = layerwise.attach(pool, pool.writer, FP, RemoteKVMetrics())
+    counter = attach_installs(pool, pool.writer, FP, RemoteKVMetrics())
     assert pool.layer_transfer_counter is counter
-    assert layerwise.attach(pool, pool.writer, FP, RemoteKVMetrics()) is None  # slot taken (e.g. by HiCache)
     be = InProcessFetchBackend(client, codec, FP, C)
     h = be.submit("r", keys, 0)
     assert h.verified.wait(30) and len(h.blobs) == N
@@ -121,7 +120,7 @@ def test_partial_fetch_is_never_verified(stored):
 def test_on_demand_decodes_each_layer_when_first_needed(stored):
     client, codec, keys, k, v = stored
     pool, metrics = Pool(), RemoteKVMetrics()
-    counter = layerwise.attach(pool, pool.writer, FP, metrics)
+    counter = attach_installs(pool, pool.writer, FP, metrics)
     h = _dead_handle(client, codec, keys, failure=None)  # no worker at all: only the blobs
     slots = _slots()
     counter.add(h, slots, codec, on_demand=True)
@@ -141,7 +140,7 @@ def test_on_demand_decode_frees_no_buffer_inside_the_forward_pass(stored):
 
     client, codec, keys, k, v = stored
     pool, metrics = Pool(), RemoteKVMetrics()
-    counter = layerwise.attach(pool, pool.writer, FP, metrics)
+    counter = attach_installs(pool, pool.writer, FP, metrics)
     counter.add(_dead_handle(client, codec, keys, failure=None), _slots(), codec, on_demand=True)
     counter.finish_all()  # the first install sizes the buffers
     slots = torch.arange(N * C)
@@ -185,7 +184,7 @@ def test_a_full_prefill_graph_replay_finds_every_layer_installed(stored):
 
     client, codec, keys, k, v = stored
     pool = Pool()
-    counter = layerwise.attach(pool, pool.writer, FP, RemoteKVMetrics())
+    counter = attach_installs(pool, pool.writer, FP, RemoteKVMetrics())
     runner = SimpleNamespace(_is_full_backend=True, model_runner=SimpleNamespace(token_to_kv_pool=pool))
     assert counter.consumer_index < 0  # nothing pending: the replay does not wait
     PrefillCudaGraphRunner._wait_for_layer_loads(runner)

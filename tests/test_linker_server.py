@@ -1,10 +1,9 @@
-"""End to end, ``--remote-kv-integration linker``: the tier through SGLang's public ``UnifiedCacheLinker``
-API (``sglang_glue/linker.py``) on a real CPU server with the real model.
+"""End to end, the tier through SGLang's public ``UnifiedCacheLinker`` API (``sglang_glue/linker.py``) on a
+real CPU server with the real model.
 
-A server writes a prompt back (checkpoint write-back, the same keys as the seam integration); after a
-restart (empty local cache) the waiting_for_KV queue fetches and stages the chunks, SGLang's ``lookup``
-reports them, ``load`` copies them layer by layer, and SGLang reports the tokens as ``storage`` hits
-(the queue marks them as it does on the seam integration). Tokens equal the cold run (lossless codec,
+A server writes a prompt back (checkpoint write-back); after a restart (empty local cache) the
+waiting_for_KV queue fetches and stages the chunks, SGLang's ``lookup`` reports them, ``load`` copies them
+layer by layer, and SGLang reports the tokens as ``storage`` hits (the queue marks them). Tokens equal the cold run (lossless codec,
 float32). Both fetch paths that write into a destination: the in-process decode and the DPU data plane.
 """
 
@@ -16,8 +15,6 @@ from tests.fixtures.faults import wait_written
 from tests.fixtures.remote_kv_server import CHUNK, generate, metrics, remote_kv_server, storage_tokens, total
 
 pytestmark = [pytest.mark.e2e]
-
-LINKER = ("--remote-kv-integration", "linker")
 
 
 def _prompt(model_dir, words: str) -> list[int]:
@@ -33,16 +30,15 @@ def test_linker_restart_hit_is_token_identical(model_dir, tmp_path, mode):
     prompt = _prompt(model_dir, "into the slots SGLang allocated")
     need = (len(prompt) - 1) // CHUNK
     store = f"file://{tmp_path / 'store'}"
-    with remote_kv_server(model_dir, store, *LINKER, mode=mode) as s1:
+    with remote_kv_server(model_dir, store, mode=mode) as s1:
         cold = generate(s1, prompt, 8)[0]
         wait_written(s1, 0, need, 120)
         assert "remote KV tier through the linker API" in s1.log_text()
-    with remote_kv_server(model_dir, store, *LINKER, mode=mode) as s2:
+    with remote_kv_server(model_dir, store, mode=mode) as s2:
         out = generate(s2, prompt, 8)[0]
         m = metrics(s2)
         log = s2.log_text()
-    # the queue inserts nothing into the tree on this integration: a cached prefix came through the
-    # linker's load (SGLang splits it by our ``storage_hit_*`` marks: storage, not host)
+    # the queue inserts nothing into the tree: a cached prefix came through the linker's load (SGLang splits it by our ``storage_hit_*`` marks: storage, not host)
     assert "remote KV tier through the linker API" in log
     details = out["meta_info"]["cached_tokens_details"]
     assert storage_tokens(out) == need * CHUNK and details["device"] == 0, details
@@ -52,8 +48,8 @@ def test_linker_restart_hit_is_token_identical(model_dir, tmp_path, mode):
 
 
 def test_sglang_own_linker_flags_naming_our_linker_run_the_tier(model_dir, tmp_path):
-    """The other way in: SGLang's four linker flags naming ``RemoteKVLinker`` (no
-    ``--remote-kv-integration``). One server: cold, written back, ``/flush_cache`` (drops only the local
+    """The other way in: SGLang's four linker flags naming ``RemoteKVLinker`` (besides ``--remote-kv``,
+    which would set them itself). One server: cold, written back, ``/flush_cache`` (drops only the local
     cache), the same prompt again is a remote hit through the linker, token-identical."""
     import json
 

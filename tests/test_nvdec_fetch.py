@@ -126,15 +126,14 @@ def test_a_failed_write_fails_the_chunk_never_a_hit():
 def test_layerwise_install_of_a_direct_nvdec_fetch_reads_the_written_slots():
     """Layer-wise admission of an NVDEC fetch: the handle is direct (its frames are already in the slots),
     so the layer-transfer counter only waits for each layer and never re-writes it."""
-    from pool_fake import FakeKVPool
+    from pool_fake import FakeKVPool, attach_installs
 
     from sgl_remote_kv.metrics import RemoteKVMetrics
-    from sgl_remote_kv.sglang_glue import layerwise
 
     fp, codec, data, rk, rv = _setup()
     kv = FakeKVPool(fp.layout, 64, getattr(torch, fp.layout.dtype))
     slots = torch.randperm(64)[: 3 * C]
-    counter = layerwise.attach(kv, kv.writer, fp, RemoteKVMetrics())
+    counter = attach_installs(kv, kv.writer, fp, RemoteKVMetrics())
     with DecoderPool(instances=2) as pool:
         be = NvdecFetchBackend(DictClient(data), pool, codec, fp, C, kv.writer)
         h = be.submit("lw", [b"key0", b"key1", b"key2"], 0, slots)

@@ -33,9 +33,6 @@ INTERNALS = {
     "cache_salt",
     "extra_key",
     "disaggregation_mode",
-    "register_layer_transfer_counter",
-    "layer_transfer_counter",
-    "path_device_indices",
     "get_kvcache",
     "k_buffer",
     "v_buffer",
@@ -46,14 +43,13 @@ INTERNALS = {
     "_subprocess_watchdog",
     "get_all_child_pids",
 }
-# Entry points: hook/registry registration, the radix cache subclass, the linker (SGLang's public
-# ``UnifiedCacheLinker``), the CPU platform and attention backend (which implement SGLang interfaces and
+# Entry points: hook/registry registration, the linker (SGLang's public ``UnifiedCacheLinker``), the CPU
+# platform and attention backend (which implement SGLang interfaces and
 # receive its objects as arguments).
 ENTRY_POINTS = {
     "plugin.py",
     "linker.py",
     "scheduler_hooks.py",
-    "radix_cache.py",
     "cpu_attention.py",
     "cpu_platform_impl.py",
 }
@@ -117,28 +113,29 @@ def test_an_sglang_version_the_seam_was_not_written_for_is_refused(monkeypatch):
 
 def test_a_cache_without_kv_allocator_runs_without_the_tier(monkeypatch, caplog):
     """SGLang's own disabled-cache kit case (``sglang/test/kits/unified_radix_cache/core.py``: no KV
-    allocator) through our factory with the tier on: the cache is built, the tier stays off with one
-    warning, no crash (it raised ``'NoneType' object has no attribute 'get_kvcache'``)."""
+    allocator) given to our linker with the tier on: the linker is built, the tier stays off with one
+    warning and every lookup misses, no crash."""
     import logging
     import types
 
-    from sglang.srt.mem_cache import registry
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
     from sglang.test.kits.unified_radix_cache.core import DisabledUnifiedRadixCacheFixtures
 
     from sgl_remote_kv import runtime
     from sgl_remote_kv.config import RemoteKVConfig
-    from sgl_remote_kv.sglang_glue import radix_cache, seam
+    from sgl_remote_kv.sglang_glue import linker
 
-    params = DisabledUnifiedRadixCacheFixtures()._params(disable=False)  # the kit's own parameters
-    ctx = types.SimpleNamespace(params=params, disable_radix_cache=False)
-    built = object()
-    monkeypatch.setattr(registry, "create_unified_radix_cache", lambda c, cache_class=None: built)
+    params = DisabledUnifiedRadixCacheFixtures()._params(disable=True)  # the kit's own: no allocator
+    assert params.token_to_kv_pool_allocator is None
     monkeypatch.setattr(RemoteKVConfig, "current", classmethod(lambda cls: RemoteKVConfig(mode="dpu")))
     monkeypatch.setattr(runtime, "_RUNTIME", None)
-    with caplog.at_level(logging.WARNING, logger=radix_cache.__name__):
-        assert radix_cache.build(ctx) is built
-    assert runtime.get() is None
-    assert [r.getMessage() for r in caplog.records] == ["remote KV tier off: the cache has no KV allocator"]
-    assert seam.tier_unsupported(types.SimpleNamespace(params=params, disable_radix_cache=True)) == (
-        "the radix cache is disabled"
-    )
+    server_args = types.SimpleNamespace(model_path="unused", trust_remote_code=False)
+    with caplog.at_level(logging.WARNING, logger=linker.__name__):
+        ln = linker.RemoteKVLinker(
+            server_args, params, components=set(), extra_config={}, forward_stream=None
+        )
+    assert runtime.get() is None and ln.staged is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "remote KV tier disabled: the cache has no KV allocator"
+    ]
+    assert ln.lookup("r", [PoolTransfer(name=PoolName.KV, keys=["a"])]) == []

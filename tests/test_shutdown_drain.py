@@ -1,6 +1,6 @@
 """The write-back drains at a graceful scheduler exit (issue 40), without a server: SGLang's
-``release_host_resources`` on our cache (a real ``RemoteKVRadixCache`` over SGLang's own test-kit
-parameters) waits until a slow store (``faulty+file://`` with a latency: the fault) holds every queued
+``release_host_resources`` (SGLang's ``UnifiedRadixCache`` over its own test-kit parameters, with our
+linker attached: it calls ``RemoteKVLinker.close``) waits until a slow store (``faulty+file://`` with a latency: the fault) holds every queued
 chunk and tail sub-chunk of a finished request, and gives up after ``WRITEBACK_DRAIN_S``, logging what
 is lost. The server and Engine paths that reach it: ``tests/test_shutdown_drain_server.py``,
 ``tests/test_engine_api.py``.
@@ -61,21 +61,26 @@ def _runtime(url: str) -> tuple[runtime.RemoteKVRuntime, types.SimpleNamespace]:
 
 
 def _cache():
-    """Our cache class on SGLang's own test-kit parameters (what ``run_scheduler_process`` calls)."""
+    """SGLang's own cache on its test-kit parameters with our linker attached (``init_cache_linker``, as
+    ``registry.create_unified_radix_cache`` does). The test hands the linker its runtime (``linker.rt``;
+    the constructor would build one over a model, which this test does not have)."""
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.test.kits.unified_radix_cache.core import DisabledUnifiedRadixCacheFixtures
 
-    from sgl_remote_kv.sglang_glue.radix_cache import RemoteKVRadixCache
+    from sgl_remote_kv.sglang_glue.linker import RemoteKVLinker
 
     params = DisabledUnifiedRadixCacheFixtures()._params(disable=False)
-    cache = RemoteKVRadixCache(dataclasses.replace(params, eviction_policy_config=None))
-    cache.tier_attached = True
-    return cache
+    cache = UnifiedRadixCache(dataclasses.replace(params, eviction_policy_config=None))
+    linker = object.__new__(RemoteKVLinker)
+    linker.pools, linker.staged = {}, object()
+    cache.init_cache_linker(linker)
+    return cache, linker
 
 
-def test_graceful_exit_drains_the_write_back_tail_included(tmp_path, monkeypatch, caplog):
-    cache = _cache()
+def test_graceful_exit_drains_the_write_back_tail_included(tmp_path, caplog):
+    cache, linker = _cache()
     rt, keys = _runtime(f"faulty+file://{tmp_path}/s?latency_s=0.3")  # each store call takes 0.3 s
-    monkeypatch.setattr(runtime, "_RUNTIME", rt)
+    linker.rt = rt
     t0 = time.monotonic()
     with caplog.at_level(logging.INFO, logger=runtime.__name__):
         cache.release_host_resources()

@@ -26,7 +26,7 @@ import pytest
 
 from benchmarks.redis_server import RedisServer, free_port
 from sgl_remote_kv.codec.base import get_codec
-from sgl_remote_kv.sglang_glue.seam import weights_id_for
+from sgl_remote_kv.model import model_identity
 from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.store.redis_store import redis_key
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
@@ -52,7 +52,7 @@ def redis_and_proxy(tmp_path):
 
 def _prompt_keys(model_dir: str, ids: list[int], chunks: int, subs: int) -> list[bytes]:
     """The keys the server derives for ``ids``: ``chunks`` chunk keys, then ``subs`` tail sub-chunk keys."""
-    fp = ModelFingerprint("LlamaForCausalLM", KVLayout(30, 3, 64, "float32"), weights_id_for(model_dir), 0, 1)
+    fp = ModelFingerprint("LlamaForCausalLM", KVLayout(30, 3, 64, "float32"), model_identity(model_dir), 0, 1)
     codec = get_codec("lossless")
     ns = keys_mod.namespace(fp, codec.name, codec.params_bytes(), None)
     full = keys_mod.chunk_keys(ns, ids[: chunks * CHUNK], CHUNK)

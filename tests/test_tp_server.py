@@ -67,13 +67,13 @@ def _rank_keys(model_dir: str, ids: list[int], tp_rank: int) -> list[bytes]:
     import json
 
     from sgl_remote_kv.fetch.paths import resolve_codec
-    from sgl_remote_kv.sglang_glue.seam import weights_id_for
+    from sgl_remote_kv.model import model_identity
     from sgl_remote_kv.store import keys
     from sgl_remote_kv.types import KVLayout, ModelFingerprint
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     layout = KVLayout(cfg["num_hidden_layers"], cfg["num_key_value_heads"] // TP, 64, "float32")
-    fp = ModelFingerprint(cfg["architectures"][0], layout, weights_id_for(model_dir), tp_rank, TP)
+    fp = ModelFingerprint(cfg["architectures"][0], layout, model_identity(model_dir), tp_rank, TP)
     codec = resolve_codec("lossless")
     ns = keys.namespace(fp, codec.name, codec.params_bytes(), None)
     return keys.chunk_keys(ns, ids[: (len(ids) - 1) // CHUNK * CHUNK], CHUNK)

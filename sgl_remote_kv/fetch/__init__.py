@@ -9,5 +9,5 @@
   the data plane: its process or service link, destination region, host rounds, pool writes);
 - ``nvdec.py``: the path over the video decoder pool (the decoder library is ``sgl_remote_kv.nvdec``).
 
-Nothing here imports SGLang; the glue (``sglang_glue/``) builds the paths (``radix_cache.build``).
+Nothing here imports SGLang; the glue (``sglang_glue/``) builds the paths (``assemble.build_runtime``).
 """

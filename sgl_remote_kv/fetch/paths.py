@@ -22,7 +22,7 @@ different codecs never collide):
   decode hevc — its ``lossless_stage`` needs the chunk header — so with ``--remote-kv-codec hevc``,
   auto reads hevc through NVDEC and the in-process path.)
 
-Threads: built once on the scheduler thread by ``radix_cache.build``.
+Threads: built once on the scheduler thread by ``assemble.build_runtime``.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@
 - Shutdown: ``Engine.shutdown`` SIGKILLs the schedulers, which would drop the write-back's queued chunks
   (the tail of the last request). With the tier on, a BEFORE hook first stops them SGLang's graceful
   way (``ShutdownReq``, as a server's SIGTERM does; ``seam.stop_engine_schedulers``): each scheduler
-  drains its write-back (at most ``runtime.WRITEBACK_DRAIN_S``, in ``RemoteKVRadixCache.
-  release_host_resources``) and exits; ``ENGINE_STOP_S`` bounds the wait, then SGLang's shutdown runs as
+  drains its write-back (at most ``runtime.WRITEBACK_DRAIN_S``, in ``RemoteKVLinker.close``, which SGLang's
+  ``release_host_resources`` calls) and exits; ``ENGINE_STOP_S`` bounds the wait, then SGLang's shutdown runs as
   before.
 """
 

@@ -1,41 +1,39 @@
 """Layer-wise fetch/compute pipelining (``--remote-kv-layerwise``, off by default).
 
-SGLang's HiCache overlaps host->device loading with the forward pass through a *layer-transfer
-counter* registered on the KV pool (``KVCache.register_layer_transfer_counter``): the pool's
-``get_key_buffer``/``get_value_buffer`` call ``counter.wait_until(layer)`` before an attention layer
-reads its KV. ``LayerwiseInstalls`` is such a counter (duck-typed ``LayerDoneCounter``), registered on
-the pool only when nothing else (HiCache) uses that slot.
+A request is released to SGLang once its chunks are verified, before every layer is decoded into its
+host staging rows. ``LayerwiseInstalls`` tracks those installs per layer: the linker's load thread calls
+``wait_until(layer)`` before it copies a layer from staging into the slots SGLang allocated
+(``linker.RemoteKVLinker``), and SGLang's forward waits for that copy per layer through the linker's
+layer counter. (It keeps the duck-typed ``LayerDoneCounter`` shape of SGLang's layer-transfer counters.)
 
-Safety rule: a fetched request is admitted before its KV is in the pool only when **every chunk's bytes
+Safety rule: a fetched request is released before its KV is in the staging rows only when **every chunk's bytes
 were fetched and verified** (the codec's ``parse`` checked header and checksums: the handle's
 ``verified`` event, with ``ok_chunks == n_chunks``). The remaining work is deterministic (decode +
 dequant + scatter). ``wait_until(layer)`` then, for every pending install and every layer up to
-``layer``: waits for the backend's per-layer completion and scatters that layer from staging into the
-slots; if the backend failed, was cancelled, or makes no progress for ``stall_s``, it decodes the layer
+``layer``: waits for the backend's per-layer completion and writes that layer from the path's staging
+into the rows; if the backend failed, was cancelled, or makes no progress for ``stall_s``, it decodes the layer
 from the already-fetched, verified blobs in-process (``codec.decode_layer_into``) instead. A decode
-error there is impossible short of a codec bug; it raises (the scheduler stops) rather than letting
-attention read wrong KV.
+error there is impossible short of a codec bug; it raises, the linker fails the load (SGLang aborts
+the request with a 503) rather than letting attention read wrong KV.
 
 A non-direct path stages each layer and this class writes it through the pool's ``KVWriter``. The DPU
 and NVDEC paths are *direct*: the DPU client's receiver thread (the decoder pool's workers) write each
-layer (layer group) into the slots as it is ready (``layer_ready``, set only after the write returned),
+layer (layer group) into the rows as it is ready (``layer_ready``, set only after the write returned),
 so waiting is all this class does for them; the DPU's fallback blobs are host copies the
 data plane made before signalling verified (``fetch/dpu.py``), and falling back cancels the client's
-handle first (under the client's lock), after which the receiver never writes the slots again. The
+handle first (under the client's lock), after which the receiver never writes the rows again. The
 in-process path is decoded *on demand* (``on_demand``): its worker is cancelled at admission and each
-layer is decoded from the verified blobs in the forward thread when first needed — a Python decode
+layer is decoded from the verified blobs in the load thread when first needed — a Python decode
 thread running next to the forward pass suffers a GIL convoy (docs/results/INTEGRATION_NOTES.md). That
-decode frees no buffer inside the forward pass (``_DecodeBuffers``): freed codec bytes were handed to
-attention's ``torch.empty`` padding and read as denormal floats (much slower attention, same notes).
+decode frees no buffer while a forward pass may run (``_DecodeBuffers``): freed codec bytes were handed
+to attention's ``torch.empty`` padding and read as denormal floats (much slower attention, same notes).
 
-Before a layer is handed to attention, the reading stream waits on that layer's completion event
-(``KVWriter.wait_layer``: a no-op on CPU pools). A write of a staged layer that fails is retried once from
-the verified blobs (host decode); if that write fails too the forward pass cannot be given correct KV for
-an admitted request and this raises (documented limit: the request was admitted before its KV existed).
+A write of a staged layer that fails is retried once from the verified blobs (host decode); if that write
+fails too the released request cannot be given correct KV and this raises (the load fails: a 503).
 
-Threads: ``add``/``finish_all`` on the scheduler thread, ``wait_until`` on the forward thread (the same
-thread without overlap scheduling); one lock serialises them. Slots: tree-owned from admission; only
-this class writes them until the install is complete, and every forward pass completes every layer.
+Threads: ``add``/``finish_all`` on the scheduler thread, ``wait_until`` on the linker's load thread; one
+lock serialises them. Rows: held by the queue's staging entry from release; only this class writes them
+until the install is complete.
 """
 
 from __future__ import annotations
@@ -64,7 +62,7 @@ class _Pending:
     fell_back: bool = False
     on_demand: bool = False  # decode each layer from the verified blobs when first needed
     admitted: float = field(default_factory=time.monotonic)
-    decode_s: float = 0.0  # forward-thread time spent decoding / scattering this install's layers
+    decode_s: float = 0.0  # load-thread time spent decoding / writing this install's layers
     write_s: float = 0.0
 
 
@@ -215,10 +213,10 @@ class LayerwiseInstalls:
 
 
 class _DecodeBuffers:
-    """Grow-only K/V staging for one layer and the codec's scratch, reused by every in-forward decode.
+    """Grow-only K/V staging for one layer and the codec's scratch, reused by every on-demand decode.
 
-    Why: the decode runs inside the forward pass, between attention layers. Buffers allocated and freed
-    there go back to the forward thread's malloc arena *with their bytes* (compressed / decoded codec
+    Why: the decode runs while a forward pass waits for its layers. Buffers allocated and freed there go
+    back to a malloc arena *with their bytes* (compressed / decoded codec
     bytes), and SGLang's ``torch_native`` extend attention allocates its padded query with
     ``torch.empty`` and runs SDPA over those rows: garbage that reads as denormal float32 made every
     attention layer much slower (docs/results/INTEGRATION_NOTES.md). So nothing is freed during a
@@ -251,15 +249,3 @@ def _broken(h: FetchHandle) -> bool:
     if broken is not None:
         return broken()
     return h.ok_chunks < h.n_chunks or h.failure is not None
-
-
-def attach(kvcache, kv_writer, fingerprint, metrics) -> LayerwiseInstalls | None:
-    """Register a ``LayerwiseInstalls`` on the pool; ``None`` if the pool cannot take one."""
-    from sgl_remote_kv.sglang_glue import seam
-
-    counter = LayerwiseInstalls(kv_writer, fingerprint, metrics)
-    why = seam.attach_layer_counter(kvcache, counter)
-    if why is not None:
-        logger.warning("layer-wise pipelining off: %s", why)
-        return None
-    return counter

@@ -1,10 +1,11 @@
-"""``RemoteKVLinker``: the tier through SGLang's public ``UnifiedCacheLinker`` API (``--remote-kv-integration
-linker``; docs/INTEGRATION.md "The linker integration").
+"""``RemoteKVLinker``: the tier through SGLang's public ``UnifiedCacheLinker`` API (docs/INTEGRATION.md,
+"The linker integration").
 
 SGLang loads it with its own flags (the plugin sets them: ``--enable-unified-cache-external-linker
 --unified-cache-external-linker-backend dynamic --unified-cache-external-linker-config
 '{"linker": "RemoteKVLinker", "linker_module_path": "sgl_remote_kv.sglang_glue.linker"}'``) and constructs
-it in each scheduler process with the KV pool and TP group, where it builds the process's runtime.
+it in each scheduler process with the KV pool and TP group, where it builds the process's runtime
+(``assemble.build_runtime``).
 
 Reads: the waiting_for_KV queue (scheduler hooks) parks a request, fetches, verifies and decodes its
 chunks into host staging (``kvpool.staged.StagedPages`` via ``admission.staged_tree.StagedTree``) and only
@@ -22,7 +23,7 @@ Nothing fallible but that deterministic copy runs after ``lookup``; a failed cop
 (``Installer.admit_early``), before the fetch path has decoded every layer into them; the rows are then
 filled by ``layerwise.LayerwiseInstalls`` (not attached to the pool here), and the load thread waits for
 each layer there (its in-process fallback decode included) before copying it. A verified chunk that then
-fails to decode (a codec bug) fails the load: a 503, not the stopped scheduler of the seam integration.
+fails to decode (a codec bug) fails the load: a 503, never wrong KV.
 
 Writes stay on the checkpoint write-back (``scheduler_hooks``: token ids, positions and the request's
 fidelity are there; ``offload`` gets page hashes and slots only): ``offload`` takes every node and
@@ -53,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 LINKER_CLASS = "RemoteKVLinker"
 LINKER_MODULE = __name__
-# host staging rows, as a fraction of the device pool's slots (the seam integration's queue share)
+# host staging rows, as a fraction of the device pool's slots
 STAGED_FRACTION = 0.5
 
 
@@ -82,7 +83,7 @@ class FencedCounter(LayerWiseLoadCounter):
 
 class RemoteKVLinker(UnifiedCacheLinker):
     def __init__(self, server_args, params, *, components, extra_config, forward_stream) -> None:
-        from sgl_remote_kv.sglang_glue import radix_cache
+        from sgl_remote_kv.sglang_glue import assemble
 
         cfg = RemoteKVConfig.current()
         if not cfg.enabled:
@@ -103,7 +104,7 @@ class RemoteKVLinker(UnifiedCacheLinker):
         rows = max(cfg.chunk_size, int(b.kvcache.size * STAGED_FRACTION))
         on_device = str(getattr(b.kvcache, "device", "cpu")).startswith("cuda")
         self.staged = StagedPages(layout, rows, b.page_size, pin_memory=on_device)
-        self.rt = radix_cache.build_runtime(b, cfg, staged=self.staged)
+        self.rt = assemble.build_runtime(b, cfg, self.staged)
         self.layer_done_counter = FencedCounter(layout.num_layers, self.rt.kv_writer)
         self._copies: queue.Queue = queue.Queue()
         threading.Thread(target=self._copy_loop, name="srkv-linker-load", daemon=True).start()

@@ -8,9 +8,8 @@ HookRegistry hooks; SGLang applies them right after all plugins ran.
   child process sees the same config.
 - Offline engine: ``sgl_remote_kv.configure(remote_kv="dpu", ...)`` before ``sglang.Engine(...)``
   parses the options with the CLI's rules and exports the config the same way (``configure``).
-- Both: a BEFORE hook on ``ServerArgs.resolve_once`` selects our radix cache backend when the tier is on
-  and the user picked none, or (``--remote-kv-integration linker``) sets SGLang's linker flags to
-  ``linker.RemoteKVLinker``.
+- Both: a BEFORE hook on ``ServerArgs.resolve_once`` sets SGLang's linker flags to
+  ``linker.RemoteKVLinker`` when the tier is on.
 - Scheduler processes: ``RemoteKVConfig.current()`` reads it back.
 - Offline engine, in the process that builds it: ``sglang.Engine(remote_kv="dpu", ...)`` keywords, and
   ``Engine.shutdown`` stops the schedulers gracefully first so the write-back drains (``engine_api``).
@@ -58,10 +57,10 @@ def _publish(cfg: RemoteKVConfig) -> None:
 
 
 def _before_resolve(server_args, *args, **kwargs):
-    """``ServerArgs.resolve_once`` (launch_server and ``sglang.Engine`` alike), when the tier is on: with
-    ``--remote-kv-integration linker`` set SGLang's linker flags to our linker; a user who set those flags
-    to our linker themselves gets the linker integration too; else select our radix cache backend when
-    the user picked none."""
+    """``ServerArgs.resolve_once`` (launch_server and ``sglang.Engine`` alike), when the tier is on: set
+    SGLang's linker flags to our linker (a user who set them to our linker themselves gets the same). The
+    tier stays off, with one warning, where the linker cannot run: another linker, or an option SGLang
+    refuses next to it (``_LINKER_CONFLICTS``: a disabled or other radix cache, HiCache, LMCache...)."""
     cfg = RemoteKVConfig.current()
     if not cfg.enabled:
         return None
@@ -72,14 +71,34 @@ def _before_resolve(server_args, *args, **kwargs):
         if theirs.get("linker_module_path") != LINKER_MODULE:
             logger.warning("--remote-kv is off: another unified-cache linker is configured (%s)", theirs)
         return None
-    if cfg.integration == "linker":
-        server_args.enable_unified_cache_external_linker = True
-        server_args.unified_cache_external_linker_backend = "dynamic"
-        server_args.unified_cache_external_linker_config = linker_config()
-    elif getattr(server_args, "radix_cache_backend", None) is None:
-        from sgl_remote_kv.sglang_glue.radix_cache import BACKEND_NAME
+    why = _linker_conflict(server_args)
+    if why is not None:  # a configuration SGLang accepts without the linker: it runs, without the tier
+        logger.warning("--remote-kv is off: %s (SGLang's unified-cache linker cannot run with it)", why)
+        return None
+    server_args.enable_unified_cache_external_linker = True
+    server_args.unified_cache_external_linker_backend = "dynamic"
+    server_args.unified_cache_external_linker_config = linker_config()
+    return None
 
-        server_args.radix_cache_backend = BACKEND_NAME
+
+# server options SGLang refuses next to its linker flags (0.5.23, ``arg_groups/*_hook.py``): (field, flag)
+_LINKER_CONFLICTS = (
+    ("disable_radix_cache", "--disable-radix-cache"),
+    ("radix_cache_backend", "--radix-cache-backend"),
+    ("enable_hierarchical_cache", "--enable-hierarchical-cache"),
+    ("hicache_storage_backend", "--hicache-storage-backend"),
+    ("enable_lmcache", "--enable-lmcache"),
+    ("enable_unified_memory", "--enable-unified-memory"),
+    ("enable_kv_cache_sharding", "--enable-kv-cache-sharding"),
+)
+
+
+def _linker_conflict(server_args) -> str | None:
+    """The first option set that SGLang refuses together with the linker, or None."""
+    for field, flag in _LINKER_CONFLICTS:
+        value = getattr(server_args, field, None)
+        if value:
+            return flag if value is True else f"{flag} {value}"
     return None
 
 
@@ -93,14 +112,13 @@ def _after_verify(result, sampling_params, *args, **kwargs):
 
 
 def _register_remote_kv() -> None:
-    """Radix cache backend ``remote_kv`` and the scheduler hooks (waiting_for_KV queue)."""
+    """The linker flags, the request check and the scheduler hooks (waiting_for_KV queue, write-back)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sgl_remote_kv.sglang_glue import radix_cache, scheduler_hooks
+    from sgl_remote_kv.sglang_glue import scheduler_hooks
 
     HookRegistry.register(f"{_SERVER_ARGS}.resolve_once", _before_resolve, HookType.BEFORE)
     HookRegistry.register(_VERIFY, _after_verify, HookType.AFTER)
-    radix_cache.register()
     scheduler_hooks.register()
 
 

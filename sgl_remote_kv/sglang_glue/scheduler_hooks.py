@@ -1,7 +1,7 @@
-"""HookRegistry hooks on SGLang's ``Scheduler`` that run the waiting_for_KV queue.
+"""HookRegistry hooks on SGLang's ``Scheduler`` that run the waiting_for_KV queue, and the write-back hook.
 
 Hooks (registered by ``register()`` from the plugin's ``load()``, in every process; they do nothing
-unless ``--remote-kv`` is on and the ``remote_kv`` radix cache or the linker built the runtime):
+unless ``--remote-kv`` is on and the linker built the runtime):
 
 - AROUND ``_add_request_to_queue``: a new request whose prompt may hit the remote tier is parked in
   the waiting_for_KV queue instead of SGLang's waiting queue (retracted requests pass through).
@@ -17,8 +17,10 @@ unless ``--remote-kv`` is on and the ``remote_kv`` radix cache or the linker bui
 - AROUND ``run_batch``: time prefill batches for the policy's prefill-time model. With the overlap
   scheduler a batch's time includes waiting for the previous one, a slight over-estimate of
   recompute cost (it biases towards fetching).
+- AFTER ``UnifiedRadixCache.checkpoint`` (after each prefill chunk and at finish): hand the newly computed
+  full chunks to the write-back worker (``after_checkpoint``).
 
-With ``--remote-kv-integration linker`` the queue's tree is ``admission.staged_tree.StagedTree``: a
+The queue's tree is ``admission.staged_tree.StagedTree`` over the device prefix (``seam.DeviceTree``): a
 released request's chunks are staged, and SGLang's linker wrapper loads them (``linker.py``).
 
 All hooks run on the scheduler thread. The queue object (``admission.WaitingForKV``) lives on the
@@ -62,16 +64,13 @@ def _queue(scheduler) -> WaitingForKV | None:
 
 def _build_queue(scheduler, rt: runtime.RemoteKVRuntime) -> WaitingForKV | None:
     tree = seam.scheduler_tree(scheduler)
-    why = seam.SGLangTree.supported(tree, rt.chunk_size)
+    why = seam.DeviceTree.supported(tree, rt.chunk_size)
     if why is not None:
         logger.warning("remote KV reads disabled: %s", why)
         return None
-    device = seam.SGLangTree(tree, rt.kv_writer)
-    if rt.staged is not None:  # the linker integration: fetched chunks are staged for SGLang's load
-        page = rt.staged.page
-        device = StagedTree(device, rt.staged, lambda req, end: seam.page_hashes(req, end, page))
+    page = rt.staged.page
     c = Collaborators(
-        tree=device,
+        tree=StagedTree(seam.DeviceTree(tree), rt.staged, lambda req, end: seam.page_hashes(req, end, page)),
         host=seam.SchedulerHost(scheduler),
         paths=rt.paths,
         policy=rt.policy,
@@ -147,9 +146,30 @@ def around_run_batch(original, self, batch, *args, **kwargs):
     return result
 
 
+def after_checkpoint(result, cache, req, *args, up_to: int, **kwargs):
+    """AFTER hook on ``UnifiedRadixCache.checkpoint`` (scheduler thread, after each prefill chunk and at
+    finish): hand the newly computed full chunks to the write-back worker."""
+    rt = runtime.get()
+    if rt is None or rt.writeback is None:
+        return result
+    try:
+        rt.writeback.offer(req, up_to, final=seam.req_finished(req))
+    except Exception as e:  # boundary: write-back must never break the scheduler
+        rt.metrics.failure(FailureKind.WRITEBACK_OFFER)
+        logger.warning("write-back offer failed for %s: %r", seam.SchedulerHost.rid(req), e)
+    if seam.req_finished(req):
+        rt.writeback.forget(seam.SchedulerHost.rid(req))
+    return result
+
+
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    HookRegistry.register(
+        "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint",
+        after_checkpoint,
+        HookType.AFTER,
+    )
     HookRegistry.register(f"{_SCHED}._add_request_to_queue", around_add_request_to_queue, HookType.AROUND)
     HookRegistry.register(f"{_SCHED}._process_hicache_events", before_process_hicache_events, HookType.BEFORE)
     HookRegistry.register(f"{_SCHED}.is_fully_idle", after_is_fully_idle, HookType.AFTER)

@@ -1,47 +1,35 @@
 """The one place that touches SGLang internals (SGLang 0.5.23).
 
-Entry points (hooks and registries) live in ``plugin.py``, ``scheduler_hooks.py`` and ``radix_cache.py``;
-every *read or write of SGLang's objects* goes through the named accessors here, so an SGLang upgrade is
-checked against one file. ``check_version()`` refuses other SGLang versions with a clear error when the
-tier is enabled (``SRKV_ALLOW_SGLANG_VERSION=1`` overrides, at the operator's risk).
+The tier reaches SGLang through public APIs first: the plugin entry point, ``HookRegistry`` hooks
+(``plugin.py``, ``scheduler_hooks.py``) and the ``UnifiedCacheLinker`` API (``linker.py``). Every other read
+or write of SGLang's objects goes through the accessors here, so an upgrade is checked against one file;
+``check_version()`` refuses other SGLang versions when the tier is on (``SRKV_ALLOW_SGLANG_VERSION=1``
+overrides, at the operator's risk). Internals used, and why:
 
-Internals used, and why no public seam covers them (0.5.23):
+- ``Scheduler``: ``waiting_queue`` (an aborted parked request must sit where ``abort_request`` looks),
+  ``tree_cache``, ``dp_tp_cpu_group`` (the TP group the agreement all-reduces over), ``disaggregation_mode``
+  (the queue runs only without PD disaggregation), ``_add_request_to_queue`` (hooked: how a request is
+  parked and released; ``SchedulerHost.releasing`` lets a release through). ``AbortReq.rid``/``abort_all``.
+- ``Req``: ``rid``, ``origin_input_ids``, ``cache_salt``, ``extra_key`` (radix key and tenant namespace; an
+  EXACT request's gets ``EXACT_SUFFIX``), ``sampling_params.custom_params`` (``KVFidelity``),
+  ``input_embeds``/``session`` (not eligible), ``storage_hit_length``/``storage_hit_start`` (the hit SGLang
+  reports), ``finished()``, ``full_untruncated_fill_ids``, ``kv.req_pool_idx`` (the write-back's reads).
+- Radix tree (``UnifiedRadixCache``), read only: ``match_prefix`` (``MatchPrefixParams``, ``RadixKey``),
+  ``lock``/``unlock`` (the device prefix a parked request builds on), ``tree_core.is_eagle``, ``page_size``;
+  ``mem_cache.utils.get_storage_hash_str`` (the linker wrapper's page hashes, which staged pages must
+  match). The queue never allocates, inserts or evicts.
+- KV pool: ``k_buffer``/``v_buffer`` (the KV writer's targets), ``dtype``/``store_dtype``, ``size``;
+  ``ReqToTokenPool.req_to_token`` (a request's slots, for the write-back).
+- ``SamplingParams.verify`` (hooked: ``check_sampling_params``); ``ScheduleBatch.forward_mode.is_extend()``,
+  ``extend_num_tokens`` (prefill timing for the policy).
+- The linker's constructor arguments (public API, read here): ``CacheInitParams``
+  (``token_to_kv_pool_allocator.get_kvcache()``, ``req_to_token_pool``, ``page_size``, ``tp_cache_group``),
+  ``server_args.model_path``/``trust_remote_code``.
+- The offline Engine: ``server_args_class`` (wrapped: ``Engine(remote_kv=...)``); ``shutdown`` (hooked)
+  stops the schedulers first via ``tokenizer_manager._subprocess_watchdog``/``_dispatch_to_scheduler``,
+  ``_attached``, ``_scheduler_init_result``, ``get_all_child_pids()`` (``stop_engine_schedulers``).
 
-- ``Scheduler``: ``waiting_queue`` (a request is *released* by SGLang's own ``_add_request_to_queue``,
-  but an aborted parked request must sit in ``waiting_queue`` where ``abort_request`` looks);
-  ``tree_cache``; ``dp_tp_cpu_group`` (the TP CPU group the agreement all-reduces over);
-  ``disaggregation_mode`` (the queue runs only without PD disaggregation).
-- ``Req``: ``rid``, ``origin_input_ids``, ``cache_salt``, ``extra_key`` (the radix key and the tenant
-  namespace; an EXACT request's gets ``EXACT_SUFFIX``), ``sampling_params.custom_params``
-  (``KVFidelity``), ``input_embeds``/``session`` (not eligible), ``storage_hit_length``/``storage_hit_start``
-  (HiCache's storage-hit fields, which SGLang's metrics report as storage-cached tokens),
-  ``full_untruncated_fill_ids`` and ``kv.req_pool_idx`` (the write-back reads computed KV).
-- Radix tree (``UnifiedRadixCache``): ``match_prefix``/``insert`` with ``MatchPrefixParams``/``InsertParams``
-  and ``RadixKey``, ``lock``/``unlock``, ``path_device_indices``, ``token_to_kv_pool_allocator``
-  (``alloc``/``free``/``size``/``get_kvcache``), ``evict_from_tree_cache``, ``tree_core.is_eagle``, ``page_size``.
-  SGLang's ``_prefetch_kvcache`` / HiCache storage path only loads into *host* memory and promises the
-  hit inside ``match_prefix``; the tier needs device nodes installed *before* admission, so it uses the
-  tree directly.
-- ``Scheduler._add_request_to_queue`` is also how a released request joins SGLang's queue (hooked: the
-  park hook passes it through while ``SchedulerHost.releasing`` is set). ``AbortReq.rid``/``abort_all``.
-- KV pool: ``k_buffer``/``v_buffer`` (the KV writer's targets), ``dtype``/``store_dtype``, ``size``,
-  ``register_layer_transfer_counter`` (layer-wise admission: HiCache's layer-done counter slot; SGLang
-  reads the counter's ``consumer_index`` and ``num_layers``, e.g. the full prefill graph's pre-replay wait).
-- ``ReqToTokenPool.req_to_token`` (the write-back's slot indices of a request).
-- ``SamplingParams.verify`` (hooked: ``check_sampling_params`` refuses unknown ``remote_kv`` values).
-- ``ScheduleBatch``: ``forward_mode.is_extend()``, ``extend_num_tokens`` (prefill timing for the policy).
-- The radix-cache factory's ``TreeCacheBuildContext``: ``params.token_to_kv_pool_allocator``,
-  ``params.req_to_token_pool``, ``model_config.hf_config`` (``architectures``, RoPE fields), ``server_args.model_path``,
-  ``tp_rank``/``tp_size``.
-- Graceful scheduler exit: ``BasePrefixCache.release_host_resources`` (our cache overrides it; SGLang calls
-  it from ``run_scheduler_process``'s ``finally`` after a ``ShutdownReq`` ended the event loop).
-- The offline Engine (``sglang.srt.entrypoints.engine.Engine``): ``server_args_class`` (wrapped so
-  ``Engine(remote_kv=...)`` works: ``wrap_engine_server_args``); ``shutdown`` (hooked) stops the schedulers
-  first through ``tokenizer_manager._subprocess_watchdog``/``_dispatch_to_scheduler(ShutdownReq())``,
-  ``_attached``, ``_scheduler_init_result``, ``get_all_child_pids()`` and the ``sglang::scheduler`` process
-  title (``stop_engine_schedulers``).
-
-Threads: scheduler thread only, except the layer counter (forward thread; see ``layerwise.py``).
+Threads: scheduler thread only (the linker's load thread uses the KV writer, not this module).
 """
 
 from __future__ import annotations
@@ -54,6 +42,7 @@ import torch
 
 from sgl_remote_kv import env
 from sgl_remote_kv.kvpool import KVWriter, PoolTensors, writer_for
+from sgl_remote_kv.model import model_identity
 from sgl_remote_kv.store.keys import tenant_salt
 from sgl_remote_kv.types import KVFidelity, KVLayout, ModelFingerprint, RopeSpec
 
@@ -85,9 +74,8 @@ def check_version() -> None:
 
 
 # -- requests -----------------------------------------------------------------------------------------
-# An EXACT request whose KV may come from a lossy codec gets its own local radix namespace: this suffix on
-# ``Req.extra_key`` (SGLang folds ``extra_key`` into every radix key, as it does for LoRA ids and elastic
-# EP namespaces), so it never matches tree nodes installed from quantized chunks. The tenant salt of the
+# An EXACT request gets its own local radix namespace: this suffix on ``Req.extra_key`` (folded into every
+# radix key and page hash), so it never matches KV loaded from quantized chunks. The tenant salt of the
 # remote keys is taken without it: the store is shared by both kinds of request.
 EXACT_SUFFIX = "\x1fsrkv:exact"
 
@@ -136,25 +124,20 @@ def req_kv_indices(req_to_token_pool, req, lo: int, hi: int) -> torch.Tensor | N
     return req_to_token_pool.req_to_token[req.kv.req_pool_idx, lo:hi]
 
 
-# -- the radix tree and the KV allocator (admission.ports.TreeOps) ------------------------------------
+# -- the radix tree (the device prefix under ``admission.staged_tree.StagedTree``) ---------------------
 @dataclass(frozen=True)
 class LocalMatch:
     prefix_len: int
     node: object
 
 
-class SGLangTree:
-    """The few tree/pool operations the admission queue needs (scheduler thread only).
+class DeviceTree:
+    """The device prefix of a request and a lock on it (scheduler thread only). The queue never writes
+    SGLang's tree or pool: fetched chunks are staged (``StagedTree``) and SGLang's linker wrapper loads
+    them into slots it allocates."""
 
-    Insert semantics (``UnifiedRadixCache.insert``): tokens ``[0, prev_prefix_len)`` are the caller's
-    already-tree-owned prefix; slots of tokens past it that the tree already holds (someone computed them
-    meanwhile) are freed by the insert itself as duplicates; the rest become tree-owned. The new node is
-    locked until the request is admitted (its own match then locks it)."""
-
-    def __init__(self, tree, kv_writer) -> None:
+    def __init__(self, tree) -> None:
         self.tree = tree
-        self.allocator = tree.token_to_kv_pool_allocator
-        self.kv_writer = kv_writer
 
     @staticmethod
     def supported(tree, chunk_size: int) -> str | None:
@@ -178,43 +161,6 @@ class SGLangTree:
     def unlock(self, lock) -> None:
         if lock is not None:
             self.tree.unlock(lock)
-
-    def capacity(self) -> int:
-        return int(self.allocator.size)
-
-    def alloc(self, n: int) -> torch.Tensor | None:
-        """Reserve ``n`` KV slots, evicting unlocked cache if needed; ``None`` if the pool is full."""
-        from sglang.srt.mem_cache.common import evict_from_tree_cache
-
-        evict_from_tree_cache(self.tree, n)
-        return self.allocator.alloc(n)
-
-    def free(self, slots: torch.Tensor | None) -> None:
-        """Return slots to SGLang's allocator, after fencing every KV write (a late write to them is
-        ordered before their next user)."""
-        if slots is not None and slots.numel():
-            self.kv_writer.fence()
-            self.allocator.free(slots)
-
-    def write(self, slots: torch.Tensor, handle) -> None:
-        """A finished fetch's staged KV (its first ``len(slots)`` tokens) into ``slots``; raises
-        ``KVWriteError`` (the slots hold garbage then)."""
-        handle.write_staged(self.kv_writer, slots.to("cpu", torch.int64), len(slots))
-
-    def insert(self, req, prefix_node, start: int, slots: torch.Tensor):
-        """Insert tokens ``[0, start + len(slots))``: the tree's own ``[0, start)`` (path of the locked
-        ``prefix_node``) followed by ``slots``, after fencing every KV write. Returns a lock on the new
-        last node."""
-        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-
-        self.kv_writer.fence()
-        prefix = self.tree.path_device_indices(prefix_node)[:start].to(torch.int64)
-        if len(prefix) != start:
-            raise RuntimeError(f"prefix node holds {len(prefix)} tokens, expected {start}")
-        value = torch.cat([prefix, slots.to(device=prefix.device, dtype=torch.int64)])
-        end = start + len(slots)
-        res = self.tree.insert(InsertParams(key=_radix_key(req, end), value=value, prev_prefix_len=start))
-        return self.tree.lock(res.last_device_node)
 
 
 def _radix_key(req, end: int):
@@ -328,34 +274,16 @@ def pool_writer(kvcache, layout: KVLayout, ops=None) -> KVWriter:
     return writer_for(PoolTensors(kvcache.k_buffer, kvcache.v_buffer), layout, ops=ops)
 
 
-def attach_layer_counter(kvcache, counter) -> str | None:
-    """Register ``counter`` as the pool's layer-transfer counter (HiCache's slot, which attention's
-    ``get_key_buffer``/``get_value_buffer`` wait on). Returns why it could not, or None."""
-    if not hasattr(kvcache, "register_layer_transfer_counter"):
-        return f"{type(kvcache).__name__} has no layer-transfer counter"
-    if getattr(kvcache, "layer_transfer_counter", None) is not None:
-        return "the pool's layer-transfer counter is taken (HiCache)"
-    kvcache.register_layer_transfer_counter(counter)
-    return None
-
-
-# -- the radix-cache factory's build context --------------------------------------------------------------
+# -- the linker's build context -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BuildContext:
-    """What the tier needs from SGLang's ``TreeCacheBuildContext``."""
+    """What the tier needs from the linker's constructor arguments (``linker_build_context``)."""
 
     kvcache: object
     req_to_token_pool: object
     fingerprint: ModelFingerprint
     rope: RopeSpec | None = None  # the model's RoPE (``rope_of``)
     page_size: int = 1
-
-
-def weights_id_for(model_path: str, hf_config=None) -> str:
-    """``model.model_identity``: the weights' identity with the model's RoPE folded in."""
-    from sgl_remote_kv.model import model_identity
-
-    return model_identity(model_path, hf_config)
 
 
 def rope_of(hf_config) -> RopeSpec | None:
@@ -367,27 +295,14 @@ def rope_of(hf_config) -> RopeSpec | None:
         return None
 
 
-def tier_unsupported(ctx) -> str | None:
-    """Why the remote tier cannot run on the cache this factory context builds (None: it can). A cache
-    SGLang builds disabled (``--disable-radix-cache``, or no KV allocator) has no tree to install into."""
-    if getattr(ctx, "disable_radix_cache", False) or getattr(ctx.params, "disable", False):
-        return "the radix cache is disabled"
-    if getattr(ctx.params, "token_to_kv_pool_allocator", None) is None:
-        return "the cache has no KV allocator"
-    return None
-
-
-def build_context(ctx) -> BuildContext:
-    """Raises ``UnsupportedPool`` for pools the tier cannot address."""
-    hf = ctx.model_config.hf_config
-    return _context(ctx.params, ctx.server_args.model_path, hf, ctx.tp_rank, ctx.tp_size)
-
-
 def linker_build_context(server_args, params) -> BuildContext:
-    """``build_context`` from a linker's constructor arguments (``CacheInitParams`` has no model config:
-    it is read from ``server_args.model_path``; the TP rank from ``params.tp_cache_group``)."""
+    """The tier's view of the linker's constructor arguments (``CacheInitParams`` has no model config: it
+    is read from ``server_args.model_path``; the TP rank from ``params.tp_cache_group``). Raises
+    ``UnsupportedPool`` for pools the tier cannot address."""
     from transformers import AutoConfig
 
+    if getattr(params, "token_to_kv_pool_allocator", None) is None:
+        raise UnsupportedPool("the cache has no KV allocator")
     hf = AutoConfig.from_pretrained(server_args.model_path, trust_remote_code=server_args.trust_remote_code)
     group = params.tp_cache_group
     dist = torch.distributed.is_initialized() and group is not None
@@ -401,7 +316,7 @@ def _context(params, model_path: str, hf_config, tp_rank: int, tp_size: int) -> 
     kvcache = params.token_to_kv_pool_allocator.get_kvcache()
     archs = getattr(hf_config, "architectures", None) or ["unknown"]
     layout = pool_layout(kvcache)
-    fp = ModelFingerprint(archs[0], layout, weights_id_for(model_path, hf_config), tp_rank, tp_size)
+    fp = ModelFingerprint(archs[0], layout, model_identity(model_path, hf_config), tp_rank, tp_size)
     return BuildContext(kvcache, params.req_to_token_pool, fp, rope_of(hf_config), params.page_size)
 
 
@@ -420,15 +335,11 @@ _SCHEDULER_TITLE = "sglang::scheduler"  # the scheduler processes' title (setpro
 
 
 def wrap_engine_server_args(make) -> bool:
-    """Route ``sglang.Engine(**kwargs)``'s ``ServerArgs`` through ``make(original, **kwargs)``.
-
-    ``Engine.__init__`` calls ``load_plugins()`` and then builds its record with
-    ``self.server_args_class(**kwargs)``, a class attribute SGLang declares for overriding the server args.
-    No HookRegistry target reaches that call: ``ServerArgs`` is a msgspec Struct whose constructor ignores
-    a replaced ``__init__``/``__new__``; a hook on ``Engine.__init__`` is applied inside the first
-    Engine's own ``load_plugins()`` call, too late for it; and a REPLACE of ``Engine.server_args_class``
-    is propagated to every module's ``ServerArgs`` name. So the attribute itself is wrapped, once, in a
-    process that has imported the Engine (never imports it). False when it had nothing to wrap."""
+    """Route ``sglang.Engine(**kwargs)``'s ``ServerArgs`` (``self.server_args_class(**kwargs)``, a class
+    attribute SGLang declares for overriding them) through ``make(original, **kwargs)``. No HookRegistry
+    target reaches that call (a msgspec Struct ignores a replaced ``__init__``; a hook on ``Engine.__init__``
+    is applied too late for the first Engine; a REPLACE of the attribute reaches every ``ServerArgs``
+    name), so the attribute is wrapped, once, where the Engine is imported. False: nothing to wrap."""
     import sys
 
     module = sys.modules.get(_ENGINE_MODULE)
@@ -455,19 +366,12 @@ def engine_module_loaded() -> bool:
 
 
 def stop_engine_schedulers(engine, timeout_s: float) -> bool | None:
-    """Stop an ``sglang.Engine``'s scheduler processes SGLang's graceful way and wait for them to exit.
-
-    ``Engine.shutdown`` SIGKILLs its subprocesses (``kill_process_tree``): no code runs in the scheduler.
-    A server's SIGTERM instead drains requests, then sends ``ShutdownReq`` to the schedulers and waits
-    15 s for them to exit (``TokenizerManager.sigterm_watchdog``); the scheduler's event loop ends and
-    ``run_scheduler_process`` calls ``tree_cache.release_host_resources()`` (where the write-back drains).
-    This does the same for an Engine: the subprocess watchdog is stopped first (a scheduler exiting is
-    expected now, not a crash: it would SIGQUIT this process), ``ShutdownReq`` goes through the
-    tokenizer manager's scheduler socket, and the Engine's own scheduler processes
-    (``Engine.get_all_child_pids()`` titled ``sglang::scheduler``) get ``timeout_s`` to exit.
-
-    Returns True when they all exited, False on timeout, None when there was nothing to stop (an
-    attached tokenizer worker, an Engine that never started, or one already shut down)."""
+    """Stop an ``sglang.Engine``'s schedulers the way a server's SIGTERM does (``Engine.shutdown`` SIGKILLs
+    them): stop the subprocess watchdog (an exiting scheduler is expected now; it would SIGQUIT this
+    process), send ``ShutdownReq`` through the tokenizer manager (the scheduler's loop ends and
+    ``release_host_resources()`` drains the write-back), and give the Engine's ``sglang::scheduler``
+    processes ``timeout_s`` to exit. True: all exited; False: timeout; None: nothing to stop (an attached
+    tokenizer worker, an Engine that never started or already shut down)."""
     import psutil
     from sglang.srt.managers.io_struct import ShutdownReq
 

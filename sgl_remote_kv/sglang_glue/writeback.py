@@ -1,6 +1,6 @@
 """Write-back: newly computed full chunks are encoded and stored in the background.
 
-The scheduler thread (``RemoteKVRadixCache.checkpoint``) calls ``WriteBack.offer`` after SGLang
+The scheduler thread (``scheduler_hooks.after_checkpoint``, an AFTER hook on ``UnifiedRadixCache.checkpoint``) calls ``WriteBack.offer`` after SGLang
 inserted a request's KV into the radix tree (after each prefill chunk and at finish). ``offer`` works
 out which full chunks are new for this request, copies their KV out of the pool (the slots may be
 reused once the scheduler moves on: ``KVWriter.read_later``, an async copy on device pools that the
