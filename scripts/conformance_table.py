@@ -13,7 +13,14 @@ from collections import defaultdict
 from pathlib import Path
 
 SERVER = re.compile(r"test_conformance_server\.py::test_kit\[(\w+)-([\w.]+)\]$")
-UNIT = re.compile(r"test_conformance_unit\.py::Test_(sglang|tier_off|tier_on)_(\w+?)::(\w+)$")
+UNIT = re.compile(r"test_conformance_unit\.py::Test_(sglang|linker|tier_off|tier_on)_(\w+?)::(\w+)$")
+# unit-kit caches, in column order (tier_off/tier_on: reports from before the linker was the only integration)
+UNIT_COLUMNS = {
+    "sglang": "kit's UnifiedRadixCache",
+    "linker": "kit's cache + our linker",
+    "tier_off": "ours, tier off",
+    "tier_on": "ours, tier on",
+}
 CELL = {"passed": "pass", "failed": "**FAIL**", "xfailed": "n/a", "skipped": "skip"}
 
 HEADER = """# Conformance: SGLang's own test kits against the remote tier
@@ -75,12 +82,15 @@ def unit_table(tests: list[dict]) -> list[str]:
         "",
         "Configs passed / run per cache; skipped configs and why in the last column.",
         "",
-        "| scenario | kit's UnifiedRadixCache | ours, tier off | ours, tier on | skipped because |",
-        "|---|---|---|---|---|",
+    ]
+    variants = [v for v in UNIT_COLUMNS if any(v in by_variant for by_variant in agg.values())]
+    out += [
+        f"| scenario | {' | '.join(UNIT_COLUMNS[v] for v in variants)} | skipped because |",
+        "|---|" + "---|" * (len(variants) + 1),
     ]
     for scenario, by_variant in agg.items():
         cells = []
-        for v in ("sglang", "tier_off", "tier_on"):
+        for v in variants:
             c = by_variant.get(v, {})
             run = sum(n for k, n in c.items() if k != "skipped")
             failed = c.get("failed", 0)
