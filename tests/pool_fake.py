@@ -32,7 +32,7 @@ def attach_installs(pool, kv_writer, fingerprint, metrics):
     """A ``LayerwiseInstalls`` over ``kv_writer`` whose ``wait_until`` the pool's readers call: the
     linker's load thread does the same before it copies a layer (``linker.RemoteKVLinker``); here the
     reader stands in for it, so the installs are tested without a linker."""
-    from sgl_remote_kv.sglang_glue.layerwise import LayerwiseInstalls
+    from sgl_remote_kv.fetch.layerwise import LayerwiseInstalls
 
     counter = LayerwiseInstalls(kv_writer, fingerprint, metrics)
     pool.register_layer_transfer_counter(counter)

@@ -18,10 +18,10 @@ import torch
 from pool_fake import FakeKVPool, attach_installs
 
 from sgl_remote_kv.codec.base import get_codec
+from sgl_remote_kv.fetch import layerwise
 from sgl_remote_kv.fetch.base import FetchHandle
 from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
 from sgl_remote_kv.metrics import RemoteKVMetrics
-from sgl_remote_kv.sglang_glue import layerwise
 from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.store.client import open_client
 from sgl_remote_kv.types import KVLayout, ModelFingerprint

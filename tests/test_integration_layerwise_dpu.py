@@ -24,10 +24,10 @@ from sgl_remote_kv.dpu.buffers import chunk_bytes
 from sgl_remote_kv.dpu.settings import DataPlaneSettings, Debug
 
 from sgl_remote_kv.codec.base import decode
+from sgl_remote_kv.fetch import layerwise
 from sgl_remote_kv.fetch.dpu import DpuFetchBackend
 from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 from sgl_remote_kv.metrics import RemoteKVMetrics
-from sgl_remote_kv.sglang_glue import layerwise
 
 N = 3
 CB = chunk_bytes(LAYOUT, CHUNK)

@@ -147,10 +147,10 @@ def attention_over_fetched_kv(device: str, dtype: str, workdir: Path, dma_delay_
     from dpu_helpers import codecs
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
+    from sgl_remote_kv.fetch import layerwise
     from sgl_remote_kv.fetch.dpu import DpuFetchBackend
     from sgl_remote_kv.kvpool import PoolTensors, writer_for
     from sgl_remote_kv.metrics import RemoteKVMetrics
-    from sgl_remote_kv.sglang_glue import layerwise
 
     lay = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=dtype)
     fp = ModelFingerprint("TestArch", lay, "w" * 16)

@@ -117,6 +117,6 @@ class Collaborators:
     agreement: object  # admission.agreement.Agreement
     bytes_per_token: int  # decoded KV bytes of one token (the policy's size estimates)
     wakeup: threading.Event  # set by workers when something completes
-    layerwise: object = None  # sglang_glue.layerwise.LayerwiseInstalls, or None
+    layerwise: object = None  # fetch.layerwise.LayerwiseInstalls, or None
     on_installed: Callable[[str, int], None] | None = None
     write_codec: object = None  # the codec the write-back writes (on_installed applies to it only)

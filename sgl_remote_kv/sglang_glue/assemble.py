@@ -16,10 +16,10 @@ from sgl_remote_kv import metrics as metrics_mod
 from sgl_remote_kv import preflight, runtime
 from sgl_remote_kv.admission import AdmissionSettings
 from sgl_remote_kv.config import RemoteKVConfig
-from sgl_remote_kv.fetch import paths
+from sgl_remote_kv.fetch import layerwise, paths
 from sgl_remote_kv.kvpool.staged import StagedPages
 from sgl_remote_kv.kvpool.warmup import warm_up
-from sgl_remote_kv.sglang_glue import layerwise, seam
+from sgl_remote_kv.sglang_glue import seam
 from sgl_remote_kv.sglang_glue.writeback import WriteBack
 from sgl_remote_kv.store import generation
 from sgl_remote_kv.store.base import redact_url
