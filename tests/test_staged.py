@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import time
 
 import numpy as np
 import pytest
@@ -206,3 +207,40 @@ def test_a_hung_device_fails_the_load_and_sglang_is_told(dev):
     counter.fail(index, KVWriteError("hung"))
     dev.resume()
     assert not counter.finish(index)
+
+
+def test_linker_releases_a_loads_pins_at_finish_on_the_scheduler_thread():
+    """``RemoteKVLinker``'s read side over a stand-in pool: ``lookup`` answers from staging, ``load`` pins,
+    the load thread copies every layer, and the pages stay pinned until ``finish_layer_wise_loading`` (the
+    scheduler thread, after the forward): the point where staging frees rows is the same on every TP
+    rank, whatever the load thread's timing."""
+    import types
+
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    from sgl_remote_kv.sglang_glue.linker import RemoteKVLinker
+    from tests.pool_fake import FakeKVPool
+
+    pool = FakeKVPool(LAYOUT, 64)
+    staged = StagedPages(LAYOUT, rows=16, page_size=PAGE)
+    ids = list(range(40, 48))
+    rows = staged.alloc(8)
+    k, v = _kv(8, 9)
+    staged.writer.write(k, v, rows)
+    queue_pin = staged.stage(hashes(ids, 8), rows)  # the queue's lock, held until SGLang admits
+    ln = object.__new__(RemoteKVLinker)  # the constructor builds a runtime over a model; the read side only
+    ln._pending, ln._inflight = {}, {}
+    ln._serve(staged, types.SimpleNamespace(kv_writer=pool.writer, layerwise=None))
+    assert ln.lookup("r", [PoolTransfer(name=PoolName.KV, keys=hashes(ids, 8))]) == [1, 2]
+    slots = torch.tensor([5, 9, 11, 2, 40, 41, 42, 63])
+    assert ln.load("r", [PoolTransfer(name=PoolName.KV, keys=hashes(ids, 8), device_indices=slots)])
+    staged.release(queue_pin)  # admitted: only the load's pin holds the pages now
+    index = ln.start_layer_wise_loading()
+    ln.layer_done_counter.set_consumer(index)
+    for layer in range(LAYOUT.num_layers):
+        ln.layer_done_counter.wait_until(layer)
+        assert np.array_equal(pool.k_buffer[layer][slots].numpy(), k[layer])
+    time.sleep(0.05)  # the load thread is done with the batch; its pins must still hold the rows
+    assert free_rows(staged) == 8
+    assert ln.finish_layer_wise_loading(index)
+    assert free_rows(staged) == 16

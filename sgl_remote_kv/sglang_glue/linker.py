@@ -30,7 +30,8 @@ fidelity are there; ``offload`` gets page hashes and slots only): ``offload`` ta
 completes it at once, so SGLang does not offer it again.
 
 Every method catches at its boundary (an exception here would stop the scheduler) and answers "miss".
-Threads: the linker methods run on the scheduler thread; the copy on the load thread.
+Threads: the linker methods run on the scheduler thread; the copy on the load thread, which only reads
+the pinned rows: pins are taken and released on the scheduler thread (``finish_layer_wise_loading``).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class RemoteKVLinker(UnifiedCacheLinker):
         self.pools = {PoolName.KV: None}  # the wrapper reads only which pools a linker serves
         self.staged: StagedPages | None = None  # None: the tier is off on this pool (every lookup misses)
         self._pending: dict[str, tuple] = {}  # rid -> (pin, device slots), until the batch starts
+        self._inflight: dict[int, list] = {}
         self._offloaded = 0  # offloads taken and not yet popped
         try:
             b = seam.linker_build_context(server_args, params)
@@ -103,13 +105,18 @@ class RemoteKVLinker(UnifiedCacheLinker):
         layout = b.fingerprint.layout
         rows = max(cfg.chunk_size, int(b.kvcache.size * STAGED_FRACTION))
         on_device = str(getattr(b.kvcache, "device", "cpu")).startswith("cuda")
-        self.staged = StagedPages(layout, rows, b.page_size, pin_memory=on_device)
-        self.rt = assemble.build_runtime(b, cfg, self.staged)
-        self.layer_done_counter = FencedCounter(layout.num_layers, self.rt.kv_writer)
-        self._copies: queue.Queue = queue.Queue()
-        threading.Thread(target=self._copy_loop, name="srkv-linker-load", daemon=True).start()
+        staged = StagedPages(layout, rows, b.page_size, pin_memory=on_device)
+        self._serve(staged, assemble.build_runtime(b, cfg, staged))
         runtime.publish(self.rt)
         logger.info("remote KV tier through the linker API: %d staging rows, page %d", rows, b.page_size)
+
+    def _serve(self, staged: StagedPages, rt: runtime.RemoteKVRuntime) -> None:
+        """Serve loads from ``staged`` into ``rt``'s pool: the layer counter and the load thread."""
+        self.staged, self.rt = staged, rt
+        self.layer_done_counter = FencedCounter(staged.layout.num_layers, rt.kv_writer)
+        self._inflight: dict[int, list] = {}  # counter index -> the pins its copy reads, until finished
+        self._copies: queue.Queue = queue.Queue()
+        threading.Thread(target=self._copy_loop, name="srkv-linker-load", daemon=True).start()
 
     # -- reads --------------------------------------------------------------------------------------
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
@@ -143,7 +150,9 @@ class RemoteKVLinker(UnifiedCacheLinker):
         if not self._pending:
             return -1
         index = self.layer_done_counter.update_producer()
-        self._copies.put((index, list(self._pending.values())))
+        batch = list(self._pending.values())
+        self._inflight[index] = [pin for pin, _ in batch]
+        self._copies.put((index, batch))
         self._pending = {}
         return index
 
@@ -158,12 +167,15 @@ class RemoteKVLinker(UnifiedCacheLinker):
                 metrics_mod.get().failure(FailureKind.WRITE)
                 logger.error("remote KV linker load failed: %r", e)
                 self.layer_done_counter.fail(index, e)
-            finally:
-                for pin, _ in batch:
-                    self.staged.release(pin)
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
-        return self.layer_done_counter.finish(counter_index)
+        """After the batch's forward (scheduler thread): wait for its copy, then release its pins here,
+        not on the load thread, so staging frees rows at the same point of the schedule on every TP rank
+        (the queue's reservations, which are not agreed row by row, then see the same free rows)."""
+        landed = self.layer_done_counter.finish(counter_index)
+        for pin in self._inflight.pop(counter_index, ()):
+            self.staged.release(pin)
+        return landed
 
     def cancel_queued_load(self, rid: str) -> bool:
         got = self._pending.pop(rid, None)
