@@ -48,7 +48,7 @@ def test_linker_restart_hit_is_token_identical(model_dir, tmp_path, mode):
 
 
 def test_sglang_own_linker_flags_naming_our_linker_run_the_tier(model_dir, tmp_path):
-    """The other way in: SGLang's four linker flags naming ``RemoteKVLinker`` (besides ``--remote-kv``,
+    """The other way in: SGLang's three linker flags naming ``RemoteKVLinker`` (besides ``--remote-kv``,
     which would set them itself). One server: cold, written back, ``/flush_cache`` (drops only the local
     cache), the same prompt again is a remote hit through the linker, token-identical."""
     import json

@@ -1,10 +1,11 @@
-"""A finished (or, layer-wise, a verified) fetch becomes device nodes in the radix tree.
+"""A finished (or, layer-wise, a verified) fetch becomes pages SGLang can load (``TreeOps.insert``: in the
+server, ``StagedTree`` stages the rows under SGLang's page hashes for the linker's ``lookup``).
 
 ``Installer`` is the admission queue's collaborator for the last step of a FETCH record. It never
-releases a request itself: it returns the tree lock to hold until the request is admitted, or None.
+releases a request itself: it returns the lock to hold until the request is admitted, or None.
 
-Threads: scheduler thread only. KV slots: a record's reserved ``kv_slots`` stay the queue's until the
-tree takes them (``insert``); ``complete`` frees whatever the tree did not take, on every outcome.
+Threads: scheduler thread only. Rows: a record's reserved ``kv_slots`` stay the queue's until ``insert``
+takes them; ``complete`` frees whatever was not taken, on every outcome.
 """
 
 from __future__ import annotations

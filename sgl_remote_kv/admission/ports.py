@@ -1,7 +1,9 @@
 """What the admission queue needs from the outside, as small interfaces passed in explicitly.
 
-The SGLang seam (``sglang_glue.seam``) implements ``TreeOps`` and ``HostOps`` on SGLang's radix tree,
-KV allocator and scheduler; the tests implement them on plain Python objects. Nothing in this package
+In the server, ``staged_tree.StagedTree`` implements ``TreeOps`` (SGLang's device prefix through
+``sglang_glue.seam.DeviceTree``, plus host staging rows that SGLang's linker loads from) and
+``sglang_glue.seam.SchedulerHost`` implements ``HostOps``; the tests implement them on plain Python
+objects. The queue's "slots" are whatever ``TreeOps.alloc`` hands out: staging rows in the server. Nothing in this package
 imports SGLang.
 """
 
@@ -49,7 +51,7 @@ class LocalMatch(Protocol):
 
 
 class TreeOps(Protocol):
-    """The radix tree and KV allocator (scheduler thread only)."""
+    """The local prefix and the rows fetched KV is written into (scheduler thread only)."""
 
     def match(self, req, end: int) -> LocalMatch: ...
 
@@ -57,15 +59,15 @@ class TreeOps(Protocol):
 
     def unlock(self, lock) -> None: ...
 
-    def capacity(self) -> int: ...  # KV slots in the pool
+    def capacity(self) -> int: ...  # rows in all
 
-    def alloc(self, n: int): ...  # n KV slots (evicting unlocked cache), or None
+    def alloc(self, n: int): ...  # n rows, or None
 
     def free(self, kv_slots) -> None: ...  # after fencing every KV write
 
-    def write(self, kv_slots, handle) -> None: ...  # a staged fetch into kv_slots; raises KVWriteError
+    def write(self, kv_slots, handle) -> None: ...  # a fetch's decoded KV into the rows; raises KVWriteError
 
-    def insert(self, req, prefix_node, start: int, kv_slots): ...  # -> a lock on the new last node
+    def insert(self, req, prefix_node, start: int, kv_slots): ...  # publish; -> a lock until admitted
 
 
 class HostOps(Protocol):

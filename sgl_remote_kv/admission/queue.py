@@ -14,8 +14,8 @@ Three operations, all on the scheduler thread (store I/O and decoding run on wor
 - ``abort(rid, abort_all)``: cancel matching records' fetches and hand the requests to the engine's own
   abort path.
 
-KV slots (admission without starvation): a record that chose to fetch reserves the KV slots of its
-fetched span *before* fetching (RESERVE → FETCH), so an install never fails for lack of slots. Only the
+Rows (admission without starvation; host staging rows in the server, ``TreeOps``): a record that chose to
+fetch reserves the rows of its fetched span *before* fetching (RESERVE → FETCH), so an install never fails for lack of slots. Only the
 oldest RESERVE record may reserve (FIFO: a large request is not overtaken forever by small ones); when the
 pool cannot give the slots it backs off and retries next pass, and after ``slot_wait_s`` it recomputes
 (``failures{kind="no_kv_slots"}``). The queue holds at most ``max_pool_fraction`` of the pool (slots
@@ -23,7 +23,8 @@ reserved for fetches plus installed hits not yet admitted), so the requests the 
 admitting keep the rest; a fetch larger than that is trimmed to its leading chunks.
 
 Releasing a request = the engine's original enqueue: its ``match_prefix`` then finds the fetched prefix
-as a device hit. Nothing is promised to the engine before the KV is in the pool. Requests without a
+staged (the linker's ``lookup``) and SGLang loads it. Nothing is promised to the engine before the KV is
+verified and decoded into staging (layer-wise: verified; the load then waits per layer). Requests without a
 remote hit never wait on a fetching one.
 """
 

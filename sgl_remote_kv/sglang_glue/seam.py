@@ -26,8 +26,9 @@ overrides, at the operator's risk). Internals used, and why:
   (``token_to_kv_pool_allocator.get_kvcache()``, ``req_to_token_pool``, ``page_size``, ``tp_cache_group``),
   ``server_args.model_path``/``trust_remote_code``.
 - The offline Engine: ``server_args_class`` (wrapped: ``Engine(remote_kv=...)``); ``shutdown`` (hooked)
-  stops the schedulers first via ``tokenizer_manager._subprocess_watchdog``/``_dispatch_to_scheduler``,
-  ``_attached``, ``_scheduler_init_result``, ``get_all_child_pids()`` (``stop_engine_schedulers``).
+  stops the schedulers first via ``tokenizer_manager._subprocess_watchdog``/``_dispatch_to_scheduler``
+  (``ShutdownReq``), ``_attached``, ``_scheduler_init_result``, ``get_all_child_pids()`` and the
+  ``sglang::scheduler`` process title (``stop_engine_schedulers``).
 
 Threads: scheduler thread only (the linker's load thread uses the KV writer, not this module).
 """
