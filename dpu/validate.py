@@ -2,7 +2,8 @@
 
 Everything here either returns what the message names (a model fingerprint, a codec, attached regions, a
 checked destination) or raises ``ValueError`` with a reason the client is told; nothing here touches
-the server's sockets or tables. The server thread (``server.py``) is the only caller.
+the server's sockets or tables. The server thread (``server.py``, its tables ``clients.py`` and
+``jobs.py``) is the only caller.
 
 ``Codecs`` caches one codec object per (name, params) and warms each (codec, model) up once per process.
 """
