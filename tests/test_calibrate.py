@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from sgl_remote_kv import calibrate, calibration_texts
+from sgl_remote_kv.calibration_scorer import Scorer
 from sgl_remote_kv.codec import calibration as cm
 from sgl_remote_kv.codec.base import default_codec, get_codec
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
@@ -57,7 +58,7 @@ def test_real_calibration_holds_on_a_held_out_text(model_dir):
     report = json.loads(cal.report)
     assert HELD_OUT.name not in report["texts"]
     assert [r["level"] for r in report["levels"]] == list(cal.levels)
-    scorer = calibrate.Scorer(Path(model_dir))
+    scorer = Scorer(Path(model_dir))
     text = scorer.text(HELD_OUT.name, HELD_OUT.read_text())
     lay = fp.layout
     bfp = ModelFingerprint(

@@ -201,7 +201,7 @@ def test_store_timeout_and_framing_corruption_keep_their_kind(tmp_path, make_cli
     s = open_client(url)
     raw = bytearray(frame(keys[1], blobs[1]))
     raw[len(raw) // 2] ^= 0x01  # a raw bit flip: the framing CRC fails in the data plane's client
-    s._backend().put_many([(keys[1], bytes(raw))])  # noqa: SLF001 (write past the framing on purpose)
+    s._guard.backend().put_many([(keys[1], bytes(raw))])  # noqa: SLF001 (write past the framing on purpose)
     s.close()
     c = make_client(url, codec)
     errors: list[tuple[str, str, int]] = []

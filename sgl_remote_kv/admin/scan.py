@@ -1,7 +1,7 @@
 """Walk a store's values and say what each one is (the admin command's read side).
 
 Every value is classified without trusting it: the MAC (when the URL is ``auth+...``), the store framing
-(length, CRC over key and metadata, version 1 or 2: ``store.client.read_frame``), then the payload — a
+(length, CRC over key and metadata, version 1 or 2: ``store.framing.read_frame``), then the payload — a
 chunk blob (``codec.format``: header CRC, limits, and with ``deep`` every layer's CRC), a store
 generation marker (``keys.GENERATION_MAGIC`` + 16 random bytes, or the 16 bare random bytes that releases
 before the magic wrote), or something foreign. A chunk in a version-1 frame (``V1_CHUNK``) has no write

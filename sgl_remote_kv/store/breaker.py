@@ -1,4 +1,4 @@
-"""Circuit breaker of the store client (``client.StoreClient`` keeps one for reads, one for writes).
+"""Circuit breaker of the store client (``guard.CallGuard`` keeps one for reads, one for writes).
 
 closed -> (``failures`` consecutive failed calls) -> open: every call fails fast -> (``reset_s``) ->
 half_open: one probe call is let through; its success closes the breaker, its failure re-opens it.
