@@ -26,8 +26,6 @@ OVER_BUDGET = {
     "sgl_remote_kv/calibrate.py": 512,
     "sgl_remote_kv/store/client.py": 527,
     "dpu/server.py": 542,
-    "sgl_remote_kv/fetch/dpu_client/client.py": 549,
-    "sgl_remote_kv/contract/protocol.py": 417,
 }
 
 
