@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from sgl_remote_kv.codec.errors import CorruptChunk
-from sgl_remote_kv.contract.protocol import BlobRef, Message
+from sgl_remote_kv.contract.messages import BlobRef, Message
 from sgl_remote_kv.store import corruption
 from sgl_remote_kv.store.streaming import StreamOutcome
 

@@ -59,7 +59,7 @@ import numpy as np
 
 from sgl_remote_kv.codec.errors import CORRUPTION, ChunkError, ForeignChunk
 from sgl_remote_kv.codec.format import layer_section
-from sgl_remote_kv.contract.protocol import BlobRef, ChunkDone, ChunkFailed, JobDone, LayerDone, Message
+from sgl_remote_kv.contract.messages import BlobRef, ChunkDone, ChunkFailed, JobDone, LayerDone, Message
 from sgl_remote_kv.store import corruption
 
 from .buffers import ChunkRegion, StagingBuffers, layer_bytes

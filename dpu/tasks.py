@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sgl_remote_kv.contract.protocol import BlobRef, ChunkDest, ChunksVerified, LayerDone
+from sgl_remote_kv.contract.messages import BlobRef, ChunkDest, ChunksVerified, LayerDone
 from sgl_remote_kv.types import numpy_storage_dtype
 
 from .buffers import ChunkRegion

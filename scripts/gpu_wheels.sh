@@ -40,7 +40,7 @@ SLIM=${GPU_WHEELS_SLIM_SGLANG:-1}
 # name==version             needed by
 CORE_BASE="
 pyzmq==27.3.0               fetch.dpu_client, dpu (ZeroMQ between the DPU client and the data plane)
-msgspec==0.22.0             contract.protocol (wire messages); SGLang too
+msgspec==0.22.0             contract.messages, contract.protocol (wire messages); SGLang too
 isal==1.9.1                 codec.format, codec.lz (deflate)
 zstandard==0.25.0           codec.lz
 "

@@ -188,7 +188,7 @@ def test_service_killed_then_restarted_misses_then_reconnects(env, tmp_path):
     time.sleep(1.0)
     assert time.process_time() - cpu0 < 0.3
     svc2 = make_service(*slots_flags())  # same endpoint, a new process
-    wait_until(lambda: c._registered and c.pid == svc2.proc.pid, 30, "the client to register again")
+    wait_until(lambda: c.supervisor.registered and c.pid == svc2.proc.pid, 30, "the client to register again")
     target = make_pool(LAYOUT32, 512, 6 * CHUNK, seed=7)
     res = c.fetch("back", keys, CHUNK, target, timeout=30)
     assert res.hit_chunks == 6
@@ -208,7 +208,7 @@ def test_quick_service_restart_is_noticed_at_once(env):
     c.on_restart = restarts.append
     svc.kill()
     svc2 = make_service(*slots_flags())
-    wait_until(lambda: c.pid == svc2.proc.pid and c._registered, 30, "the client to register again")
+    wait_until(lambda: c.pid == svc2.proc.pid and c.supervisor.registered, 30, "the client to register again")
     assert restarts in (["exited"], ["restarted"])
     target = make_pool(LAYOUT32, 512, 2 * CHUNK)
     assert c.fetch("again", keys, CHUNK, target, timeout=30).hit_chunks == 2
@@ -341,7 +341,7 @@ def test_a_client_the_service_forgot_registers_again(env):
     with raw_socket(svc.endpoint) as s:
         register_raw(s, c)
         wait_until(lambda: restarts == ["restarted"], 10, "the client to notice")
-    wait_until(lambda: c._registered, 10, "the client to register again")
+    wait_until(lambda: c.supervisor.registered, 10, "the client to register again")
     assert c.fetch("again", keys, CHUNK, None, timeout=30).hit_chunks == 1
 
 
@@ -370,7 +370,7 @@ def test_a_service_logs_its_start_and_attaches_at_info_and_leaves_nothing_when_s
         with open(log, "wb") as out:
             svc = subprocess.Popen([*cmd, "--store-endpoint", proxy], stdout=out, stderr=out)
         early.join(60)
-        assert c._registered, log.read_text()
+        assert c.supervisor.registered, log.read_text()
         region = c.dest.name
         assert c.fetch("x", [b"absent".ljust(32, b"\0")], CHUNK, None, timeout=30).failures[0] == "miss"
     finally:

@@ -4,23 +4,17 @@
 process (pinned away from the serving cores when the machine has enough) -- or, with
 ``DpuClientConfig.endpoint``, attaches to a data-plane service shared by every rank and server of the
 host --, registers its region, fingerprint and codec with it (``protocol.Register``), and runs one background
-*receiver thread* that owns the ZeroMQ socket: it sends queued submissions, heartbeats, turns
-completions into per-request state (``FetchHandle``), writes finished layers of a round into the
-caller's paged KV pool through the target's ``KVWriter`` (``kvpool``; decoded KV, or the codec's codes
-that the writer dequantizes: ``DpuClientConfig.output``), and restarts the data plane when
-it dies or hangs. In-flight chunks of a lost data plane become misses (kind ``dataplane_lost``); later
-submissions go to the new process. An attached client never starts or kills the service: when it
-misses heartbeats, or the service no longer knows it (``Pong.registered`` False: it restarted), the
-client fails its in-flight rounds (``dataplane_lost``), opens a new connection and registers again;
-until the service accepted it, every submission fails at once (``dataplane_lost``), so a fetch never
-waits on a service that is down.
+*receiver thread* (``receiver.Receiver``) that owns the ZeroMQ socket: it sends queued submissions,
+heartbeats, turns completions into per-request state (``FetchHandle``), writes finished layers of a round
+into the caller's paged KV pool through the target's ``KVWriter`` (``kvpool``; decoded KV, or the codec's
+codes that the writer dequantizes: ``DpuClientConfig.output``), and has the data plane replaced when it
+dies or hangs, or the service reconnected when it restarts (``supervisor.Supervisor``: in-flight chunks
+become misses, kind ``dataplane_lost``).
 
-This module is the process side (lifecycle, heartbeats, supervision, the receiver loop); the round
-bookkeeping (slots, in-flight rounds, completion events -> handles, scatters) is ``rounds.RoundBook``.
-A chunk the data plane's store client failed on, or whose value it found corrupt (store frame, MAC or
-codec CRCs), arrives as ``ChunkFailed`` with ``store_error``: it is passed to ``on_store_error(op, kind, n)``
-(the serving glue: ``store_errors_total{op="get",kind}``), once per chunk; a corrupt one is also logged
-here (``store/corruption.py``, rate-limited).
+This module is the client's interface and lifecycle (``start``/``close``, ``submit``/``cancel``/``fetch``,
+``stats``, pinning the region on the pools' writers); the receiver thread is ``receiver.py``, the data
+plane's supervision ``supervisor.py``, the link to it ``link.py``, and the round bookkeeping (slots,
+in-flight rounds, completion events -> handles, scatters) ``rounds.RoundBook``.
 
 Threads: ``start``/``submit``/``cancel``/``stats``/``close`` may be called from any thread (they take
 ``cv``); socket I/O and scatters run only on the receiver thread, the scatters outside ``cv``
@@ -30,13 +24,8 @@ anonymous memory a spawned data plane inherits, so a stopped or killed server le
 /dev/shm; for a service, a file named after our pid, removed in ``close``; ``start`` first sweeps those
 of dead creators, ``shm_names.py``); the data plane writes into it, the receiver thread reads it while
 scattering. A destination slot is reused only after the data plane said ``JobDone`` for the job using it
-(it then writes nothing more there).
-
-Layer-wise admission (``blob_slot_bytes`` > 0): each slot also has a blob area; the data plane copies a
-round's verified compressed blobs there before ``ChunksVerified``. The receiver thread copies them out
-(before it can see that round's ``JobDone``), re-parses them here (header + checksum) and, once every
-chunk of a fetch has them, sets ``FetchHandle.verified`` and calls ``on_event``. The copies are what
-the host decodes from if the data plane dies, stalls or is cancelled after that point.
+(it then writes nothing more there). With ``blob_slot_bytes`` > 0 each slot also has a blob area the
+data plane copies a round's verified compressed blobs into (layer-wise admission: ``receiver.py``).
 """
 
 from __future__ import annotations
@@ -45,26 +34,24 @@ import logging
 import os
 import secrets
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
 
-from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.contract import protocol as P
 from sgl_remote_kv.contract import shm_names
 from sgl_remote_kv.contract.endpoints import check_endpoint
 from sgl_remote_kv.dpu.settings import DataPlaneSettings
-from sgl_remote_kv.kvpool import KVWriteError
-from sgl_remote_kv.store import corruption
 from sgl_remote_kv.types import DPU_OUTPUTS, ModelFingerprint
 
 from .host_region import HostRegion
 from .jobs import FetchHandle, FetchResult, HostRound, KVTarget
 from .link import AttachedService, DataPlaneProcess
+from .receiver import Receiver
 from .round_io import RoundIO
 from .rounds import RoundBook
+from .supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +110,7 @@ class DpuClient:
     ) -> None:
         self.cfg, self.fingerprint, self.layout = cfg, fingerprint, fingerprint.layout
         self.codec, self.codec_name, self.codec_params = codec, codec.name, codec.params_bytes()
-        self._on_event_cb = on_event  # called (receiver thread) when a fetch is verified or finished
+        self.on_event = on_event  # called (receiver thread) when a fetch is verified or finished
         lay = fingerprint.layout
         self._wire_fp = P.Fingerprint(
             fingerprint.architecture,
@@ -138,15 +125,12 @@ class DpuClient:
         self.io: RoundIO | None = None
         self._proc: DataPlaneProcess | AttachedService | None = None
         self._attached = bool(cfg.endpoint)
-        self._registered = False  # attached: the service accepted our current connection's Register
-        self._connect_at = 0.0
-        self._forgotten = False  # attached: a Pong said the service does not know this connection
+        self.supervisor: Supervisor | None = None  # created in ``start`` once the data plane accepted us
+        self._receiver: Receiver | None = None
         self.on_store_error = on_store_error  # (op, kind, n): the data plane's store client failures
         self.on_restart = on_restart  # (reason: "exited" | "hung" | "restarted"): replaced / reconnected
         self.on_write = on_write  # (seconds, layers, output): the receiver thread wrote a round's layers
         self.book: RoundBook | None = None  # created in ``start`` (needs the region)
-        self._thread: threading.Thread | None = None
-        self._running = False
         self._closed = False
         self._ctx = zmq.Context()
         self._wake_tx = self._wake_rx = None
@@ -155,7 +139,6 @@ class DpuClient:
         self.counters.update({"verify_rejected": 0, "write_failed": 0, "send_dropped": 0})
         self._writers: list = []  # KV writers the destination region is registered with (pinned)
         self._pin_lock = threading.Lock()  # not self.cv: pinning a large region takes a while
-        self.last_pong: P.Pong | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -175,7 +158,7 @@ class DpuClient:
             cfg.dest_slot_bytes,
             self._submit_msg,
             self.counters,
-            self._on_event_cb,
+            self.on_event,
             eager=cfg.eager_writes or cfg.blob_slot_bytes > 0,
             on_write=self.on_write,
         )
@@ -209,10 +192,9 @@ class DpuClient:
                 raise RuntimeError(f"the data plane refused this client: {why}")
             where = cfg.endpoint or "the spawned process (see its log)"
             raise RuntimeError(f"data plane did not answer: {where}")
-        self._registered = True
-        self._running = True
-        self._thread = threading.Thread(target=self._receiver, name="srkv-dpu-receiver", daemon=True)
-        self._thread.start()
+        self.supervisor = Supervisor(self, self._proc)
+        self._receiver = Receiver(self, self._proc, self.supervisor, self._wake_rx)
+        self._receiver.start()
 
     def close(self) -> None:
         """Stop the receiver, terminate the data plane (SIGTERM, then SIGKILL), free the region.
@@ -220,10 +202,11 @@ class DpuClient:
         if self._closed:
             return
         self._closed = True
-        self._running = False
+        if self._receiver is not None:
+            self._receiver.stop()
         self._wake()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        if self._receiver is not None:
+            self._receiver.join(timeout=10)
         with self.cv:
             if self.book is not None:
                 self.book.lose_all("cancelled")  # also drops writes still queued (the receiver is gone)
@@ -251,6 +234,11 @@ class DpuClient:
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
+
+    @property
+    def last_pong(self) -> P.Pong | None:
+        """The data plane's latest answer to a heartbeat (None before the first one)."""
+        return self.supervisor.last_pong if self.supervisor is not None else None
 
     # ---- submit / cancel ---------------------------------------------------------------------------
     def submit(
@@ -294,7 +282,8 @@ class DpuClient:
         with self.cv:
             self.book.cancel(handle)
             self.cv.notify_all()
-            if threading.current_thread() is not self._thread:  # the receiver runs (or drops) them itself
+            receiver = self._receiver.thread if self._receiver is not None else None
+            if threading.current_thread() is not receiver:  # the receiver runs (or drops) them itself
                 self.cv.wait_for(lambda: handle.writing == 0)
         self._wake()
 
@@ -310,8 +299,9 @@ class DpuClient:
             out = dict(self.counters)
             pending, inflight = (len(self.book.pending), len(self.book.inflight)) if self.book else (0, 0)
             out.update(pending_rounds=pending, inflight_rounds=inflight, pid=self.pid)
-        if self.last_pong is not None:
-            out["dataplane"] = self.last_pong.stats_json.decode()
+        pong = self.last_pong
+        if pong is not None:
+            out["dataplane"] = pong.stats_json.decode()
         return out
 
     # ---- internals (under cv) ----------------------------------------------------------------------
@@ -348,202 +338,3 @@ class DpuClient:
             blob_cap,
             h.output,
         )
-
-    # ---- receiver thread ---------------------------------------------------------------------------
-    def _receiver(self) -> None:
-        last_hb = 0.0
-        while self._running:
-            try:
-                sock = self._proc.sock
-                poller = zmq.Poller()
-                poller.register(sock, zmq.POLLIN)
-                poller.register(self._wake_rx, zmq.POLLIN)
-                monitor = getattr(self._proc, "monitor", None)  # attached: connection events
-                if monitor is not None:
-                    poller.register(monitor, zmq.POLLIN)
-                ready = dict(poller.poll(int(self.cfg.heartbeat_s * 500)))
-                if self._wake_rx in ready:
-                    while self._wake_rx.poll(0):
-                        self._wake_rx.recv()
-                self._flush_outbox(sock)
-                if sock in ready:
-                    self._drain(sock)
-                now = time.monotonic()
-                if now - last_hb >= self.cfg.heartbeat_s:
-                    last_hb = now
-                    self._proc.heartbeat()
-                self._supervise(now)
-            except Exception:  # thread boundary: never let the receiver die while serving
-                self.counters["receiver_errors"] += 1
-                logger.exception("DPU receiver error")
-                time.sleep(0.05)
-
-    def _flush_outbox(self, sock) -> None:
-        while True:
-            with self.cv:
-                if self._attached and not self._registered:
-                    # Never submit on a connection the service has not accepted: the service could
-                    # still take the job after ``_supervise`` failed its round and freed its slot.
-                    self.book.outbox.clear()
-                    return
-                if not self.book.outbox:
-                    return
-                frame = self.book.outbox.popleft()
-            try:
-                sock.send(frame, zmq.NOBLOCK)
-            except zmq.Again:  # no connection right now: the round ends as a miss when the link is lost
-                self.counters["send_dropped"] += 1
-
-    def _drain(self, sock) -> None:
-        P.drain(sock, self._on_message, self._bad_frame)
-
-    def _bad_frame(self, reason: str) -> None:
-        self.counters["bad_frames"] += 1
-        logger.warning("bad frame from data plane: %s", reason)
-
-    def _on_message(self, _head: list[bytes], msg: P.Message) -> None:
-        if isinstance(msg, P.Pong):
-            self._proc.pong(msg)
-            self.last_pong = msg
-            if self._attached and self._registered and not msg.registered:
-                logger.error("the data-plane service no longer knows this client (it restarted?)")
-                self._forgotten = True  # ``_supervise`` reconnects (not here: we are reading the socket)
-        elif isinstance(msg, P.Registered):
-            if msg.ok and self._proc.accepted:
-                return  # the answer to a repeated Register of this connection (``wait_ready`` resends)
-            if self._proc.registered(msg):
-                if self._attached:
-                    logger.info(
-                        "registered with the data-plane service %s (pid %s)", self.cfg.endpoint, self.pid
-                    )
-                self._registered = True
-                with self.cv:
-                    self.book.pump()
-            else:
-                logger.error("the data-plane service refused this client: %s", msg.detail)
-        elif isinstance(msg, P.ChunksVerified):
-            self._on_verified(msg)
-        else:
-            if isinstance(msg, P.ChunkFailed) and msg.store_error:
-                if msg.store_error == "corrupt":  # the data plane logged it too, in its own log
-                    key, why = corruption.split_detail(msg.detail)
-                    corruption.note(key, "found by the data plane", why)
-                if self.on_store_error is not None:  # its store client failed, or a value was corrupt
-                    self.on_store_error("get", msg.store_error, 1)
-            with self.cv:
-                self.book.on_event(msg)
-                self.cv.notify_all()
-            self._run_writes()
-
-    def _run_writes(self) -> None:
-        """Run the pool writes the last event queued, outside ``cv`` (receiver thread; before it reads the
-        next event or sends anything: a slot freed by ``JobDone`` is not handed out before its write ran)."""
-        while True:
-            with self.cv:
-                op = self.book.next_write()
-                if op is None:
-                    self.cv.notify_all()
-                    return
-            try:
-                error, seconds = self.book.run_write(op)
-            except Exception as e:  # boundary: a writer bug must not leave the fetch waiting for this write
-                self.counters["receiver_errors"] += 1
-                logger.exception("KV write raised unexpectedly")
-                error, seconds = KVWriteError(f"unexpected {type(e).__name__}: {e}"), 0.0
-            with self.cv:
-                self.book.write_done(op, error, seconds, ran=True)
-                self.cv.notify_all()
-
-    def _on_verified(self, msg: P.ChunksVerified) -> None:
-        """Copy out and re-parse a round's verified blobs (outside ``cv``: the slot cannot be reused
-        before this thread handles the round's ``JobDone``), then record them on the handle."""
-        with self.cv:
-            r = self.book.inflight.get(msg.job)
-            if r is None:
-                return
-            r.last_event = time.monotonic()
-            n = r.chunk_hi - r.chunk_lo
-            if msg.ok < n or not msg.blobs or r.handle.cancelled or r.handle.first_fail < r.chunk_hi:
-                return
-            slot, h = r.slot, r.handle
-        tokens = h.chunk_tokens[r.chunk_lo : r.chunk_hi]
-        try:
-            blobs, headers = self.io.verified_copies(slot, msg.blobs, self.codec, self.fingerprint, tokens)
-        except ChunkError as e:  # never admitted early then; the normal completion path still works
-            self.counters["verify_rejected"] += 1
-            logger.warning("verified blobs of job %d rejected on the host: %s", msg.job, e)
-            return
-        with self.cv:
-            if h.set_verified(r.chunk_lo, blobs, headers):
-                self.counters["verified"] += 1
-                if self._on_event_cb is not None:
-                    self._on_event_cb()
-            self.cv.notify_all()
-
-    def _supervise(self, now: float) -> None:
-        """Replace a dead or hung data plane (spawned), or reconnect to the service (attached)."""
-        if not self._attached:
-            why = self._unhealthy(now)
-            if why is not None:
-                self._restart(why)
-            return
-        down = self._proc.disconnected()  # drains the connection's events in every state
-        if self._registered:
-            why = "restarted" if self._forgotten else "exited" if down else self._unhealthy(now)
-            if why is not None:
-                self._reconnect(why)
-        else:  # not registered (service down, restarting, or refusing us): every fetch is a miss
-            with self.cv:
-                if self.book.lose_all("dataplane_lost"):
-                    self.cv.notify_all()
-                self.book.outbox.clear()
-            if now - self._connect_at > self.cfg.heartbeat_timeout_s:
-                self._reconnect(None)
-
-    def _reconnect(self, why: str | None) -> None:
-        """Attached: in-flight rounds become misses; a new connection registers again (answered in
-        ``_on_message``). ``why`` None: a retry while still unregistered."""
-        self._registered = self._forgotten = False
-        with self.cv:
-            lost = self.book.lose_inflight("dataplane_lost") + self.book.lose_all("dataplane_lost")
-            self.cv.notify_all()
-        if why is not None:
-            self.counters["restarts"] += 1
-            logger.warning(
-                "reconnecting to the data-plane service %s (%s; %d rounds lost)", self.cfg.endpoint, why, lost
-            )
-            if self.on_restart is not None:
-                self.on_restart(why)
-        self._proc.stop(kill=True)
-        self._proc.spawn()
-        self._connect_at = time.monotonic()
-
-    def _unhealthy(self, now: float) -> str | None:
-        """Why the data plane must be replaced (``exited`` / ``hung``), or None."""
-        if not self._proc.alive():
-            logger.error("data plane exited (rc=%s)", self._proc.returncode())
-            return "exited"
-        if now - self._proc.last_pong_at > self.cfg.heartbeat_timeout_s:
-            logger.error("data plane missed heartbeats for %.1f s", now - self._proc.last_pong_at)
-            return "hung"
-        with self.cv:
-            stale = self.book.stale(now, self.cfg.job_timeout_s)
-        if stale:
-            logger.error("data plane made no progress on %d rounds for %.1f s", stale, self.cfg.job_timeout_s)
-        return "hung" if stale else None
-
-    def _restart(self, why: str) -> None:
-        """Kill and replace the data plane; its in-flight rounds become misses."""
-        with self.cv:
-            lost = self.book.lose_inflight("dataplane_lost")
-            self.counters["restarts"] += 1
-            self.cv.notify_all()
-        logger.warning("restarting data plane (%d rounds lost)", lost)
-        if self.on_restart is not None:
-            self.on_restart(why)
-        self._proc.stop(kill=True)
-        self._proc.spawn()
-        if not self._proc.wait_ready(self.cfg.start_timeout_s):
-            logger.error("restarted data plane not ready yet; will retry")
-        with self.cv:
-            self.book.pump()

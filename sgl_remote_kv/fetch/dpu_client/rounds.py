@@ -23,7 +23,7 @@ With ``eager`` (the client's default) each chunk's run of layers is written as s
 decode of later chunks and layers, so only the last chunk's write follows its last byte; without it a round
 is written once all its layers are in the region: one write (one scatter launch on a GPU) per round. A chunk
 counts as in the pool layer by layer only as a prefix in chunk order (``FetchHandle.mark_in_pool``).
-Process lifecycle, heartbeats and restarts stay in ``dpu_client.py``.
+Process lifecycle is ``client.py``, heartbeats and event dispatch ``receiver.py``, restarts ``supervisor.py``.
 """
 
 from __future__ import annotations
