@@ -133,6 +133,10 @@ SGLANG_CPU_WARNINGS = (
     "WARNING sglang.srt.models.registry: Ignore import error when loading sglang.srt.models.",
     "WARNING sglang.srt.entrypoints.http_server: OpenAI Responses API (/v1/responses) disabled",
     "FastAPIDeprecationWarning: ORJSONResponse is deprecated",
+    # SGLang's linker wrapper hashes pages with its JIT-built native module; SGLang 0.5.23's loader takes the
+    # ``lock`` file torch >= 2.12 keeps (an OS-level FileLock, no longer removed on release) for one left by a
+    # dead build, and says so at each load after the first build
+    "WARNING sglang.srt.utils.cpp_extension_loader: Removing stale PyTorch extension lock for hicache_hash_cpp",
 )
 # A warning or worse: a leveled log line (LOGGING's format, our data plane's ``dpu[pid] LEVEL``, uvicorn's
 # ``LEVEL:``) or a Python warning (``file:line: SomethingWarning: ...``).
