@@ -125,7 +125,7 @@ def test_graceful_close_finishes_queued_chunks():
     assert [f.result(timeout=0).frames for f in futs] == [6] * 4
 
 
-def test_decoder_pool_device_follows_the_kv_pool(caplog):
+def test_decoder_pool_device_follows_the_kv_pool(caplog, monkeypatch):
     """CPU pools decode in software; a GPU pool asks for NVDEC and, where PyNvVideoCodec cannot decode
     (here: no package/driver), says why once and decodes the same bitstreams in software."""
     import types
@@ -142,14 +142,31 @@ def test_decoder_pool_device_follows_the_kv_pool(caplog):
     lay = KVLayout(2, 1, 8, "float32")
     cfg = RemoteKVConfig(nvdec_instances=3)
     cpu = writer_for(PoolTensors([torch.zeros(4, 1, 8)] * 2, [torch.zeros(4, 1, 8)] * 2), lay)
-    assert _decoder_device(types.SimpleNamespace(kv_writer=cpu, config=cfg)) == ("cpu", 0, 3)
+    assert _decoder_device(types.SimpleNamespace(kv_writer=cpu, config=cfg, pool_device=None)) == (
+        "cpu",
+        0,
+        3,
+    )
+    # the linker's fetch paths write host staging rows: the decoder follows the KV pool's device, where NVDEC
+    # decodes into host frames (here the driver check says no NVDEC, named once)
+    on_gpu = types.SimpleNamespace(kv_writer=cpu, config=cfg, pool_device=torch.device("cuda", 1))
+    assert _decoder_device(on_gpu) == ("cpu", 0, 3)
+    assert "NVDEC unusable on GPU 1" in caplog.text
+    monkeypatch.setattr(nvcodec, "unavailable_reason", lambda gpu: None)
+    monkeypatch.setattr(nvcodec, "nvdec_engines", lambda gpu: 7)
+    assert _decoder_device(on_gpu) == ("cuda", 1, 7)
+    monkeypatch.undo()
     dev = StrictDevice()
     try:
         planes = [dev.plane((4, 1, 8), torch.float32) for _ in range(2)]
         gpu = writer_for(PoolTensors(planes, planes), lay, ops=dev)
         reason = nvcodec.unavailable_reason(0)
         assert reason is not None  # this machine has no NVDEC
-        assert _decoder_device(types.SimpleNamespace(kv_writer=gpu, config=cfg)) == ("cpu", 0, 3)
+        assert _decoder_device(types.SimpleNamespace(kv_writer=gpu, config=cfg, pool_device=None)) == (
+            "cpu",
+            0,
+            3,
+        )
         assert "NVDEC unusable on GPU 0" in caplog.text
     finally:
         dev.close()

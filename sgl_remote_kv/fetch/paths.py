@@ -95,13 +95,14 @@ class PathParts:
     fingerprint: ModelFingerprint
     codec: Codec  # the write codec
     client: StoreClient
-    kv_writer: object  # the pool's KVWriter (None: a CPU-only test without a pool)
+    kv_writer: object  # where fetched KV is written: the linker's staging writer (None: a test without one)
     wakeup: threading.Event
     on_store_error: object = None  # (op, kind, n): the data plane's own store client's failures
     on_restart: object = None  # (reason): the data plane was replaced
     on_pool_write: object = (
         None  # (seconds, layers, output): the DPU client's receiver thread wrote into the pool
     )
+    pool_device: object = None  # the KV pool's torch device (None: the writer's): picks NVDEC on a GPU
 
 
 def inproc_path(parts: PathParts) -> FetchPath:
@@ -192,9 +193,12 @@ def chunk_versions(cfg: RemoteKVConfig, codec: Codec, fingerprint: ModelFingerpr
 
 def _decoder_device(parts: PathParts) -> tuple[str, int, int]:
     """(device, gpu id, instances) of the decoder pool: NVDEC through PyNvVideoCodec, one decoder per
-    engine, when the KV pool is on a GPU whose NVDEC decodes 8-bit 4:4:4 HEVC; FFmpeg's software decoder
-    (``--remote-kv-nvdec-instances`` threads) otherwise, on the same bitstreams."""
-    dev = parts.kv_writer.pool.k[0].device if parts.kv_writer is not None else None
+    engine, when the KV pool is on a GPU whose NVDEC decodes 8-bit 4:4:4 HEVC (its frames come back to
+    host memory, where the staging rows are); FFmpeg's software decoder (``--remote-kv-nvdec-instances``
+    threads) otherwise, on the same bitstreams."""
+    dev = parts.pool_device
+    if dev is None and parts.kv_writer is not None:
+        dev = parts.kv_writer.pool.k[0].device
     if dev is None or dev.type != "cuda":
         return "cpu", 0, parts.config.nvdec_instances
     from sgl_remote_kv.nvdec import nvcodec

@@ -53,6 +53,7 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig, staged: StagedPages
         on_store_error=metrics.store_error,
         on_restart=metrics.dataplane_restart,
         on_pool_write=metrics.dataplane_write,
+        pool_device=kv_writer.pool.k[0].device,
     )
     keys = runtime.KeySpace(fp, codec, cfg.chunk_size, generation.read(client, fp) or b"")
     tails = cfg.tail_granule if codec.sub_chunks else 0  # hevc: a frame layout per chunk size
