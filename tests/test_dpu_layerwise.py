@@ -66,6 +66,14 @@ def _attached(tmp_path, url: str, spec: DataPlaneSettings, blob_bytes: int):
     c = DpuClient(cfg, FP, codecs()["lossless"])
     try:
         c.start()
+        # The receiver's first pass sends its first heartbeat (the next one only after ``heartbeat_s``). Let
+        # it happen now: a Pong that came after ``_raw_job`` took over the registration would say "not
+        # registered", and the client would register again, dropping the raw connection and its job.
+        c._wake()
+        deadline = time.monotonic() + 10
+        while c.last_pong is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.last_pong is not None, "the data plane did not answer the first heartbeat"
         yield c
     finally:
         c.close()
