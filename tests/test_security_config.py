@@ -124,7 +124,7 @@ def test_real_cli_bad_flag_fails_fast_with_one_line(model_dir, args, flag, msg):
 
 
 def test_impossible_chunk_sizes_are_one_clear_error():
-    """The check ``radix_cache.build`` runs once the pool and the model layout are known."""
+    """The check ``assemble.build_runtime`` runs once the pool and the model layout are known."""
     from sgl_remote_kv.fetch.dpu_client.client import DpuClientConfig
     from sgl_remote_kv.preflight import StartupError, check_chunk_fits
     from sgl_remote_kv.types import KVLayout
