@@ -19,7 +19,6 @@ import argparse
 import json
 import platform
 import time
-from dataclasses import replace
 from pathlib import Path
 
 # SmolLM2-135M (FACTS.md): 30 layers, 3 KV heads of 64, bfloat16.
@@ -27,37 +26,27 @@ MODEL_LAYOUT = (30, 3, 64, "bfloat16")
 SAMPLES = 2
 
 
-def _group_fp():
-    from sgl_remote_kv.nvdec.hevc_codec import GROUP
-
+def _model_fp():
     from sgl_remote_kv.types import KVLayout, ModelFingerprint
 
-    layers, heads, dim, dtype = MODEL_LAYOUT
-    return ModelFingerprint(
-        "LlamaForCausalLM", KVLayout(min(GROUP, layers), heads, dim, dtype), "nvdec-profile"
-    )
+    return ModelFingerprint("LlamaForCausalLM", KVLayout(*MODEL_LAYOUT), "nvdec-profile")
 
 
 def encode(out: Path) -> None:
     from sgl_remote_kv.nvdec.hevc_codec import HevcCodec
-    from sgl_remote_kv.nvdec.profile import sample_kv
-    from sgl_remote_kv.nvdec.versions import version_codec
+    from sgl_remote_kv.nvdec.profile import sample_chunks
 
     from sgl_remote_kv.config import RemoteKVConfig
 
     cfg = RemoteKVConfig()
-    fp = _group_fp()
     anchor = HevcCodec()
     out.mkdir(parents=True, exist_ok=True)
-    kvs = [sample_kv(fp.layout, cfg.chunk_size, seed=7 + i) for i in range(SAMPLES)]
+    _, blobs = sample_chunks(anchor, cfg.nvdec_versions, _model_fp(), cfg.chunk_size, SAMPLES)
     files = {}
-    for res in cfg.nvdec_versions:
-        names = []
-        for i, (k, v) in enumerate(kvs):
-            name = f"r{res}_s{i}.chunk"
-            (out / name).write_bytes(version_codec(anchor, res).encode(k, v, fp))
-            names.append(name)
-        files[str(res)] = names
+    for res, chunks in blobs.items():
+        files[str(res)] = [f"r{res}_s{i}.chunk" for i in range(len(chunks))]
+        for name, blob in zip(files[str(res)], chunks, strict=True):
+            (out / name).write_bytes(blob)
     manifest = {
         "chunk_size": cfg.chunk_size,
         "layout": MODEL_LAYOUT,
@@ -68,23 +57,17 @@ def encode(out: Path) -> None:
     print(f"wrote {sum(map(len, files.values()))} chunks at resolutions {list(files)} to {out}")
 
 
-def _device_name(device: str) -> str:
-    from sgl_remote_kv.nvdec.profile import device_name
-
-    return device_name(device)
-
-
 def profile_dir(src: Path, device: str, instances: list[int], repeats: int) -> dict:
     import sgl_remote_kv.nvdec  # noqa: F401  (registers "hevc")
     from sgl_remote_kv.nvdec.hevc_codec import GROUP
     from sgl_remote_kv.nvdec.pool import DecoderPool
-    from sgl_remote_kv.nvdec.profile import profile
+    from sgl_remote_kv.nvdec.profile import device_name, discard_sink, group_fingerprint, per_model, profile
     from sgl_remote_kv.nvdec.video import decoder_name
 
     manifest = json.loads((src / "manifest.json").read_text())
     if tuple(manifest["layout"]) != MODEL_LAYOUT:
         raise SystemExit(f"{src}: encoded for layout {manifest['layout']}, not {MODEL_LAYOUT}")
-    fp = _group_fp()
+    fp = group_fingerprint(_model_fp())
     blobs = {int(r): [(src / n).read_bytes() for n in names] for r, names in manifest["files"].items()}
     groups = -(-MODEL_LAYOUT[0] // GROUP)
     runs = []
@@ -92,17 +75,19 @@ def profile_dir(src: Path, device: str, instances: list[int], repeats: int) -> d
         t0 = time.perf_counter()
         with DecoderPool(instances=n, device=device) as pool:
             for r in blobs:  # warm-up: the first decode opens the decoder session (NVDEC: a context)
-                profile(pool, fp, {r: blobs[r][:1]}, lambda: _discard, repeats=1)
-            t = profile(pool, fp, blobs, lambda: _discard, repeats=repeats)
+                profile(pool, fp, {r: blobs[r][:1]}, discard_sink, repeats=1)
+            t = profile(pool, fp, blobs, discard_sink, repeats=repeats)
             errors = dict(pool.stats)
-        t = replace(t, latency=tuple(tuple(x * groups for x in row) for row in t.latency))
+        model = per_model(
+            t, MODEL_LAYOUT[0]
+        )  # latencies of the whole chunk; group_bytes below stay per group
         runs.append(
             {
                 "instances": n,
                 "resolutions": ["full" if r == 0 else r for r in t.resolutions],
                 "decode_s_per_chunk": {  # [resolution][load 1..instances], the model's whole chunk
                     ("full" if r == 0 else str(r)): [round(x, 5) for x in row]
-                    for r, row in zip(t.resolutions, t.latency, strict=True)
+                    for r, row in zip(t.resolutions, model.latency, strict=True)
                 },
                 "switch_penalty_s": {
                     ("full" if r == 0 else str(r)): round(p * groups, 5)
@@ -120,7 +105,7 @@ def profile_dir(src: Path, device: str, instances: list[int], repeats: int) -> d
         "what": "benchmarks/nvdec_device_profile.py: the server's adaptive-resolution decode table "
         "(nvdec/profile.py) on pre-encoded chunks of SmolLM2-135M's layout, per decoder instance count",
         "device": device,
-        "device_name": _device_name(device),
+        "device_name": device_name(device),
         "decoder": decoder_name(device),
         "host": platform.node(),
         "chunk_size": manifest["chunk_size"],
@@ -128,10 +113,6 @@ def profile_dir(src: Path, device: str, instances: list[int], repeats: int) -> d
         "repeats": repeats,
         "runs": runs,
     }
-
-
-def _discard(_frame) -> None:
-    """A sink that drops frames: the profile times decoding, not restoration."""
 
 
 def _print(rep: dict) -> None:

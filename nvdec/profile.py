@@ -206,19 +206,47 @@ def serving_table(
     )
 
     def build() -> ProfileTable:
-        group = KVLayout(min(GROUP, lay.num_layers), lay.num_kv_heads, lay.head_dim, lay.dtype)
-        fp = ModelFingerprint(fingerprint.architecture, group, "nvdec-profile")
-        kvs = [sample_kv(group, chunk_size, seed=7 + i) for i in range(samples)]
-        blobs = {r: [version_codec(anchor, r).encode(k, v, fp) for k, v in kvs] for r in resolutions}
-        t = profile(pool, fp, blobs, lambda: _discard, repeats=repeats, key=key)
-        groups = -(-lay.num_layers // GROUP)
-        return replace(
-            t,
-            latency=tuple(tuple(x * groups for x in row) for row in t.latency),
-            size_bytes=tuple(s * groups for s in t.size_bytes),
-        )
+        fp, blobs = sample_chunks(anchor, resolutions, fingerprint, chunk_size, samples)
+        t = profile(pool, fp, blobs, discard_sink, repeats=repeats, key=key)
+        return per_model(t, lay.num_layers)
 
     return load_or_profile(key, build, refresh=refresh, path=path)
+
+
+def group_fingerprint(fingerprint: ModelFingerprint) -> ModelFingerprint:
+    """The fingerprint of one layer group of ``fingerprint``'s KV layout (what the profile encodes)."""
+    lay = fingerprint.layout
+    group = KVLayout(min(GROUP, lay.num_layers), lay.num_kv_heads, lay.head_dim, lay.dtype)
+    return ModelFingerprint(fingerprint.architecture, group, "nvdec-profile")
+
+
+def sample_chunks(
+    anchor: HevcCodec,
+    resolutions: Sequence[int],
+    fingerprint: ModelFingerprint,
+    chunk_size: int,
+    samples: int,
+) -> tuple[ModelFingerprint, dict[int, list[bytes]]]:
+    """(group fingerprint, ``{resolution: sample chunks}``): ``samples`` synthetic chunks (fixed seeds) of
+    one layer group, encoded at each resolution with ``anchor``'s quantization and tiling."""
+    fp = group_fingerprint(fingerprint)
+    kvs = [sample_kv(fp.layout, chunk_size, seed=7 + i) for i in range(samples)]
+    return fp, {r: [version_codec(anchor, r).encode(k, v, fp) for k, v in kvs] for r in resolutions}
+
+
+def per_model(table: ProfileTable, num_layers: int) -> ProfileTable:
+    """A one-group table scaled to a model of ``num_layers`` (a chunk decodes every group alike)."""
+    groups = -(-num_layers // GROUP)
+    return replace(
+        table,
+        latency=tuple(tuple(x * groups for x in row) for row in table.latency),
+        size_bytes=tuple(s * groups for s in table.size_bytes),
+    )
+
+
+def discard_sink():
+    """A sink factory whose sinks drop frames: the profile times decoding, not restoration."""
+    return _discard
 
 
 def _discard(_frame) -> None:

@@ -93,7 +93,7 @@ class RemoteKVLinker(UnifiedCacheLinker):
         self.pools = {PoolName.KV: None}  # the wrapper reads only which pools a linker serves
         self.staged: StagedPages | None = None  # None: the tier is off on this pool (every lookup misses)
         self._pending: dict[str, tuple] = {}  # rid -> (pin, device slots), until the batch starts
-        self._inflight: dict[int, list] = {}
+        self._inflight: dict[int, list] = {}  # counter index -> the pins its copy reads, until finished
         self._offloaded = 0  # offloads taken and not yet popped
         try:
             b = seam.linker_build_context(server_args, params)
@@ -114,7 +114,6 @@ class RemoteKVLinker(UnifiedCacheLinker):
         """Serve loads from ``staged`` into ``rt``'s pool: the layer counter and the load thread."""
         self.staged, self.rt = staged, rt
         self.layer_done_counter = FencedCounter(staged.layout.num_layers, rt.kv_writer)
-        self._inflight: dict[int, list] = {}  # counter index -> the pins its copy reads, until finished
         self._copies: queue.Queue = queue.Queue()
         threading.Thread(target=self._copy_loop, name="srkv-linker-load", daemon=True).start()
 
