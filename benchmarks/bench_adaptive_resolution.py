@@ -2,7 +2,8 @@
 
 Setup: Redis in its own network namespace behind a ``tc tbf``-shaped veth (``benchmarks/netshape.py`` via
 ``e2e_server.shaped_store``); real CPU SGLang servers (SmolLM2-135M, ``--remote-kv nvdec``, 256-token
-chunks, the default resolutions 16, 64 tokens/frame and full, FFmpeg's software HEVC decoder pool of 2).
+chunks, the default resolutions 16, 64 tokens/frame and full, FFmpeg's software HEVC decoder pool of 2,
+the CPU platform's default attention backend).
 
 1. A writer server answers the prompt cold (recompute) and writes every chunk back at each resolution;
    the bytes of each version (``nvdec_written_bytes{resolution}``) are the store cost.
@@ -66,11 +67,12 @@ def _prompt(model: str, chunks: int) -> list[int]:
 
 
 def _server(model: str, store_url: str, fetch: str, workdir: Path) -> SGLangServer:
+    # the platform's own CPU attention (``cpu_prefix``), not ``torch_native``: that one pads every extend's
+    # query to the whole sequence, so the prefill after a 2,304-token hit cost ~3.5 s here (a local hit
+    # too), a constant that hid the fetch the benchmark compares
     args = (
         "--enable-metrics",
         "--enable-cache-report",
-        "--attention-backend",
-        "torch_native",
         "--remote-kv",
         "nvdec",
         "--remote-kv-store",
