@@ -94,20 +94,28 @@ def test_decode_adds_the_mean_applies_rope_and_rounds_to_the_storage_dtype(style
         np.testing.assert_array_equal(bits, half.to(dt).view(torch.int16).numpy().view(np.uint16))
 
 
-@pytest.mark.parametrize("gd", [16, 64, 192])
+@pytest.mark.parametrize("gd", [16, 64, 192, 1024, 1040])
 def test_the_integer_gemm_is_exact_for_every_token_count(gd):
-    """torch's CPU ``_int_mm`` once summed a single row wrongly: every T a chunk can have is checked."""
-    from sgl_remote_kv.codec.inverse import _int_gemm
+    """The GEMM runs in floats (float32 up to 1024 columns, float64 beyond): exact for every T a chunk can
+    have, also at the extremes (every product 2^14: a float32 sum of 1024 of them is exactly 2^24). torch's
+    CPU ``_int_mm``, used before, once summed a single row wrongly."""
+    from sgl_remote_kv.codec.inverse import _int_gemm, _work
 
     rng = np.random.default_rng(gd)
-    w = rng.integers(-128, 128, (gd, 2 * gd)).astype(np.int8)
-    for t_n in [*range(1, 20), 63, 64, 65, 255, 256]:
-        codes = rng.integers(-128, 128, (gd, t_n)).astype(np.int8)
-        out = torch.empty((t_n, 2 * gd), dtype=torch.int32)
-        _int_gemm(torch.from_numpy(codes).t(), torch.from_numpy(w), out)
-        np.testing.assert_array_equal(
-            out.numpy(), codes.T.astype(np.int64) @ w.astype(np.int64), err_msg=str(t_n)
-        )
+    counts = [*range(1, 20), 63, 64, 65, 255, 256] if gd <= 192 else [1, 2, 17, 256]
+    for t_n in counts:
+        for extreme in (False, True):
+            if extreme:
+                w = np.full((gd, 2 * gd), -128, np.int8)
+                codes = np.full((gd, t_n), -128, np.int8)
+            else:
+                w = rng.integers(-128, 128, (gd, 2 * gd)).astype(np.int8)
+                codes = rng.integers(-128, 128, (gd, t_n)).astype(np.int8)
+            out = torch.empty((t_n, 2 * gd), dtype=torch.int32)
+            _int_gemm(torch.from_numpy(codes).t(), torch.from_numpy(w), out, *_work(t_n, gd)[-1])
+            np.testing.assert_array_equal(
+                out.numpy(), codes.T.astype(np.int64) @ w.astype(np.int64), err_msg=f"{t_n} {extreme}"
+            )
 
 
 def test_an_escaped_code_decodes_to_the_same_float_as_the_symbol():

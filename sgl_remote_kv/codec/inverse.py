@@ -10,7 +10,7 @@ it as its basis with unit steps and the calibration scores its steps through thi
 computes the same real numbers up to float32 rounding. Per call (one layer, K or V, T tokens)::
 
     codes = symbol ^ 0x80 as int8   (q for ordinary symbols, -128 for the escape symbol 0)
-    acc   = codes^T @ [hi | lo]     torch._int_mm, int8 x int8 -> exact int32 (VNNI on x86)
+    acc   = codes^T @ [hi | lo]     int8 x int8 -> exact int32 (a float32 BLAS GEMM: see ``_int_gemm``)
     tot   = acc_hi * 256 + acc_lo                                   int64
     escapes: tot[t, :] += (q + 128) * wi[c, :]                     (the true code minus the -128 used)
     x[t, j] = float32(tot[t, j]) * (col[j] * s[t])
@@ -43,6 +43,7 @@ _tls = threading.local()
 _NO_ROPE = np.zeros((1, 1), np.float32)  # the cos/sin of a V decode (unused)
 _EMPTY32 = np.empty((1, 1, 1), np.float32)  # the unused output of ``_decode_group``
 _EMPTY16 = np.empty((1, 1, 1), np.uint16)
+_F32_EXACT_K = 1024  # columns of int8 codes whose float32 GEMM is exact (1024 * 2^14 = 2^24)
 
 
 @njit(nogil=True, cache=True)
@@ -150,14 +151,14 @@ class InverseTables:
         gd = self.col.shape[-1]
         c_n, t_n = sym.shape
         n_g = c_n // gd
-        codes, codes_t, acc, acc_np, tot = _work(t_n, gd)
+        codes, codes_t, acc, acc_np, tot, floats = _work(t_n, gd)
         cos, sin, style = rope if rope is not None else (_NO_ROPE, _NO_ROPE, 0)
         out32, out16 = (out, _EMPTY16) if mode == 0 else (_EMPTY32, out)
         used = 0
         for g in range(n_g):
             gsym = sym[g * gd : (g + 1) * gd]
             np.bitwise_xor(gsym, 0x80, out=codes)
-            _int_gemm(codes_t, self.w2[kv, group + g], acc)
+            _int_gemm(codes_t, self.w2[kv, group + g], acc, *floats)
             used = _decode_group(
                 acc_np,
                 self.wi[kv, group + g],
@@ -183,18 +184,23 @@ class InverseTables:
         return used
 
 
-def _int_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = a @ b`` (int8 x int8 -> int32, exact). torch's CPU ``_int_mm`` returns wrong sums for a
-    single row (torch 2.14, every width); one token goes through numpy's integer matmul instead."""
-    if a.shape[0] == 1:
-        np.matmul(a.numpy().astype(np.int32), b.numpy().astype(np.int32), out=out.numpy())
-    else:
-        torch._int_mm(a, b, out=out)
+def _int_gemm(
+    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, af: torch.Tensor, bf: torch.Tensor, of: torch.Tensor
+) -> None:
+    """``out = a @ b`` (int8 x int8 -> int32, exact) through a float GEMM in the work buffers ``af``, ``bf``,
+    ``of`` (float32 while ``a`` has at most ``_F32_EXACT_K`` columns, else float64). Exact: every product is
+    an integer of magnitude <= 2^14, so every partial sum of <= 1024 of them is an integer below 2^24, which
+    float32 holds exactly in any summation order (float64 holds any ``gd`` here). Not torch's CPU
+    ``_int_mm``: far slower than BLAS on CPUs without its fast path (docs/CODEC.md), wrong for one row."""
+    af.copy_(a)
+    bf.copy_(b)
+    torch.matmul(af, bf, out=of)
+    out.copy_(of)
 
 
 def _work(t_n: int, gd: int):
     """This thread's work arrays for (T, gd): codes [gd, T] uint8 and its int8 transpose as a tensor, acc
-    [T, 2 * gd] int32 (tensor and array), tot [T, gd] int64."""
+    [T, 2 * gd] int32 (tensor and array), tot [T, gd] int64, and the GEMM's float buffers (``_int_gemm``)."""
     cache = getattr(_tls, "work", None)
     if cache is None:
         cache = _tls.work = {}
@@ -206,5 +212,8 @@ def _work(t_n: int, gd: int):
         codes = np.empty((gd, t_n), np.uint8)
         acc = torch.empty((t_n, 2 * gd), dtype=torch.int32)
         tot = np.empty((t_n, gd), np.int64)
-        w = cache[key] = (codes, torch.from_numpy(codes).view(torch.int8).t(), acc, acc.numpy(), tot)
+        ft = torch.float32 if gd <= _F32_EXACT_K else torch.float64
+        floats = (torch.empty((t_n, gd), dtype=ft), torch.empty((gd, 2 * gd), dtype=ft))
+        floats += (torch.empty((t_n, 2 * gd), dtype=ft),)
+        w = cache[key] = (codes, torch.from_numpy(codes).view(torch.int8).t(), acc, acc.numpy(), tot, floats)
     return w
