@@ -25,6 +25,7 @@ import urllib.request
 
 import pytest
 
+from tests.fixtures.faults import wait_written
 from tests.fixtures.remote_kv_server import (
     CHUNK,
     chat,
@@ -60,18 +61,6 @@ def _ids(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def _wait_written(srv, at_least: float, timeout: float = 120.0) -> float:
-    """Write-back is asynchronous: wait until the server reports ``at_least`` chunks written."""
-    deadline = time.monotonic() + timeout
-    written = 0.0
-    while time.monotonic() < deadline:
-        written = metrics(srv).get("sglang:remote_kv_written_chunks_total", 0.0)
-        if written >= at_least:
-            return written
-        time.sleep(0.5)
-    raise AssertionError(f"only {written} chunks written back, expected >= {at_least}")
-
-
 def _text(resp: dict) -> str:
     return resp["choices"][0]["message"]["content"]
 
@@ -98,7 +87,7 @@ def test_restart_multi_turn_fidelity_partial_chunked(model_dir, tmp_path, tok):
         assert storage_tokens(r1) == 0
         generate(s1, doc_ids + q1_ids)
         turn1_tokens = r1["usage"]["prompt_tokens"]
-        _wait_written(s1, (turn1_tokens - 1) // CHUNK + len(doc_ids) // CHUNK)
+        wait_written(s1, 0, (turn1_tokens - 1) // CHUNK + len(doc_ids) // CHUNK)
 
     with remote_kv_server(model_dir, store, "--chunked-prefill-size", "128") as s2:
         r2 = chat(s2, turn2)
@@ -146,7 +135,7 @@ def test_slow_store_no_hit_not_delayed_and_abort(model_dir, tmp_path, tok):
     # waiting / abort / data-plane death rather than the fetch-vs-recompute choice.
     with remote_kv_server(model_dir, store, "--remote-kv-policy-margin", "1e9") as srv:
         computed, _ = generate(srv, doc_ids + _ids(tok, Q1))
-        _wait_written(srv, len(doc_ids) // CHUNK)
+        wait_written(srv, 0, len(doc_ids) // CHUNK)
         flush_cache(srv)  # drop the local copy: the next hit must be remote
 
         done: dict[str, float] = {}
