@@ -78,9 +78,8 @@ def profile_dir(src: Path, device: str, instances: list[int], repeats: int) -> d
                 profile(pool, fp, {r: blobs[r][:1]}, discard_sink, repeats=1)
             t = profile(pool, fp, blobs, discard_sink, repeats=repeats)
             errors = dict(pool.stats)
-        model = per_model(
-            t, MODEL_LAYOUT[0]
-        )  # latencies of the whole chunk; group_bytes below stay per group
+        # latencies of the model's whole chunk (as the server's table); group_bytes below stay per group
+        model = per_model(t, MODEL_LAYOUT[0])
         runs.append(
             {
                 "instances": n,
