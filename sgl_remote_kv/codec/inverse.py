@@ -192,10 +192,10 @@ def _int_gemm(
     an integer of magnitude <= 2^14, so every partial sum of <= 1024 of them is an integer below 2^24, which
     float32 holds exactly in any summation order (float64 holds any ``gd`` here). Not torch's CPU
     ``_int_mm``: far slower than BLAS on CPUs without its fast path (docs/CODEC.md), wrong for one row."""
-    af.copy_(a)
-    bf.copy_(b)
+    np.copyto(af.numpy(), a.numpy(), casting="unsafe")
+    np.copyto(bf.numpy(), b.numpy(), casting="unsafe")
     torch.matmul(af, bf, out=of)
-    out.copy_(of)
+    np.copyto(out.numpy(), of.numpy(), casting="unsafe")
 
 
 def _work(t_n: int, gd: int):
