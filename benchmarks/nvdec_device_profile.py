@@ -88,8 +88,9 @@ def profile_dir(src: Path, device: str, instances: list[int], repeats: int) -> d
                     ("full" if r == 0 else str(r)): [round(x, 5) for x in row]
                     for r, row in zip(t.resolutions, model.latency, strict=True)
                 },
+                # once per chunk, not per group: a chunk is one pool job on one decoder (``per_model``)
                 "switch_penalty_s": {
-                    ("full" if r == 0 else str(r)): round(p * groups, 5)
+                    ("full" if r == 0 else str(r)): round(p, 5)
                     for r, p in zip(t.resolutions, t.penalty, strict=True)
                 },
                 "group_bytes": {

@@ -235,7 +235,8 @@ def sample_chunks(
 
 
 def per_model(table: ProfileTable, num_layers: int) -> ProfileTable:
-    """A one-group table scaled to a model of ``num_layers`` (a chunk decodes every group alike)."""
+    """A one-group table scaled to a model of ``num_layers`` (a chunk decodes every group alike). The switch
+    penalty is not scaled: a chunk is one pool job on one decoder, which switches once, at its first group."""
     groups = -(-num_layers // GROUP)
     return replace(
         table,
