@@ -9,11 +9,11 @@ the assistant's answer primed ("The pass key is"), greedy, scored by string matc
 One ``--remote-kv dpu`` server per codec / quality level (levels have their own key namespaces), file://
 store in a temporary directory, chunks of 64 tokens, fetch always preferred (``--remote-kv-policy-margin
 1e9``), float32 weights (the build the calibration belongs to), the platform's default attention
-(``cpu_prefix``: a hit's extend attends only its new tokens; ``torch_native`` pads them to the whole prompt). Per server, per item: a cold request
-(recomputed, written back), on the first server the same request again (a **local hit**: SGLang's radix
-cache), then after the write-back went quiet and ``/flush_cache`` every item once more: a **remote hit**
-(the document's chunks come back through the codec; ``cached_tokens_details.storage`` says how many
-tokens, reported as the remote-hit token share). The transform codec's default level is served by a
+(``cpu_prefix``: a hit's extend attends only its new tokens; ``torch_native`` pads them to the whole
+prompt). Per server, per item: a cold request (recomputed, written back), on the first server the same
+request again (a **local hit**: SGLang's radix cache), then after the write-back went quiet and
+``/flush_cache`` every item once more: a **remote hit** (the document's chunks come back through the
+codec; ``cached_tokens_details.storage`` says how many tokens, reported as the remote-hit token share). The transform codec's default level is served by a
 server started without ``--remote-kv-quality`` (what a user gets), the metrics' ``quality`` label says
 which level that was.
 
