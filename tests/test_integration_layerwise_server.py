@@ -70,7 +70,7 @@ def test_layerwise_remote_hit_exact_and_ttft(model_dir, tmp_path):
     store = f"file://{tmp_path / 'store'}"
     with remote_kv_server(model_dir, store, *ARGS, mode="nvdec") as s1:
         base, t_cold = _first_token(s1, ids)
-        wait_written(s1, 0, usable // CHUNK)
+        wait_written(s1, 0, usable // CHUNK, 180)
         offs = []
         for _ in range(2):  # the 2nd one is the measurement (the 1st warms the long-prefix path)
             flush_cache(s1)
@@ -138,7 +138,7 @@ def test_dpu_layerwise_exact_survives_data_plane_kill(model_dir, tmp_path):
     slow_dma = ("--remote-kv-layerwise", "--remote-kv-dpu-args", "--dma-delay-s 0.05")
     with remote_kv_server(model_dir, store, *ARGS, *ALWAYS_FETCH, *slow_dma, mode="dpu") as srv:
         base, _ = _first_token(srv, ids)  # cold: recomputed, written back
-        wait_written(srv, 0, usable // CHUNK)
+        wait_written(srv, 0, usable // CHUNK, 180)
         ((hit, _),) = _remote_hits(srv, ids, 1)
         m = metrics(srv)
         killed = _kill_data_plane_after_admission(srv, ids)
@@ -160,7 +160,7 @@ def test_dpu_layerwise_ttft(model_dir, tmp_path):
     store = f"file://{tmp_path / 'store'}"
     with remote_kv_server(model_dir, store, *ARGS, *ALWAYS_FETCH, mode="dpu") as s1:
         base, t_cold = _first_token(s1, ids)
-        wait_written(s1, 0, usable // CHUNK)
+        wait_written(s1, 0, usable // CHUNK, 180)
         offs = _remote_hits(s1, ids, RUNS)
     with remote_kv_server(model_dir, store, *ARGS, *ALWAYS_FETCH, "--remote-kv-layerwise", mode="dpu") as s2:
         ons = _remote_hits(s2, ids, RUNS)

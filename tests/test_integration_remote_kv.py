@@ -87,7 +87,7 @@ def test_restart_multi_turn_fidelity_partial_chunked(model_dir, tmp_path, tok):
         assert storage_tokens(r1) == 0
         generate(s1, doc_ids + q1_ids)
         turn1_tokens = r1["usage"]["prompt_tokens"]
-        wait_written(s1, 0, (turn1_tokens - 1) // CHUNK + len(doc_ids) // CHUNK)
+        wait_written(s1, 0, (turn1_tokens - 1) // CHUNK + len(doc_ids) // CHUNK, 120)
 
     with remote_kv_server(model_dir, store, "--chunked-prefill-size", "128") as s2:
         r2 = chat(s2, turn2)
@@ -135,7 +135,7 @@ def test_slow_store_no_hit_not_delayed_and_abort(model_dir, tmp_path, tok):
     # waiting / abort / data-plane death rather than the fetch-vs-recompute choice.
     with remote_kv_server(model_dir, store, "--remote-kv-policy-margin", "1e9") as srv:
         computed, _ = generate(srv, doc_ids + _ids(tok, Q1))
-        wait_written(srv, 0, len(doc_ids) // CHUNK)
+        wait_written(srv, 0, len(doc_ids) // CHUNK, 120)
         flush_cache(srv)  # drop the local copy: the next hit must be remote
 
         done: dict[str, float] = {}
