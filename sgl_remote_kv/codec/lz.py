@@ -1,9 +1,13 @@
 """Byte-level lossless back-ends shared by the codecs: raw (stored), Deflate (isal, raw stream), zstd.
 
 Deflate streams of quantized symbols can be written *Huffman-only* (zlib's ``Z_HUFFMAN_ONLY``: dynamic
-Huffman blocks of ``HUFFMAN_MEM_LEVEL``'s size, no LZ77 matches). They are ordinary Deflate (every
-inflater, a DPU's engine included, decodes them); on noise-like symbols the matches cost more than they
-save, and smaller blocks let the code follow the symbols' changing spread.
+Huffman blocks, no LZ77 matches). They are ordinary Deflate (every inflater, a DPU's engine included,
+decodes them); on noise-like symbols the matches cost more than they save, and blocks let the code follow
+the symbols' changing spread. Where the stream is component-major (rows of ``row`` symbols, one row per
+component, whose spread changes from row to row), ``plan_blocks`` places the block boundaries at the row
+boundaries that minimize the estimated size (a dynamic program over groups of ``PLAN_ROWS`` rows: each
+block's entropy under its own histogram plus its code table), and the encoder ends a block there
+(``Z_BLOCK``); otherwise zlib ends one every ``HUFFMAN_MEM_LEVEL``'s worth of symbols.
 
 ``decompress_into`` never produces more than the claimed length (no decompression bombs) and raises
 only ``CorruptChunk``. isal, zlib and zstandard release the GIL while (de)compressing.
@@ -18,6 +22,7 @@ import zlib
 import numpy as np
 import zstandard
 from isal import isal_zlib
+from numba import njit
 
 from sgl_remote_kv.codec.errors import CorruptChunk
 
@@ -28,12 +33,88 @@ METHODS = {"raw": RAW, "deflate": DEFLATE, "zstd": ZSTD}
 # zlib memLevel of Huffman-only streams: blocks of 2^(8+6) = 16 Ki symbols. Chosen on the tune texts'
 # transform-codec symbols: 7 gave +1.5% ratio but 12% slower inflate, 9 -3% ratio (docs/CODEC.md).
 HUFFMAN_MEM_LEVEL = 8
+# Planned blocks: boundaries on every PLAN_ROWS-th row (2 rows: +0.1% more for twice the planning work);
+# a block's code table is estimated at PLAN_TABLE_BITS + PLAN_SYMBOL_BITS per symbol it codes (the
+# measured dynamic-header size of these streams: about 60 bits and 4-5 bits per used literal).
+PLAN_ROWS = 4
+PLAN_TABLE_BITS = 60.0
+PLAN_SYMBOL_BITS = 4.5
+_NLOGN = np.zeros(1)  # n log2 n, n = 0.. (grown by plan_blocks)
 
 
-def compress_huffman(data) -> bytes:
-    """A raw Deflate stream of ``data`` with Huffman coding only (see module docstring)."""
-    c = zlib.compressobj(9, zlib.DEFLATED, -15, HUFFMAN_MEM_LEVEL, zlib.Z_HUFFMAN_ONLY)
-    return c.compress(data) + c.flush()
+@njit(nogil=True, cache=True)
+def _plan(rows, group: int, table_bits: float, symbol_bits: float, nlogn, cuts) -> int:
+    """Block ends (row indices, ascending, the last = the row count) into ``cuts``; returns their number.
+    Exact dynamic program over boundaries every ``group`` rows of the estimated bits of each block;
+    ``nlogn[n]`` = n log2 n for n up to the symbol count."""
+    c_n, t_n = rows.shape
+    n_u = (c_n + group - 1) // group
+    hist = np.zeros((n_u + 1, 256), np.int64)  # hist[u] = symbol counts of rows before unit u
+    for u in range(n_u):
+        hist[u + 1] = hist[u]
+        for r in range(u * group, min(c_n, (u + 1) * group)):
+            for t in range(t_n):
+                hist[u + 1, rows[r, t]] += 1
+    lo, hi = 255, 0
+    for s in range(256):
+        if hist[n_u, s]:
+            lo, hi = min(lo, s), max(hi, s)
+    best = np.full(n_u + 1, np.inf)
+    prev = np.zeros(n_u + 1, np.int64)
+    best[0] = 0.0
+    for j in range(1, n_u + 1):
+        for i in range(j):
+            n = 0
+            bits = 0.0
+            used = 0
+            for s in range(lo, hi + 1):
+                c = hist[j, s] - hist[i, s]
+                if c:
+                    n += c
+                    bits -= nlogn[c]
+                    used += 1
+            cost = best[i] + nlogn[n] + bits + table_bits + symbol_bits * used
+            if cost < best[j]:
+                best[j] = cost
+                prev[j] = i
+    k = 0
+    j = n_u
+    while j > 0:
+        cuts[k] = min(c_n, j * group)
+        k += 1
+        j = prev[j]
+    cuts[:k] = cuts[:k][::-1].copy()
+    return k
+
+
+def plan_blocks(data, row: int) -> list[int]:
+    """Where a Huffman-only stream of rows of ``row`` symbols should end its blocks: row indices,
+    ascending, the last = the row count (see module docstring)."""
+    global _NLOGN
+    rows = np.frombuffer(data, np.uint8).reshape(-1, row)
+    nlogn = _NLOGN  # grown, never changed in place: a thread sees a whole table
+    if nlogn.size <= rows.size:
+        n = np.arange(rows.size + 1, dtype=np.float64)
+        nlogn = _NLOGN = n * np.log2(np.maximum(n, 1.0))
+    cuts = np.empty(rows.shape[0] // PLAN_ROWS + 2, np.int64)
+    k = _plan(rows, PLAN_ROWS, PLAN_TABLE_BITS, PLAN_SYMBOL_BITS, nlogn, cuts)
+    return cuts[:k].tolist()
+
+
+def compress_huffman(data, row: int = 0) -> bytes:
+    """A raw Deflate stream of ``data`` with Huffman coding only; with ``row`` (``data`` is rows of that
+    many symbols), its blocks end where ``plan_blocks`` says (see module docstring)."""
+    if row <= 0 or len(data) % row or len(data) == 0:
+        c = zlib.compressobj(9, zlib.DEFLATED, -15, HUFFMAN_MEM_LEVEL, zlib.Z_HUFFMAN_ONLY)
+        return c.compress(data) + c.flush()
+    data = memoryview(data).cast("B")
+    c = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
+    out, start = [], 0
+    for end in plan_blocks(data, row):
+        out.append(c.compress(data[start * row : end * row]))
+        out.append(c.flush(zlib.Z_BLOCK if end * row < len(data) else zlib.Z_FINISH))
+        start = end
+    return b"".join(out)
 
 
 def compress(method: int, data, level: int) -> bytes:
@@ -84,9 +165,10 @@ STREAM = struct.Struct("<BxxxII")
 MAX_STREAMS = 4
 
 
-def pack_streams(method: int, level: int, parts, huffman_only=()) -> bytes:
+def pack_streams(method: int, level: int, parts, huffman_only=(), row: int = 0) -> bytes:
     """Compress each part as its own stream (own Huffman table); a stream that does not shrink is stored
-    raw; the parts whose index is in ``huffman_only`` are Huffman-only Deflate (``method`` DEFLATE).
+    raw; the parts whose index is in ``huffman_only`` are Huffman-only Deflate (``method`` DEFLATE), with
+    blocks planned on rows of ``row`` symbols where given (``compress_huffman``).
     Layout: ``<BBHI`` (0, number of streams, 0, total raw length), per stream ``<BxxxII`` (method, raw
     length, compressed length), then the bodies in order."""
     if not 0 < len(parts) <= MAX_STREAMS:
@@ -95,7 +177,7 @@ def pack_streams(method: int, level: int, parts, huffman_only=()) -> bytes:
         raise ValueError("Huffman-only streams are Deflate")
     heads, bodies = [], []
     for i, part in enumerate(parts):
-        m, body = method, compress_huffman(part) if i in huffman_only else compress(method, part, level)
+        m, body = method, compress_huffman(part, row) if i in huffman_only else compress(method, part, level)
         if len(body) >= len(part):
             m, body = RAW, bytes(part)
         heads.append(STREAM.pack(m, len(part), len(body)))

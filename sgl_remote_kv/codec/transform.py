@@ -28,7 +28,8 @@ Decoded-layer buffer (lossless stage output, dequant stage input)::
     symbols K [C, T] uint8 (component-major), symbols V [C, T]
 
 Section: ``deflate``: the three parts (prelude + scales + escapes + exact sinks, K symbols, V symbols) as
-independent raw-Deflate streams (``lz.pack_streams``; the symbols Huffman-only, ``lz.compress_huffman``).
+independent raw-Deflate streams (``lz.pack_streams``; the symbols Huffman-only, ``lz.compress_huffman``,
+its blocks ending at component boundaries ``lz.plan_blocks`` chooses).
 ``rans``: ``<III`` (prefix bytes, K words, V words), the prefix stored, then the two rANS word streams (one
 context per (layer, K/V, channel)).
 
@@ -188,7 +189,11 @@ class TransformCodec(Codec):
         )
         if entropy == "deflate":
             return tag + lz.pack_streams(
-                lz.DEFLATE, self.level, [prefix, syms[0].tobytes(), syms[1].tobytes()], huffman_only=(1, 2)
+                lz.DEFLATE,
+                self.level,
+                [prefix, syms[0].tobytes(), syms[1].tobytes()],
+                huffman_only=(1, 2),
+                row=t_n,
             )
         fl, cum = self.cal.encode_tables(self.quality)
         words = []
