@@ -7,8 +7,8 @@ the symbols' changing spread. Where the stream is component-major (rows of ``row
 component, whose spread changes from row to row), ``plan_blocks`` places the block boundaries at the row
 boundaries that minimize the estimated cost (a dynamic program over groups of ``PLAN_ROWS`` rows: each
 block's entropy under its own histogram, its code table, and a charge for the inflater's per-block
-work), and the encoder ends a block there
-(``Z_BLOCK``); otherwise zlib ends one every ``HUFFMAN_MEM_LEVEL``'s worth of symbols.
+work), and the encoder ends a block there (``Z_BLOCK``); otherwise zlib ends one every
+``HUFFMAN_MEM_LEVEL``'s worth of symbols.
 
 ``decompress_into`` never produces more than the claimed length (no decompression bombs) and raises
 only ``CorruptChunk``. isal, zlib and zstandard release the GIL while (de)compressing.
@@ -50,8 +50,9 @@ _NLOGN = np.zeros(1)  # n log2 n, n = 0.. (grown by plan_blocks)
 @njit(nogil=True, cache=True)
 def _plan(rows, group: int, table_bits: float, symbol_bits: float, nlogn, cuts) -> int:
     """Block ends (row indices, ascending, the last = the row count) into ``cuts``; returns their number.
-    Exact dynamic program over boundaries every ``group`` rows of the estimated bits of each block;
-    ``nlogn[n]`` = n log2 n for n up to the symbol count."""
+    Exact dynamic program over boundaries every ``group`` rows; a block costs its entropy under its own
+    histogram + ``table_bits`` + ``symbol_bits`` per symbol it uses; ``nlogn[n]`` = n log2 n for n up to
+    the symbol count."""
     c_n, t_n = rows.shape
     n_u = (c_n + group - 1) // group
     hist = np.zeros((n_u + 1, 256), np.int64)  # hist[u] = symbol counts of rows before unit u
