@@ -25,7 +25,14 @@ def _prompt(model_dir, words: str) -> list[int]:
     return tok(body + "\nQuestion: which clause comes last?", add_special_tokens=False)["input_ids"]
 
 
-@pytest.mark.parametrize("mode", ["inproc", "dpu"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        # ~2 min each; in-process remote hits across a restart are also in test_policy_inproc_server.py
+        pytest.param("inproc", marks=pytest.mark.slow),
+        "dpu",
+    ],
+)
 def test_linker_restart_hit_is_token_identical(model_dir, tmp_path, mode):
     prompt = _prompt(model_dir, "into the slots SGLang allocated")
     need = (len(prompt) - 1) // CHUNK
