@@ -40,7 +40,8 @@ test-faults: model
 		tests/test_security_config.py
 
 # SGLang's own test kits against the tier (plain SGLang, tier on, after a restart), slow kits included;
-# writes docs/results/conformance.json and renders docs/CONFORMANCE.md. Its cheap part is in `make test`.
+# writes docs/results/conformance.json and renders docs/CONFORMANCE.md. Its cheap kits on the tier servers
+# (not the plain-SGLang baseline) are in `make test`.
 test-conformance: model
 	$(PY) -m pytest -q -m "not gpu" tests/test_conformance_unit.py tests/test_conformance_server.py \
 		--conformance-report docs/results/conformance.json; rc=$$?; \
