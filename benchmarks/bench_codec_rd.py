@@ -62,6 +62,7 @@ OURS = (
     "transform-deflate",
     "transform-rans",
     "transform-auto",
+    "transform-trellis",
     "transform-rans-perhead",
 )
 PEERS = ("cachegen", "shadowserve", "int8", "kvtc", "turboquant", "turboquant-prod", "turboquant-vllm", "ans")
@@ -123,6 +124,18 @@ def family_specs(family: str) -> list[Spec]:
         return [
             Spec(
                 f"transform {entropy} KL<={lv}", family, "transform", (("entropy", entropy), ("quality", lv))
+            )
+            for lv in LEVELS
+        ]
+    if family == "transform-trellis":
+        from sgl_remote_kv.codec.calibration import LEVELS
+
+        return [
+            Spec(
+                f"transform deflate trellis KL<={lv}",
+                family,
+                "transform",
+                (("entropy", "deflate"), ("quality", lv), ("quantizer", "trellis")),
             )
             for lv in LEVELS
         ]
@@ -364,7 +377,10 @@ def per_kind(points: list[dict], kinds: list[str], default_level: str, kl_floor:
         for p, m in ours:
             if p["codec_name"] == "transform" and p["params"].get("quality") == default_level:
                 if "group_heads" not in p["params"]:
-                    res[f"default_level_{p['params']['entropy']}"] = row((p, m), best(peers, m["kl"]))
+                    name = p["params"]["entropy"] + (
+                        "_trellis" if p["params"].get("quantizer") == "trellis" else ""
+                    )
+                    res[f"default_level_{name}"] = row((p, m), best(peers, m["kl"]))
         out[kind] = res
     return out
 
@@ -536,7 +552,10 @@ def print_summary(res: dict) -> None:
         )
     print("== per kind of held-out text ==")
     for kind, r in res.get("per_kind", {}).items():
-        for what in ("kl_le_0.001", *(f"default_level_{e}" for e in ("deflate", "rans", "auto"))):
+        for what in (
+            "kl_le_0.001",
+            *(f"default_level_{e}" for e in ("deflate", "deflate_trellis", "rans", "auto")),
+        ):
             c = r.get(what)
             if not c:
                 continue

@@ -8,7 +8,7 @@ import argparse
 
 from sgl_remote_kv.contract.endpoints import is_endpoint
 from sgl_remote_kv.dpu.settings import cpu_list_arg
-from sgl_remote_kv.types import DEFAULT_QUALITY, DPU_OUTPUTS, QUALITY_LEVELS
+from sgl_remote_kv.types import DEFAULT_QUALITY, DPU_OUTPUTS, QUALITY_LEVELS, QUANTIZERS
 
 MODES = ("off", "dpu", "nvdec", "inproc", "auto")
 FLUSH_SCOPES = ("local", "tier")
@@ -170,6 +170,15 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         help="Transform codec only: the quality level (a KL target in nats, from the model's calibration) "
         f"chunks are written and read at. Default {DEFAULT_QUALITY}, the near-lossless floor; a coarser "
         "level is smaller and is never chosen silently (/metrics: hit_tokens_by_quality).",
+    )
+    g.add_argument(
+        "--remote-kv-quantizer",
+        dest="remote_kv_quantizer",
+        choices=QUANTIZERS,
+        default="scalar",
+        help="Transform codec only: scalar (default; rounds each value) or trellis (trellis-coded "
+        "quantization: ~4%% smaller chunks at the same KL, ~2x the encode CPU; Deflate only, so "
+        "--remote-kv inproc then writes Deflate instead of rANS). Its own key namespace, like a level.",
     )
     g.add_argument(
         "--remote-kv-flush",

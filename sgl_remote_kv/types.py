@@ -79,6 +79,10 @@ class ModelFingerprint:
 QUALITY_LEVELS = ("0.0005", "0.001", "0.002", "0.005", "0.01")
 DEFAULT_QUALITY = "0.0005"
 
+# The transform codec's quantizer (``--remote-kv-quantizer``): rint per value, or trellis-coded (Deflate only;
+# docs/CODEC.md "Trellis-coded quantization").
+QUANTIZERS = ("scalar", "trellis")
+
 ROPE_STYLES = ("neox", "gptj")
 
 # What the DPU data plane writes for the KV pool's writer (``--remote-kv-dpu-output``): decoded KV, the

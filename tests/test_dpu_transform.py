@@ -52,11 +52,15 @@ def _client(url, codec, output: str = "auto") -> DpuClient:
 
 
 @pytest.mark.parametrize("output", ["kv", "codes"])
-@pytest.mark.parametrize("entropy", ["deflate", "rans"])
-def test_data_plane_decodes_transform_chunks_like_the_host(tmp_path, calibrated, entropy, output):
+@pytest.mark.parametrize(
+    "entropy,quantizer", [("deflate", "scalar"), ("rans", "scalar"), ("deflate", "trellis")]
+)
+def test_data_plane_decodes_transform_chunks_like_the_host(tmp_path, calibrated, entropy, quantizer, output):
     """Decoded on the data plane (``kv``) or only entropy-decoded there and inverse-transformed by the
     pool's writer (``codes``; here a CPU pool, so on the host's CPU): the same bits as the host's decode."""
-    codec = get_codec("transform", calibration=calibrated.calib_id.hex(), entropy=entropy)
+    codec = get_codec(
+        "transform", calibration=calibrated.calib_id.hex(), entropy=entropy, quantizer=quantizer
+    )
     url = f"file://{tmp_path}/store"
     keys, blobs = put_chunks(url, codec, random_chunks(5, seed=4))
     c = _client(url, codec, output)

@@ -52,7 +52,7 @@ from sgl_remote_kv.codec import transform_ops as ops
 from sgl_remote_kv.codec.base import Codec
 from sgl_remote_kv.codec.errors import CorruptChunk, ForeignChunk
 from sgl_remote_kv.codec.format import ChunkHeader, pack
-from sgl_remote_kv.types import ModelFingerprint, RopeSpec
+from sgl_remote_kv.types import QUANTIZERS, ModelFingerprint, RopeSpec
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,9 @@ _MODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 # rANS tables win where the text resembles the calibration's, Deflate's per-block Huffman codes where not.
 ENTROPY = ("deflate", "rans", "auto")
 AUTO_TAG = {"deflate": 0, "rans": 1}
+# quantizers (``types.QUANTIZERS``): scalar: q = rint(y / (step s)); trellis: trellis-coded k
+# (``ops.quantize_trellis``; Deflate only: the calibration's rANS tables are fitted to scalar symbols),
+# replayed into integer codes by ``view``.
 
 
 class TransformCodec(Codec):
@@ -77,9 +80,14 @@ class TransformCodec(Codec):
         quality: str = calib_mod.DEFAULT_LEVEL,
         entropy: str = "deflate",
         level: int = 1,
+        quantizer: str = "scalar",
     ) -> None:
         if entropy not in ENTROPY:
             raise ValueError(f"entropy must be one of {ENTROPY}")
+        if quantizer not in QUANTIZERS:
+            raise ValueError(f"quantizer must be one of {QUANTIZERS}")
+        if quantizer == "trellis" and entropy != "deflate":
+            raise ValueError("the trellis quantizer codes with entropy=deflate only")
         if quality not in calib_mod.LEVELS:
             raise ValueError(f"quality must be one of {calib_mod.LEVELS}")
         cal = calib_mod.lookup(bytes.fromhex(calibration)) if len(calibration) == 32 else None
@@ -87,6 +95,7 @@ class TransformCodec(Codec):
             raise KeyError(f"calibration {calibration[:40]!r} is not registered here")
         cal.check_level(quality)
         self.cal, self.quality, self.entropy, self.level = cal, quality, entropy, int(level)
+        self.quantizer = quantizer
 
     @classmethod
     def for_model(
@@ -95,6 +104,7 @@ class TransformCodec(Codec):
         quality: str = calib_mod.DEFAULT_LEVEL,
         entropy: str = "deflate",
         rope: RopeSpec | None = None,
+        quantizer: str = "scalar",
     ) -> TransformCodec:
         """The codec of ``fp``'s newest calibration; ``CalibrationError`` when there is none, it lacks
         ``quality``, or its RoPE is not ``rope`` (the model's)."""
@@ -102,12 +112,14 @@ class TransformCodec(Codec):
         if rope is not None and rope != cal.rope:
             raise calib_mod.CalibrationError(f"calibration RoPE {cal.rope} != the model's {rope}")
         calib_mod.group_of(fp, cal.groups, cal.group_dim)
-        return cls(cal.calib_id.hex(), quality, entropy)
+        return cls(cal.calib_id.hex(), quality, entropy, quantizer=quantizer)
 
     def params(self) -> dict:
         p = {"calibration": self.cal.calib_id.hex(), "quality": self.quality, "entropy": self.entropy}
         if self.entropy != "rans":
             p["level"] = self.level
+        if self.quantizer != "scalar":  # absent for scalar: the keys of scalar chunks did not change
+            p["quantizer"] = self.quantizer
         return p
 
     def aux_id(self, fingerprint: ModelFingerprint) -> bytes:
@@ -173,7 +185,12 @@ class TransformCodec(Codec):
             sym = np.empty((c_n, t_n), np.uint8)
             esc = np.empty(cap, np.int16)
             steps = self.cal.steps[self.quality][layer, kv, gs]
-            n = ops.quantize(y, steps, scales[kv], freq, self.cal.ctx0(layer, kv, group), sym, esc)
+            if self.quantizer == "trellis":
+                n = ops.quantize_trellis(
+                    y, steps, scales[kv], ops.TRELLIS_DELTA, ops.TRELLIS_LAMBDA, sym, esc
+                )
+            else:
+                n = ops.quantize(y, steps, scales[kv], freq, self.cal.ctx0(layer, kv, group), sym, esc)
             if n < 0:
                 raise ValueError(f"layer {layer}: KV too far from the calibration to encode ({n})")
             syms.append(sym)
@@ -293,9 +310,10 @@ class TransformCodec(Codec):
         o += 2 * (nk + nv)
         sinks = buf[o : o + 2 * sink_bytes].reshape(2, n_sink, c_n * lay.itemsize)
         o += 2 * sink_bytes
-        return TransformView(
-            self, layer, group, start, n_sink, sc, esc, nk, sinks, buf[o:].reshape(2, c_n, t_n)
-        )
+        sym = buf[o:].reshape(2, c_n, t_n)
+        if self.quantizer == "trellis":
+            sym, esc, nk, sc = _replay_trellis(sym, esc, nk, sc)
+        return TransformView(self, layer, group, start, n_sink, sc, esc, nk, sinks, sym)
 
     def dequant_stage(self, header: ChunkHeader, layer: int, decoded, out_k, out_v) -> None:
         self._check_out(header, out_k, out_v)
@@ -319,6 +337,20 @@ class TransformCodec(Codec):
             self.cal.head_dim,
             ops.rope_style(self.cal.rope),
         )
+
+
+def _replay_trellis(sym, esc, nk, scales):
+    """A trellis section's k symbols -> the integer codes and scales every dequant path reads (new arrays;
+    the decoded buffer is not written)."""
+    out = np.empty(sym.shape, np.uint8)
+    escs = []
+    for kv, e in enumerate((esc[:nk], esc[nk:])):
+        buf = np.empty(sym.shape[1] * sym.shape[2], np.int16)
+        n = ops.trellis_codes(sym[kv], e, out[kv], buf)
+        if n < 0:
+            raise CorruptChunk(f"trellis symbols do not match their escapes ({n})")
+        escs.append(buf[:n])
+    return out, np.concatenate(escs), escs[0].size, scales * np.float32(ops.TRELLIS_DELTA)
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ def resolve_codec(
     rope: RopeSpec | None = None,
     quality: str = DEFAULT_QUALITY,
     entropy: str = "deflate",
+    quantizer: str = "scalar",
 ) -> Codec:
     """The codec a deployment writes. ``default``: the transform codec of the model's calibration at
     ``quality`` (needs ``fingerprint`` and the model's ``rope``) with ``entropy`` as its lossless stage
@@ -64,7 +65,7 @@ def resolve_codec(
         try:
             if fingerprint is None or rope is None:
                 raise CalibrationError("no model RoPE the transform codec can undo")
-            return TransformCodec.for_model(fingerprint, quality, entropy, rope=rope)
+            return TransformCodec.for_model(fingerprint, quality, entropy, rope=rope, quantizer=quantizer)
         except CalibrationError as e:
             log = logger.error if name == "transform" else logger.warning
             log("transform codec unavailable, writing %s instead: %s", default_codec().name, e)
@@ -82,9 +83,10 @@ def write_codec(
     """The codec this deployment writes (and its primary path reads)."""
     if cfg.mode == "nvdec" and cfg.codec in ("", "default"):
         return get_codec(HEVC)
-    # Deflate where a data plane decodes (what its engine inflates), rANS where only the host does
-    entropy = "rans" if cfg.mode == "inproc" else "deflate"
-    return resolve_codec(cfg.codec, fingerprint, rope, cfg.quality, entropy)
+    # Deflate where a data plane decodes (what its engine inflates), rANS where only the host does (the
+    # trellis quantizer codes with Deflate only)
+    entropy = "rans" if cfg.mode == "inproc" and cfg.quantizer == "scalar" else "deflate"
+    return resolve_codec(cfg.codec, fingerprint, rope, cfg.quality, entropy, cfg.quantizer)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,255 @@
+"""The transform codec's trellis-coded quantizer (``quantizer=trellis``): the encoder's Viterbi search is
+the optimum of its own cost, the decoder's replay gives the values the encoder chose, every decode path
+(CPU stage, the GPU kernel's reference, the data plane's codes) reads the same codes, and bad sections
+are chunk errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from test_codec_transform import D, H, L, T, fp, kv, make_calibration
+
+from sgl_remote_kv.codec import calibration as cm
+from sgl_remote_kv.codec import transform_ops as ops
+from sgl_remote_kv.codec.base import decode, get_codec
+from sgl_remote_kv.codec.errors import ChunkError, CorruptChunk
+
+
+@pytest.fixture
+def cal():
+    c = make_calibration()
+    yield c
+    cm.unregister(c.calib_id)
+
+
+@pytest.fixture
+def fine_cal():
+    """Steps of 0.01 token RMS: an outlier's k exceeds the symbol range (escapes)."""
+    c = make_calibration(step=0.01)
+    yield c
+    cm.unregister(c.calib_id)
+
+
+def _codec(cal, quantizer="trellis", **kw):
+    return get_codec("transform", calibration=cal.calib_id.hex(), quantizer=quantizer, **kw)
+
+
+def _candidates(x: float, state: int, delta: float) -> list[int]:
+    if state < 2:
+        b = int(np.floor(x / (2 * delta)))
+        return [b, b + 1, 0]
+    b = int(np.floor((abs(x) / delta + 1) / 2))
+    sg = 1 if x >= 0 else -1
+    return [sg * b, sg * (b + 1), 0]
+
+
+def _recon(k: int, state: int) -> int:
+    return 2 * k - (int(np.sign(k)) if state >= 2 else 0)
+
+
+def _bits(u: np.ndarray, delta: float) -> dict:
+    cnt = np.full(256, 0.5)
+    for x in u:
+        k0 = int(np.rint(x / (2 * delta)))
+        if -127 <= k0 <= 127:
+            cnt[k0 + 128] += 1
+    return -np.log2(cnt / cnt.sum())
+
+
+def _path_cost(u, ks, delta, lam, bits):
+    state, cost = 0, 0.0
+    for x, k in zip(u, ks, strict=True):
+        cost += (x - _recon(k, state) * delta) ** 2 + lam * bits[k + 128]
+        state = ops.TRELLIS_NEXT[state, k & 1]
+    return cost
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_viterbi_finds_the_cheapest_path_of_its_own_cost(seed):
+    """Every path the candidate sets allow, enumerated (3^7), against the kernel's choice."""
+    rng = np.random.default_rng(seed)
+    u = (rng.standard_normal(7) * 2.5).astype(np.float32)
+    delta, lam = ops.TRELLIS_DELTA, 0.3
+    bits = _bits(u.astype(np.float64), delta)
+    best = np.inf
+    for choice in itertools.product(range(3), repeat=len(u)):
+        state, ks = 0, []
+        for x, i in zip(u, choice, strict=True):
+            k = _candidates(float(x), state, delta)[i]
+            ks.append(k)
+            state = ops.TRELLIS_NEXT[state, k & 1]
+        best = min(best, _path_cost(u.astype(np.float64), ks, delta, lam, bits))
+    sym, esc = np.empty((1, len(u)), np.uint8), np.empty(8, np.int16)
+    n = ops.quantize_trellis(
+        u.reshape(1, -1, 1), np.ones((1, 1), np.float32), np.ones(len(u), np.float32), delta, lam, sym, esc
+    )
+    assert n == 0
+    ks = [int(s) - ops.ZERO for s in sym[0]]
+    assert _path_cost(u.astype(np.float64), ks, delta, lam, bits) == pytest.approx(best, rel=1e-12)
+    # the decoder's replay reconstructs the values the encoder chose
+    out, out_esc = np.empty_like(sym), np.empty(8, np.int16)
+    assert ops.trellis_codes(sym, esc[:0], out, out_esc) == 0
+    state, want = 0, []
+    for k in ks:
+        want.append(_recon(k, state))
+        state = ops.TRELLIS_NEXT[state, k & 1]
+    assert [int(s) - ops.ZERO for s in out[0]] == want
+
+
+def test_trellis_is_closer_than_rint_at_its_grid_and_escapes_large_values():
+    """On Gaussian values the trellis at DELTA = 0.6 steps (lambda 0) has a lower mean squared error than rint
+    at 1.2 steps, the spacing of each of its two quantizers (TCQ's granular gain, ~1 dB); a value beyond
+    the symbol range is escaped and replayed exactly."""
+    rng = np.random.default_rng(3)
+    u = rng.standard_normal((64, 256)).astype(np.float32) * 6
+    u[5, 7] = 700.0
+    delta = ops.TRELLIS_DELTA
+    sym, esc = np.empty((64, 256), np.uint8), np.empty(64 * 256, np.int16)
+    n = ops.quantize_trellis(
+        u[None].transpose(0, 2, 1).copy(),
+        np.ones((1, 64), np.float32),
+        np.ones(256, np.float32),
+        delta,
+        0.0,
+        sym,
+        esc,
+    )
+    assert n >= 1 and sym[5, 7] == ops.ESC
+    out, out_esc = np.empty_like(sym), np.empty(64 * 256, np.int16)
+    m = ops.trellis_codes(sym, esc[:n], out, out_esc)
+    codes = out.astype(np.int64) - ops.ZERO
+    codes[out == ops.ESC] = out_esc[:m]
+    mse_trellis = np.mean((u - codes * delta) ** 2)
+    mse_rint = np.mean((u - np.rint(u / (2 * delta)) * 2 * delta) ** 2)
+    assert mse_trellis < 0.85 * mse_rint, (mse_trellis, mse_rint)
+    assert abs(codes[5, 7] * delta - 700.0) <= 2 * delta
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_roundtrip_error_is_bounded_and_the_codec_is_its_own_key_namespace(cal, dtype):
+    codec, scalar = _codec(cal), _codec(cal, "scalar")
+    assert codec.params()["quantizer"] == "trellis" and "quantizer" not in scalar.params()
+    assert codec.params_bytes() != scalar.params_bytes()
+    start = 300
+    k, v = kv(dtype, start)
+    blob = codec.encode(k, v, fp(dtype), start=start)
+    k2, v2 = decode(blob, fp(dtype))  # the codec chosen from the header: its params name the quantizer
+    from test_codec_transform import _f32
+
+    for a, b in ((k, k2), (v, v2)):
+        x, y = _f32(a), _f32(b)
+        rms = np.sqrt(np.mean(np.square(x - cal.mean[:, 0].reshape(L, 1, H, D)), axis=(2, 3)))
+        err = np.sqrt(np.sum(np.square(x - y), axis=3))
+        bound = np.sqrt(D) * 0.05 * 1.5 * rms[:, :, None] * 1.3 + 0.02 * np.abs(x).max()
+        assert np.all(err <= bound), float((err / bound).max())
+    with pytest.raises(ChunkError):  # a scalar decoder refuses the trellis chunk (its params differ)
+        scalar.decode(blob, fp(dtype))
+
+
+def test_trellis_needs_deflate(cal):
+    for entropy in ("rans", "auto"):
+        with pytest.raises(ValueError, match="deflate only"):
+            _codec(cal, entropy=entropy)
+    with pytest.raises(ValueError, match="quantizer must be"):
+        _codec(cal, "vector")
+
+
+def _outlier_kv():
+    """A token whose energy sits in one component (|k| > 127 in every layer): escapes."""
+    k, v = kv("float32", 0)
+    v[:, 5] = 0.0
+    v[:, 5, 0, 3] = 40.0
+    return k, v
+
+
+def _section_with(codec, blob, hdr, edit):
+    """Layer 0 decoded, edited by ``edit(buf)``, then viewed."""
+    scratch = np.empty(codec.scratch_bytes(hdr, 0), np.uint8)
+    from sgl_remote_kv.codec.format import layer_section
+
+    n = codec.lossless_stage(layer_section(blob, hdr, 0), scratch)
+    buf = scratch[:n].copy()
+    edit(buf)
+    return codec.view(hdr, 0, buf)
+
+
+def test_sections_that_lie_about_escapes_or_overflow_are_corrupt(fine_cal):
+    codec = _codec(fine_cal)
+    k, v = _outlier_kv()
+    blob = codec.encode(k, v, fp())
+    hdr = codec.parse(blob, fp())
+    vw = _section_with(codec, blob, hdr, lambda b: None)
+    assert vw.escapes_consistent() and vw.esc.size > 0
+    t_n, c_n = T, H * D
+
+    def drop_escape(buf):  # an escape symbol turned into an ordinary one: one escape left over
+        syms = buf[-2 * t_n * c_n :]
+        i = int(np.flatnonzero(syms == ops.ESC)[0])
+        syms[i] = ops.ZERO
+
+    with pytest.raises(CorruptChunk, match="trellis"):
+        _section_with(codec, blob, hdr, drop_escape)
+
+    def huge_escape(buf):  # an escaped k whose code 2k - sign(k) does not fit int16
+        from sgl_remote_kv.codec.transform import PRE
+
+        pre = PRE.unpack_from(buf, 0)
+        esc_at = PRE.size + ops.scale_bytes(pre[3], t_n)
+        buf[esc_at : esc_at + 2] = np.array([32767], np.int16).view(np.uint8)
+
+    with pytest.raises(CorruptChunk, match="trellis"):
+        _section_with(codec, blob, hdr, huge_escape)
+
+
+def test_every_decode_path_reads_the_same_codes(fine_cal):
+    """The CPU dequant stage and the GPU kernel's torch reference (``kernels.transform``), from one trellis
+    view: the view hands both the replayed integer codes and the scales times DELTA."""
+    import torch
+    from sgl_remote_kv.kernels.transform import inverse_reference, resolve_escapes
+
+    from sgl_remote_kv.codec.transform_ops import rope_tables
+
+    cal, codec = fine_cal, _codec(fine_cal)
+    k, v = _outlier_kv()
+    blob = codec.encode(k, v, fp())
+    hdr = codec.parse(blob, fp())
+    scratch = np.empty(codec.scratch_bytes(hdr, 1), np.uint8)
+    vw = codec.codes_stage(blob, hdr, 1, scratch)
+    assert vw.esc.size > 0 and vw.escapes_consistent()
+    want_k, want_v = np.empty_like(k[0]), np.empty_like(v[0])
+    vw.dequant_into("float32", want_k, want_v)
+    np.testing.assert_array_equal(want_k, decode(blob, fp())[0][1])
+    consts = codec.device_consts(1, vw.group, vw.groups).to(torch.from_numpy)
+    cos, sin = (torch.from_numpy(a.copy()) for a in rope_tables(cal.rope, vw.start, vw.tokens))
+    out = torch.empty((2, T, H * D), dtype=torch.float32)
+    q = resolve_escapes(torch.from_numpy(vw.sym.copy()), torch.from_numpy(vw.esc.copy()))
+    inverse_reference(q, torch.from_numpy(vw.scales.copy()), cos, sin, consts, D, codec.rope_style, True, out)
+    for i, want in enumerate((want_k, want_v)):
+        got = out[i].numpy().reshape(want.shape)
+        rows = slice(vw.n_sink, None)  # sinks are copied as raw bytes on both paths
+        assert np.abs(got[rows] - want[rows]).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_the_flag_selects_the_trellis_codec_in_every_mode(cal):
+    """``--remote-kv-quantizer trellis`` reaches the codec a server writes; with ``inproc`` (rANS by
+    default) it writes Deflate, the only entropy stage the trellis codes with."""
+    from test_codec_transform import ROPE
+    from test_config import _parser
+
+    from sgl_remote_kv.config import RemoteKVConfig
+    from sgl_remote_kv.fetch import paths
+
+    for mode in ("dpu", "inproc"):
+        ns = _parser().parse_args(["--remote-kv", mode, "--remote-kv-quantizer", "trellis"])
+        cfg = RemoteKVConfig.from_namespace(ns)
+        assert cfg.quantizer == "trellis" and RemoteKVConfig.from_json(cfg.to_json()) == cfg
+        codec = paths.write_codec(cfg, fp(), ROPE)
+        assert (codec.name, codec.entropy, codec.params()["quantizer"]) == ("transform", "deflate", "trellis")
+    scalar = paths.write_codec(
+        RemoteKVConfig.from_namespace(_parser().parse_args(["--remote-kv", "inproc"])), fp(), ROPE
+    )
+    assert scalar.entropy == "rans" and "quantizer" not in scalar.params()
+    with pytest.raises(ValueError, match="--remote-kv-quantizer"):
+        RemoteKVConfig(mode="dpu", quantizer="vector")
