@@ -2,7 +2,7 @@
 (``make calibration``, which ``make test`` runs first): remote hits are served by the transform codec
 through the DPU data plane, and ``/metrics`` says which quality level served them; also with the data
 plane shipping codes that the server's KV writer inverse-transforms (``--remote-kv-dpu-output codes``,
-here on the CPU pool), same tokens."""
+here on the CPU pool), same tokens; and with the trellis quantizer (``--remote-kv-quantizer trellis``)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from tests.fixtures.remote_kv_server import CHUNK, flush_cache, remote_kv_server
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # ~40 s; the default path is in test_exact_kv_server
 
 
-@pytest.mark.parametrize("output", ["auto", "codes"])
-def test_transform_codec_serves_remote_hits_at_its_level(model_dir, tmp_path, output):
+@pytest.mark.parametrize("output,quantizer", [("auto", "scalar"), ("codes", "scalar"), ("codes", "trellis")])
+def test_transform_codec_serves_remote_hits_at_its_level(model_dir, tmp_path, output, quantizer):
     import json
     from pathlib import Path
 
@@ -34,6 +34,8 @@ def test_transform_codec_serves_remote_hits_at_its_level(model_dir, tmp_path, ou
         "0.002",
         "--remote-kv-dpu-output",
         output,
+        "--remote-kv-quantizer",
+        quantizer,
     )
     with remote_kv_server(model_dir, f"file://{tmp_path}/store", *extra, codec="transform") as srv:
         case = make_case(tok, "transform-codec")
