@@ -79,7 +79,7 @@ def quantize(y, steps, scale, freq, ctx0, sym, esc):
 # TRELLIS_LAMBDA x bits (a per-component rate model from the chunk's own values); the decoder only replays
 # the state machine, so a symbol is still one k and the decoded value is an integer code r times a scale.
 TRELLIS_NEXT = np.array([[0, 2], [2, 0], [1, 3], [3, 1]], np.int64)  # next state by (state, k & 1)
-TRELLIS_DELTA = 0.56  # the grid, in units of the step (equal distortion to rint at the same steps)
+TRELLIS_DELTA = 0.6  # the grid, in units of the step (KL at or under rint's at the same steps: docs/CODEC.md)
 TRELLIS_LAMBDA = 0.1  # squared error (in steps^2) one bit is worth
 TRELLIS_MAX_K = 16383  # |r| = |2k - sign(k)| <= 32767 fits an int16 escape
 # per state: the two (previous state, parity of k) that lead to it
