@@ -253,3 +253,25 @@ def test_the_flag_selects_the_trellis_codec_in_every_mode(cal):
     assert scalar.entropy == "rans" and "quantizer" not in scalar.params()
     with pytest.raises(ValueError, match="--remote-kv-quantizer"):
         RemoteKVConfig(mode="dpu", quantizer="vector")
+
+
+def test_values_beyond_the_code_range_fail_to_encode_cleanly():
+    """A value no k can code (or a NaN) is an error, not a silent 0; too many escapes are one too (the
+    encoder then raises, and the chunk is not written)."""
+    sym, esc = np.empty((1, 4), np.uint8), np.empty(4, np.int16)
+    ones = np.ones(4, np.float32)
+    for bad in (1e5, float("nan")):
+        y = np.array([[[1.0], [bad], [2.0], [0.5]]], np.float32)
+        assert (
+            ops.quantize_trellis(y, np.ones((1, 1), np.float32), ones, ops.TRELLIS_DELTA, 0.1, sym, esc) == -2
+        )
+    y = np.full((1, 4, 1), 500.0, np.float32)
+    assert (
+        ops.quantize_trellis(y, np.ones((1, 1), np.float32), ones, ops.TRELLIS_DELTA, 0.1, sym, esc[:2]) == -1
+    )
+    c = make_calibration(levels=("0.0005",), step=0.001, seed=3)
+    try:
+        with pytest.raises(ValueError, match="too far"):
+            _codec(c).encode(*kv(scale=1.0), fp())
+    finally:
+        cm.unregister(c.calib_id)

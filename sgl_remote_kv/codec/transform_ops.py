@@ -93,7 +93,7 @@ _NEXT_BITS = sum(int(s) << (4 * i) for i, s in enumerate(TRELLIS_NEXT.reshape(-1
 def quantize_trellis(y, steps, scale, delta, lam, sym, esc):
     """``quantize``'s contract (Deflate: no tables) with trellis-coded k in place of rint: ``sym`` [H*D, T]
     holds k + ZERO or ESC (k to ``esc``); returns the escape count, -1 when ``esc`` is too small, -2 when
-    a value's k exceeds TRELLIS_MAX_K. Tokens of scale 0 (exact sinks) get k = 0.
+    a value is beyond what TRELLIS_MAX_K codes (or not finite). Tokens of scale 0 (exact sinks) get k = 0.
 
     Per component: a rate model (bits of each k from a histogram of rint(u / 2 DELTA) over the chunk's
     tokens, where u = y / (step x scale)), then a Viterbi search over the 4 states with 3 candidates per
@@ -122,6 +122,8 @@ def quantize_trellis(y, steps, scale, delta, lam, sym, esc):
                 u[t] = 0.0
                 if scale[t] > 0:
                     u[t] = np.float64(y[h, t, j]) * inv / np.float64(scale[t])
+                if not abs(u[t]) * inv2d < TRELLIS_MAX_K - 1:  # (NaN too) no k can code it
+                    return -2
                 k0 = np.int64(np.rint(u[t] * inv2d))
                 if -127 <= k0 <= 127:
                     cnt[k0 + ZERO] += 1.0
@@ -148,7 +150,7 @@ def quantize_trellis(y, steps, scale, delta, lam, sym, esc):
                         if x < 0:
                             b = -b - 1  # levels -b-1 (below) and -b (above)
                     for k in range(b, b + 2):
-                        if k == 0 or k > TRELLIS_MAX_K or k < -TRELLIS_MAX_K:
+                        if k == 0:
                             continue
                         r = 2 * k - (q if k > 0 else -q)
                         e = x - r * delta
@@ -176,8 +178,6 @@ def quantize_trellis(y, steps, scale, delta, lam, sym, esc):
             for i in range(1, 4):
                 if cost[i] < cost[st]:
                     st = i
-            if cost[st] >= inf:
-                return -2
             for t in range(t_n - 1, -1, -1):
                 ks[t] = back_k[t, st]
                 st = back_s[t, st]
