@@ -53,6 +53,18 @@ def codecs(fp) -> list[tuple[str, object]]:
                     ),
                 )
             )
+        if label == "transform":
+            out.append(
+                (
+                    f"{label} deflate trellis {DEFAULT_QUALITY}",
+                    get_codec(
+                        "transform",
+                        calibration=cal.calib_id.hex(),
+                        quality=DEFAULT_QUALITY,
+                        quantizer="trellis",
+                    ),
+                )
+            )
     return out
 
 

@@ -13,6 +13,7 @@ from test_codec_transform import D, H, L, T, fp, kv, make_calibration
 
 from sgl_remote_kv.codec import calibration as cm
 from sgl_remote_kv.codec import transform_ops as ops
+from sgl_remote_kv.codec import trellis
 from sgl_remote_kv.codec.base import decode, get_codec
 from sgl_remote_kv.codec.errors import ChunkError, CorruptChunk
 
@@ -62,7 +63,7 @@ def _path_cost(u, ks, delta, lam, bits):
     state, cost = 0, 0.0
     for x, k in zip(u, ks, strict=True):
         cost += (x - _recon(k, state) * delta) ** 2 + lam * bits[k + 128]
-        state = ops.TRELLIS_NEXT[state, k & 1]
+        state = trellis.NEXT[state, k & 1]
     return cost
 
 
@@ -71,7 +72,7 @@ def test_viterbi_finds_the_cheapest_path_of_its_own_cost(seed):
     """Every path the candidate sets allow, enumerated (3^7), against the kernel's choice."""
     rng = np.random.default_rng(seed)
     u = (rng.standard_normal(7) * 2.5).astype(np.float32)
-    delta, lam = ops.TRELLIS_DELTA, 0.3
+    delta, lam = trellis.DELTA, 0.3
     bits = _bits(u.astype(np.float64), delta)
     best = np.inf
     for choice in itertools.product(range(3), repeat=len(u)):
@@ -79,10 +80,10 @@ def test_viterbi_finds_the_cheapest_path_of_its_own_cost(seed):
         for x, i in zip(u, choice, strict=True):
             k = _candidates(float(x), state, delta)[i]
             ks.append(k)
-            state = ops.TRELLIS_NEXT[state, k & 1]
+            state = trellis.NEXT[state, k & 1]
         best = min(best, _path_cost(u.astype(np.float64), ks, delta, lam, bits))
     sym, esc = np.empty((1, len(u)), np.uint8), np.empty(8, np.int16)
-    n = ops.quantize_trellis(
+    n = trellis.quantize(
         u.reshape(1, -1, 1), np.ones((1, 1), np.float32), np.ones(len(u), np.float32), delta, lam, sym, esc
     )
     assert n == 0
@@ -90,11 +91,11 @@ def test_viterbi_finds_the_cheapest_path_of_its_own_cost(seed):
     assert _path_cost(u.astype(np.float64), ks, delta, lam, bits) == pytest.approx(best, rel=1e-12)
     # the decoder's replay reconstructs the values the encoder chose
     out, out_esc = np.empty_like(sym), np.empty(8, np.int16)
-    assert ops.trellis_codes(sym, esc[:0], out, out_esc) == 0
+    assert trellis.codes(sym, esc[:0], out, out_esc) == 0
     state, want = 0, []
     for k in ks:
         want.append(_recon(k, state))
-        state = ops.TRELLIS_NEXT[state, k & 1]
+        state = trellis.NEXT[state, k & 1]
     assert [int(s) - ops.ZERO for s in out[0]] == want
 
 
@@ -105,9 +106,9 @@ def test_trellis_is_closer_than_rint_at_its_grid_and_escapes_large_values():
     rng = np.random.default_rng(3)
     u = rng.standard_normal((64, 256)).astype(np.float32) * 6
     u[5, 7] = 700.0
-    delta = ops.TRELLIS_DELTA
+    delta = trellis.DELTA
     sym, esc = np.empty((64, 256), np.uint8), np.empty(64 * 256, np.int16)
-    n = ops.quantize_trellis(
+    n = trellis.quantize(
         u[None].transpose(0, 2, 1).copy(),
         np.ones((1, 64), np.float32),
         np.ones(256, np.float32),
@@ -118,7 +119,7 @@ def test_trellis_is_closer_than_rint_at_its_grid_and_escapes_large_values():
     )
     assert n >= 1 and sym[5, 7] == ops.ESC
     out, out_esc = np.empty_like(sym), np.empty(64 * 256, np.int16)
-    m = ops.trellis_codes(sym, esc[:n], out, out_esc)
+    m = trellis.codes(sym, esc[:n], out, out_esc)
     codes = out.astype(np.int64) - ops.ZERO
     codes[out == ops.ESC] = out_esc[:m]
     mse_trellis = np.mean((u - codes * delta) ** 2)
@@ -262,13 +263,9 @@ def test_values_beyond_the_code_range_fail_to_encode_cleanly():
     ones = np.ones(4, np.float32)
     for bad in (1e5, float("nan")):
         y = np.array([[[1.0], [bad], [2.0], [0.5]]], np.float32)
-        assert (
-            ops.quantize_trellis(y, np.ones((1, 1), np.float32), ones, ops.TRELLIS_DELTA, 0.1, sym, esc) == -2
-        )
+        assert trellis.quantize(y, np.ones((1, 1), np.float32), ones, trellis.DELTA, 0.1, sym, esc) == -2
     y = np.full((1, 4, 1), 500.0, np.float32)
-    assert (
-        ops.quantize_trellis(y, np.ones((1, 1), np.float32), ones, ops.TRELLIS_DELTA, 0.1, sym, esc[:2]) == -1
-    )
+    assert trellis.quantize(y, np.ones((1, 1), np.float32), ones, trellis.DELTA, 0.1, sym, esc[:2]) == -1
     c = make_calibration(levels=("0.0005",), step=0.001, seed=3)
     try:
         with pytest.raises(ValueError, match="too far"):

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sgl_remote_kv.codec import calibration as calib_mod
-from sgl_remote_kv.codec import lz, quant, rans
+from sgl_remote_kv.codec import lz, quant, rans, trellis
 from sgl_remote_kv.codec import transform_ops as ops
 from sgl_remote_kv.codec.base import Codec
 from sgl_remote_kv.codec.errors import CorruptChunk, ForeignChunk
@@ -64,9 +64,7 @@ _MODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 # rANS tables win where the text resembles the calibration's, Deflate's per-block Huffman codes where not.
 ENTROPY = ("deflate", "rans", "auto")
 AUTO_TAG = {"deflate": 0, "rans": 1}
-# quantizers (``types.QUANTIZERS``): scalar: q = rint(y / (step s)); trellis: trellis-coded k
-# (``ops.quantize_trellis``; Deflate only: the calibration's rANS tables are fitted to scalar symbols),
-# replayed into integer codes by ``view``.
+# quantizers (``types.QUANTIZERS``): scalar (rint) or trellis (``codec.trellis``; Deflate only: the rANS tables fit scalar symbols)
 
 
 class TransformCodec(Codec):
@@ -186,9 +184,7 @@ class TransformCodec(Codec):
             esc = np.empty(cap, np.int16)
             steps = self.cal.steps[self.quality][layer, kv, gs]
             if self.quantizer == "trellis":
-                n = ops.quantize_trellis(
-                    y, steps, scales[kv], ops.TRELLIS_DELTA, ops.TRELLIS_LAMBDA, sym, esc
-                )
+                n = trellis.quantize(y, steps, scales[kv], trellis.DELTA, trellis.LAMBDA, sym, esc)
             else:
                 n = ops.quantize(y, steps, scales[kv], freq, self.cal.ctx0(layer, kv, group), sym, esc)
             if n < 0:
@@ -312,7 +308,7 @@ class TransformCodec(Codec):
         o += 2 * sink_bytes
         sym = buf[o:].reshape(2, c_n, t_n)
         if self.quantizer == "trellis":
-            sym, esc, nk, sc = _replay_trellis(sym, esc, nk, sc)
+            sym, esc, nk, sc = trellis.replay(sym, esc, nk, sc)
         return TransformView(self, layer, group, start, n_sink, sc, esc, nk, sinks, sym)
 
     def dequant_stage(self, header: ChunkHeader, layer: int, decoded, out_k, out_v) -> None:
@@ -337,20 +333,6 @@ class TransformCodec(Codec):
             self.cal.head_dim,
             ops.rope_style(self.cal.rope),
         )
-
-
-def _replay_trellis(sym, esc, nk, scales):
-    """A trellis section's k symbols -> the integer codes and scales every dequant path reads (new arrays;
-    the decoded buffer is not written)."""
-    out = np.empty(sym.shape, np.uint8)
-    escs = []
-    for kv, e in enumerate((esc[:nk], esc[nk:])):
-        buf = np.empty(sym.shape[1] * sym.shape[2], np.int16)
-        n = ops.trellis_codes(sym[kv], e, out[kv], buf)
-        if n < 0:
-            raise CorruptChunk(f"trellis symbols do not match their escapes ({n})")
-        escs.append(buf[:n])
-    return out, np.concatenate(escs), escs[0].size, scales * np.float32(ops.TRELLIS_DELTA)
 
 
 @dataclass(frozen=True)
