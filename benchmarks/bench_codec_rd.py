@@ -66,6 +66,23 @@ OURS = (
     "transform-rans-perhead",
 )
 PEERS = ("cachegen", "shadowserve", "int8", "kvtc", "turboquant", "turboquant-prod", "turboquant-vllm", "ans")
+# the transform codec's families: label stem, and its params before / after the quality level (the params
+# tuple is part of a point's cache key, so its order stays)
+TRANSFORM_FAMILIES = {
+    "transform-deflate": ("transform deflate", (("entropy", "deflate"),), ()),
+    "transform-rans": ("transform rans", (("entropy", "rans"),), ()),
+    "transform-auto": ("transform auto", (("entropy", "auto"),), ()),
+    "transform-trellis": (
+        "transform deflate trellis",
+        (("entropy", "deflate"),),
+        (("quantizer", "trellis"),),
+    ),
+    "transform-rans-perhead": (
+        "transform rans, per-head transform,",
+        (("entropy", "rans"), ("group_heads", 1)),
+        (),
+    ),
+}
 GOAL, STRETCH = 1.5, 2.0  # issue 38: ratio against the best peer of at most the same KL, per kind of text
 KVTC_BITS = ("1", "1.5", "2", "2.5", "3", "3.5", "4", "5", "6", "8")
 UNIFORM = ("256", "192", "128", "96", "64", "32")
@@ -117,39 +134,12 @@ def family_specs(family: str) -> list[Spec]:
             k, v = _scaled_cachegen(f)
             out.append(quant(f"CacheGen bins x{f} ({k} | {v})", family, codec, k, v))
         return out
-    if family in ("transform-deflate", "transform-rans", "transform-auto"):
+    if family in TRANSFORM_FAMILIES:
         from sgl_remote_kv.codec.calibration import LEVELS
 
-        entropy = family.split("-")[1]
+        stem, before, after = TRANSFORM_FAMILIES[family]
         return [
-            Spec(
-                f"transform {entropy} KL<={lv}", family, "transform", (("entropy", entropy), ("quality", lv))
-            )
-            for lv in LEVELS
-        ]
-    if family == "transform-trellis":
-        from sgl_remote_kv.codec.calibration import LEVELS
-
-        return [
-            Spec(
-                f"transform deflate trellis KL<={lv}",
-                family,
-                "transform",
-                (("entropy", "deflate"), ("quality", lv), ("quantizer", "trellis")),
-            )
-            for lv in LEVELS
-        ]
-    if family == "transform-rans-perhead":
-        from sgl_remote_kv.codec.calibration import LEVELS
-
-        return [
-            Spec(
-                f"transform rans, per-head transform, KL<={lv}",
-                family,
-                "transform",
-                (("entropy", "rans"), ("group_heads", 1), ("quality", lv)),
-            )
-            for lv in LEVELS
+            Spec(f"{stem} KL<={lv}", family, "transform", (*before, ("quality", lv), *after)) for lv in LEVELS
         ]
     if family == "kvtc":
         return [Spec(f"KVTC {b} bits/value", family, "kvtc", (("bits", b),)) for b in KVTC_BITS]

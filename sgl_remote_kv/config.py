@@ -23,7 +23,7 @@ from sgl_remote_kv.flags import (
     MODES,
     add_flags,
 )
-from sgl_remote_kv.types import DEFAULT_QUALITY, DPU_OUTPUTS, QUALITY_LEVELS, QUANTIZERS
+from sgl_remote_kv.types import DEFAULT_QUALITY, DEFAULT_QUANTIZER, DPU_OUTPUTS, QUALITY_LEVELS, QUANTIZERS
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class RemoteKVConfig:
     tail_tokens: int | None = None  # tail sub-chunk size; None = 64 where it divides a larger chunk, 0 = off
     codec: str = "default"
     quality: str = DEFAULT_QUALITY  # transform codec: the KL target of its calibration level
-    quantizer: str = "scalar"  # transform codec: "scalar" (rint) or "trellis" (Deflate only)
+    quantizer: str = DEFAULT_QUANTIZER  # transform codec: "scalar" (rint) or "trellis" (Deflate only)
     auth_key_file: str = ""  # "" -> values are not authenticated (see sgl_remote_kv/store/security.py)
     store_password_file: str = ""  # the Redis store's password, in a file (store/credentials.py)
     nvdec_instances: int = 2  # decoder instances of the NVDEC pool (--remote-kv nvdec|auto)
@@ -226,7 +226,7 @@ class RemoteKVConfig:
             tail_tokens=getattr(ns, "remote_kv_tail_tokens", None),
             codec=ns.remote_kv_codec,
             quality=getattr(ns, "remote_kv_quality", DEFAULT_QUALITY),
-            quantizer=getattr(ns, "remote_kv_quantizer", "scalar"),
+            quantizer=getattr(ns, "remote_kv_quantizer", DEFAULT_QUANTIZER),
             auth_key_file=getattr(ns, "remote_kv_auth_key_file", ""),
             store_password_file=getattr(ns, "remote_kv_store_password_file", ""),
             nvdec_instances=getattr(ns, "remote_kv_nvdec_instances", 2),

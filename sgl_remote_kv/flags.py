@@ -8,7 +8,7 @@ import argparse
 
 from sgl_remote_kv.contract.endpoints import is_endpoint
 from sgl_remote_kv.dpu.settings import cpu_list_arg
-from sgl_remote_kv.types import DEFAULT_QUALITY, DPU_OUTPUTS, QUALITY_LEVELS, QUANTIZERS
+from sgl_remote_kv.types import DEFAULT_QUALITY, DEFAULT_QUANTIZER, DPU_OUTPUTS, QUALITY_LEVELS, QUANTIZERS
 
 MODES = ("off", "dpu", "nvdec", "inproc", "auto")
 FLUSH_SCOPES = ("local", "tier")
@@ -175,7 +175,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--remote-kv-quantizer",
         dest="remote_kv_quantizer",
         choices=QUANTIZERS,
-        default="scalar",
+        default=DEFAULT_QUANTIZER,
         help="Transform codec only: scalar (default; rounds each value) or trellis (trellis-coded "
         "quantization: ~4%% smaller chunks at the same KL, ~2x the encode CPU; Deflate only, so "
         "--remote-kv inproc then writes Deflate instead of rANS). Its own key namespace, like a level.",

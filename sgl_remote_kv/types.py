@@ -82,6 +82,7 @@ DEFAULT_QUALITY = "0.0005"
 # The transform codec's quantizer (``--remote-kv-quantizer``): rint per value, or trellis-coded (Deflate only;
 # docs/CODEC.md "Trellis-coded quantization").
 QUANTIZERS = ("scalar", "trellis")
+DEFAULT_QUANTIZER = "scalar"
 
 ROPE_STYLES = ("neox", "gptj")
 

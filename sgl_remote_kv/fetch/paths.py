@@ -40,7 +40,7 @@ from sgl_remote_kv.config import RemoteKVConfig
 from sgl_remote_kv.fetch.base import FetchPath
 from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
 from sgl_remote_kv.store.client import StoreClient
-from sgl_remote_kv.types import DEFAULT_QUALITY, ModelFingerprint, PathName, RopeSpec
+from sgl_remote_kv.types import DEFAULT_QUALITY, DEFAULT_QUANTIZER, ModelFingerprint, PathName, RopeSpec
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def resolve_codec(
     rope: RopeSpec | None = None,
     quality: str = DEFAULT_QUALITY,
     entropy: str = "deflate",
-    quantizer: str = "scalar",
+    quantizer: str = DEFAULT_QUANTIZER,
 ) -> Codec:
     """The codec a deployment writes. ``default``: the transform codec of the model's calibration at
     ``quality`` (needs ``fingerprint`` and the model's ``rope``) with ``entropy`` as its lossless stage
