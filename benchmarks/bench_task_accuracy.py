@@ -15,7 +15,8 @@ request again (a **local hit**: SGLang's radix cache), then after the write-back
 ``/flush_cache`` every item once more: a **remote hit** (the document's chunks come back through the
 codec; ``cached_tokens_details.storage`` says how many tokens, reported as the remote-hit token share). The transform codec's default level is served by a
 server started without ``--remote-kv-quality`` (what a user gets), the metrics' ``quality`` label says
-which level that was.
+which level that was; ``--quantizer`` passes ``--remote-kv-quantizer`` to every transform server (named in
+the conditions, ``transform+scalar@0.0005``), otherwise they write their default quantizer.
 
 Reported per condition and task: accuracy with a Wilson 95% interval; for every condition against
 recompute on the same items: the accuracy delta with a paired bootstrap 95% interval, McNemar's exact
@@ -46,7 +47,7 @@ from benchmarks.task_accuracy_items import TASKS, Item, load_corpus, make_suite
 from benchmarks.task_accuracy_report import level_table, summarize, table
 from sgl_remote_kv.launcher import ServerSpec, SGLangServer
 from sgl_remote_kv.model import ensure_model
-from sgl_remote_kv.types import DEFAULT_QUALITY, QUALITY_LEVELS
+from sgl_remote_kv.types import DEFAULT_QUALITY, DEFAULT_QUANTIZER, QUALITY_LEVELS, QUANTIZERS
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "results" / "task_accuracy.json"
@@ -63,26 +64,33 @@ class Condition:
     name: str  # e.g. "transform@0.001", "lossless"
     codec: str  # --remote-kv-codec
     quality: str | None  # --remote-kv-quality (None: the server's default)
+    quantizer: str | None = None  # --remote-kv-quantizer (None: the server's default)
 
 
-def conditions(codecs: list[str], levels: list[str]) -> list[Condition]:
+def transform_name(quality: str, quantizer: str | None) -> str:
+    """``transform@0.001``: the server's default quantizer; ``transform+scalar@0.001``: a named one."""
+    return f"transform{'' if quantizer is None else '+' + quantizer}@{quality}"
+
+
+def conditions(codecs: list[str], levels: list[str], quantizer: str | None = None) -> list[Condition]:
     """The default level first (the headline; its server gives recompute and local hits), then the other
-    codecs, then the other levels, finest first."""
+    codecs, then the other levels, finest first. ``quantizer``: the transform servers' (None: their default)."""
     out = []
     levels = sorted(levels, key=lambda q: (q != DEFAULT_QUALITY, QUALITY_LEVELS.index(q)))
     for c in codecs:
         if c == "transform":
             for q in levels:
                 # the default level is served by a server started without the flag: what a user gets
-                out.append(Condition(f"transform@{q}", "default", None if q == DEFAULT_QUALITY else q))
+                quality = None if q == DEFAULT_QUALITY else q
+                out.append(Condition(transform_name(q, quantizer), "default", quality, quantizer))
         else:
             out.append(Condition(c, c, None))
     rank = {c.name: k for k, c in enumerate(out)}
     return sorted(
         out,
         key=lambda c: (
-            c.name != f"transform@{DEFAULT_QUALITY}",
-            c.name.startswith("transform@"),
+            c.name != transform_name(DEFAULT_QUALITY, quantizer),
+            c.name.startswith("transform"),
             rank[c.name],
         ),
     )
@@ -124,6 +132,8 @@ def server_args(cond: Condition, store: Path) -> tuple[str, ...]:
     ]
     if cond.quality is not None:
         args += ["--remote-kv-quality", cond.quality]
+    if cond.quantizer is not None:
+        args += ["--remote-kv-quantizer", cond.quantizer]
     return tuple(args)
 
 
@@ -267,9 +277,10 @@ def build_result(
         c["cold_first_token_differs_from_recompute"] = sum(
             1 for x, y in zip(r["cold"], first["cold"], strict=True) if x["first_token"] != y["first_token"]
         )
+    quantizer = args.quantizer
     per_level = {}
     for q in sorted(levels, key=QUALITY_LEVELS.index):
-        c = cond_rows.get(f"remote:transform@{q}")
+        c = cond_rows.get(f"remote:{transform_name(q, quantizer)}")
         if c:
             v = c["vs_recompute"]["all"]
             per_level[q] = {
@@ -282,7 +293,8 @@ def build_result(
                 "served_by": c["served_by"],
                 "quality_served": c["quality_served"],
             }
-    default = cond_rows.get(f"remote:transform@{DEFAULT_QUALITY}")
+    # the headline is what a user gets: the default level with the default quantizer
+    default = cond_rows.get(f"remote:{transform_name(DEFAULT_QUALITY, None)}")
     result = {
         "model": "SmolLM2-135M-Instruct float32 (dequantized from GGUF Q4_1)",
         "machine": {
@@ -312,6 +324,7 @@ def build_result(
         "server_threads": args.server_threads or None,
         "seed": args.seed,
         "default_level": DEFAULT_QUALITY,
+        "quantizer": quantizer or DEFAULT_QUANTIZER,
         "default_accuracy_delta": default["vs_recompute"]["all"]["delta"] if default else None,
         "default_accuracy_delta_ci95": default["vs_recompute"]["all"]["ci95"] if default else None,
         "per_level": per_level,
@@ -339,6 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--codecs", default=",".join(CODECS), help="transform = one server per --levels entry")
     ap.add_argument("--levels", default=",".join(QUALITY_LEVELS), help="transform codec quality levels")
+    ap.add_argument(
+        "--quantizer",
+        choices=QUANTIZERS,
+        default=None,
+        help="the transform servers' --remote-kv-quantizer (default: none passed, the servers' default; a "
+        "named one is in the condition names, transform+scalar@0.0005, and leaves default_accuracy_delta null)",
+    )
     ap.add_argument("--doc-tokens", type=int, default=1000, help="haystack length in tokens")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -388,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("%d items, prompts %d..%d tokens", len(items), min(map(len, prompts)), max(map(len, prompts)))
 
     rows: list[dict] = []
-    conds = conditions(codecs, levels)
+    conds = conditions(codecs, levels, args.quantizer)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"argv": argv if argv is not None else sys.argv[1:], "t_start": t_start, "load_start": load_start}

@@ -176,9 +176,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         dest="remote_kv_quantizer",
         choices=QUANTIZERS,
         default=DEFAULT_QUANTIZER,
-        help="Transform codec only: scalar (default; rounds each value) or trellis (trellis-coded "
-        "quantization: ~4.5%% smaller chunks at the same KL, ~1.7x the encode CPU; Deflate only, so "
-        "--remote-kv inproc then writes Deflate instead of rANS). Its own key namespace, like a level.",
+        help="Transform codec only: trellis (default; trellis-coded quantization, Deflate only) or scalar "
+        "(rounds each value: ~1.7x less encode CPU, ~4.5%% larger chunks at the same KL; with --remote-kv "
+        "inproc it writes rANS). Its own key namespace, like a level: chunks written by a version before "
+        "the trellis became the default are read with --remote-kv-quantizer scalar.",
     )
     g.add_argument(
         "--remote-kv-flush",

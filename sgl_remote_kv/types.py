@@ -80,9 +80,12 @@ QUALITY_LEVELS = ("0.0005", "0.001", "0.002", "0.005", "0.01")
 DEFAULT_QUALITY = "0.0005"
 
 # The transform codec's quantizer (``--remote-kv-quantizer``): rint per value, or trellis-coded (Deflate only;
-# docs/CODEC.md "Trellis-coded quantization").
+# docs/CODEC.md "Trellis-coded quantization"). A deployment writes the trellis unless told otherwise (smaller
+# at the same KL; task accuracy within a point of recompute, docs/results/task_accuracy.json); a chunk whose
+# params name no quantizer is scalar (``SCALAR_QUANTIZER``: chunks written before the trellis keep their keys).
 QUANTIZERS = ("scalar", "trellis")
-DEFAULT_QUANTIZER = "scalar"
+SCALAR_QUANTIZER = "scalar"
+DEFAULT_QUANTIZER = "trellis"
 
 ROPE_STYLES = ("neox", "gptj")
 

@@ -233,25 +233,30 @@ def test_every_decode_path_reads_the_same_codes(fine_cal):
         assert np.abs(got[rows] - want[rows]).max() <= 1e-4 * np.abs(want).max()
 
 
-def test_the_flag_selects_the_trellis_codec_in_every_mode(cal):
-    """``--remote-kv-quantizer trellis`` reaches the codec a server writes; with ``inproc`` (rANS by
-    default) it writes Deflate, the only entropy stage the trellis codes with."""
+def test_the_trellis_is_the_default_and_scalar_keeps_its_keys(cal):
+    """Without the flag a server writes the trellis in every mode (``inproc`` then writes Deflate, the only
+    entropy stage the trellis codes with); ``--remote-kv-quantizer scalar`` writes what versions before the
+    trellis wrote (rANS with ``inproc``, no quantizer param: the same keys); a blob's params without a
+    quantizer decode as scalar."""
     from test_codec_transform import ROPE
     from test_config import _parser
 
     from sgl_remote_kv.config import RemoteKVConfig
     from sgl_remote_kv.fetch import paths
 
+    def written(*flags):
+        cfg = RemoteKVConfig.from_namespace(_parser().parse_args(list(flags)))
+        assert RemoteKVConfig.from_json(cfg.to_json()) == cfg
+        return paths.write_codec(cfg, fp(), ROPE)
+
     for mode in ("dpu", "inproc"):
-        ns = _parser().parse_args(["--remote-kv", mode, "--remote-kv-quantizer", "trellis"])
-        cfg = RemoteKVConfig.from_namespace(ns)
-        assert cfg.quantizer == "trellis" and RemoteKVConfig.from_json(cfg.to_json()) == cfg
-        codec = paths.write_codec(cfg, fp(), ROPE)
-        assert (codec.name, codec.entropy, codec.params()["quantizer"]) == ("transform", "deflate", "trellis")
-    scalar = paths.write_codec(
-        RemoteKVConfig.from_namespace(_parser().parse_args(["--remote-kv", "inproc"])), fp(), ROPE
-    )
-    assert scalar.entropy == "rans" and "quantizer" not in scalar.params()
+        for flags in ((), ("--remote-kv-quantizer", "trellis")):
+            codec = written("--remote-kv", mode, *flags)
+            assert (codec.name, codec.entropy, codec.params()["quantizer"]) == ("transform", "deflate", "trellis")
+    for mode, entropy in (("dpu", "deflate"), ("inproc", "rans")):
+        scalar = written("--remote-kv", mode, "--remote-kv-quantizer", "scalar")
+        assert scalar.entropy == entropy and "quantizer" not in scalar.params()
+        assert get_codec("transform", **scalar.params()).quantizer == "scalar"
     with pytest.raises(ValueError, match="--remote-kv-quantizer"):
         RemoteKVConfig(mode="dpu", quantizer="vector")
 

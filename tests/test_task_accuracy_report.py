@@ -1,5 +1,5 @@
 """The task-accuracy benchmark's statistics (benchmarks/task_accuracy_report.py): the intervals and the
-paired test behind ``default_accuracy_delta``, on hand-checked values; no server."""
+paired test behind ``default_accuracy_delta``, on hand-checked values, and the conditions it runs; no server."""
 
 from __future__ import annotations
 
@@ -58,3 +58,21 @@ def test_summarize_pairs_every_condition_with_recompute():
     )
     assert v["passkey"]["delta"] == pytest.approx(-0.5) and v["kv"]["delta"] == pytest.approx(1.0)
     assert s["remote:x"]["by_depth"]["0.5"]["correct"] == 1
+
+
+def test_conditions_name_and_pass_a_quantizer():
+    """The default level leads (its server gives recompute and local hits) and gets no flags; a named
+    quantizer reaches every transform server and its condition names, and nothing else."""
+    from pathlib import Path
+
+    from benchmarks.bench_task_accuracy import conditions, server_args
+
+    plain = conditions(["lossless", "transform"], ["0.001", "0.0005"])
+    assert [c.name for c in plain] == ["transform@0.0005", "lossless", "transform@0.001"]
+    args = server_args(plain[0], Path("/s"))
+    assert "--remote-kv-quality" not in args and "--remote-kv-quantizer" not in args
+    named = conditions(["transform", "lossless"], ["0.0005", "0.001"], "scalar")
+    assert [c.name for c in named] == ["transform+scalar@0.0005", "lossless", "transform+scalar@0.001"]
+    tail = server_args(named[2], Path("/s"))[-4:]
+    assert tail == ("--remote-kv-quality", "0.001", "--remote-kv-quantizer", "scalar")
+    assert "--remote-kv-quantizer" not in server_args(named[1], Path("/s"))

@@ -52,7 +52,7 @@ from sgl_remote_kv.codec import transform_ops as ops
 from sgl_remote_kv.codec.base import Codec
 from sgl_remote_kv.codec.errors import CorruptChunk, ForeignChunk
 from sgl_remote_kv.codec.format import ChunkHeader, pack
-from sgl_remote_kv.types import DEFAULT_QUANTIZER, QUANTIZERS, ModelFingerprint, RopeSpec
+from sgl_remote_kv.types import QUANTIZERS, SCALAR_QUANTIZER, ModelFingerprint, RopeSpec
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class TransformCodec(Codec):
         quality: str = calib_mod.DEFAULT_LEVEL,
         entropy: str = "deflate",
         level: int = 1,
-        quantizer: str = DEFAULT_QUANTIZER,
+        quantizer: str = SCALAR_QUANTIZER,
     ) -> None:
         if entropy not in ENTROPY:
             raise ValueError(f"entropy must be one of {ENTROPY}")
@@ -102,7 +102,7 @@ class TransformCodec(Codec):
         quality: str = calib_mod.DEFAULT_LEVEL,
         entropy: str = "deflate",
         rope: RopeSpec | None = None,
-        quantizer: str = DEFAULT_QUANTIZER,
+        quantizer: str = SCALAR_QUANTIZER,
     ) -> TransformCodec:
         """The codec of ``fp``'s newest calibration; ``CalibrationError`` when there is none, it lacks
         ``quality``, or its RoPE is not ``rope`` (the model's)."""
@@ -116,7 +116,7 @@ class TransformCodec(Codec):
         p = {"calibration": self.cal.calib_id.hex(), "quality": self.quality, "entropy": self.entropy}
         if self.entropy != "rans":
             p["level"] = self.level
-        if self.quantizer != "scalar":  # absent for scalar: the keys of scalar chunks did not change
+        if self.quantizer != SCALAR_QUANTIZER:  # absent for scalar: the keys of scalar chunks did not change
             p["quantizer"] = self.quantizer
         return p
 

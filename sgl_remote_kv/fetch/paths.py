@@ -40,7 +40,7 @@ from sgl_remote_kv.config import RemoteKVConfig
 from sgl_remote_kv.fetch.base import FetchPath
 from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
 from sgl_remote_kv.store.client import StoreClient
-from sgl_remote_kv.types import DEFAULT_QUALITY, DEFAULT_QUANTIZER, ModelFingerprint, PathName, RopeSpec
+from sgl_remote_kv.types import DEFAULT_QUALITY, SCALAR_QUANTIZER, ModelFingerprint, PathName, RopeSpec
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def resolve_codec(
     rope: RopeSpec | None = None,
     quality: str = DEFAULT_QUALITY,
     entropy: str = "deflate",
-    quantizer: str = DEFAULT_QUANTIZER,
+    quantizer: str = SCALAR_QUANTIZER,
 ) -> Codec:
     """The codec a deployment writes. ``default``: the transform codec of the model's calibration at
     ``quality`` (needs ``fingerprint`` and the model's ``rope``) with ``entropy`` as its lossless stage
@@ -85,7 +85,7 @@ def write_codec(
         return get_codec(HEVC)
     # Deflate where a data plane decodes (what its engine inflates), rANS where only the host does (the
     # trellis quantizer codes with Deflate only)
-    entropy = "rans" if cfg.mode == "inproc" and cfg.quantizer == "scalar" else "deflate"
+    entropy = "rans" if cfg.mode == "inproc" and cfg.quantizer == SCALAR_QUANTIZER else "deflate"
     return resolve_codec(cfg.codec, fingerprint, rope, cfg.quality, entropy, cfg.quantizer)
 
 
