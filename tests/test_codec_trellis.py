@@ -252,7 +252,11 @@ def test_the_trellis_is_the_default_and_scalar_keeps_its_keys(cal):
     for mode in ("dpu", "inproc"):
         for flags in ((), ("--remote-kv-quantizer", "trellis")):
             codec = written("--remote-kv", mode, *flags)
-            assert (codec.name, codec.entropy, codec.params()["quantizer"]) == ("transform", "deflate", "trellis")
+            assert (codec.name, codec.entropy, codec.params()["quantizer"]) == (
+                "transform",
+                "deflate",
+                "trellis",
+            )
     for mode, entropy in (("dpu", "deflate"), ("inproc", "rans")):
         scalar = written("--remote-kv", mode, "--remote-kv-quantizer", "scalar")
         assert scalar.entropy == entropy and "quantizer" not in scalar.params()
