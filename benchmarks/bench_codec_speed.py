@@ -44,27 +44,13 @@ def codecs(fp) -> list[tuple[str, object]]:
         if cal is None:
             print(f"skip {label}: no such calibration (calibrate --group-heads 1)", file=sys.stderr)
             continue
-        for entropy in ("deflate", "rans"):
-            out.append(
-                (
-                    f"{label} {entropy} {DEFAULT_QUALITY}",
-                    get_codec(
-                        "transform", calibration=cal.calib_id.hex(), quality=DEFAULT_QUALITY, entropy=entropy
-                    ),
-                )
-            )
+        # (label suffix, params): scalar with either entropy stage, and the trellis (full calibration only)
+        variants = [("deflate", {"entropy": "deflate"}), ("rans", {"entropy": "rans"})]
         if label == "transform":
-            out.append(
-                (
-                    f"{label} deflate trellis {DEFAULT_QUALITY}",
-                    get_codec(
-                        "transform",
-                        calibration=cal.calib_id.hex(),
-                        quality=DEFAULT_QUALITY,
-                        quantizer="trellis",
-                    ),
-                )
-            )
+            variants.append(("deflate trellis", {"entropy": "deflate", "quantizer": "trellis"}))
+        for suffix, params in variants:
+            codec = get_codec("transform", calibration=cal.calib_id.hex(), quality=DEFAULT_QUALITY, **params)
+            out.append((f"{label} {suffix} {DEFAULT_QUALITY}", codec))
     return out
 
 
