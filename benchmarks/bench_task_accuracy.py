@@ -31,9 +31,7 @@ import argparse
 import json
 import logging
 import os
-import platform
 import re
-import shlex
 import sys
 import tempfile
 import time
@@ -43,11 +41,11 @@ from pathlib import Path
 
 from benchmarks.e2e_probe import generate
 from benchmarks.e2e_server import flush_device_cache, metric, scrape
-from benchmarks.task_accuracy_items import TASKS, Item, load_corpus, make_suite
-from benchmarks.task_accuracy_report import level_table, summarize, table
+from benchmarks.task_accuracy_items import TASKS, load_corpus, make_suite
+from benchmarks.task_accuracy_report import build_result, level_table, table, transform_name
 from sgl_remote_kv.launcher import ServerSpec, SGLangServer
 from sgl_remote_kv.model import ensure_model
-from sgl_remote_kv.types import DEFAULT_QUALITY, DEFAULT_QUANTIZER, QUALITY_LEVELS, QUANTIZERS
+from sgl_remote_kv.types import DEFAULT_QUALITY, QUALITY_LEVELS, QUANTIZERS
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "results" / "task_accuracy.json"
@@ -65,11 +63,6 @@ class Condition:
     codec: str  # --remote-kv-codec
     quality: str | None  # --remote-kv-quality (None: the server's default)
     quantizer: str | None = None  # --remote-kv-quantizer (None: the server's default)
-
-
-def transform_name(quality: str, quantizer: str | None) -> str:
-    """``transform@0.001``: the server's default quantizer; ``transform+scalar@0.001``: a named one."""
-    return f"transform{'' if quantizer is None else '+' + quantizer}@{quality}"
 
 
 def conditions(codecs: list[str], levels: list[str], quantizer: str | None = None) -> list[Condition]:
@@ -242,110 +235,6 @@ def run_server(
     return row
 
 
-# -- result -----------------------------------------------------------------------------------------
-def build_result(
-    rows: list[dict],
-    items: list[Item],
-    prompts: list[list[int]],
-    tasks: list[str],
-    levels: list[str],
-    args: argparse.Namespace,
-    meta: dict,
-    complete: bool,
-) -> dict:
-    """The JSON of the servers run so far (recompute and local hits from the first)."""
-    first = rows[0]
-    answers = {
-        "recompute": [r["text"] for r in first["cold"]],
-        "local_hit": [r["text"] for r in first["local"]],
-    }
-    for r in rows:
-        answers[f"remote:{r['condition']}"] = [x["text"] for x in r["remote"]]
-    cond_rows = summarize(items, answers, args.seed)
-    total_prompt = sum(len(p) for p in prompts)
-    cond_rows["local_hit"]["cached_token_share"] = sum(x["cached"] for x in first["local"]) / total_prompt
-    for r in rows:
-        c = cond_rows[f"remote:{r['condition']}"]
-        c["remote_hit_token_share"] = sum(x["storage"] for x in r["remote"]) / total_prompt
-        c["cached_token_share"] = sum(x["cached"] for x in r["remote"]) / total_prompt
-        c["items_with_remote_hit"] = sum(1 for x in r["remote"] if x["storage"] > 0)
-        c["served_by"], c["quality_served"] = r["served_by"], r["quality_served"]
-        c["server_args"], c["seconds"], c["failures"] = r["server_args"], r["seconds"], r["failures"]
-        c["written_bytes"], c["fetched_bytes"] = r["written_bytes"], r["fetched_bytes"]
-        # recompute is deterministic (fp32, one request at a time): every server's cold first token should
-        # equal the first server's
-        c["cold_first_token_differs_from_recompute"] = sum(
-            1 for x, y in zip(r["cold"], first["cold"], strict=True) if x["first_token"] != y["first_token"]
-        )
-    quantizer = args.quantizer
-    per_level = {}
-    for q in sorted(levels, key=QUALITY_LEVELS.index):
-        c = cond_rows.get(f"remote:{transform_name(q, quantizer)}")
-        if c:
-            v = c["vs_recompute"]["all"]
-            per_level[q] = {
-                "accuracy": c["all"]["accuracy"],
-                "delta": v["delta"],
-                "ci95": v["ci95"],
-                "mcnemar": v["mcnemar"],
-                "answer_changed": v["answer_changed"],
-                "remote_hit_token_share": c["remote_hit_token_share"],
-                "served_by": c["served_by"],
-                "quality_served": c["quality_served"],
-            }
-    # the headline is what a user gets: the default level with the default quantizer
-    default = cond_rows.get(f"remote:{transform_name(DEFAULT_QUALITY, None)}")
-    result = {
-        "model": "SmolLM2-135M-Instruct float32 (dequantized from GGUF Q4_1)",
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "loadavg_start": meta["load_start"],
-            "loadavg_end": os.getloadavg(),
-        },
-        "command": "python -m benchmarks.bench_task_accuracy " + shlex.join(meta["argv"]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "wall_s": time.monotonic() - meta["t_start"],
-        "complete": complete,
-        "conditions_run": [r["condition"] for r in rows],
-        "tasks": tasks,
-        "items_per_task": args.items,
-        "items": len(items),
-        "doc_tokens": args.doc_tokens,
-        "prompt_tokens": {
-            "min": min(map(len, prompts)),
-            "max": max(map(len, prompts)),
-            "mean": total_prompt / len(prompts),
-        },
-        "chunk_size": CHUNK,
-        "answer_tokens": ANSWER_TOKENS,
-        "concurrency": args.concurrency,
-        "server_threads": args.server_threads or None,
-        "seed": args.seed,
-        "default_level": DEFAULT_QUALITY,
-        "quantizer": quantizer or DEFAULT_QUANTIZER,
-        "default_accuracy_delta": default["vs_recompute"]["all"]["delta"] if default else None,
-        "default_accuracy_delta_ci95": default["vs_recompute"]["all"]["ci95"] if default else None,
-        "per_level": per_level,
-        "conditions": cond_rows,
-        "per_item": [
-            {
-                "task": it.task,
-                "index": it.index,
-                "depth": it.depth,
-                "actual_depth": round(it.actual_depth, 4),
-                "answer": it.answer,
-                "prompt_tokens": len(p),
-                "outputs": {c: answers[c][i] for c in answers},
-                "remote_hit_tokens": {f"remote:{r['condition']}": r["remote"][i]["storage"] for r in rows},
-            }
-            for i, (it, p) in enumerate(zip(items, prompts, strict=True))
-        ],
-    }
-    return result
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--items", type=int, default=18, help="items per task (depths cycle through 10%%..90%%)")
@@ -411,7 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     conds = conditions(codecs, levels, args.quantizer)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"argv": argv if argv is not None else sys.argv[1:], "t_start": t_start, "load_start": load_start}
+    meta = {
+        "argv": argv if argv is not None else sys.argv[1:],
+        "t_start": t_start,
+        "load_start": load_start,
+        "chunk_size": CHUNK,
+        "answer_tokens": ANSWER_TOKENS,
+    }
     with tempfile.TemporaryDirectory(prefix="srkv-taskacc-") as tmp:
         for k, cond in enumerate(conds):
             rows.append(

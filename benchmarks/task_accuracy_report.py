@@ -1,13 +1,20 @@
-"""The statistics and tables of ``bench_task_accuracy``: conditions answered the same items, so each is
-compared with recompute *paired* (Wilson intervals of an accuracy, a paired bootstrap interval of the
-difference, McNemar's exact test on the discordant items); markdown tables of the result JSON."""
+"""The statistics, result JSON and tables of ``bench_task_accuracy``: conditions answered the same items, so
+each is compared with recompute *paired* (Wilson intervals of an accuracy, a paired bootstrap interval of the
+difference, McNemar's exact test on the discordant items); the JSON of the servers run so far
+(``build_result``); markdown tables of it."""
 
 from __future__ import annotations
 
+import argparse
 import math
+import os
+import platform
 import random
+import shlex
+import time
 
 from benchmarks.task_accuracy_items import TASKS, Item, extract, score
+from sgl_remote_kv.types import DEFAULT_QUALITY, DEFAULT_QUANTIZER, QUALITY_LEVELS
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -89,6 +96,114 @@ def summarize(items: list[Item], answers: dict[str, list[str]], seed: int) -> di
                 )
         out[c] = row
     return out
+
+
+def transform_name(quality: str, quantizer: str | None) -> str:
+    """``transform@0.001``: the server's default quantizer; ``transform+scalar@0.001``: a named one."""
+    return f"transform{'' if quantizer is None else '+' + quantizer}@{quality}"
+
+
+def build_result(
+    rows: list[dict],
+    items: list[Item],
+    prompts: list[list[int]],
+    tasks: list[str],
+    levels: list[str],
+    args: argparse.Namespace,
+    meta: dict,
+    complete: bool,
+) -> dict:
+    """The JSON of the servers run so far (recompute and local hits from the first)."""
+    first = rows[0]
+    answers = {
+        "recompute": [r["text"] for r in first["cold"]],
+        "local_hit": [r["text"] for r in first["local"]],
+    }
+    for r in rows:
+        answers[f"remote:{r['condition']}"] = [x["text"] for x in r["remote"]]
+    cond_rows = summarize(items, answers, args.seed)
+    total_prompt = sum(len(p) for p in prompts)
+    cond_rows["local_hit"]["cached_token_share"] = sum(x["cached"] for x in first["local"]) / total_prompt
+    for r in rows:
+        c = cond_rows[f"remote:{r['condition']}"]
+        c["remote_hit_token_share"] = sum(x["storage"] for x in r["remote"]) / total_prompt
+        c["cached_token_share"] = sum(x["cached"] for x in r["remote"]) / total_prompt
+        c["items_with_remote_hit"] = sum(1 for x in r["remote"] if x["storage"] > 0)
+        c["served_by"], c["quality_served"] = r["served_by"], r["quality_served"]
+        c["server_args"], c["seconds"], c["failures"] = r["server_args"], r["seconds"], r["failures"]
+        c["written_bytes"], c["fetched_bytes"] = r["written_bytes"], r["fetched_bytes"]
+        # recompute is deterministic (fp32, one request at a time): every server's cold first token should
+        # equal the first server's
+        c["cold_first_token_differs_from_recompute"] = sum(
+            1 for x, y in zip(r["cold"], first["cold"], strict=True) if x["first_token"] != y["first_token"]
+        )
+    quantizer = args.quantizer
+    per_level = {}
+    for q in sorted(levels, key=QUALITY_LEVELS.index):
+        c = cond_rows.get(f"remote:{transform_name(q, quantizer)}")
+        if c:
+            v = c["vs_recompute"]["all"]
+            per_level[q] = {
+                "accuracy": c["all"]["accuracy"],
+                "delta": v["delta"],
+                "ci95": v["ci95"],
+                "mcnemar": v["mcnemar"],
+                "answer_changed": v["answer_changed"],
+                "remote_hit_token_share": c["remote_hit_token_share"],
+                "served_by": c["served_by"],
+                "quality_served": c["quality_served"],
+            }
+    # the headline is what a user gets: the default level with the default quantizer
+    default = cond_rows.get(f"remote:{transform_name(DEFAULT_QUALITY, None)}")
+    result = {
+        "model": "SmolLM2-135M-Instruct float32 (dequantized from GGUF Q4_1)",
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "loadavg_start": meta["load_start"],
+            "loadavg_end": os.getloadavg(),
+        },
+        "command": "python -m benchmarks.bench_task_accuracy " + shlex.join(meta["argv"]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "wall_s": time.monotonic() - meta["t_start"],
+        "complete": complete,
+        "conditions_run": [r["condition"] for r in rows],
+        "tasks": tasks,
+        "items_per_task": args.items,
+        "items": len(items),
+        "doc_tokens": args.doc_tokens,
+        "prompt_tokens": {
+            "min": min(map(len, prompts)),
+            "max": max(map(len, prompts)),
+            "mean": total_prompt / len(prompts),
+        },
+        "chunk_size": meta["chunk_size"],
+        "answer_tokens": meta["answer_tokens"],
+        "concurrency": args.concurrency,
+        "server_threads": args.server_threads or None,
+        "seed": args.seed,
+        "default_level": DEFAULT_QUALITY,
+        "quantizer": quantizer or DEFAULT_QUANTIZER,
+        "default_accuracy_delta": default["vs_recompute"]["all"]["delta"] if default else None,
+        "default_accuracy_delta_ci95": default["vs_recompute"]["all"]["ci95"] if default else None,
+        "per_level": per_level,
+        "conditions": cond_rows,
+        "per_item": [
+            {
+                "task": it.task,
+                "index": it.index,
+                "depth": it.depth,
+                "actual_depth": round(it.actual_depth, 4),
+                "answer": it.answer,
+                "prompt_tokens": len(p),
+                "outputs": {c: answers[c][i] for c in answers},
+                "remote_hit_tokens": {f"remote:{r['condition']}": r["remote"][i]["storage"] for r in rows},
+            }
+            for i, (it, p) in enumerate(zip(items, prompts, strict=True))
+        ],
+    }
+    return result
 
 
 def _pct(x: float | None) -> str:
