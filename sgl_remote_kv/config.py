@@ -40,6 +40,7 @@ class RemoteKVConfig:
     auth_key_file: str = ""  # "" -> values are not authenticated (see sgl_remote_kv/store/security.py)
     store_password_file: str = ""  # the Redis store's password, in a file (store/credentials.py)
     nvdec_instances: int = 2  # decoder instances of the NVDEC pool (--remote-kv nvdec|auto)
+    staging_tokens: int = 0  # host staging rows (tokens); 0 = half the KV pool, at most STAGING_AUTO_MAX
     # hevc versions written and fetched, tokens per frame (0 = "full", the anchor, always included);
     # None = 16, chunk/4 (else chunk/2) and full where they fit (docs/NVDEC.md "Adaptive resolution")
     nvdec_resolutions: tuple[int, ...] | None = None
@@ -98,6 +99,10 @@ class RemoteKVConfig:
                 raise ValueError(f"--remote-kv-store-password-file: {e}") from None
         if self.dpu_output not in DPU_OUTPUTS:
             raise ValueError(f"--remote-kv-dpu-output must be one of {DPU_OUTPUTS}, got {self.dpu_output!r}")
+        if not 0 <= self.staging_tokens <= 1 << 26:
+            raise ValueError(
+                f"--remote-kv-staging-tokens must be in [0, {1 << 26}], got {self.staging_tokens}"
+            )
         if not 1 <= self.nvdec_instances <= 64:
             raise ValueError(f"--remote-kv-nvdec-instances must be in [1, 64], got {self.nvdec_instances}")
         try:
@@ -230,6 +235,7 @@ class RemoteKVConfig:
             auth_key_file=getattr(ns, "remote_kv_auth_key_file", ""),
             store_password_file=getattr(ns, "remote_kv_store_password_file", ""),
             nvdec_instances=getattr(ns, "remote_kv_nvdec_instances", 2),
+            staging_tokens=getattr(ns, "remote_kv_staging_tokens", 0),
             nvdec_resolutions=getattr(ns, "remote_kv_nvdec_resolutions", None),
             nvdec_fetch=getattr(ns, "remote_kv_nvdec_fetch", "adaptive"),
             layerwise=getattr(ns, "remote_kv_layerwise", False),

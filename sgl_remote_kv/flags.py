@@ -88,6 +88,16 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         help="Decoder instances in the NVDEC pool (--remote-kv nvdec|auto; default 2).",
     )
     g.add_argument(
+        "--remote-kv-staging-tokens",
+        dest="remote_kv_staging_tokens",
+        type=_staging_tokens,
+        default=0,
+        metavar="N",
+        help="Tokens of fetched KV the host staging holds until SGLang loads it (the fetch window: what "
+        "waits for admission). 0 (default): half the KV pool, at most 65536 tokens. On a GPU pool the rows "
+        "hold codes (about half the bytes of bf16 KV per token; /metrics: remote_kv_staging_bytes_per_token).",
+    )
+    g.add_argument(
         "--remote-kv-nvdec-resolutions",
         dest="remote_kv_nvdec_resolutions",
         type=_nvdec_resolutions,
@@ -213,6 +223,7 @@ def _bounded(cast, lo, hi, multiple_of: int | None = None):
 _chunk_size = _bounded(int, 16, MAX_CHUNK_SIZE, multiple_of=16)
 _tail_tokens = _bounded(int, 0, MAX_CHUNK_SIZE, multiple_of=16)
 _nvdec_instances = _bounded(int, 1, 64)
+_staging_tokens = _bounded(int, 0, 1 << 26)
 _policy_margin = _bounded(float, 0.0, 1e12)
 
 

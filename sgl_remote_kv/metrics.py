@@ -101,6 +101,14 @@ class RemoteKVMetrics:
         """A DPU data plane was replaced (the DPU client's receiver thread): ``exited`` or ``hung``."""
         self._inc("dataplane_restarts", reason=reason if reason in RESTART_REASONS else "hung")
 
+    def staging(self, bytes_per_token: float, codes: bool) -> None:
+        """The host staging's arena bytes per row (token); ``codes``: its rows hold codes, not KV."""
+        for name, value in (("staging_bytes_per_token", bytes_per_token), ("staging_codes", float(codes))):
+            with self._lock:
+                self._tally[name] = value
+            if self._prom is not None:
+                self._prom[name].set(value)
+
     def dataplane_write(self, seconds: float, layers: int, output: str = "kv") -> None:
         """The DPU client's receiver thread (in this scheduler process) spent ``seconds`` writing ``layers``
         fetched layers of a run of a round's chunks into the pool: what the scheduler side of the DPU path
@@ -207,6 +215,9 @@ class RemoteKVMetrics:
             return dict(self._tally)
 
 
+_LIVE = {"multiprocess_mode": "livemax"}
+
+
 def _build_prometheus() -> dict:
     from prometheus_client import Counter, Gauge, Histogram
 
@@ -244,6 +255,10 @@ def _build_prometheus() -> dict:
             ["circuit"],
             multiprocess_mode="livemax",
         ),
+        "staging_bytes_per_token": Gauge(
+            p + "staging_bytes_per_token", "Host staging bytes per token", **_LIVE
+        ),
+        "staging_codes": Gauge(p + "staging_codes", "1: staging holds codes for the GPU; 0: KV", **_LIVE),
         "slot_waits": Counter(p + "slot_waits", "Fetches that waited for KV slots before they started"),
         "dataplane_restarts": Counter(
             p + "dataplane_restarts", "DPU data plane processes replaced", ["reason"]

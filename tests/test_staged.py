@@ -33,6 +33,26 @@ def _kv(tokens: int, seed: int, layout: KVLayout = LAYOUT):
     return k, v
 
 
+def load(s: StagedPages, pin) -> tuple[np.ndarray, np.ndarray]:
+    """``pin``'s rows, every layer, through ``copy_out`` into a host pool: ``[L, T, H, D]`` K and V."""
+    from sgl_remote_kv.kvpool import PoolTensors, writer_for
+    from sgl_remote_kv.kvpool.writer import TORCH_DTYPES
+
+    lay, t = s.layout, len(pin.rows)
+    planes = [
+        [
+            torch.zeros(t, lay.num_kv_heads, lay.head_dim, dtype=TORCH_DTYPES[lay.dtype])
+            for _ in range(lay.num_layers)
+        ]
+        for _ in "kv"
+    ]
+    w = writer_for(PoolTensors(*planes), lay)
+    done = []
+    s.copy_out([(pin, torch.arange(t))], w, done.append)
+    assert done == list(range(lay.num_layers))
+    return w.read(torch.arange(t))
+
+
 def free_rows(s: StagedPages) -> int:
     return len(s._free)
 
@@ -64,12 +84,9 @@ def test_staged_rows_round_trip_and_are_freed_by_the_last_pin(dtype):
     assert s.leading(hashes(list(range(10)), 10)) == 0
 
     reader = s.pin(hashes(ids, 8)[1:])  # the second page only
-    for layer in range(2):
-        rk, rv = s.read_layer(reader.rows, layer)
-        assert rk.shape == (1, PAGE, 1, 8) and rk.dtype == s.writer.storage
-        assert np.array_equal(rk[0], k[layer, PAGE : 2 * PAGE]) and np.array_equal(
-            rv[0], v[layer, PAGE : 2 * PAGE]
-        )
+    rk, rv = load(s, reader)
+    assert rk.shape == (2, PAGE, 1, 8) and rk.dtype == s.writer.storage
+    assert np.array_equal(rk, k[:, PAGE : 2 * PAGE]) and np.array_equal(rv, v[:, PAGE : 2 * PAGE])
 
     s.release(stager)
     assert free_rows(s) == 22 and s.leading(hashes(ids, 10)) == 2  # the reader still holds the entry
@@ -110,7 +127,7 @@ def test_forget_unindexes_but_keeps_pinned_rows_until_released():
     reader = s.pin(hashes(ids, 8))
     s.forget()
     assert s.leading(hashes(ids, 8)) == 0 and s.pin(hashes(ids, 8)) is None
-    assert np.array_equal(s.read_layer(reader.rows, 1)[0][0], k[1])  # a running load still reads its pages
+    assert np.array_equal(load(s, reader)[0], k)  # a running load still reads its pages
     s.release(stager)
     s.release(reader)
     assert free_rows(s) == 8

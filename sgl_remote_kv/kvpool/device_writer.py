@@ -158,18 +158,20 @@ class DeviceKVWriter(KVWriter):
                 self._batch = None
                 self.staging.restart()
 
-    def _write_quantized(self, views, slots: torch.Tensor, layer: int) -> None:
+    def _write_quantized(self, views, slots: torch.Tensor, layer: int, window=None) -> None:
         """Codes + scales H2D, dequantized on the device (one launch for V, one for K, or one per chunk
         when keys carry per-chunk channel scales; the transform codec: one launch per chunk), one scatter
-        of the layer's K and V, one event."""
+        of the layer's K and V (the ``window``'s tokens), one event."""
+        t = sum(vw.tokens for vw in views)
+        window = (0, t) if window is None else window
         if not isinstance(views[0], quant.LayerView):
-            return self._write_transformed(views, slots, layer)
+            return self._write_transformed(views, slots, layer, window)
         if any(vw.k_out_idx.size for vw in views):  # exact outlier channels: not in the kernel
-            return super()._write_quantized(views, slots, layer)
-        if len(slots) > MAX_TOKENS:  # bounded pieces, chunk by chunk
-            return self._by_chunk(views, slots, layer)
+            return super()._write_quantized(views, slots, layer, window)
+        if t > MAX_TOKENS:  # bounded pieces, chunk by chunk
+            return self._by_chunk(views, slots, layer, window)
         lay = self.layout
-        t, c = len(slots), lay.num_kv_heads * lay.head_dim
+        c = lay.num_kv_heads * lay.head_dim
         cs = [[vw.k_cs] for vw in views] if views[0].k_cs.size else []
         parts = [
             [slots.numpy()],
@@ -190,21 +192,21 @@ class DeviceKVWriter(KVWriter):
                 lo += n
         else:
             self.ops.dequant(kc, ks, mk, None, out[0])
-        self._scatter_layer(out, d_slots, layer)
+        self._scatter_layer(out, d_slots, layer, window)
         self._complete([layer], f"quantized KV write of layer {layer}")
 
-    def _write_transformed(self, views, slots: torch.Tensor, layer: int) -> None:
+    def _write_transformed(self, views, slots: torch.Tensor, layer: int, window: tuple[int, int]) -> None:
         """The transform codec's views: symbols, escapes, scales, RoPE tables and sink tokens H2D, one
-        ``inverse_transform`` per chunk into the layer's output, one scatter, one event."""
-        if len(slots) > MAX_TOKENS:
-            return self._by_chunk(views, slots, layer)
+        ``inverse_transform`` per chunk into the layer's output, one scatter (the ``window``), one event."""
+        if sum(vw.tokens for vw in views) > MAX_TOKENS:
+            return self._by_chunk(views, slots, layer, window)
         from sgl_remote_kv.codec.transform_ops import rope_tables
 
         for vw in views:
             if not vw.escapes_consistent():
                 raise KVWriteError(f"layer {layer}: a chunk's escape count does not match its symbols")
         codec, lay = views[0].codec, self.layout
-        t, c = len(slots), lay.num_kv_heads * lay.head_dim
+        t, c = sum(vw.tokens for vw in views), lay.num_kv_heads * lay.head_dim
         consts = self._transform_consts(
             codec, layer, views[0].group, views[0].groups
         )  # may refuse: before staging
@@ -239,19 +241,25 @@ class DeviceKVWriter(KVWriter):
                 out[:, lo : lo + vw.tokens],
             )
             lo += vw.tokens
-        self._scatter_layer(out, regions[0], layer)
+        self._scatter_layer(out, regions[0], layer, window)
         self._complete([layer], f"transform-coded KV write of layer {layer}")
 
-    def _by_chunk(self, views, slots: torch.Tensor, layer: int) -> None:
+    def _by_chunk(self, views, slots: torch.Tensor, layer: int, window: tuple[int, int]) -> None:
+        """One write per chunk that meets ``window`` (its part of the window)."""
         if any(vw.tokens > MAX_TOKENS for vw in views):  # one chunk per launch is the smallest piece
             raise KVWriteError(f"layer {layer}: a chunk of over {MAX_TOKENS} tokens exceeds one scatter")
+        a, b = window
         lo = 0
         for vw in views:
-            self._write_quantized([vw], slots[lo : lo + vw.tokens], layer)
+            ca, cb = max(a, lo), min(b, lo + vw.tokens)
+            if ca < cb:
+                self._write_quantized([vw], slots[ca - a : cb - a], layer, (ca - lo, cb - lo))
             lo += vw.tokens
 
-    def _scatter_layer(self, out: torch.Tensor, d_slots: torch.Tensor, layer: int) -> None:
-        src = out.view(2, out.shape[1], self.layout.num_kv_heads, self.layout.head_dim)
+    def _scatter_layer(self, out: torch.Tensor, d_slots: torch.Tensor, layer: int, window) -> None:
+        a, b = window
+        out = out[:, a:b] if (a, b) != (0, out.shape[1]) else out
+        src = out.reshape(2, b - a, self.layout.num_kv_heads, self.layout.head_dim)
         self.ops.scatter(src, [self.pool.k[layer], self.pool.v[layer]], d_slots)
         self.stats["device_dequant"] += 1
 

@@ -1,10 +1,12 @@
-"""Staged pages: fetched KV held in host memory until SGLang's linker copies it into the pool.
+"""Staged pages: fetched KV (or its codes) held in host memory until SGLang's linker loads it into the pool.
 
 The linker integration (``sglang_glue/linker.py``) never writes fetched KV into slots SGLang has not
 handed it: SGLang allocates a request's slots only in the linker's ``load``, after ``lookup`` promised the
-pages. So every fetch path writes into *rows* of this host area instead (through ``writer``, the same
-``KVWriter`` contract as the pool's), the admission queue ``stage``s the rows under SGLang's page hashes,
-``leading`` answers ``lookup`` from memory alone, and ``pin`` + ``read_layer`` feed the per-layer copy.
+pages. So every fetch path writes into *rows* of this host area instead (through ``writer``, a
+``rows.RowStore``: the ``KVWriter`` calls, with rows for slots), the admission queue ``stage``s the rows
+under SGLang's page hashes, ``leading`` answers ``lookup`` from memory alone, and ``pin`` + ``copy_out``
+feed the per-layer load. On a device pool whose writer dequantizes (``KVWriter.device_dequant``) the rows
+hold codes, not KV: the load uploads them and the pool's writer decodes on the device.
 
 Ownership: rows are the queue's from ``alloc`` until ``stage`` (or ``free``); a staged entry owns its rows
 until the last ``Pin`` on it is released, then they return to the free list. A page hash indexes at most
@@ -22,12 +24,11 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from sgl_remote_kv.types import KVLayout
 
-from .writer import TORCH_DTYPES, HostKVWriter, PoolTensors, _numpy_view
+from .rows import RowStore
 
 
 @dataclass
@@ -47,20 +48,18 @@ class _Entry:
 
 
 class StagedPages:
-    def __init__(self, layout: KVLayout, rows: int, page_size: int, pin_memory: bool = False) -> None:
+    """See module docstring. ``keep_codes``: rows keep codes for the pool's writer to dequantize on the
+    device (``rows.RowStore``); ``nbytes``: the arena's size (default: every row's KV in the storage
+    dtype, enough for any mix of writes)."""
+
+    def __init__(
+        self, layout: KVLayout, rows: int, page_size: int, keep_codes: bool = False, nbytes: int | None = None
+    ) -> None:
         if rows <= 0 or page_size <= 0:
             raise ValueError(f"staging needs rows > 0 and page_size > 0, got {rows}, {page_size}")
         self.layout, self.page, self.capacity = layout, page_size, rows
-        shape = (rows, layout.num_kv_heads, layout.head_dim)
-        dt = TORCH_DTYPES[layout.dtype]
-
-        def buf() -> torch.Tensor:
-            t = torch.zeros(shape, dtype=dt)
-            return t.pin_memory() if pin_memory else t
-
-        self._k = [buf() for _ in range(layout.num_layers)]
-        self._v = [buf() for _ in range(layout.num_layers)]
-        self.writer = HostKVWriter(PoolTensors(self._k, self._v), layout)  # the fetch paths' destination
+        nbytes = rows * layout.bytes_per_token() if nbytes is None else nbytes
+        self.writer = RowStore(layout, rows, nbytes, keep_codes)  # the fetch paths' destination
         self._lock = threading.Lock()
         self._free = list(range(rows - 1, -1, -1))
         self._index: dict[str, tuple[int, int]] = {}  # page hash -> (entry id, page within the entry)
@@ -78,6 +77,7 @@ class StagedPages:
 
     def free(self, rows: torch.Tensor | None) -> None:
         if rows is not None and rows.numel():
+            self.writer.release(rows.numpy())
             with self._lock:
                 self._free.extend(rows.tolist())
 
@@ -128,6 +128,7 @@ class StagedPages:
                     for h in e.hashes:
                         if self._index.get(h, (None,))[0] == eid:
                             del self._index[h]
+                    self.writer.release(e.rows.numpy())
                     self._free.extend(e.rows.tolist())
 
     def forget(self) -> None:
@@ -145,19 +146,50 @@ class StagedPages:
         """Layer by layer, each pin's pages into its pool slots (``[(pin, slots)]``) through ``writer`` (the
         pool's ``KVWriter``: a layer is complete when it returns); ``ready(layer)`` first (returns once the
         layer is in the rows: layer-wise installs still decoding into them), ``on_layer(layer)`` after.
-        Raises ``KVWriteError`` (and whatever ``ready`` raises)."""
+        Each run of rows that are consecutive tokens of one staged record is one write: a contiguous slice
+        of plain KV (``write``) or a token window of codes (``write_quantized``, dequantized by the pool's
+        writer). Raises ``KVWriteError`` (and whatever ``ready`` raises)."""
+        batch = [(pin.rows.numpy(), slots.to("cpu", torch.int64)) for pin, slots in batch]
         for layer in range(self.layout.num_layers):
             if ready is not None:
                 ready(layer)
-            for pin, slots in batch:
-                k, v = self.read_layer(pin.rows, layer)
-                writer.write(k, v, slots, layer_lo=layer)
+            for rows, slots in batch:
+                for rec, a, b, i in self.writer.windows(rows, layer):
+                    s = slots[i : i + b - a]
+                    if rec.is_codes:
+                        writer.write_quantized(rec.views, s, layer, window=(a, b))
+                    else:
+                        j = layer - rec.layer_lo
+                        writer.write(rec.k[j : j + 1, a:b], rec.v[j : j + 1, a:b], s, layer_lo=layer)
             on_layer(layer)
 
-    def read_layer(self, rows: torch.Tensor, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """Copies ``([1, T, H, D], [1, T, H, D])`` of one layer of ``rows`` (the writer's source format)."""
-        idx = rows.numpy()
-        storage = self.writer.storage
-        k = _numpy_view(self._k[layer])[idx].view(storage)[None]
-        v = _numpy_view(self._v[layer])[idx].view(storage)[None]
-        return k, v
+
+@dataclass(frozen=True)
+class StagingPlan:
+    """What staging rows hold and the arena's bytes per row (token)."""
+
+    keep_codes: bool
+    bytes_per_token: int
+    reasons: tuple[str, ...]  # why rows hold KV, not codes (empty when every path stages codes)
+
+
+def codes_bytes_per_token(layout: KVLayout) -> int:
+    """Arena bytes a token's codes take at most, all layers, as the quantized and transform codecs stage
+    them: 1 byte per value for K and V, room for escapes and outlier channels (1/16 of the values at 2
+    bytes), per-head float32 scales for K and V, and 64-byte alignment of a chunk's arrays."""
+    c = layout.num_kv_heads * layout.head_dim
+    return layout.num_layers * (2 * c + c // 8 + 8 * layout.num_kv_heads + 32)
+
+
+def staging_plan(layout: KVLayout, device_dequant: bool, codec, plain: Sequence[str]) -> StagingPlan:
+    """Rows hold codes when the pool's writer dequantizes on the device (``KVWriter.device_dequant``) and
+    the codec has a device stage; the arena is sized for codes only if no path writes KV (``plain``: one
+    reason per path that does), for KV otherwise (any mix then fits)."""
+    kv = layout.bytes_per_token()
+    if not device_dequant:
+        return StagingPlan(
+            False, kv, ("the KV pool is in host memory: fetched chunks are decoded on the host",)
+        )
+    if not codec.device_dequant:
+        return StagingPlan(False, kv, tuple(plain))
+    return StagingPlan(True, kv if plain else min(kv, codes_bytes_per_token(layout)), tuple(plain))

@@ -96,6 +96,7 @@ class KVWriter(ABC):
         self.pool, self.layout, self.timeout_s = pool, layout, timeout_s
         self.storage = numpy_storage_dtype(layout.dtype)
         self._lock = threading.Lock()
+        self.host_dequant_tokens = 0  # tokens x layers this writer dequantized on the host (CPU stage)
 
     def write(self, k: np.ndarray, v: np.ndarray, slots: torch.Tensor, layer_lo: int = 0) -> None:
         """See module docstring. Raises ``KVWriteError``."""
@@ -109,14 +110,18 @@ class KVWriter(ABC):
         except Exception as e:  # any failure of the copy is a failed write, never a hit
             raise KVWriteError(f"KV write of layers {layer_lo}..{layer_lo + k.shape[0]} failed: {e!r}") from e
 
-    def write_quantized(self, views: Sequence, slots: torch.Tensor, layer: int) -> None:
+    def write_quantized(
+        self, views: Sequence, slots: torch.Tensor, layer: int, window: tuple[int, int] | None = None
+    ) -> None:
         """Layer ``layer`` of consecutive chunks (``views``: their lossless stage's output, tokens in order)
-        into ``slots``, dequantized on the pool's side. Same contract as ``write``; raises ``KVWriteError``."""
+        into ``slots``, dequantized on the pool's side; ``window`` ``(a, b)``: only the views' tokens
+        ``a..b`` (all by default) go into the ``b - a`` slots. Same contract as ``write``; raises
+        ``KVWriteError``."""
         slots = slots.to("cpu", torch.int64)
-        self._check_quantized(views, slots, layer)
+        window = self._check_quantized(views, slots, layer, window)
         try:
             with self._lock:
-                self._write_quantized(views, slots, layer)
+                self._write_quantized(views, slots, layer, window)
         except KVWriteError:
             raise
         except Exception as e:  # any failure of the dequantizing copy is a failed write
@@ -128,16 +133,25 @@ class KVWriter(ABC):
         for layer, views in enumerate(views_by_layer):
             self.write_quantized(views, slots, layer)
 
-    def _check_quantized(self, views: Sequence, slots: torch.Tensor, layer: int) -> None:
+    def _check_quantized(
+        self, views: Sequence, slots: torch.Tensor, layer: int, window: tuple[int, int] | None = None
+    ) -> tuple[int, int]:
         t = sum(vw.tokens for vw in views)
-        if slots.ndim != 1 or len(slots) != t or not 0 <= layer < self.layout.num_layers:
-            raise KVWriteError(f"{len(slots)} slots for {t} quantized tokens of layer {layer}")
+        a, b = (0, t) if window is None else window
+        if not 0 <= a < b <= t or slots.ndim != 1 or len(slots) != b - a:
+            raise KVWriteError(f"{len(slots)} slots for tokens {a}..{b} of {t} quantized tokens")
+        if not 0 <= layer < self.layout.num_layers:
+            raise KVWriteError(f"layer {layer} outside the pool")
         self._check_slots(slots)
+        return a, b
 
-    def _write_quantized(self, views: Sequence, slots: torch.Tensor, layer: int) -> None:
-        """The codec's CPU stage, then the plain write (lock held)."""
+    def _write_quantized(
+        self, views: Sequence, slots: torch.Tensor, layer: int, window: tuple[int, int] | None = None
+    ) -> None:
+        """The codec's CPU stage, then the plain write of the window (lock held)."""
         lay = self.layout
-        t = len(slots)
+        t = sum(vw.tokens for vw in views)
+        a, b = (0, t) if window is None else window
         k = np.empty((1, t, lay.num_kv_heads, lay.head_dim), self.storage)
         v = np.empty_like(k)
         lo = 0
@@ -145,7 +159,8 @@ class KVWriter(ABC):
             n = vw.tokens
             vw.dequant_into(lay.dtype, k[0, lo : lo + n], v[0, lo : lo + n])
             lo += n
-        self._write(k, v, slots, layer)
+        self.host_dequant_tokens += t
+        self._write(k[:, a:b], v[:, a:b], slots, layer)
 
     def wait_layer(self, layer: int) -> None:
         """The reading stream waits for the last write of ``layer`` (no-op on host pools)."""

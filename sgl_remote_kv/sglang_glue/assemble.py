@@ -17,7 +17,7 @@ from sgl_remote_kv import preflight, runtime
 from sgl_remote_kv.admission import AdmissionSettings
 from sgl_remote_kv.config import RemoteKVConfig
 from sgl_remote_kv.fetch import layerwise, paths
-from sgl_remote_kv.kvpool.staged import StagedPages
+from sgl_remote_kv.kvpool.staged import StagedPages, staging_plan
 from sgl_remote_kv.kvpool.warmup import warm_up
 from sgl_remote_kv.sglang_glue import seam
 from sgl_remote_kv.sglang_glue.writeback import WriteBack
@@ -27,9 +27,9 @@ from sgl_remote_kv.store.base import redact_url
 logger = logging.getLogger(__name__)
 
 
-def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig, staged: StagedPages) -> runtime.RemoteKVRuntime:
-    """The runtime over pool ``b.kvcache``; the fetch paths write into ``staged`` (host rows the linker
-    loads from), which the waiting_for_KV queue may fill entirely."""
+def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKVRuntime:
+    """The runtime over pool ``b.kvcache``; the fetch paths write into its host staging (``rt.staged``,
+    the rows the linker loads from), which the waiting_for_KV queue may fill entirely."""
     fp = b.fingerprint
     codec = paths.write_codec(cfg, fp, b.rope)
     data_plane = cfg.mode in ("dpu", "auto") and codec.name != paths.HEVC
@@ -39,6 +39,7 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig, staged: StagedPages
     warm = warm_up(kv_writer, [codec], fp)  # device pools: every kernel variant, before any request
     if warm.writes:
         logger.info("KV writer kernels compiled for %s in %.2f s", ", ".join(warm.writes), warm.seconds)
+    staged = build_staging(cfg, codec, kv_writer, int(b.kvcache.size), b.page_size)
     client = runtime.open_store_client(cfg)
     client.on_error = metrics.store_error  # store_errors_total{op,kind}
     client.on_breaker = metrics.store_breaker  # store_breaker_state{circuit}
@@ -95,3 +96,41 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig, staged: StagedPages
         fp.layout,
     )
     return rt
+
+
+def build_staging(cfg: RemoteKVConfig, codec, kv_writer, pool_tokens: int, page_size: int) -> StagedPages:
+    """The host staging the fetch paths write into: ``--remote-kv-staging-tokens`` rows (0: half the
+    pool, at most ``STAGING_AUTO_MAX``), holding codes where every path delivers codes and the pool's
+    writer dequantizes on the device (``staged.staging_plan``), its arena pinned in place for the load."""
+    lay = kv_writer.layout
+    rows = max(cfg.chunk_size, cfg.staging_tokens or min(pool_tokens // 2, STAGING_AUTO_MAX))
+    plan = staging_plan(lay, kv_writer.device_dequant, codec, plain_paths(cfg, codec))
+    staged = StagedPages(lay, rows, page_size, keep_codes=plan.keep_codes, nbytes=rows * plan.bytes_per_token)
+    kv_writer.register_host(staged.writer.arena.array)  # device pools: the load uploads from where rows lie
+    metrics_mod.get().staging(staged.writer.bytes_per_token, plan.keep_codes)
+    for why in plan.reasons:
+        logger.info("remote KV staging: %s", why)
+    logger.info(
+        "remote KV staging: %d rows holding %s, %.0f bytes per token (KV: %d), %.1f MiB",
+        rows,
+        "codes (dequantized on the device at load)" if plan.keep_codes else "KV",
+        staged.writer.bytes_per_token,
+        lay.bytes_per_token(),
+        staged.writer.arena.nbytes / 2**20,
+    )
+    return staged
+
+
+def plain_paths(cfg: RemoteKVConfig, codec) -> list[str]:
+    """Why some fetch path of this mode writes KV, not codes, into staging (one line per path)."""
+    out = []
+    if cfg.mode in ("nvdec", "auto"):
+        out.append("the NVDEC path writes decoded frames as KV (its frames come back to host memory)")
+    if not codec.device_dequant:
+        out.append(f"codec {codec.name!r} has no device dequant stage: its paths decode on the host")
+    elif cfg.mode in ("dpu", "auto") and cfg.dpu_output == "kv":
+        out.append("--remote-kv-dpu-output kv: the data plane dequantizes on its host cores")
+    return out
+
+
+STAGING_AUTO_MAX = 65536  # tokens of the automatic staging size (--remote-kv-staging-tokens 0)

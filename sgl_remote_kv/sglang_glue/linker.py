@@ -55,8 +55,6 @@ logger = logging.getLogger(__name__)
 
 LINKER_CLASS = "RemoteKVLinker"
 LINKER_MODULE = __name__
-# host staging rows, as a fraction of the device pool's slots
-STAGED_FRACTION = 0.5
 
 
 def linker_config() -> dict:
@@ -102,13 +100,12 @@ class RemoteKVLinker(UnifiedCacheLinker):
             self.layer_done_counter = LayerWiseLoadCounter(1)
             return
         self.pools = {PoolName.KV: b.kvcache}
-        layout = b.fingerprint.layout
-        rows = max(cfg.chunk_size, int(b.kvcache.size * STAGED_FRACTION))
-        on_device = str(getattr(b.kvcache, "device", "cpu")).startswith("cuda")
-        staged = StagedPages(layout, rows, b.page_size, pin_memory=on_device)
-        self._serve(staged, assemble.build_runtime(b, cfg, staged))
+        rt = assemble.build_runtime(b, cfg)
+        self._serve(rt.staged, rt)
         runtime.publish(self.rt)
-        logger.info("remote KV tier through the linker API: %d staging rows, page %d", rows, b.page_size)
+        logger.info(
+            "remote KV tier through the linker API: %d staging rows, page %d", rt.staged.capacity, b.page_size
+        )
 
     def _serve(self, staged: StagedPages, rt: runtime.RemoteKVRuntime) -> None:
         """Serve loads from ``staged`` into ``rt``'s pool: the layer counter and the load thread."""

@@ -1,0 +1,255 @@
+"""Staging that holds codes (``kvpool.rows.RowStore`` with ``keep_codes``): on a device pool, every fetch
+path stages what it delivers before dequantization, and the linker's load (``StagedPages.copy_out``)
+uploads it and decodes on the device, under the strict CUDA double's rules (``strict_device.py``).
+
+What must hold: no host dequant or inverse transform anywhere on the read path (the host stages are
+patched to fail; the writers' counters stay 0); the pool holds what the codec's own CPU decode gives
+(bit for bit for the quantized and lossless codecs, one bf16 step for the transform codec's float
+summation order); a load of pages that start or end inside a chunk decodes the chunk and scatters only
+its window; records are uploaded from the pinned arena where they lie; arena bytes come back when the
+rows are freed; an arena that is full is a failed write (a miss), never a partial hit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from dpu_helpers import CHUNK as DPU_CHUNK
+from dpu_helpers import FP as DPU_FP
+from dpu_helpers import LAYOUT as DPU_LAYOUT
+from dpu_helpers import codecs, dataplane_stage_items, put_chunks, random_chunks
+from strict_device import StrictDevice, StrictKVPool
+from test_inproc_device_decode import FP, LAY, C, N, _assert_decoded, _store
+from test_staged import hashes
+
+from sgl_remote_kv.codec import quant, transform
+from sgl_remote_kv.codec.base import decode
+from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
+from sgl_remote_kv.kvpool import KVWriteError, PoolTensors, writer_for
+from sgl_remote_kv.kvpool.staged import StagedPages, codes_bytes_per_token, staging_plan
+from sgl_remote_kv.sglang_glue.linker import FencedCounter
+
+PAGE = 8
+
+
+@pytest.fixture
+def dev():
+    d = StrictDevice()
+    yield d
+    d.close()
+
+
+def _no_host_dequant(monkeypatch) -> None:
+    """Any host dequant stage (quantized codecs) or host inverse transform (transform codec) fails."""
+
+    def refuse(*a, **k):
+        raise AssertionError("host dequant on a device pool's read path")
+
+    monkeypatch.setattr(quant.LayerView, "dequant_into", refuse)
+    monkeypatch.setattr(transform.TransformView, "dequant_into", refuse)
+
+
+def _device(dev, layout=LAY, size=128):
+    kv = StrictKVPool(dev, layout, size, torch.bfloat16)
+    return kv, writer_for(PoolTensors(kv.k_buffer, kv.v_buffer), layout, ops=dev)
+
+
+def _staging(writer, rows: int, layout=LAY, codec=None, nbytes=None) -> StagedPages:
+    plan = staging_plan(layout, writer.device_dequant, codec, [])
+    s = StagedPages(
+        layout, rows, PAGE, keep_codes=plan.keep_codes, nbytes=nbytes or rows * plan.bytes_per_token
+    )
+    writer.register_host(s.writer.arena.array)
+    return s
+
+
+def _load(staged, pin, writer, kv, slots):
+    """The linker's load: ``copy_out`` on this thread, the forward's per-layer wait and read after it."""
+    counter = FencedCounter(staged.layout.num_layers, writer)
+    index = counter.update_producer()
+    counter.set_consumer(index)
+    staged.copy_out([(pin, slots)], writer, functools.partial(counter.complete, index))
+    for layer in range(staged.layout.num_layers):
+        counter.wait_until(layer)
+        kv.get_key_buffer(layer)  # the strict read rule: only after the layer's event
+    assert counter.finish(index)
+
+
+@pytest.mark.parametrize("kind", ["quant_deflate", "transform"])
+def test_inproc_codes_are_staged_and_decoded_on_the_device(tmp_path, dev, monkeypatch, kind):
+    client, codec, keys, k, v = _store(tmp_path, kind)
+    kv, w = _device(dev)
+    staged = _staging(w, 64, codec=codec)
+    assert staged.writer.device_dequant  # the fetch paths' question: stage codes
+    be = InProcessFetchBackend(client, codec, FP, C, keep_codes=staged.writer.device_dequant)
+    h = be.submit("r", keys, start_token=0)
+    assert h.wait(30) and h.failure is None and h.codes is not None
+    _no_host_dequant(monkeypatch)
+    rows = staged.alloc(N * C)
+    h.write_staged(staged.writer, rows, N * C)
+    ids = list(range(1000, 1000 + N * C))
+    entry = staged.stage(hashes(ids, N * C, PAGE), rows)
+    # pages 1..4 of 6: tokens 8..40, from the middle of chunk 0 to the middle of chunk 2
+    pin = staged.pin(hashes(ids, N * C, PAGE)[1:5])
+    slots = torch.randperm(128, generator=torch.Generator().manual_seed(5))[:32]
+    _load(staged, pin, w, kv, slots)
+    rk, rv = w.read(slots)
+    _assert_decoded(codec, rk, k[:, 8:40])
+    _assert_decoded(codec, rv, v[:, 8:40])
+    assert staged.writer.stats["host_dequant"] == 0 and w.host_dequant_tokens == 0
+    assert staged.writer.stats["codes"] == N * C * LAY.num_layers and staged.writer.stats["kv"] == 0
+    assert w.stats["device_dequant"] >= LAY.num_layers and w.stats["zero_copy_parts"] > 0  # from the arena
+    used = staged.writer.arena.used
+    assert 0 < used <= N * C * codes_bytes_per_token(LAY)  # within the plan's bound
+    staged.release(entry)
+    staged.release(pin)
+    assert staged.writer.arena.used == 0 and not staged.writer._records  # every record's bytes back
+    be.close()
+    client.close()
+
+
+def test_a_host_pool_keeps_the_host_decode_bit_for_bit(tmp_path):
+    """The CPU platform: the same calls stage KV (decoded on the host), and the load is exact."""
+    client, codec, keys, k, v = _store(tmp_path, "quant_deflate")
+    from sgl_remote_kv.kvpool.writer import TORCH_DTYPES
+
+    planes = [
+        [torch.zeros(64, LAY.num_kv_heads, LAY.head_dim, dtype=TORCH_DTYPES[LAY.dtype]) for _ in range(3)]
+        for _ in "kv"
+    ]
+    w = writer_for(PoolTensors(*planes), LAY)
+    staged = _staging(w, 64, codec=codec)
+    assert not staged.writer.device_dequant and staged.writer.bytes_per_token == LAY.bytes_per_token()
+    be = InProcessFetchBackend(client, codec, FP, C, keep_codes=staged.writer.device_dequant)
+    h = be.submit("r", keys, start_token=0)
+    assert h.wait(30) and h.codes is None
+    rows = staged.alloc(N * C)
+    h.write_staged(staged.writer, rows, N * C)
+    ids = list(range(N * C))
+    staged.stage(hashes(ids, N * C, PAGE), rows)
+    pin = staged.pin(hashes(ids, N * C, PAGE)[1:5])
+    slots = torch.arange(32)
+    staged.copy_out([(pin, slots)], w, lambda layer: None)
+    rk, rv = w.read(slots)
+    assert np.array_equal(rk, k[:, 8:40]) and np.array_equal(rv, v[:, 8:40])
+    be.close()
+    client.close()
+
+
+def test_lossless_kv_is_staged_as_kv_and_uploaded_zero_copy_bit_exact(tmp_path, dev, monkeypatch):
+    """A codec without a device stage delivers KV: staging keeps it as plain records (the plan says why,
+    sized for KV), and the load uploads each run from the pinned arena, bit for bit."""
+    from benchmarks import synthetic_kv as synthetic
+    from sgl_remote_kv.codec.base import get_codec
+    from sgl_remote_kv.store.client import open_client
+
+    codec = get_codec("lossless")
+    client = open_client(f"file://{tmp_path / 'store'}")
+    keys = [bytes([i]) * 32 for i in range(N)]
+    chunks = [synthetic.kv(LAY, C, seed=i) for i in range(N)]
+    client.put_many([(key, codec.encode(*kv_, FP)) for key, kv_ in zip(keys, chunks, strict=True)])
+    kv, w = _device(dev)
+    plan = staging_plan(LAY, w.device_dequant, codec, [])
+    assert not plan.keep_codes and plan.bytes_per_token == LAY.bytes_per_token()
+    staged = _staging(w, 64, codec=codec)
+    be = InProcessFetchBackend(client, codec, FP, C, keep_codes=staged.writer.device_dequant)
+    h = be.submit("r", keys, start_token=0)
+    assert h.wait(30) and h.failure is None
+    rows = staged.alloc(N * C)
+    h.write_staged(staged.writer, rows, N * C)
+    ids = list(range(N * C))
+    staged.stage(hashes(ids, N * C, PAGE), rows)
+    pin = staged.pin(hashes(ids, N * C, PAGE))
+    slots = torch.randperm(128)[: N * C]
+    _no_host_dequant(monkeypatch)
+    _load(staged, pin, w, kv, slots)
+    rk, rv = w.read(slots)
+    assert np.array_equal(rk, np.concatenate([c[0] for c in chunks], axis=1))
+    assert np.array_equal(rv, np.concatenate([c[1] for c in chunks], axis=1))
+    assert w.stats["zero_copy"] == LAY.num_layers and w.stats["staged"] == 0  # no pinned bounce copy
+    be.close()
+    client.close()
+
+
+def test_dpu_codes_output_is_staged_and_decoded_on_the_device(tmp_path, dev, monkeypatch):
+    """The data plane's ``auto`` output for staging that keeps codes: its lossless stage only (nothing
+    dequantized on the data plane), codes copied into the arena, dequantized on the device at load,
+    bit-identical to the CPU decode."""
+    from sgl_remote_kv.dpu.buffers import chunk_bytes
+    from sgl_remote_kv.dpu.settings import DataPlaneSettings
+
+    from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
+    from sgl_remote_kv.fetch.dpu_client.jobs import KVTarget
+
+    codec = codecs()["quant"]
+    url = f"file://{tmp_path}/store"
+    keys, blobs = put_chunks(url, codec, random_chunks(4, seed=8))
+    cb = chunk_bytes(DPU_LAYOUT, DPU_CHUNK)
+    spec = DataPlaneSettings(
+        workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * cb, store_timeout_s=2.0
+    )
+    c = DpuClient(DpuClientConfig(url, dest_slots=2, dest_slot_bytes=2 * cb, process=spec), DPU_FP, codec)
+    c.start()
+    try:
+        kv, w = _device(dev, DPU_LAYOUT, 512)
+        staged = _staging(w, 4 * DPU_CHUNK, DPU_LAYOUT, codec)
+        rows = staged.alloc(4 * DPU_CHUNK)
+        _no_host_dequant(monkeypatch)
+        res = c.fetch("codes", keys, DPU_CHUNK, KVTarget(staged.writer, rows), timeout=60)
+        assert res.hit_chunks == 4 and not res.failures
+        assert dataplane_stage_items(c)["dequant"] == 0  # the data plane only inflated
+        assert staged.writer.stats["codes"] > 0 and staged.writer.stats["kv"] == 0
+        ids = list(range(4 * DPU_CHUNK))
+        staged.stage(hashes(ids, 4 * DPU_CHUNK, PAGE), rows)
+        pin = staged.pin(hashes(ids, 4 * DPU_CHUNK, PAGE))
+        slots = torch.randperm(512)[: 4 * DPU_CHUNK]
+        _load(staged, pin, w, kv, slots)
+        monkeypatch.undo()
+        rk, rv = w.read(slots)
+        for i in range(4):
+            k, v = decode(blobs[i], DPU_FP)
+            span = slice(i * DPU_CHUNK, (i + 1) * DPU_CHUNK)
+            assert np.array_equal(rk[:, span], k) and np.array_equal(rv[:, span], v), f"chunk {i}"
+        assert w.host_dequant_tokens == 0
+    finally:
+        c.close()
+
+
+def test_a_full_arena_is_a_failed_write_and_freed_rows_give_bytes_back(tmp_path, dev):
+    client, codec, keys, _, _ = _store(tmp_path, "transform")
+    _, w = _device(dev)
+    staged = _staging(w, 64, codec=codec, nbytes=4096)  # far less than 48 tokens of codes
+    be = InProcessFetchBackend(client, codec, FP, C, keep_codes=True)
+    h = be.submit("r", keys, start_token=0)
+    assert h.wait(30)
+    rows = staged.alloc(N * C)
+    with pytest.raises(KVWriteError, match="arena full"):
+        h.write_staged(staged.writer, rows, N * C)
+    assert staged.writer.stats["full"] == 1
+    staged.free(rows)  # the queue gives the reservation back after the failed write
+    assert staged.writer.arena.used == 0 and not staged.writer._records
+    be.close()
+    client.close()
+
+
+def test_a_row_written_again_supersedes_its_record_and_a_never_written_layer_fails_the_load(dev):
+    from sgl_remote_kv.types import KVLayout
+
+    lay = KVLayout(2, 1, 8, "bfloat16")
+    staged = StagedPages(lay, rows=16, page_size=4)
+    rows = staged.alloc(8)
+    k = np.arange(2 * 8 * 8, dtype=np.uint16).reshape(2, 8, 1, 8)
+    staged.writer.write(k, k, rows)
+    staged.writer.write(k[:, :4] + 1, k[:, :4] + 1, rows[:4])  # the first 4 rows again
+    assert len(staged.writer._records) == 2
+    runs = staged.writer.windows(rows.numpy(), 0)
+    assert [(a, b, i) for _, a, b, i in runs] == [(0, 4, 0), (4, 8, 4)]
+    staged.writer.write(k[:, 4:] + 2, k[:, 4:] + 2, rows[4:])
+    assert len(staged.writer._records) == 2  # the first record lost every cell: its bytes are back
+    other = staged.alloc(4)
+    staged.writer.write(k[:1, :4], k[:1, :4], other)  # layer 0 only
+    with pytest.raises(KVWriteError, match="layer 1 of a staged row holds no KV"):
+        staged.writer.windows(other.numpy(), 1)
