@@ -57,3 +57,20 @@ def test_auto_picks_the_faster_decoder_and_counts_queueing():
 def test_forced_mode_without_its_decoder_uses_what_exists():
     p = Policy(PolicyConfig(mode="nvdec"), available=("inproc",))
     assert p.decide(512, MB, 10 * MB, queue_depth={}).path == "inproc"
+
+
+def test_the_measured_device_load_is_part_of_a_fetch_and_a_slow_one_recomputes():
+    """``PolicyConfig.load_bps`` (the warm-up's measured load into a device pool) adds ``decoded / rate`` to
+    every path's estimate: a fast device decode keeps the fetch, a slow one (a host-rate decode) loses."""
+    estimates = {}
+    for rate in (0.0, 100e9, 50e6):
+        p = Policy(PolicyConfig(mode="dpu", load_bps=rate), available=("dpu",))
+        for n in (256, 512, 1024, 2048):
+            p.observe_prefill(n, n / 4000.0)
+        p.observe_fetch("dpu", nbytes=10 * MB, fetch_s=0.01, decoded_bytes=20 * MB, decode_s=0.0)
+        estimates[rate] = p.decide(1024, nbytes=10 * MB, decoded_bytes=20 * MB, queue_depth={})
+    assert estimates[100e9].path == "dpu"
+    extra = estimates[100e9].est_fetch_s - estimates[0.0].est_fetch_s
+    assert extra == pytest.approx(20 * MB / 100e9)
+    assert estimates[100e9].est_decode_s - estimates[0.0].est_decode_s == pytest.approx(extra)
+    assert estimates[50e6].path == "recompute"  # 0.42 s of load against 0.26 s of prefill

@@ -15,6 +15,11 @@ alignment of pointers; the writer's token counts are multiples of 16 (chunk and 
 staging offsets are 64-byte aligned, so one write of 16 tokens per kind reaches the same variants as any
 real write. The writes go to scratch planes of the pool's row shape and dtype, never into the pool.
 
+Then each kind of write is *timed* at a size where the device's bandwidth shows (``TIMED_TOKENS``: one
+layer of a short chunk repeated; the median of ``TIMED_RUNS``): the decoded bytes per second of the
+load on this device, which the policy adds to a fetch's estimate (``WarmUp.load_bps``), so its
+fetch-vs-recompute decision uses the measured device decode, not a host rate.
+
 Threads: the caller's (start-up); uses the writer's ops and side stream. Host pools compile nothing.
 """
 
@@ -23,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -37,12 +42,15 @@ from .writer import TORCH_DTYPES, KVWriter, PoolTensors
 logger = logging.getLogger(__name__)
 
 TOKENS = 16  # a multiple of 16 like every real write: the same specializations
+CHUNK_TOKENS, COPIES = 64, 64  # a timed write: one layer of a 64-token chunk, 64 times (4096 tokens)
+TIMED_RUNS = 3
 
 
 @dataclass(frozen=True)
 class WarmUp:
     writes: tuple[str, ...]  # the kinds of write run (``kv``, ``codes:<codec>``)
     seconds: float
+    load_bps: dict[str, float] = field(default_factory=dict)  # write kind -> decoded KV bytes per second
 
 
 def warm_up(writer: KVWriter, codecs: Sequence, fingerprint: ModelFingerprint) -> WarmUp:
@@ -67,15 +75,55 @@ def warm_up(writer: KVWriter, codecs: Sequence, fingerprint: ModelFingerprint) -
     done = []
     scratch.write(k[:1], v[:1], slots)
     done.append("kv")
+    codes = {}
     for codec in codecs:
         if not codec.device_dequant or f"codes:{codec.name}" in done:
             continue
-        blob = codec.encode(k, v, fingerprint)
-        hdr = parse_header(blob, fingerprint)
-        view = codec.codes_stage(blob, hdr, 0, np.empty(codec.scratch_bytes(hdr, 0), np.uint8))
-        scratch.write_quantized([view], slots, 0)
+        codes[codec.name] = _codes_view(codec, k, v, fingerprint)
+        scratch.write_quantized([codes[codec.name]], slots, 0)
         done.append(f"codes:{codec.name}")
-    return WarmUp(tuple(done), time.perf_counter() - t0)
+    compiled = time.perf_counter() - t0
+    rates = _timed(writer, one, k, v, codes, fingerprint, codecs)
+    logger.debug("KV writer kernels compiled in %.2f s; load rates %s", compiled, rates)
+    return WarmUp(tuple(done), time.perf_counter() - t0, rates)
+
+
+def _codes_view(codec, k, v, fingerprint):
+    blob = codec.encode(k, v, fingerprint)
+    hdr = parse_header(blob, fingerprint)
+    return codec.codes_stage(blob, hdr, 0, np.empty(codec.scratch_bytes(hdr, 0), np.uint8))
+
+
+def _timed(writer: DeviceKVWriter, one: KVLayout, k, v, codes: dict, fingerprint, codecs) -> dict[str, float]:
+    """Decoded bytes per second of each kind of write, at ``COPIES`` x ``CHUNK_TOKENS`` tokens of one
+    layer into scratch planes of that size (never the pool)."""
+    lay, n = writer.layout, CHUNK_TOKENS * COPIES
+    planes = [
+        writer.ops.device_empty(n * lay.num_kv_heads * lay.head_dim * writer.storage.itemsize)
+        .view(TORCH_DTYPES[lay.dtype])
+        .view(n, lay.num_kv_heads, lay.head_dim)
+        for _ in "kv"
+    ]
+    scratch = DeviceKVWriter(PoolTensors([planes[0]], [planes[1]]), one, writer.ops, writer.timeout_s)
+    scratch._consts = writer._consts
+    slots = torch.arange(n)
+    kc, vc = _random_kv(lay, CHUNK_TOKENS)
+    kv_k, kv_v = np.concatenate([kc[:1]] * COPIES, axis=1), np.concatenate([vc[:1]] * COPIES, axis=1)
+    runs = {"kv": lambda: scratch.write(kv_k, kv_v, slots)}
+    for codec in codecs:
+        if codec.name in codes:
+            view = _codes_view(codec, kc, vc, fingerprint)
+            runs[f"codes:{codec.name}"] = lambda view=view: scratch.write_quantized([view] * COPIES, slots, 0)
+    out = {}
+    for kind, run in runs.items():
+        run()  # this size's first launch
+        times = []
+        for _ in range(TIMED_RUNS):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        out[kind] = 2 * kv_k.nbytes / max(sorted(times)[TIMED_RUNS // 2], 1e-9)
+    return out
 
 
 def _random_kv(lay: KVLayout, tokens: int) -> tuple[np.ndarray, np.ndarray]:

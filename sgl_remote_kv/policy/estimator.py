@@ -116,6 +116,9 @@ class PolicyConfig:
     mode: str = "dpu"  # dpu | nvdec | inproc | auto
     bw_initial_bps: float = 1e9  # optimistic prior (bytes/s) so the tier gets used and measured
     decode_initial_bps: float = 200e6
+    # decoded KV bytes per second of the load from staging into a device pool (measured at start-up by
+    # ``kvpool.warmup``: the device decode of staged codes); 0: not modeled (host pools)
+    load_bps: float = 0.0
     margin: float = 1.0  # fetch must be estimated at most margin x the recompute time
     abandon_factor: float = 1.5  # abandon a fetch running > factor x margin x est. recompute ...
     # ... but never one younger than this: RTT jitter and tiny prefixes, and a hung data plane is
@@ -271,10 +274,14 @@ class Policy:
         return (inproc,) if inproc in self.available else self.available
 
     def _estimate(self, path: str, nbytes: int, decoded: int, depth: int, spb: float) -> tuple[float, float]:
+        """(fetch seconds, its decode share): transfer + the path's decode + the load into the pool (the
+        device decode of staged codes, ``PolicyConfig.load_bps``; counted in full, not overlapped)."""
+        load = decoded / self.config.load_bps if self.config.load_bps > 0 else 0.0
         est = self.estimators.get(path)
         if est is not None:
-            return est(nbytes, decoded, depth, spb)
-        dec = decoded * self.decode_spb[path].value * (1 + depth)
+            t, dec = est(nbytes, decoded, depth, spb)
+            return t + load, dec + load
+        dec = decoded * self.decode_spb[path].value * (1 + depth) + load
         return nbytes * spb + dec, dec
 
     def decide(
