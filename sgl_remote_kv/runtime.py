@@ -174,13 +174,18 @@ def build(
     generation=None,
     admission: AdmissionSettings | None = None,
     staged=None,
+    load_bps: float = 0.0,
 ) -> RemoteKVRuntime:
-    """The runtime over decided parts; the policy is built here from the paths and the config."""
+    """The runtime over decided parts; the policy is built here from the paths and the config
+    (``load_bps``: the measured rate of the load into a device pool, ``PolicyConfig.load_bps``)."""
     if not paths:
         raise ValueError("a runtime needs at least one fetch path")
     admission = admission or AdmissionSettings(chunk_size=config.chunk_size, tail_granule=config.tail_granule)
     pcfg = PolicyConfig(
-        mode=config.mode, margin=config.policy_margin, timeout_cap_s=admission.fetch_timeout_s
+        mode=config.mode,
+        margin=config.policy_margin,
+        timeout_cap_s=admission.fetch_timeout_s,
+        load_bps=load_bps,
     )
     by_name = {p.name: p for p in paths}
     return RemoteKVRuntime(

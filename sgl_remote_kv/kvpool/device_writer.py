@@ -24,6 +24,7 @@ stay owned by their creator, which must ``unregister_host`` before unmapping.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -200,8 +201,6 @@ class DeviceKVWriter(KVWriter):
         ``inverse_transform`` per chunk into the layer's output, one scatter (the ``window``), one event."""
         if sum(vw.tokens for vw in views) > MAX_TOKENS:
             return self._by_chunk(views, slots, layer, window)
-        from sgl_remote_kv.codec.transform_ops import rope_tables
-
         for vw in views:
             if not vw.escapes_consistent():
                 raise KVWriteError(f"layer {layer}: a chunk's escape count does not match its symbols")
@@ -218,7 +217,7 @@ class DeviceKVWriter(KVWriter):
                     vw.sym,
                     vw.esc,
                     vw.scales,
-                    *rope_tables(codec.cal.rope, vw.start, vw.tokens),
+                    *_rope_tables(codec.cal.rope, vw.start, vw.tokens),
                     vw.sinks,
                 )
             ]
@@ -393,6 +392,14 @@ _TORCH = {
     np.dtype(np.float32): torch.float32,
     np.dtype(np.int64): torch.int64,
 }
+
+
+@functools.lru_cache(maxsize=256)
+def _rope_tables(rope, start: int, tokens: int):
+    """``transform_ops.rope_tables`` (read-only arrays), computed once per chunk position, not per layer."""
+    from sgl_remote_kv.codec.transform_ops import rope_tables
+
+    return rope_tables(rope, start, tokens)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

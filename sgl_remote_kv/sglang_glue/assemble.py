@@ -38,8 +38,14 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
     kv_writer = seam.pool_writer(b.kvcache, fp.layout)
     warm = warm_up(kv_writer, [codec], fp)  # device pools: every kernel variant, before any request
     if warm.writes:
-        logger.info("KV writer kernels compiled for %s in %.2f s", ", ".join(warm.writes), warm.seconds)
+        logger.info(
+            "KV writer kernels compiled for %s in %.2f s; load into the pool (GB/s of KV): %s",
+            ", ".join(warm.writes),
+            warm.seconds,
+            {kind: round(bps / 1e9, 1) for kind, bps in warm.load_bps.items()},
+        )
     staged = build_staging(cfg, codec, kv_writer, int(b.kvcache.size), b.page_size)
+    load_bps = warm.load_bps.get(f"codes:{codec.name}" if staged.writer.keep_codes else "kv", 0.0)
     client = runtime.open_store_client(cfg)
     client.on_error = metrics.store_error  # store_errors_total{op,kind}
     client.on_breaker = metrics.store_breaker  # store_breaker_state{circuit}
@@ -86,6 +92,7 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
         generation=generation.GenerationWatch(client, fp, keys),
         admission=AdmissionSettings(cfg.chunk_size, cfg.tail_granule, max_pool_fraction=1.0),
         staged=staged,
+        load_bps=load_bps,
     )
     logger.info(
         "remote KV tier ready: store %s, fetch paths %s, codec %r, chunk %d, layout %s",

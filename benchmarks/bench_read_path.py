@@ -1,0 +1,268 @@
+"""Host CPU of the read path into a device pool, host decode against device decode (``make bench-read-path``).
+
+Each fetch path (in-process, DPU) fetches real SmolLM2 KV (bf16, held-out texts, 256-token chunks, the
+default codec) from an embedded store into the linker's host staging, stages it under page hashes and
+loads it into a device KV pool through ``StagedPages.copy_out`` and the pool's ``DeviceKVWriter``, the
+way a server's remote hit does, two ways side by side in one run:
+
+- ``host_decode``: staging holds KV (what every path did before staging held codes): the in-process
+  workers decode both stages on the host; the data plane dequantizes (``--remote-kv-dpu-output kv``);
+- ``device_decode``: staging holds codes (``RowStore(keep_codes=True)``): the workers and the data plane
+  run the lossless stage only; the load uploads the codes and dequantizes on the device.
+
+The device is the strict CPU double of a CUDA device (``tests/strict_device.py``): its stream thread does
+the device's work (the Triton kernels' torch definitions). **Host CPU** is this process's CPU time less
+that thread's: what a GPU server's host pays. The data plane's own CPU (a separate process: the DPU's
+cores, not the host's) is reported beside it. GB = decoded bf16 KV bytes delivered into the pool.
+``staging_bytes_per_token``: arena bytes the staged chunks took per token (``bf16_bytes_per_token``:
+the KV's own size). Writes ``docs/results/read_path.json``. Goals (issue 50): device decode <= 0.35x
+the host CPU of host decode; staging <= 0.6x bf16 bytes per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+from benchmarks import kvdata
+from sgl_remote_kv.types import DEFAULT_QUANTIZER
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "docs" / "results" / "read_path.json"
+CHUNK, PAGE = 256, 64
+TEXTS = ("apache2", "textwrap_py", "vim_tutor_fr")
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _thread_cpu(t: threading.Thread) -> float:
+    return time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+
+
+def transform_codec(fp, quantizer: str):
+    """The transform codec at the default level with ``quantizer`` (the default: trellis)."""
+    from sgl_remote_kv.codec import calibration
+    from sgl_remote_kv.codec.base import get_codec
+    from sgl_remote_kv.types import DEFAULT_QUALITY
+
+    cal = calibration.find_for(fp, DEFAULT_QUALITY)
+    if cal is None:
+        raise SystemExit("no calibration for the model: run `make calibration` first")
+    return get_codec(
+        "transform", calibration=cal.calib_id.hex(), quality=DEFAULT_QUALITY, quantizer=quantizer
+    )
+
+
+class Rig:
+    """A store with the texts' chunks, a strict device pool and its writer."""
+
+    def __init__(self, tmp: Path, codec, fp, texts) -> None:
+        from sgl_remote_kv.kvpool import PoolTensors, writer_for
+        from sgl_remote_kv.store.client import open_client
+        from tests.strict_device import StrictDevice, StrictKVPool
+
+        self.fp, self.codec, self.url = fp, codec, f"file://{tmp / 'store'}"
+        client = open_client(self.url)
+        self.keys: list[bytes] = []
+        for ti, t in enumerate(texts):
+            for s in range(0, t.k.shape[1] - CHUNK + 1, CHUNK):
+                k, v = (
+                    np.ascontiguousarray(t.k[:, s : s + CHUNK]),
+                    np.ascontiguousarray(t.v[:, s : s + CHUNK]),
+                )
+                key = bytes([ti, s // CHUNK]).ljust(32, b"\0")
+                client.put_many([(key, codec.encode(k, v, fp, start=s))])
+                self.keys.append(key)
+        client.close()
+        self.tokens = len(self.keys) * CHUNK
+        self.dev = StrictDevice(delay_s=0.0)
+        lay = fp.layout
+        self.pool = StrictKVPool(self.dev, lay, self.tokens, torch.bfloat16)
+        self.writer = writer_for(PoolTensors(self.pool.k_buffer, self.pool.v_buffer), lay, 30.0, ops=self.dev)
+
+    def staging(self, keep_codes: bool):
+        from sgl_remote_kv.kvpool.staged import StagedPages, staging_plan
+
+        lay = self.fp.layout
+        plan = staging_plan(lay, keep_codes, self.codec, [])
+        s = StagedPages(
+            lay, self.tokens, PAGE, keep_codes=plan.keep_codes, nbytes=self.tokens * plan.bytes_per_token
+        )
+        self.writer.register_host(s.writer.arena.array)
+        return s
+
+    def load(self, staged, rows) -> float:
+        """Stage ``rows`` and load them into the pool; returns the arena bytes they took per token."""
+        per_token = staged.writer.arena.used / len(rows)
+        hashes = [f"{i:064x}" for i in range(len(rows) // PAGE)]
+        entry = staged.stage(hashes, rows)
+        pin = staged.pin(hashes)
+        slots = torch.randperm(self.tokens, generator=torch.Generator().manual_seed(1))
+        staged.copy_out([(pin, slots)], self.writer, lambda layer: None)
+        self.dev.synchronize()
+        staged.release(pin)
+        staged.release(entry)
+        return per_token
+
+    def close(self) -> None:
+        self.dev.close()
+
+
+def run_inproc(rig: Rig, device_decode: bool, repeat: int) -> dict:
+    from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
+    from sgl_remote_kv.store.client import open_client
+
+    client = open_client(rig.url)
+    staged = rig.staging(device_decode)
+    be = InProcessFetchBackend(client, rig.codec, rig.fp, CHUNK, keep_codes=staged.writer.device_dequant)
+
+    def once() -> float:
+        h = be.submit("r", rig.keys, start_token=0)
+        if not h.wait(600) or h.failure:
+            raise RuntimeError(f"in-process fetch failed: {h.failure}")
+        rows = staged.alloc(rig.tokens)
+        h.write_staged(staged.writer, rows, rig.tokens)
+        return rig.load(staged, rows)
+
+    try:
+        return _measure(rig, once, repeat, staged)
+    finally:
+        be.close()
+        client.close()
+
+
+def run_dpu(rig: Rig, device_decode: bool, repeat: int) -> dict:
+    from sgl_remote_kv.dpu.buffers import chunk_bytes
+    from sgl_remote_kv.dpu.settings import DataPlaneSettings
+
+    from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
+    from sgl_remote_kv.fetch.dpu_client.jobs import KVTarget
+
+    lay = rig.fp.layout
+    cb = chunk_bytes(lay, CHUNK)
+    spec = DataPlaneSettings(workers=(1, 1, 1, 1), slots=2, slot_bytes=8 * cb, cpus=())
+    cfg = DpuClientConfig(rig.url, dest_slots=2, dest_slot_bytes=8 * cb, process=spec)
+    c = DpuClient(cfg, rig.fp, rig.codec)
+    c.start()
+    staged = rig.staging(device_decode)
+    proc = psutil.Process(c.pid) if c.pid else None
+
+    def once() -> float:
+        rows = staged.alloc(rig.tokens)
+        res = c.fetch("r", rig.keys, CHUNK, KVTarget(staged.writer, rows), timeout=600)
+        if res.hit_chunks != len(rig.keys):
+            raise RuntimeError(f"DPU fetch: {res.hit_chunks} of {len(rig.keys)} chunks, {res.failures}")
+        return rig.load(staged, rows)
+
+    try:
+        before = _proc_cpu(proc)
+        out = _measure(rig, once, repeat, staged)
+        gb = out["gb"]
+        out["dataplane_cpu_s_per_gb"] = (_proc_cpu(proc) - before) / gb if proc is not None else None
+        return out
+    finally:
+        c.close()
+
+
+def _proc_cpu(proc) -> float:
+    if proc is None:
+        return 0.0
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def _measure(rig: Rig, once, repeat: int, staged) -> dict:
+    once()  # first use: kernels and buffers
+    stream = rig.dev._worker
+    c0, s0, w0 = _cpu(), _thread_cpu(stream), time.perf_counter()
+    per_token = [once() for _ in range(repeat)]
+    host = (_cpu() - c0) - (_thread_cpu(stream) - s0)
+    gb = repeat * rig.tokens * rig.fp.layout.bytes_per_token() / 1e9
+    return {
+        "gb": gb,
+        "host_cpu_s_per_gb": host / gb,
+        "wall_s": time.perf_counter() - w0,
+        "staging_bytes_per_token": float(np.mean(per_token)),
+        "host_dequant_tokens": staged.writer.stats["host_dequant"] + rig.writer.host_dequant_tokens,
+    }
+
+
+def _row(path: str, quantizer: str, codec, rig: Rig, r: dict) -> dict:
+    fp = rig.fp
+    row = {
+        "path": path,
+        "codec": codec.name,
+        "quantizer": quantizer,
+        "default": quantizer == DEFAULT_QUANTIZER,
+        "params": codec.params(),
+        "tokens": rig.tokens,
+        "host_cpu_s_per_gb_host_decode": r["host"]["host_cpu_s_per_gb"],
+        "host_cpu_s_per_gb_device_decode": r["device"]["host_cpu_s_per_gb"],
+        "device_over_host": r["device"]["host_cpu_s_per_gb"] / r["host"]["host_cpu_s_per_gb"],
+        "staging_bytes_per_token": r["device"]["staging_bytes_per_token"],
+        "staging_bytes_per_token_host_decode": r["host"]["staging_bytes_per_token"],
+        "bf16_bytes_per_token": fp.layout.bytes_per_token(),
+        "host_dequant_tokens_device_decode": r["device"]["host_dequant_tokens"],
+        "runs": r,
+    }
+    row["staging_over_bf16"] = row["staging_bytes_per_token"] / row["bf16_bytes_per_token"]
+    print(
+        f"{path:7s} {quantizer:8s} host CPU s/GB: host decode {row['host_cpu_s_per_gb_host_decode']:.2f}, "
+        f"device decode {row['host_cpu_s_per_gb_device_decode']:.2f} ({row['device_over_host']:.2f}x); "
+        f"staging {row['staging_bytes_per_token']:.0f} B/token ({row['staging_over_bf16']:.2f}x bf16)"
+    )
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--paths", default="inproc,dpu")
+    ap.add_argument("--quantizers", default=f"{DEFAULT_QUANTIZER},scalar", help="the transform codec's")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    import tempfile
+
+    torch.set_num_threads(1)
+    fp = kvdata.fingerprint()
+    texts = [t for t in kvdata.load_texts(list(TEXTS)) if t.name in TEXTS]
+    runners = {"inproc": run_inproc, "dpu": run_dpu}
+    rows = []
+    for quantizer in args.quantizers.split(","):
+        codec = transform_codec(fp, quantizer)
+        with tempfile.TemporaryDirectory() as tmp:
+            rig = Rig(Path(tmp), codec, fp, texts)
+            try:
+                for path in args.paths.split(","):
+                    r = {m: runners[path](rig, m == "device", args.repeat) for m in ("host", "device")}
+                    rows.append(_row(path, quantizer, codec, rig, r))
+            finally:
+                rig.close()
+    meta = {
+        "texts": list(TEXTS),
+        "model": "SmolLM2-135M (30 layers, 3 KV heads, head dim 64), bf16 KV",
+        "chunk": CHUNK,
+        "repeat": args.repeat,
+        "cpu": kvdata.cpu_model(),
+        "device": "strict CPU double of a CUDA device (tests/strict_device.py); its stream thread's CPU excluded",
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
