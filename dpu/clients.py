@@ -10,8 +10,9 @@ cancelled (both by the job table, through ``cancel_jobs``), and once its last jo
 ``Register`` repeating the registration of its connection (a client resends it until answered) is
 answered again, nothing else.
 
-Logs: one INFO line per accepted registration or ``Goodbye``; WARNING for a client dropped while live
-(silent, replaced) and for refused registrations.
+Logs: one INFO line per accepted registration (``client ... registered``) and per ``Goodbye``
+(``client ... detached (goodbye)``); WARNING for a client dropped while live (``client ... dropped
+(silent for ...)``, replaced) and for refused registrations.
 
 Threads: server thread only (``server.DataPlaneServer`` calls in; nothing here is locked).
 
@@ -171,14 +172,16 @@ class ClientTable:
 
     def drop(self, peer: bytes, why: str, warn: bool = True) -> None:
         """Forget ``peer``'s registration: finish its queued rounds as cancelled, cancel its admitted jobs;
-        its regions are released when its last job is over (at once if it has none)."""
+        its regions are released when its last job is over (at once if it has none). Logs one line:
+        WARNING ``client ... dropped (why)``, or INFO ``client ... detached (goodbye)`` when not ``warn``."""
         client = self.clients.pop(peer, None)
         if client is None:
             return
         self.counters["clients_dropped"] += 1
-        (logger.warning if warn else logger.info)(
-            "client %r dropped (%s): %d jobs cancelled", client.label, why, len(client.jobs)
-        )
+        if warn:  # dropped while live: an operator should look
+            logger.warning("client %r dropped (%s): %d jobs cancelled", client.label, why, len(client.jobs))
+        else:  # it said Goodbye: an ordinary detach
+            logger.info("client %r detached (%s): %d jobs cancelled", client.label, why, len(client.jobs))
         self.leaving.append(client)
         self._cancel_jobs(peer, client.jobs)
         self._release_if_idle(client)

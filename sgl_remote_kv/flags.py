@@ -33,9 +33,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         default="",
         type=_store_url,
         metavar="URL",
-        help="Store URL: file:///dir (embedded, default), redis://host:port/db, "
-        "redis+cluster://host:port[,host:port]. Keep a password out of it (it would show in ps): "
-        "--remote-kv-store-password-file or SRKV_STORE_PASSWORD.",
+        help="Store URL: file:///dir (embedded, default), redis://host:port/db, rediss://host:port/db "
+        "(TLS), redis+cluster://host:port[,host:port], rediss+cluster://..., dpu+ipc:///path or "
+        "dpu+tcp://host:port (a data-plane service's store proxy). Keep a password out of it (it would "
+        "show in ps): --remote-kv-store-password-file or SRKV_STORE_PASSWORD.",
     )
     g.add_argument(
         "--remote-kv-store-password-file",
@@ -67,8 +68,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--remote-kv-codec",
         dest="remote_kv_codec",
+        type=_codec_name,
         default="default",
-        help="Chunk codec name (see docs/CODEC.md); 'default' picks the near-lossless default.",
+        metavar="NAME",
+        help="Chunk codec name (see docs/CODEC.md): default (picks the near-lossless default) or one of "
+        f"{', '.join(_codec_names())}.",
     )
     g.add_argument(
         "--remote-kv-auth-key-file",
@@ -265,6 +269,24 @@ def _dpu_args(text: str) -> str:
 def _dpu_endpoint(text: str) -> str:
     if text and not is_endpoint(text):
         raise argparse.ArgumentTypeError(f"must be ipc://PATH or tcp://HOST:PORT, got {text!r}")
+    return text
+
+
+DEFAULT_CODEC = "default"
+
+
+def _codec_names() -> list[str]:
+    from sgl_remote_kv.codec.base import codec_names
+
+    return codec_names()
+
+
+def _codec_name(text: str) -> str:
+    """``default`` or a name in the codec registry (``codec.base.codec_names``; checked by name only: the
+    codec's module is imported when the tier starts)."""
+    valid = [DEFAULT_CODEC, *_codec_names()]
+    if text not in valid:
+        raise argparse.ArgumentTypeError(f"unknown codec {text!r}; valid: {', '.join(valid)}")
     return text
 
 

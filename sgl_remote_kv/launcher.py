@@ -6,16 +6,24 @@ the whole group (SIGKILL after a grace period) so no scheduler subprocess outliv
 A port picked here (``ServerSpec.port`` 0) can be taken by another process before the server binds it;
 the server then logs the bind error and hangs instead of exiting: that start fails fast (``PortInUse``)
 and is retried on another free port (at most ``START_ATTEMPTS`` times).
+
+The server's log (stdout and stderr) goes to ``ServerSpec.log_path`` (the caller's file: kept), or else to
+``server-<port>.log`` in a temporary directory the launcher owns (``srkv-server-*`` under ``$TMPDIR``):
+removed when the server it started is stopped (``log_text()`` still answers from memory afterwards), kept
+when the server failed to start (the error names the file) or had exited by itself before ``stop`` (a
+warning names it).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -71,14 +79,19 @@ class SGLangServer:
     def __init__(self, spec: ServerSpec):
         self.spec = spec
         self.proc: subprocess.Popen | None = None
+        self.healthy = False  # the last start reached /health
+        # the log directory this launcher owns (no ServerSpec.log_path), until it is removed
+        self._log_dir: Path | None = None if spec.log_path else Path(tempfile.mkdtemp(prefix="srkv-server-"))
+        self._final_log: str | None = None  # the owned log's text, once its file is removed
         self._use_port(spec.port or free_port())
 
     def _use_port(self, port: int) -> None:
         self.port = port
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = (
-            Path(self.spec.log_path) if self.spec.log_path else Path(f"/tmp/srkv-server-{self.port}.log")
-        )
+        if self.spec.log_path:
+            self.log_path = Path(self.spec.log_path)
+        elif self._log_dir is not None:
+            self.log_path = self._log_dir / f"server-{self.port}.log"
 
     def command(self) -> list[str]:
         cmd = [
@@ -130,11 +143,13 @@ class SGLangServer:
             start_new_session=True,
         )
         log.close()
+        self.healthy = False
         try:
             self._wait_healthy()
         except BaseException:  # also Ctrl-C / SIGTERM during startup: never leave a server behind
-            self.stop()
+            self.stop()  # the log is kept: not healthy
             raise
+        self.healthy = True
         return self
 
     def _wait_healthy(self) -> None:
@@ -142,11 +157,11 @@ class SGLangServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"server exited with {self.proc.returncode} during startup; "
+                    f"server exited with {self.proc.returncode} during startup (log kept: {self.log_path}); "
                     f"last log lines:\n{self.log_tail()}"
                 )
             if BIND_ERROR in self.log_text():
-                raise PortInUse(f"port {self.port} is taken:\n{self.log_tail()}")
+                raise PortInUse(f"port {self.port} is taken (log: {self.log_path}):\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -154,10 +169,16 @@ class SGLangServer:
             except OSError:
                 pass
             time.sleep(1.0)
-        raise TimeoutError(f"server not healthy after {self.spec.startup_timeout_s}s:\n{self.log_tail()}")
+        raise TimeoutError(
+            f"server not healthy after {self.spec.startup_timeout_s}s (log kept: {self.log_path}):\n"
+            f"{self.log_tail()}"
+        )
 
     def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        """The server's log so far (after ``stop`` removed a launcher-owned log: its last text)."""
+        if self.log_path.exists():
+            return self.log_path.read_text(errors="replace")
+        return self._final_log or ""
 
     def log_tail(self, n: int = 30) -> str:
         return "\n".join(self.log_text().splitlines()[-n:])
@@ -166,7 +187,40 @@ class SGLangServer:
         """SIGTERM the server's main process (SGLang's own shutdown stops its children in order), then
         the process group if anything is left after half of ``grace_s``, then SIGKILL. Signalling the
         whole group first kills the scheduler under SGLang's subprocess watchdog, which then logs it
-        as a crash. Idempotent."""
+        as a crash. Idempotent. Then the launcher-owned log is removed (see module docstring)."""
+        exited_by_itself = self.proc is not None and self.healthy and self.proc.poll() is not None
+        try:
+            self._stop_processes(grace_s)
+        finally:
+            self._release_log(keep=exited_by_itself)
+
+    def _release_log(self, keep: bool) -> None:
+        """Remove the launcher-owned log directory once the server it started was stopped; keep it when
+        the server did not start (the start's error names the file) or ``keep`` (it had exited by itself)."""
+        if self._log_dir is None:
+            return  # the caller's log, or already removed or kept
+        if self.proc is None:  # never started: nothing was logged
+            shutil.rmtree(self._log_dir, ignore_errors=True)
+            self._log_dir = None
+            return
+        if self.proc.poll() is None:
+            return  # still running (it would not stop): keep it
+        if not self.healthy:
+            return  # a failed start: its log is the evidence
+        if keep:
+            logger.warning(
+                "server pid %d had exited by itself (status %s); its log is kept: %s",
+                self.proc.pid,
+                self.proc.returncode,
+                self.log_path,
+            )
+            self._log_dir = None  # kept for good
+            return
+        self._final_log = self.log_text()
+        shutil.rmtree(self._log_dir, ignore_errors=True)
+        self._log_dir = None
+
+    def _stop_processes(self, grace_s: float) -> None:
         if self.proc is None or not self._alive():
             return
         try:

@@ -130,9 +130,10 @@ class RemoteKVMetrics:
 
     def exact_request(self, outcome: str) -> None:
         """A ``KVFidelity.EXACT`` request arrived: ``exact_path`` (parked to look up and fetch from exact
-        codecs only), ``local_hit`` (not parked: the local radix cache matched part of its prompt and holds
-        all the tier could add, or no exact path exists; the rest is computed) or ``recompute`` (not parked
-        and nothing matched locally: all of it is computed)."""
+        codecs only), ``local_hit`` (not parked: the local radix cache served its prompt up to everything
+        a remote hit could have -- all its full chunks and tail sub-chunks; half of it for a prompt shorter
+        than any of them --: ``admission.queue.exact_outcome``) or ``recompute`` (not parked, and nothing or
+        only a few leading tokens, e.g. a chat template's, matched locally: the bulk of it is computed)."""
         self._inc("exact_requests", outcome=outcome if outcome in EXACT_OUTCOMES else "recompute")
 
     def fetched(
@@ -239,7 +240,10 @@ def _build_prometheus() -> dict:
         ),
         "exact_requests": Counter(
             p + "exact_requests",
-            "Requests that demanded exact KV (custom_params remote_kv=exact)",
+            "Requests that demanded exact KV (custom_params remote_kv=exact), by what served them: "
+            "exact_path (looked up on an exact-codec path), local_hit (the local radix cache matched the "
+            "prompt up to all a remote hit could serve: every full chunk and tail sub-chunk, or half of a "
+            "shorter prompt), recompute (the bulk computed: nothing or only a few leading tokens matched)",
             ["outcome"],
         ),
         "fetched_bytes": Counter(p + "fetched_bytes", "Compressed bytes fetched from the store"),

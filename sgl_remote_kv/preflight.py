@@ -4,7 +4,9 @@
 absolute path, numeric db) without opening it: reachability is not a start-up error, since the
 promise is that a store outage costs time, never the server. An unreachable store is reported once
 at start by ``probe_store_async`` (a background probe from the launcher process) and is a miss
-until it answers; a store that refuses the credentials is reported as such, at ERROR.
+until it answers. A store that refuses the credentials is reachable: the probe does not call it
+unreachable and does not report it either (DEBUG only), since each serving process's store client asks
+the store at start and logs that refusal once, at ERROR (``store.auth_gate``): one line, not two.
 
 Errors are ``ValueError`` with one line naming the URL and the problem; ``config.py`` turns them
 into ``argparse.ArgumentTypeError`` so argparse prints ``argument --remote-kv-store: ...`` and exits.
@@ -155,12 +157,9 @@ def _probe(url: str, timeout_s: float) -> None:
     if not done.wait(timeout_s):
         error.append(TimeoutError(f"no answer in {timeout_s:.0f} s"))
     if error and isinstance(error[0], base.StoreAuthError):
-        logger.error(
-            "remote KV store %s refused authentication at start (%s); serving continues, every lookup is "
-            "a miss until the store accepts the credentials (not retried as an outage: one probe a minute). "
-            "Check the password (--remote-kv-store-password-file, SRKV_STORE_PASSWORD) and the ACL user",
-            redact_url(url),
-            error[0],
+        # reachable; the serving process's store client reports the refusal once, at ERROR (auth_gate)
+        logger.debug(
+            "remote KV store %s reachable; it refused our credentials (%s)", redact_url(url), error[0]
         )
     elif error:
         logger.warning(

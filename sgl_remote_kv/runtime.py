@@ -135,16 +135,31 @@ class RemoteKVRuntime:
         """A graceful scheduler exit (scheduler thread, after its event loop ended): a server's SIGTERM, or
         ``sglang.Engine.shutdown`` with the tier on (``engine_api``). The write-back stores what it queued,
         waiting at most ``WRITEBACK_DRAIN_S``, so the tail of the last request is in the store once the
-        process is gone; what is still queued after that is lost (logged)."""
+        process is gone; what is still queued after that is lost (logged). Then the fetch paths close
+        (nothing fetches after the scheduler's loop ended): a DPU client attached to a data-plane service
+        says ``Goodbye``, so the service logs one INFO detach line instead of dropping a silent client
+        with a WARNING ``--client-timeout`` later; a spawned data plane is stopped with SIGTERM."""
         t0 = time.monotonic()
-        if self._drain_writeback():
-            logger.info("shutdown: write-back drained in %.2f s", time.monotonic() - t0)
-        else:
-            logger.warning(
-                "shutdown: the write-back did not drain in %g s; %d queued jobs are lost",
-                WRITEBACK_DRAIN_S,
-                self.writeback.pending(),
-            )
+        try:
+            if self._drain_writeback():
+                logger.info("shutdown: write-back drained in %.2f s", time.monotonic() - t0)
+            else:
+                logger.warning(
+                    "shutdown: the write-back did not drain in %g s; %d queued jobs are lost",
+                    WRITEBACK_DRAIN_S,
+                    self.writeback.pending(),
+                )
+        finally:
+            self._close_paths()
+
+    def _close_paths(self) -> None:
+        """Close every fetch path (idempotent: ``close`` closes them again); a failure is logged, the
+        other paths still close."""
+        for p in self.paths.values():
+            try:
+                p.close()
+            except Exception as e:  # boundary (shutdown): one path must not keep the others open
+                logger.warning("closing fetch path %s at shutdown failed: %r", p.name.value, e)
 
     def _drain_writeback(self) -> bool:
         return self.writeback is None or self.writeback.flush(WRITEBACK_DRAIN_S)
@@ -152,8 +167,7 @@ class RemoteKVRuntime:
     def close(self) -> None:
         if self.generation is not None:
             self.generation.close()
-        for p in self.paths.values():
-            p.close()
+        self._close_paths()
         if self.writeback is not None:
             self.writeback.close()
         self.client.close()

@@ -250,7 +250,8 @@ class KVFidelity(str, Enum):
 
 REQUEST_PARAM = "remote_kv"  # the custom_params key of KVFidelity
 # exact_requests_total{outcome}: exact_path (parked to fetch from an exact path), local_hit (not parked: the
-# local radix cache holds what the tier could add, and matched part of it), recompute (nothing to reuse)
+# local radix cache matched the prompt up to all a remote hit could serve: admission.queue.exact_outcome),
+# recompute (not parked; nothing, or only a few leading tokens such as a chat template's, matched locally)
 EXACT_OUTCOMES = ("exact_path", "local_hit", "recompute")
 
 

@@ -40,6 +40,7 @@ def test_flags_parse_into_frozen_config():
         ["--remote-kv-chunk-size", "0"],
         ["--remote-kv-flush", "everything"],
         ["--remote-kv-dpu-output", "symbols"],
+        ["--remote-kv-codec", "bogus"],
     ],
 )
 def test_bad_values_are_argparse_errors_naming_the_flag(argv, capsys):
@@ -48,6 +49,26 @@ def test_bad_values_are_argparse_errors_naming_the_flag(argv, capsys):
     with pytest.raises(SystemExit):
         p.parse_args(argv)
     assert argv[0] in capsys.readouterr().err
+
+
+def test_an_unknown_codec_fails_at_parse_time_with_one_line_listing_the_valid_names(capsys):
+    """``--remote-kv-codec bogus`` used to pass the flags, load the model and die in the scheduler
+    (``KeyError``); now argparse refuses it at once, naming every valid codec (the registry's)."""
+    from sgl_remote_kv.codec.base import codec_names
+
+    p = argparse.ArgumentParser(prog="sglang.launch_server")
+    RemoteKVConfig.add_cli_args(p)
+    with pytest.raises(SystemExit) as e:
+        p.parse_args(["--remote-kv", "inproc", "--remote-kv-codec", "bogus"])
+    assert e.value.code == 2
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if "error:" in ln]
+    assert "--remote-kv-codec" in line and "unknown codec 'bogus'" in line, line
+    valid = line.split("valid: ", 1)[1].split(", ")
+    assert valid == ["default", *codec_names()] and "lossless" in valid and "transform" in valid
+    for name in ("default", *codec_names()):  # every valid name parses
+        assert RemoteKVConfig.from_namespace(_parser().parse_args(["--remote-kv-codec", name])).codec == name
+    with pytest.raises(ValueError, match="unknown codec 'bogus'; valid: default, "):  # sglang.Engine(...)
+        RemoteKVConfig.from_kwargs({"remote_kv": "inproc", "remote_kv_codec": "bogus"})
 
 
 def test_json_round_trip_and_export(monkeypatch):

@@ -112,6 +112,38 @@ def test_goodbye_releases_the_client_at_once(env):
     wait_until(lambda: region not in maps.read_text(), 3, "the service to unmap the region")
 
 
+def test_a_graceful_scheduler_exit_detaches_at_info_not_dropped_with_a_warning(env):
+    """A server stopped cleanly (SIGTERM / ``Engine.shutdown``: SGLang's ``release_host_resources`` ->
+    ``RemoteKVLinker.close`` -> ``RemoteKVRuntime.on_shutdown``) drains its write-back, then closes its
+    fetch paths: the attached DPU client says ``Goodbye`` and the service logs one INFO ``detached
+    (goodbye)`` line -- not, ``--client-timeout`` later, the WARNING of a client that went silent."""
+    import threading
+
+    from sgl_remote_kv import runtime
+    from sgl_remote_kv.config import RemoteKVConfig
+    from sgl_remote_kv.fetch.base import FetchPath
+    from sgl_remote_kv.fetch.dpu import DpuFetchBackend
+    from sgl_remote_kv.store.client import open_client
+    from sgl_remote_kv.types import PathName
+
+    url, make_service, make_client = env
+    svc = make_service(*slots_flags(), "--client-timeout", "1")
+    c = make_client(svc, rank_fp(0))
+    codec = codecs()["lossless"]
+    path = FetchPath(PathName.DPU, DpuFetchBackend(c, None, CHUNK), codec)
+    cfg = RemoteKVConfig(mode="dpu", chunk_size=CHUNK)
+    rt = runtime.build(cfg, rank_fp(0), codec, open_client(url), [path], threading.Event())
+    assert service_stats(c)["clients"] == 1
+    rt.on_shutdown()
+    wait_until(lambda: b"detached (goodbye)" in svc.log.read_bytes(), 5, "the goodbye")
+    time.sleep(1.5)  # past the service's client timeout: nothing more is said about this client
+    lines = svc.log.read_text().splitlines()
+    assert not [ln for ln in lines if "WARNING" in ln or "ERROR" in ln], lines
+    (bye,) = [ln for ln in lines if "detached (goodbye)" in ln]
+    assert " INFO " in bye and "pid" in bye, bye
+    rt.close()  # idempotent: the paths are closed already
+
+
 _DYING_CLIENT = """
 import sys, time
 sys.path.insert(0, {tests!r})
@@ -154,6 +186,10 @@ def test_a_client_that_dies_releases_its_region_and_jobs(env, tmp_path):
         maps = Path(f"/proc/{svc.proc.pid}/maps")
         wait_until(lambda: region not in maps.read_text(), 3, "the service to unmap its region")
         assert service_stats(other)["clients"] == 1
+        lines = svc.log.read_text().splitlines()  # a silent client, unlike one that said Goodbye
+        (dropped,) = [ln for ln in lines if "dropped (silent for" in ln]
+        assert " WARNING " in dropped, dropped
+        assert not [ln for ln in lines if "detached" in ln], lines
     finally:
         if host.poll() is None:
             host.kill()
@@ -376,7 +412,7 @@ def test_a_service_logs_its_start_and_attaches_at_info_and_leaves_nothing_when_s
     finally:
         c.close()
     assert not Path("/dev/shm", region).exists()
-    wait_until(lambda: b"dropped (goodbye)" in log.read_bytes(), 5, "the goodbye")
+    wait_until(lambda: b"detached (goodbye)" in log.read_bytes(), 5, "the goodbye")
     svc.send_signal(sig)
     assert svc.wait(timeout=30) == 0
     for sock in (endpoint, proxy):
@@ -387,4 +423,4 @@ def test_a_service_logs_its_start_and_attaches_at_info_and_leaves_nothing_when_s
     assert " INFO " in start and f"sgl-remote-kv {__version__}" in start, start
     assert f"pid {svc.pid} serving on {endpoint}" in start and f"store proxy on {proxy}" in start, start
     assert len([ln for ln in lines if " INFO " in ln and "registered" in ln]) == 1, lines
-    assert len([ln for ln in lines if " INFO " in ln and "dropped (goodbye)" in ln]) == 1, lines
+    assert len([ln for ln in lines if " INFO " in ln and "detached (goodbye)" in ln]) == 1, lines

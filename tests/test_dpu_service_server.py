@@ -1,6 +1,7 @@
 """A real ``--remote-kv dpu`` server attached to a data-plane service (``--remote-kv-dpu-endpoint``):
 no private data plane is spawned, remote hits come through the service with the recompute's tokens,
-a killed service makes requests recompute (same tokens), and a restarted one serves hits again. Twice:
+a killed service makes requests recompute (same tokens), a restarted one serves hits again, and the
+server stopped by SIGTERM detaches from it (one INFO ``detached (goodbye)`` line, no drop). Twice:
 the server reaching the store itself, and the server given only the service's store proxy
 (``--remote-kv-store dpu+ipc://...``: its lookups and write-backs go through the service too)."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -48,6 +50,16 @@ def test_server_attached_to_a_service_hits_misses_and_recovers(model_dir, tmp_pa
             svc = _service(ep, url, log, store_ep)
             assert wait_full_hit(srv, case, timeout=120) == case.chunks * CHUNK
             assert data_plane_procs(srv.proc.pid) == []
+        # the server stopped cleanly (SIGTERM): it said goodbye after its write-back drained, so the
+        # service logs one INFO detach line, not a WARNING about a client gone silent
+        text = (tmp_path / "service.log").read_text
+        deadline = time.monotonic() + 15
+        while "detached (goodbye)" not in text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # past nothing but the goodbye: no drop may follow it
+        lines = text().splitlines()
+        assert len([ln for ln in lines if " INFO " in ln and "detached (goodbye)" in ln]) == 1, lines
+        assert not [ln for ln in lines if "dropped (" in ln], lines
     finally:
         if svc.poll() is None:
             svc.kill()

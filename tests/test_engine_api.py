@@ -183,8 +183,9 @@ def test_engine_restart_hit(model_dir, tmp_path):
 # -- README's Engine example ----------------------------------------------------------------------------
 README = Path(__file__).resolve().parent.parent / "README.md"
 MARKER = "<!-- engine-example -->"
-# Run as a script: the CPU dev platform's options go to every sglang.Engine the example builds (its own
-# keywords win). Re-run in SGLang's spawned children, where it is harmless.
+# Run as a script: README's own CPU keywords (its ``<!-- engine-cpu-keywords -->`` block, nothing more but
+# a quieter log) go to every sglang.Engine the example builds (its own keywords win), so the keywords it
+# tells a CPU user to add are shown to be enough. Re-run in SGLang's spawned children, where it is harmless.
 PREAMBLE = textwrap.dedent(
     """
     import functools
@@ -192,7 +193,16 @@ PREAMBLE = textwrap.dedent(
 
     sglang.Engine = functools.partial(sglang.Engine, **%(cpu)r)
     """
-) % {"cpu": CPU}
+)
+
+
+def readme_cpu_options() -> dict:
+    from tests.test_docs import readme_cpu_keywords
+
+    kw = readme_cpu_keywords()
+    return {k: v for k, v in kw.items() if k != "model_path" and not k.startswith("remote_kv")} | {
+        "log_level": "warning"
+    }
 
 
 def readme_engine_example() -> str:
@@ -217,7 +227,7 @@ def test_readme_engine_example(model_dir, tmp_path):
     store = tmp_path / "store"
     code = code.replace('"<model>"', repr(model_dir)).replace(stores[0], f'remote_kv_store="file://{store}"')
     script = tmp_path / "example.py"
-    script.write_text(PREAMBLE + code + "\n")
+    script.write_text(PREAMBLE % {"cpu": readme_cpu_options()} + code + "\n")
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(script)],

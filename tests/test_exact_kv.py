@@ -103,6 +103,37 @@ def test_an_exact_request_served_from_the_local_cache_is_a_local_hit_not_a_recom
     assert _count(w, "exact_requests|outcome=exact_path") == (1 if parked else 0)
 
 
+@pytest.mark.parametrize("paths", ["lossy", "exact"])
+def test_a_few_locally_matched_template_tokens_are_a_recompute_not_a_local_hit(paths):
+    """Only a chat template's leading tokens (3 of ~5 chunks) in the local cache: the bulk of the prompt
+    is computed, so ``recompute`` -- not ``local_hit``. On the exact tier the request is parked as
+    before (``exact_path``); a local match up to the last full chunk is the ``local_hit``."""
+    w = _world("lossy") if paths == "lossy" else make_queue()
+    template = _exact(req("t", 5 * C + 1))
+    w.c.tree.local["t"] = 3  # "<|im_start|>user\n" and nothing more
+    parked = w.q.park(template)
+    assert parked == (paths == "exact")
+    assert _count(w, "exact_requests|outcome=local_hit") == 0
+    assert _count(w, "exact_requests|outcome=recompute") == (0 if parked else 1)
+    whole = _exact(req("w", 5 * C + 1))
+    w.c.tree.local["w"] = 5 * C  # all a remote hit could have served
+    assert not w.q.park(whole)
+    assert _count(w, "exact_requests|outcome=local_hit") == 1
+
+
+def test_exact_outcome_rule():
+    from sgl_remote_kv.admission.queue import exact_outcome
+
+    assert exact_outcome(0, 4 * C, 4 * C + 1) == "recompute"
+    assert exact_outcome(12, 10 * C, 700) == "recompute"  # 12 template tokens of 700
+    assert exact_outcome(10 * C - 1, 10 * C, 10 * C + 5) == "recompute"  # one token short of the reach
+    assert exact_outcome(10 * C, 10 * C, 10 * C + 5) == "local_hit"
+    assert exact_outcome(10 * C + 4, 10 * C, 10 * C + 5) == "local_hit"
+    # a prompt shorter than anything the tier stores: the bulk (half) decides
+    assert exact_outcome(2, 0, 10) == "recompute"
+    assert exact_outcome(5, 0, 10) == "local_hit"
+
+
 # -- the seam: what the request objects carry -----------------------------------------------------------
 def _sglang_req(extra_key=None, cache_salt=None, custom_params=None):
     return types.SimpleNamespace(

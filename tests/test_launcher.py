@@ -76,3 +76,70 @@ def test_a_fixed_port_that_is_taken_fails_fast(tmp_path):
         srv.start()
     assert time.monotonic() - t0 < 20
     assert not srv._alive()  # the hung first start was stopped
+
+
+# ---- the server log: removed with a server the launcher stopped, kept for one that did not start ---------
+
+HEALTHY = textwrap.dedent(
+    """
+    import http.server, sys
+    print("fake server up", flush=True)
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+    """
+)
+DOOMED = "import sys; print('loading the model ... out of memory', flush=True); sys.exit(3)"
+
+
+@pytest.fixture
+def own_tmp(tmp_path, monkeypatch):
+    """``$TMPDIR`` for the launcher's own log directories: ``tmp_path/tmp`` (checked empty at the end)."""
+    import tempfile
+
+    d = tmp_path / "tmp"
+    d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    return d
+
+
+def _owned_log_server(script: str) -> FakeServer:
+    srv = FakeServer(ServerSpec(model_path="unused", cpu=False, startup_timeout_s=60))  # no log_path
+    srv.script = script
+    return srv
+
+
+def test_a_stopped_server_leaves_no_log_file_behind(own_tmp):
+    srv = _owned_log_server(HEALTHY)
+    log = srv.log_path
+    assert log.parent.parent == own_tmp and log.parent.name.startswith("srkv-server-")
+    with srv:
+        assert log.exists() and "fake server up" in srv.log_text()
+    assert not srv._alive()
+    assert list(own_tmp.iterdir()) == []  # the launcher's log directory is gone
+    assert "fake server up" in srv.log_text()  # still readable after the stop (tests read it then)
+    srv.stop()  # idempotent
+
+
+def test_a_server_that_fails_to_start_keeps_its_log_and_the_error_names_it(own_tmp):
+    srv = _owned_log_server(DOOMED)
+    with pytest.raises(RuntimeError, match="exited with 3 during startup") as e:
+        srv.start()
+    log = srv.log_path
+    assert f"log kept: {log}" in str(e.value) and "out of memory" in str(e.value)
+    assert log.exists() and "out of memory" in log.read_text()
+    srv.stop()  # stopping it again does not remove the evidence
+    assert log.exists()
+
+
+def test_a_caller_given_log_path_is_never_removed(tmp_path, own_tmp):
+    path = tmp_path / "mine.log"
+    srv = FakeServer(ServerSpec(model_path="unused", cpu=False, startup_timeout_s=60, log_path=str(path)))
+    srv.script = HEALTHY
+    with srv:
+        pass
+    assert "fake server up" in path.read_text() and list(own_tmp.iterdir()) == []

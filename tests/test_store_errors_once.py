@@ -232,14 +232,33 @@ def test_refused_credentials_are_auth_not_retried_not_a_breaker_and_logged_once(
         client.close()
 
 
-def test_the_start_up_probe_says_refused_not_unreachable(secure_redis, caplog):
+def test_refused_credentials_at_start_are_one_error_line_not_two(secure_redis, caplog):
+    """A server's start with a wrong password: the launcher's start-up probe and the scheduler's store
+    client (which reads the store generation at start) both meet the refusal. One line is logged for it:
+    the store client's, a ``logging`` record at ERROR whose text says ERROR (SGLang's log format prints no
+    level: ``[time TP0] message``, so ``grep ERROR`` must find it in the text); the probe neither calls
+    the store unreachable nor repeats the error."""
     from sgl_remote_kv import preflight
+    from sgl_remote_kv.store import generation
 
-    with caplog.at_level(logging.WARNING, logger="sgl_remote_kv.preflight"):
-        preflight.probe_store_async(f"redis://:{WRONG}@127.0.0.1:{secure_redis.port}/0").join(10)
-    (line,) = caplog.records
-    assert line.levelno == logging.ERROR and "refused authentication" in line.getMessage()
-    assert "unreachable" not in line.getMessage() and WRONG not in line.getMessage()
+    url = f"redis://:{WRONG}@127.0.0.1:{secure_redis.port}/0"
+    with caplog.at_level(logging.DEBUG, logger="sgl_remote_kv"):
+        preflight.probe_store_async(url).join(10)  # the launcher
+        client = open_client(url)  # the scheduler: build_runtime reads the generation, then serves
+        try:
+            assert generation.read(client, FP) is None
+            for _ in range(3):
+                assert client.lookup_prefix([b"\x09" * 32]).error == "auth"
+        finally:
+            client.close()
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    (line,) = loud
+    assert line.levelno == logging.ERROR and line.name == "sgl_remote_kv.store.auth_gate", line
+    assert "refused authentication" in line.getMessage()
+    sglang_format = logging.Formatter("[%(asctime)s TP0] %(message)s")  # SGLang's configure_logger
+    assert "ERROR" in sglang_format.format(line)
+    assert not [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert WRONG not in caplog.text
 
 
 def test_the_password_comes_from_a_file_or_the_environment_and_never_twice(

@@ -46,6 +46,18 @@ logger = logging.getLogger(__name__)
 _CENSORED = (FailureKind.ABANDONED.value, FailureKind.FETCH_TIMEOUT.value)
 
 
+def exact_outcome(local: int, fetch_end: int, prompt_len: int) -> str:
+    """``exact_requests_total``'s outcome of an exact request that is not parked: ``local_hit`` when the
+    local radix cache served the prompt up to what a remote hit could have (``local >= fetch_end``, the
+    planner's ``fetch_end``: every full chunk and tail sub-chunk of the prompt) -- or, for a prompt too
+    short for the tier to hold any of it (``fetch_end`` 0), at least half of it --; else ``recompute``:
+    a match of a few leading tokens (a chat template's 2-12) still leaves the bulk to compute."""
+    if local <= 0:
+        return "recompute"
+    reach = fetch_end if fetch_end > 0 else -(-prompt_len // 2)
+    return "local_hit" if local >= reach else "recompute"
+
+
 class WaitingForKV:
     """See module docstring."""
 
@@ -86,10 +98,11 @@ class WaitingForKV:
             return False
         ids = host.prompt(req)
         local = self.c.tree.match(req, len(ids)).prefix_len
-        if not paths or self.planner.fetch_end(len(ids)) <= local:
+        end = self.planner.fetch_end(len(ids))
+        if not paths or end <= local:
             # nothing beyond the local hit could come from the store (or no exact path may bring it)
             if count_exact:
-                self.c.metrics.exact_request("local_hit" if local > 0 else "recompute")
+                self.c.metrics.exact_request(exact_outcome(local, end, len(ids)))
             return False
         if count_exact:
             self.c.metrics.exact_request("exact_path")

@@ -2,8 +2,11 @@
 
 Refused credentials (kind ``auth``: a wrong or missing password, an ACL user without permission) are a
 configuration error, not an outage: never retried, never counted against a breaker (the guard's business).
-The first refusal is logged once at ERROR; then every call fails fast as ``auth`` without asking the
-store (``allows()`` is false), except one probe call every ``retry_s``, so a password fixed on the
+The first refusal is logged once at ERROR (one line per process: the serving process's client asks the
+store at start, ``generation.read``, so the refusal shows then; the launcher's start-up probe leaves the
+report to it, ``preflight._probe``); its text says "configuration ERROR", so ``grep ERROR`` finds it also
+in SGLang's log format, which prints no level. Then every call fails fast as ``auth`` without asking
+the store (``allows()`` is false), except one probe call every ``retry_s``, so a password fixed on the
 server's side heals without a restart (``accepted()`` logs it at INFO).
 
 Threading: any thread may call any method (one lock).
@@ -52,7 +55,7 @@ class AuthGate:
             self._until = time.monotonic() + self.retry_s
         if first:
             log.error(
-                "store %s refused authentication (%s): a configuration error, not an outage, so it is not "
+                "store %s refused authentication (%s): a configuration ERROR, not an outage, so it is not "
                 "retried: every store call now fails at once (a miss or a dropped write, counted as "
                 'store_errors_total{kind="auth"}) except one probe every %.0f s. Check the password '
                 "(--remote-kv-store-password-file, SRKV_STORE_PASSWORD or the URL) and the ACL user.",
