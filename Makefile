@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-codec-speed bench-store bench-dpu bench-dpu-service bench-dpu-floor bench-nvdec bench-adaptive-resolution \
+.PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-codec-speed bench-read-path bench-store bench-dpu bench-dpu-service bench-dpu-floor bench-nvdec bench-adaptive-resolution \
 	bench-cpu-attention bench-e2e bench-e2e-quick bench-burst bench-tail projection soak test-faults \
 	test-conformance dashboard bench-exactness bench-task-accuracy gpu-rehearsal bench-calibration bench-quality-proxy clean
 
@@ -73,6 +73,11 @@ bench-codec: calibration
 
 bench-codec-speed: calibration
 	$(PY) -m benchmarks.bench_codec_speed
+
+# Host CPU per GB of the read path into a device pool (strict CPU double), host decode vs device decode
+# side by side, and staging bytes per token (docs/results/read_path.json).
+bench-read-path: calibration
+	$(PY) -m benchmarks.bench_read_path
 
 # Greedy divergence of remote vs local hits per codec, and of exact-KV requests (real servers)
 bench-exactness: model

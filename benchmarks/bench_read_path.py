@@ -12,7 +12,9 @@ way a server's remote hit does, two ways side by side in one run:
 
 The device is the strict CPU double of a CUDA device (``tests/strict_device.py``): its stream thread does
 the device's work (the Triton kernels' torch definitions). **Host CPU** is this process's CPU time less
-that thread's: what a GPU server's host pays. The data plane's own CPU (a separate process: the DPU's
+that thread's and less the CPU the host threads spent inside the double's device calls (``DispatchMeter``:
+its ``DeviceOps`` and torch ops on device tensors, Python bookkeeping here, launches and tensor metadata of
+microseconds each on a GPU; their count per GB is reported, and the host CPU with them included). The data plane's own CPU (a separate process: the DPU's
 cores, not the host's) is reported beside it. GB = decoded bf16 KV bytes delivered into the pool.
 ``staging_bytes_per_token``: arena bytes the staged chunks took per token (``bf16_bytes_per_token``:
 the KV's own size). Writes ``docs/results/read_path.json``. Goals (issue 50): device decode <= 0.35x
@@ -40,6 +42,50 @@ REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "docs" / "results" / "read_path.json"
 CHUNK, PAGE = 256, 64
 TEXTS = ("apache2", "textwrap_py", "vim_tutor_fr")
+
+
+class DispatchMeter:
+    """CPU the calling threads spend *inside* the strict double's device calls (its ``DeviceOps`` and every
+    torch op on a ``DeviceTensor``, outermost call per thread), and how many: on a GPU these are driver
+    launches and tensor metadata (microseconds each), here Python bookkeeping of the double."""
+
+    OPS = ("upload", "scatter", "dequant", "inverse_transform", "record", "query", "constant", "stream_wait")
+
+    def __init__(self, dev) -> None:
+        from tests import strict_device
+
+        self.cpu, self.calls = 0.0, 0
+        self._depth = threading.local()
+        self._lock = threading.Lock()
+        for name in self.OPS:
+            setattr(dev, name, self._wrap(getattr(dev, name)))
+        cls = strict_device.DeviceTensor
+        real = cls.__torch_function__.__func__
+        meter = self
+
+        def tf(klass, func, types, args=(), kwargs=None):
+            return meter._timed(real, klass, func, types, args, kwargs)
+
+        cls.__torch_function__ = classmethod(tf)
+
+    def _wrap(self, fn):
+        return lambda *a, **k: self._timed(fn, *a, **k)
+
+    def _timed(self, fn, *a, **k):
+        d = getattr(self._depth, "n", 0)
+        if d:
+            return fn(*a, **k)
+        self._depth.n = 1
+        t0 = time.thread_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            dt = time.thread_time() - t0
+            self._depth.n = 0
+            if threading.current_thread().name != "strict-device-stream":
+                with self._lock:
+                    self.cpu += dt
+                    self.calls += 1
 
 
 def _cpu() -> float:
@@ -88,6 +134,7 @@ class Rig:
         client.close()
         self.tokens = len(self.keys) * CHUNK
         self.dev = StrictDevice(delay_s=0.0)
+        self.meter = DispatchMeter(self.dev)
         lay = fp.layout
         self.pool = StrictKVPool(self.dev, lay, self.tokens, torch.bfloat16)
         self.writer = writer_for(PoolTensors(self.pool.k_buffer, self.pool.v_buffer), lay, 30.0, ops=self.dev)
@@ -187,12 +234,16 @@ def _measure(rig: Rig, once, repeat: int, staged) -> dict:
     once()  # first use: kernels and buffers
     stream = rig.dev._worker
     c0, s0, w0 = _cpu(), _thread_cpu(stream), time.perf_counter()
+    m0, n0 = rig.meter.cpu, rig.meter.calls
     per_token = [once() for _ in range(repeat)]
     host = (_cpu() - c0) - (_thread_cpu(stream) - s0)
+    dispatch, calls = rig.meter.cpu - m0, rig.meter.calls - n0
     gb = repeat * rig.tokens * rig.fp.layout.bytes_per_token() / 1e9
     return {
         "gb": gb,
-        "host_cpu_s_per_gb": host / gb,
+        "host_cpu_s_per_gb": (host - dispatch) / gb,
+        "host_cpu_s_per_gb_with_double_dispatch": host / gb,
+        "device_calls_per_gb": calls / gb,
         "wall_s": time.perf_counter() - w0,
         "staging_bytes_per_token": float(np.mean(per_token)),
         "host_dequant_tokens": staged.writer.stats["host_dequant"] + rig.writer.host_dequant_tokens,
@@ -215,6 +266,7 @@ def _row(path: str, quantizer: str, codec, rig: Rig, r: dict) -> dict:
         "staging_bytes_per_token_host_decode": r["host"]["staging_bytes_per_token"],
         "bf16_bytes_per_token": fp.layout.bytes_per_token(),
         "host_dequant_tokens_device_decode": r["device"]["host_dequant_tokens"],
+        "device_calls_per_gb_device_decode": r["device"]["device_calls_per_gb"],
         "runs": r,
     }
     row["staging_over_bf16"] = row["staging_bytes_per_token"] / row["bf16_bytes_per_token"]
