@@ -12,7 +12,8 @@ way a server's remote hit does, two ways side by side in one run:
 
 The device is the strict CPU double of a CUDA device (``tests/strict_device.py``): its stream thread does
 the device's work (the Triton kernels' torch definitions). **Host CPU** is this process's CPU time less
-that thread's and less the CPU the host threads spent inside the double's device calls (``DispatchMeter``:
+that thread's and less the CPU the host threads spent inside the double's device calls and metering them
+(``DispatchMeter``, its own cost per call calibrated on a no-op:
 its ``DeviceOps`` and torch ops on device tensors, Python bookkeeping here, launches and tensor metadata of
 microseconds each on a GPU; their count per GB is reported, and the host CPU with them included). The data plane's own CPU (a separate process: the DPU's
 cores, not the host's) is reported beside it. GB = decoded bf16 KV bytes delivered into the pool.
@@ -67,6 +68,25 @@ class DispatchMeter:
             return meter._timed(real, klass, func, types, args, kwargs)
 
         cls.__torch_function__ = classmethod(tf)
+        self.per_call = self._own_cost()
+
+    def _own_cost(self, n: int = 20000) -> float:
+        """CPU seconds the meter itself adds per metered call outside the window it times (a no-op, with
+        and without the wrapper)."""
+
+        def noop():
+            return None
+
+        wrapped = self._wrap(noop)
+        t0 = time.thread_time()
+        for _ in range(n):
+            noop()
+        t1 = time.thread_time()
+        for _ in range(n):
+            wrapped()
+        t2 = time.thread_time()
+        self.cpu, self.calls = 0.0, 0
+        return max(0.0, ((t2 - t1) - (t1 - t0)) / n)
 
     def _wrap(self, fn):
         return lambda *a, **k: self._timed(fn, *a, **k)
@@ -237,13 +257,15 @@ def _measure(rig: Rig, once, repeat: int, staged) -> dict:
     m0, n0 = rig.meter.cpu, rig.meter.calls
     per_token = [once() for _ in range(repeat)]
     host = (_cpu() - c0) - (_thread_cpu(stream) - s0)
-    dispatch, calls = rig.meter.cpu - m0, rig.meter.calls - n0
+    calls = rig.meter.calls - n0
+    dispatch = rig.meter.cpu - m0 + calls * rig.meter.per_call
     gb = repeat * rig.tokens * rig.fp.layout.bytes_per_token() / 1e9
     return {
         "gb": gb,
         "host_cpu_s_per_gb": (host - dispatch) / gb,
         "host_cpu_s_per_gb_with_double_dispatch": host / gb,
         "device_calls_per_gb": calls / gb,
+        "meter_s_per_call": rig.meter.per_call,
         "wall_s": time.perf_counter() - w0,
         "staging_bytes_per_token": float(np.mean(per_token)),
         "host_dequant_tokens": staged.writer.stats["host_dequant"] + rig.writer.host_dequant_tokens,

@@ -95,7 +95,13 @@ def test_inproc_codes_are_staged_and_decoded_on_the_device(tmp_path, dev, monkey
     # pages 1..4 of 6: tokens 8..40, from the middle of chunk 0 to the middle of chunk 2
     pin = staged.pin(hashes(ids, N * C, PAGE)[1:5])
     slots = torch.randperm(128, generator=torch.Generator().manual_seed(5))[:32]
+    uploads = []
+    real = dev.upload
+    monkeypatch.setattr(dev, "upload", lambda dst, src: (uploads.append(src.numel()), real(dst, src)))
+    writes = w.stats["writes"]
     _load(staged, pin, w, kv, slots)
+    if kind == "transform":  # per layer: the record's arrays in one run from the arena, the slots staged
+        assert len(uploads) == 2 * (w.stats["writes"] - writes)
     rk, rv = w.read(slots)
     _assert_decoded(codec, rk, k[:, 8:40])
     _assert_decoded(codec, rv, v[:, 8:40])

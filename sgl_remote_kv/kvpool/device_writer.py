@@ -24,7 +24,6 @@ stay owned by their creator, which must ``unregister_host`` before unmapping.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -33,15 +32,20 @@ import numpy as np
 import torch
 
 from sgl_remote_kv.codec import quant
+from sgl_remote_kv.codec.transform_ops import rope_tables
 from sgl_remote_kv.types import KVLayout
 
 from .device_ops import DeviceOps
 from .readback import PendingRead, device_read_later
 from .staging import Staging, align
+from .upload import upload_parts
 from .writer import DEFAULT_TIMEOUT_S, TORCH_DTYPES, KVWriteError, KVWriter, PoolTensors
 
 MAX_TOKENS = 16384  # tokens per scatter launch (the kernel's grid axis y is capped at 65535)
 MAX_PIECE_BYTES = 64 << 20  # K+V bytes per piece: bounds the pinned and device staging buffers
+ROPE_TABLES = (
+    1024  # chunk positions whose device RoPE tables are kept (a 256K-token context of 256-token chunks)
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +68,7 @@ class DeviceKVWriter(KVWriter):
         self._late: list[object] = []  # events of timed-out writes (fenced until they complete)
         self._late_lock = threading.Lock()  # not the write lock: fence() must not wait for a write
         self._consts: dict[tuple, object] = {}  # (calibration, quality, layer, group) -> TransformConsts
+        self._rope_tables: dict[tuple, tuple] = {}  # (rope, start, tokens) -> device (cos, sin), oldest first
         self.stats = {"writes": 0, "zero_copy": 0, "staged": 0, "timeouts": 0, "device_dequant": 0}
         self.stats["zero_copy_parts"] = 0  # codes uploaded from the pinned region where they lie
 
@@ -83,9 +88,17 @@ class DeviceKVWriter(KVWriter):
                     self.ops.unpin(array)
                     self._regions.remove(reg)
 
-    def _pinned(self, a: np.ndarray) -> bool:
+    def region_of(self, a: np.ndarray) -> tuple[int, int, np.ndarray] | None:
+        """The registered (pinned) region ``(start, end, array)`` that holds all of ``a``, if any."""
         lo = a.__array_interface__["data"][0]
-        return a.flags.c_contiguous and any(s <= lo and lo + a.nbytes <= e for s, e, _ in self._regions)
+        if a.flags.c_contiguous:
+            for reg in self._regions:
+                if reg[0] <= lo and lo + a.nbytes <= reg[1]:
+                    return reg
+        return None
+
+    def _pinned(self, a: np.ndarray) -> bool:
+        return self.region_of(a) is not None
 
     def _pinned_planes(self, a: np.ndarray) -> bool:
         """``a`` [n, t, H, D] is pinned in place, whole or as n contiguous layer planes (a token range of
@@ -180,7 +193,7 @@ class DeviceKVWriter(KVWriter):
         ]
         dtypes = [np.int64, np.uint8, np.uint8, np.float32, np.float32, *(np.float32 for _ in cs)]
         out_bytes = 2 * t * c * self.storage.itemsize
-        dev, regions, n_in = self._upload_parts([*parts, *cs], out_bytes, dtypes)
+        dev, regions, n_in = upload_parts(self, [*parts, *cs], out_bytes, dtypes)
         d_slots, kc, vc, ks, vs = regions[:5]
         out = dev[n_in : n_in + out_bytes].view(self.torch_dtype).view(2, t, c)
         mk, mv = views[0].mk, views[0].mv
@@ -210,23 +223,15 @@ class DeviceKVWriter(KVWriter):
             codec, layer, views[0].group, views[0].groups
         )  # may refuse: before staging
         parts = [[slots.numpy()]]
-        for vw in views:
-            parts += [
-                [a]
-                for a in (
-                    vw.sym,
-                    vw.esc,
-                    vw.scales,
-                    *_rope_tables(codec.cal.rope, vw.start, vw.tokens),
-                    vw.sinks,
-                )
-            ]
+        for vw in views:  # in the order a staged record holds them (one upload from the arena)
+            parts += [[a] for a in (vw.scales, vw.esc, vw.sinks, vw.sym)]
         out_bytes = 2 * t * c * self.storage.itemsize
-        dev, regions, n_in = self._upload_parts(parts, out_bytes)
+        dev, regions, n_in = upload_parts(self, parts, out_bytes)
         out = dev[n_in : n_in + out_bytes].view(self.torch_dtype).view(2, t, c)
         lo = 0
         for i, vw in enumerate(views):
-            sym, esc, scales, cos, sin, sinks = regions[1 + 6 * i : 7 + 6 * i]
+            scales, esc, sinks, sym = regions[1 + 4 * i : 5 + 4 * i]
+            cos, sin = self._rope(codec.cal.rope, vw.start, vw.tokens)
             self.ops.inverse_transform(
                 sym,
                 esc,
@@ -262,51 +267,21 @@ class DeviceKVWriter(KVWriter):
         self.ops.scatter(src, [self.pool.k[layer], self.pool.v[layer]], d_slots)
         self.stats["device_dequant"] += 1
 
-    def _upload_parts(
-        self, parts: list[list[np.ndarray]], out_bytes: int, dtypes: list | None = None
-    ) -> tuple[torch.Tensor, list[torch.Tensor], int]:
-        """Each part (its pieces stacked along axis 0, cast to ``dtypes[i]``, default the first piece's dtype)
-        at an aligned offset of the device staging buffer, which holds ``out_bytes`` more after them (from
-        the returned offset). A piece already in a registered (pinned) region in the part's dtype (codes
-        the DPU wrote there) is uploaded from where it is; the others are written into the pinned staging
-        buffer and uploaded in one H2D copy per contiguous run. Returns the device buffer, a device view of
-        each part (its dtype and shape), the offset."""
-        dtypes = [np.dtype(d) for d in dtypes] if dtypes else [p[0].dtype for p in parts]
-        shapes = [(sum(a.shape[0] for a in p), *p[0].shape[1:]) for p in parts]
-        sizes = [int(np.prod(sh)) * dt.itemsize for sh, dt in zip(shapes, dtypes, strict=True)]
-        offs, n = [], 0
-        for nbytes in sizes:
-            offs.append(n)
-            n = align(n + nbytes)
-        host_t = self.staging.host(n)
-        host = host_t.numpy()
-        dev = self.staging.device(n + out_bytes)
-        staged: list[list[int]] = []  # [start, end) byte runs of the staging buffer to upload
-        run_open = False  # the last run may grow over alignment padding (never over a zero-copy piece)
-        for o, nbytes, sh, dt, pieces in zip(offs, sizes, shapes, dtypes, parts, strict=True):
-            row = nbytes // max(sh[0], 1)
-            lo = 0
-            for a in pieces:
-                at, size = o + lo * row, a.shape[0] * row
-                if a.dtype == dt and size and self._pinned(a):
-                    self.ops.upload(dev[at : at + size], _bytes(torch.from_numpy(a)))
-                    self.stats["zero_copy_parts"] += 1
-                    run_open = False
-                else:
-                    host[at : at + size].view(dt).reshape(a.shape)[...] = a  # numpy casts (fp16 -> f32)
-                    if run_open:
-                        staged[-1][1] = at + size
-                    else:
-                        staged.append([at, at + size])
-                    run_open = True
-                lo += a.shape[0]
-        for a, b in staged:
-            self.ops.upload(dev[a:b], host_t[a:b])
-        views = [
-            dev[o : o + nbytes].view(_TORCH[dt]).view(sh)
-            for o, nbytes, sh, dt in zip(offs, sizes, shapes, dtypes, strict=True)
-        ]
-        return dev, views, n
+    def _rope(self, rope, start: int, tokens: int):
+        """Device cos / sin tables of positions ``start..`` (uploaded once per chunk position, then reused by
+        every layer and load; at most ``ROPE_TABLES`` kept, the oldest dropped)."""
+        key = (rope, start, tokens)
+        got = self._rope_tables.pop(key, None)
+        if got is None:
+            if len(self._rope_tables) >= ROPE_TABLES:
+                if self._late_pending():  # a timed-out inverse transform may still read the oldest
+                    raise KVWriteError(
+                        "device writes still pending after a timeout; not replacing RoPE tables"
+                    )
+                self._rope_tables.pop(next(iter(self._rope_tables)))
+            got = tuple(self.ops.constant(a) for a in rope_tables(rope, start, tokens))
+        self._rope_tables[key] = got  # most recent last
+        return got
 
     def _transform_consts(self, codec, layer: int, group: int, n_g: int):
         key = (codec.cal.calib_id, codec.quality, layer, group, n_g)
@@ -384,22 +359,6 @@ class DeviceKVWriter(KVWriter):
 
     def read(self, slots: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         return self.read_later(slots).result()
-
-
-_TORCH = {
-    np.dtype(np.uint8): torch.uint8,
-    np.dtype(np.int16): torch.int16,
-    np.dtype(np.float32): torch.float32,
-    np.dtype(np.int64): torch.int64,
-}
-
-
-@functools.lru_cache(maxsize=256)
-def _rope_tables(rope, start: int, tokens: int):
-    """``transform_ops.rope_tables`` (read-only arrays), computed once per chunk position, not per layer."""
-    from sgl_remote_kv.codec.transform_ops import rope_tables
-
-    return rope_tables(rope, start, tokens)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
