@@ -94,15 +94,20 @@ def test_decode_adds_the_mean_applies_rope_and_rounds_to_the_storage_dtype(style
         np.testing.assert_array_equal(bits, half.to(dt).view(torch.int16).numpy().view(np.uint16))
 
 
+@pytest.mark.parametrize("int_mm", [False, True])
 @pytest.mark.parametrize("gd", [16, 64, 192, 1024, 1040])
-def test_the_integer_gemm_is_exact_for_every_token_count(gd):
-    """The GEMM runs in floats (float32 up to 1024 columns, float64 beyond): exact for every T a chunk can
-    have, also at the extremes (every product 2^14: a float32 sum of 1024 of them is exactly 2^24). torch's
-    CPU ``_int_mm``, used before, once summed a single row wrongly."""
-    from sgl_remote_kv.codec.inverse import _int_gemm, _work
+def test_the_integer_gemm_is_exact_for_every_token_count(gd, int_mm):
+    """Both GEMMs: the float one (float32 up to 1024 columns, float64 beyond) is exact for every T a chunk can
+    have, also at the extremes (every product 2^14: a float32 sum of 1024 of them is exactly 2^24); torch's
+    ``_int_mm`` where it is taken (from 2 rows, where its probe found it exact: it sums one row wrongly)."""
+    from sgl_remote_kv.codec.inverse import _int_gemm, _int_mm_exact, _work
 
+    if int_mm and not _int_mm_exact():
+        pytest.skip("torch's _int_mm is not exact on this CPU (the float GEMM serves)")
     rng = np.random.default_rng(gd)
     counts = [*range(1, 20), 63, 64, 65, 255, 256] if gd <= 192 else [1, 2, 17, 256]
+    if int_mm:  # from 2 rows; the wide ones cost seconds of int64 reference, once is enough
+        counts = counts[1:] if gd <= 192 else [2, 17]
     for t_n in counts:
         for extreme in (False, True):
             if extreme:
@@ -112,10 +117,62 @@ def test_the_integer_gemm_is_exact_for_every_token_count(gd):
                 w = rng.integers(-128, 128, (gd, 2 * gd)).astype(np.int8)
                 codes = rng.integers(-128, 128, (gd, t_n)).astype(np.int8)
             out = torch.empty((t_n, 2 * gd), dtype=torch.int32)
-            _int_gemm(torch.from_numpy(codes).t(), torch.from_numpy(w), out, *_work(t_n, gd)[-1])
+            _int_gemm(
+                torch.from_numpy(codes).t(), torch.from_numpy(w), out, *_work(t_n, gd)[-1], int_mm=int_mm
+            )
             np.testing.assert_array_equal(
                 out.numpy(), codes.T.astype(np.int64) @ w.astype(np.int64), err_msg=f"{t_n} {extreme}"
             )
+
+
+def test_the_int8_gemm_is_taken_only_where_it_is_exact(monkeypatch):
+    """The probe rejects an ``_int_mm`` that saturates 16-bit pair sums (oneDNN without VNNI, or under
+    ``ONEDNN_MAX_CPU_ISA=AVX2``); with more than one torch thread, or one row, the float GEMM runs."""
+    from sgl_remote_kv.codec import inverse
+
+    real = torch._int_mm
+
+    def saturating(a, b, out):
+        pairs = a.numpy().astype(np.int64)[:, :, None] * b.numpy().astype(np.int64)[None]  # [T, K, N]
+        k = pairs.shape[1] - pairs.shape[1] % 2
+        sat = np.clip(pairs[:, 0:k:2] + pairs[:, 1:k:2], -32768, 32767).sum(1) + pairs[:, k:].sum(1)
+        out.copy_(torch.from_numpy(sat.astype(np.int32)))
+
+    monkeypatch.setattr(torch, "_int_mm", saturating)
+    assert not inverse._probe_int_mm()
+    monkeypatch.setattr(torch, "_int_mm", real)
+    monkeypatch.setattr(inverse, "_INT_MM_EXACT", [True])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert inverse._use_int_mm(2) and not inverse._use_int_mm(1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert not inverse._use_int_mm(256)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(inverse, "_INT_MM_EXACT", [False])
+    assert not inverse._use_int_mm(256)
+
+
+def test_int32_sums_are_exact_up_to_their_bound():
+    """``decode`` sums in int32 when every partial sum fits it (``_int32_sums``): at the bound, every code the
+    largest escape and every entry of a column the largest integer, the sum is still exact; one more, and
+    it takes int64 (the same result)."""
+    from sgl_remote_kv.codec import inverse
+
+    gd, t_n = 192, 3
+    biggest = (2**31 - 1) // (gd * inverse._WMAX)  # 344
+    assert inverse._int32_sums(np.array([biggest, -5], np.int16), gd)
+    assert not inverse._int32_sums(np.array([-biggest - 1], np.int16), gd)
+    wi = np.full((2, 1, gd, gd), inverse._WMAX, np.int64)
+    hi = np.floor_divide(wi + 128, 256)
+    w2 = torch.from_numpy(np.concatenate([hi, wi - 256 * hi], -1).astype(np.int8))
+    col = np.ones((2, 1, gd), np.float32)
+    tab = inverse.InverseTables(w2, wi.astype(np.int32), col, wi.astype(np.float32))
+    sym = np.zeros((gd, t_n), np.uint8)  # every value escaped
+    for value in (biggest, biggest + 1):
+        esc = np.full(gd * t_n, value, np.int16)
+        out = np.empty((t_n, 1, gd), np.float32)
+        zero = np.zeros((1, gd), np.float32)
+        assert tab.decode(0, 0, sym, esc, np.ones(t_n, np.float32), zero, None, 32, 0, out) == esc.size
+        assert np.all(out == np.float32(gd * value * inverse._WMAX))
 
 
 def test_an_escaped_code_decodes_to_the_same_float_as_the_symbol():

@@ -281,3 +281,69 @@ def test_values_beyond_the_code_range_fail_to_encode_cleanly():
             _codec(c).encode(*kv(scale=1.0), fp())
     finally:
         cm.unregister(c.calib_id)
+
+
+def _codes_reference(sym, esc, out_sym, out_esc):
+    """``trellis.codes`` as first written (the k, then the state machine from ``NEXT``, then the codes)."""
+    c_n, t_n = sym.shape
+    k = sym.astype(np.int64) - ops.ZERO
+    at = sym == ops.ESC
+    if at.sum() != esc.size:
+        return -1
+    k[at] = esc
+    st = np.zeros(c_n, np.int64)
+    r = np.empty_like(k)
+    for t in range(t_n):
+        r[:, t] = 2 * k[:, t] - (st >> 1) * np.sign(k[:, t])
+        st = trellis.NEXT[st, k[:, t] & 1]
+    n = 0
+    for c in range(c_n):
+        for t in range(t_n):
+            if -127 <= r[c, t] <= 127:
+                out_sym[c, t] = r[c, t] + ops.ZERO
+            else:
+                if not -32768 <= r[c, t] <= 32767:
+                    return -2
+                out_esc[n] = r[c, t]
+                n += 1
+                out_sym[c, t] = ops.ESC
+    return n
+
+
+def test_the_state_table_in_closed_form():
+    """``codes`` replays ``NEXT`` as b0' = b1, b1' = b0 ^ parity (state = 2 b1 + b0)."""
+    for st in range(4):
+        for p in range(2):
+            assert trellis.NEXT[st, p] == 2 * (p ^ (st & 1)) + (st >> 1)
+
+
+@pytest.mark.parametrize("t_n", [1, 7, 8, 64, 100, 256])
+def test_replay_matches_the_state_machine_value_for_value(t_n):
+    """The fast replay (closed form, 8 tokens a word where T allows, components with a |k| >= 64 or an
+    escape value by value) against the state machine, with escaped k, codes beyond the symbol range, rows
+    that are not contiguous, and sections whose escapes do not match or overflow."""
+    rng = np.random.default_rng(t_n)
+    c_n = 24
+    for spread in (3, 40, 90):
+        k = np.clip(np.rint(rng.standard_normal((c_n, t_n)) * spread), -127, 127).astype(np.int64)
+        big = rng.random((c_n, t_n)) < 0.03  # escaped k: beyond the symbols, or any value
+        k[big] = rng.integers(-16383, 16384, big.sum())
+        sym = np.where(big, ops.ESC, k + ops.ZERO).astype(np.uint8)
+        esc = k[big].astype(np.int16)
+        for layout in ("c", "strided"):
+            s = sym if layout == "c" else np.repeat(sym, 2, axis=1)[:, ::2]
+            want_sym, want_esc = np.empty((c_n, t_n), np.uint8), np.empty(c_n * t_n, np.int16)
+            n = _codes_reference(s, esc, want_sym, want_esc)
+            got_sym, got_esc = np.empty((c_n, t_n), np.uint8), np.empty(c_n * t_n, np.int16)
+            assert trellis.codes(s, esc, got_sym, got_esc) == n >= 0
+            np.testing.assert_array_equal(got_sym, want_sym)
+            np.testing.assert_array_equal(got_esc[:n], want_esc[:n])
+        if esc.size:  # one escape missing / left over
+            assert trellis.codes(sym, esc[:-1], got_sym, got_esc) == -1
+            assert trellis.codes(sym, np.concatenate([esc, esc[:1]]), got_sym, got_esc) == -1
+    if t_n > 1:  # an escaped k whose code 2k does not fit int16
+        sym = np.full((1, t_n), ops.ZERO, np.uint8)  # k = 0 keeps state 0: Q0 codes 2k
+        sym[0, 1] = ops.ESC
+        out_sym, out_esc = np.empty_like(sym), np.empty(t_n, np.int16)
+        assert _codes_reference(sym, np.array([16384], np.int16), out_sym, out_esc) == -2
+        assert trellis.codes(sym, np.array([16384], np.int16), out_sym, out_esc) == -2

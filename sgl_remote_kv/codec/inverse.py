@@ -10,8 +10,8 @@ it as its basis with unit steps and the calibration scores its steps through thi
 computes the same real numbers up to float32 rounding. Per call (one layer, K or V, T tokens)::
 
     codes = symbol ^ 0x80 as int8   (q for ordinary symbols, -128 for the escape symbol 0)
-    acc   = codes^T @ [hi | lo]     int8 x int8 -> exact int32 (a float32 BLAS GEMM: see ``_int_gemm``)
-    tot   = acc_hi * 256 + acc_lo                                   int64
+    acc   = codes^T @ [hi | lo]     int8 x int8 -> exact int32 (``_int_gemm``: torch's int8 GEMM or a float one)
+    tot   = acc_hi * 256 + acc_lo                 int64 (int32 where no partial sum can overflow it)
     escapes: tot[t, :] += (q + 128) * wi[c, :]                     (the true code minus the -128 used)
     x[t, j] = float32(tot[t, j]) * (col[j] * s[t])
     out[t, g, :] = storage dtype of RoPE_t(x[t, :] + mean)   (RoPE for K only, per head_dim block)
@@ -20,16 +20,18 @@ So x is a function of the codes alone: an escaped value decodes exactly as if it
 ``_decode_group`` does everything after the GEMM in one call per head group (no float32 [T, C]
 intermediate).
 
-Threads: tables are immutable. ``decode`` works in per-thread arrays (no allocation once warm) and writes
-only the caller's output. The GEMM (torch) and the kernel (numba) release the GIL. It never changes torch's
-thread settings: the data-plane process runs torch on
-one thread per caller; elsewhere the GEMM uses the process's torch threads.
+Threads: tables are immutable (their per-group views and the float copy of ``w2`` the float GEMM reads are
+made once, on first use). ``decode`` works in per-thread arrays (no allocation once warm) and writes only
+the caller's output. The GEMM (torch) and the kernel (numba) release the GIL. It never changes torch's
+thread settings: the data-plane process runs torch on one thread per caller (where the int8 GEMM runs);
+elsewhere the float GEMM uses the process's torch threads.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -52,14 +54,16 @@ def _decode_group(
 ):
     """One head group ``g``: ``acc`` [T, 2 * gd] int32 (hi | lo sums), ``wi`` [gd, gd] int32 (the group's decode
     matrix as integers), ``sym`` [gd, T] (its symbols), escapes from ``esc[n]`` on (component-major), ``tot``
-    [T, gd] int64 work, ``mean`` [gd] -> ``out32[:, g]`` (mode 0, float32) or ``out16[:, g]`` (1 fp16 / 2
-    bf16 bits), both [T, G, gd]. Each escape's true code is added in integers, so a value decodes to the same
-    float whether it was coded as a symbol or escaped. Returns the next escape index, or -1 when the escapes
-    run out."""
+    [T, gd] work (int64, or int32 where the caller has bounded every partial sum: ``InverseTables.decode``),
+    ``mean`` [gd] -> ``out32[:, g]`` (mode 0, float32) or ``out16[:, g]`` (1 fp16 / 2 bf16 bits), both
+    [T, G, gd]. Each escape's true code is added in integers, so a value decodes to the same float whether it
+    was coded as a symbol or escaped. Returns the next escape index, or -1 when the escapes run out.
+    (Rows and head blocks are sliced before the inner loops: plain ``range`` indices, so they vectorize.)"""
     t_n, gd = tot.shape
     for t in range(t_n):
+        hi, lo, trow = acc[t, :gd], acc[t, gd:], tot[t]
         for j in range(gd):
-            tot[t, j] = np.int64(acc[t, j]) * _BITS_HI + acc[t, gd + j]
+            trow[j] = np.int64(hi[j]) * _BITS_HI + lo[j]
     for c in range(gd):
         srow = sym[c]
         zeros = 0
@@ -67,40 +71,51 @@ def _decode_group(
             zeros += srow[t] == 0
         if zeros == 0:
             continue
+        wrow = wi[c]
         for t in range(t_n):
             if srow[t] == 0:
                 if n >= esc.shape[0]:
                     return -1
                 d = np.int64(esc[n]) + 128  # the true code minus the -128 the GEMM used
                 n += 1
+                trow = tot[t]
                 for j in range(gd):
-                    tot[t, j] += d * wi[c, j]
+                    trow[j] += d * wrow[j]
     row = np.empty(gd, np.float32)
+    rot = np.empty(gd, np.float32)  # RoPE reads ``row`` and writes here (two arrays: the loops vectorize)
     half = head_dim // 2
+    res = rot if rope else row
+    res_bits = res.view(np.uint32)
     for t in range(t_n):
         s = scale[t]
+        trow = tot[t]
         for j in range(gd):
-            x = np.float32(tot[t, j]) * (col[j] * s)  # rounded to float32 before the mean is added
+            x = np.float32(trow[j]) * (col[j] * s)  # rounded to float32 before the mean is added
             row[j] = x + mean[j]
-        if rope and style == 0:  # the style test outside the loops keeps them vectorizable
+        if rope:
+            ct, st = cos[t], sin[t]
             for o in range(0, gd, head_dim):
-                for i in range(half):
-                    c, sn = cos[t, i], sin[t, i]
-                    a, b = row[o + i], row[o + i + half]
-                    row[o + i], row[o + i + half] = a * c - b * sn, b * c + a * sn
-        elif rope:
-            for o in range(0, gd, head_dim):
-                for i in range(half):
-                    c, sn = cos[t, i], sin[t, i]
-                    a, b = row[o + 2 * i], row[o + 2 * i + 1]
-                    row[o + 2 * i], row[o + 2 * i + 1] = a * c - b * sn, b * c + a * sn
+                if style == 0:  # NeoX: pairs (i, i + half)
+                    ra, rb = row[o : o + half], row[o + half : o + head_dim]
+                    wa, wb = rot[o : o + half], rot[o + half : o + head_dim]
+                    for i in range(half):
+                        a, b, c, sn = ra[i], rb[i], ct[i], st[i]
+                        wa[i] = a * c - b * sn
+                        wb[i] = b * c + a * sn
+                else:  # GPT-J: pairs (2i, 2i + 1)
+                    rr, ww = row[o : o + head_dim], rot[o : o + head_dim]
+                    for i in range(half):
+                        a, b, c, sn = rr[2 * i], rr[2 * i + 1], ct[i], st[i]
+                        ww[2 * i] = a * c - b * sn
+                        ww[2 * i + 1] = b * c + a * sn
         if mode == 0:
+            o32 = out32[t, g]
             for j in range(gd):
-                out32[t, g, j] = row[j]
+                o32[j] = res[j]
         elif mode == 1:
-            quant._f32_to_f16_bits(row, row.view(np.uint32), out16[t, g])
+            quant._f32_to_f16_bits(res, res_bits, out16[t, g])
         else:
-            quant._f32_to_bf16_bits(row.view(np.uint32), out16[t, g])
+            quant._f32_to_bf16_bits(res_bits, out16[t, g])
     return n
 
 
@@ -114,6 +129,22 @@ class InverseTables:
     wi: np.ndarray
     col: np.ndarray
     weff: np.ndarray
+
+    # Made once on first use, not per call (two threads may both make one; either is the same):
+    @cached_property
+    def _blocks(self) -> tuple:
+        """Per K/V and head group: (``w2``, ``wi``, ``col``) views (indexing a tensor costs ~2 us a call)."""
+        return tuple(
+            tuple((self.w2[kv, g], self.wi[kv, g], self.col[kv, g]) for g in range(self.col.shape[1]))
+            for kv in range(2)
+        )
+
+    @cached_property
+    def _float_blocks(self) -> tuple:
+        """Per K/V and head group: ``w2`` as the float GEMM's right operand (``_int_gemm``): float32, float64
+        beyond ``_F32_EXACT_K`` columns."""
+        w2f = self.w2.to(_float_type(self.w2.shape[-2]))
+        return tuple(tuple(w2f[kv, g] for g in range(w2f.shape[1])) for kv in range(2))
 
     @classmethod
     def build(cls, steps: np.ndarray, basis: np.ndarray) -> InverseTables:
@@ -151,18 +182,22 @@ class InverseTables:
         gd = self.col.shape[-1]
         c_n, t_n = sym.shape
         n_g = c_n // gd
-        codes, codes_t, acc, acc_np, tot, floats = _work(t_n, gd)
+        codes, codes_t, acc, acc_np, tot32, tot64, floats = _work(t_n, gd)
+        tot = tot32 if _int32_sums(esc, gd) else tot64
+        int_mm = _use_int_mm(t_n)
         cos, sin, style = rope if rope is not None else (_NO_ROPE, _NO_ROPE, 0)
         out32, out16 = (out, _EMPTY16) if mode == 0 else (_EMPTY32, out)
         used = 0
         for g in range(n_g):
+            w2, wi, col = self._blocks[kv][group + g]
             gsym = sym[g * gd : (g + 1) * gd]
             np.bitwise_xor(gsym, 0x80, out=codes)
-            _int_gemm(codes_t, self.w2[kv, group + g], acc, *floats)
+            bf = None if int_mm else self._float_blocks[kv][group + g]
+            _int_gemm(codes_t, w2, acc, *floats, bf, int_mm)
             used = _decode_group(
                 acc_np,
-                self.wi[kv, group + g],
-                self.col[kv, group + g],
+                wi,
+                col,
                 scale,
                 gsym,
                 esc,
@@ -185,22 +220,97 @@ class InverseTables:
 
 
 def _int_gemm(
-    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, af: torch.Tensor, bf: torch.Tensor, of: torch.Tensor
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    af: torch.Tensor,
+    of: torch.Tensor,
+    bf: torch.Tensor | None = None,
+    int_mm: bool | None = None,
 ) -> None:
-    """``out = a @ b`` (int8 x int8 -> int32, exact) through a float GEMM in the work buffers ``af``, ``bf``,
-    ``of`` (float32 while ``a`` has at most ``_F32_EXACT_K`` columns, else float64). Exact: every product is
-    an integer of magnitude <= 2^14, so every partial sum of <= 1024 of them is an integer below 2^24, which
-    float32 holds exactly in any summation order (float64 holds any ``gd`` here). Not torch's CPU
-    ``_int_mm``: far slower than BLAS on CPUs without its fast path (docs/CODEC.md), wrong for one row."""
+    """``out = a @ b`` (int8 x int8 -> int32, exact), by either of two exact GEMMs (the same integers, so the
+    choice never changes a decoded bit); ``int_mm`` None: ``_use_int_mm``.
+
+    - torch's CPU ``_int_mm`` (int8 VNNI: ~0.1 ms for 256 x 192 x 384 on one core here, 4x the float32 GEMM)
+      where ``_use_int_mm`` allows it: ``a`` of at least 2 rows (it sums a single row wrongly, torch 2.14),
+      torch on one thread in this caller (the data plane, the benchmarks: with more, its OpenMP team stalled
+      for milliseconds a call whenever another process held a core of this 2-core box, the "~1 G MAC/s" of
+      docs/CODEC.md), and its sums checked exact on this CPU (``_int_mm_exact``).
+    - else a float GEMM in the work buffers ``af``, ``of`` (float32 while ``a`` has at most ``_F32_EXACT_K``
+      columns, else float64) with ``bf`` = ``b`` in their type (the layer's cached copy,
+      ``InverseTables._float_blocks``; converted here when not given). Exact: every product is an integer of
+      magnitude <= 2^14, so every partial sum of <= 1024 of them is an integer below 2^24, which float32
+      holds exactly in any summation order (float64 holds any ``gd`` here)."""
+    if int_mm is None:
+        int_mm = _use_int_mm(a.shape[0])
+    if int_mm:
+        torch._int_mm(a, b, out=out)
+        return
+    if bf is None:
+        bf = b.to(af.dtype)
     np.copyto(af.numpy(), a.numpy(), casting="unsafe")
-    np.copyto(bf.numpy(), b.numpy(), casting="unsafe")
     torch.matmul(af, bf, out=of)
     np.copyto(out.numpy(), of.numpy(), casting="unsafe")
 
 
+def _use_int_mm(t_n: int) -> bool:
+    """Whether ``_int_gemm`` takes torch's ``_int_mm`` for ``t_n`` rows on this thread (see there)."""
+    return t_n > 1 and torch.get_num_threads() == 1 and _int_mm_exact()
+
+
+_INT_MM_EXACT: list[bool] = []  # the probe's answer, once per process
+
+
+def _int_mm_exact() -> bool:
+    """Whether torch's CPU ``_int_mm`` returns exact sums on this CPU, probed once per process on full-range
+    and extreme int8 operands laid out as ``decode`` passes them. oneDNN's int8 kernels for CPUs without
+    VNNI (and for any CPU under ``ONEDNN_MAX_CPU_ISA=AVX2``, which the pinned-numerics calibration sets)
+    saturate 16-bit pair sums: measured wrong on random operands at every width. (Two threads may both
+    probe; the answer is the same.)"""
+    if not _INT_MM_EXACT:
+        _INT_MM_EXACT.append(_probe_int_mm())
+    return _INT_MM_EXACT[0]
+
+
+def _probe_int_mm() -> bool:
+    rng = np.random.default_rng(0)
+    for t_n, k in ((2, 16), (17, 64), (64, 192)):
+        cases = [rng.integers(-128, 128, (k, t_n + 2 * k)).astype(np.int8) for _ in range(2)]
+        cases += [np.full((k, t_n + 2 * k), v, np.int8) for v in (-128, 127)]
+        cases.append(
+            np.concatenate([np.full((k, t_n), 127), np.full((k, 2 * k), -128)], axis=1).astype(np.int8)
+        )
+        for m in cases:
+            codes, w = np.ascontiguousarray(m[:, :t_n]), np.ascontiguousarray(m[:, t_n:])
+            out = torch.empty((t_n, 2 * k), dtype=torch.int32)
+            try:
+                torch._int_mm(torch.from_numpy(codes).t(), torch.from_numpy(w), out=out)
+            except RuntimeError:
+                return False
+            if not np.array_equal(out.numpy(), codes.T.astype(np.int64) @ w.astype(np.int64)):
+                return False
+    return True
+
+
+@njit(nogil=True, cache=True)
+def _int32_sums(esc, gd):
+    """Whether every partial sum of a decode of ``gd`` components with these escapes fits int32: each is a
+    sum of gd codes (escapes, or the -128 the GEMM used for them, or |q| <= 127) times |wi| <= _WMAX."""
+    big = 128
+    for i in range(esc.shape[0]):
+        big = max(big, abs(np.int64(esc[i])))
+    return gd * big * _WMAX < 2**31
+
+
+def _float_type(k: int) -> torch.dtype:
+    """The float GEMM's type for ``k`` columns of int8 codes (exact: ``_int_gemm``)."""
+    return torch.float32 if k <= _F32_EXACT_K else torch.float64
+
+
 def _work(t_n: int, gd: int):
     """This thread's work arrays for (T, gd): codes [gd, T] uint8 and its int8 transpose as a tensor, acc
-    [T, 2 * gd] int32 (tensor and array), tot [T, gd] int64, and the GEMM's float buffers (``_int_gemm``)."""
+    [T, 2 * gd] int32 (tensor and array), tot [T, gd] int32 and int64, and the float GEMM's buffers ``af``,
+    ``of`` (``_int_gemm``)."""
     cache = getattr(_tls, "work", None)
     if cache is None:
         cache = _tls.work = {}
@@ -211,9 +321,9 @@ def _work(t_n: int, gd: int):
             cache.clear()
         codes = np.empty((gd, t_n), np.uint8)
         acc = torch.empty((t_n, 2 * gd), dtype=torch.int32)
-        tot = np.empty((t_n, gd), np.int64)
-        ft = torch.float32 if gd <= _F32_EXACT_K else torch.float64
-        floats = (torch.empty((t_n, gd), dtype=ft), torch.empty((gd, 2 * gd), dtype=ft))
-        floats += (torch.empty((t_n, 2 * gd), dtype=ft),)
-        w = cache[key] = (codes, torch.from_numpy(codes).view(torch.int8).t(), acc, acc.numpy(), tot, floats)
+        tot32, tot64 = np.empty((t_n, gd), np.int32), np.empty((t_n, gd), np.int64)
+        ft = _float_type(gd)
+        floats = (torch.empty((t_n, gd), dtype=ft), torch.empty((t_n, 2 * gd), dtype=ft))
+        codes_t = torch.from_numpy(codes).view(torch.int8).t()
+        w = cache[key] = (codes, codes_t, acc, acc.numpy(), tot32, tot64, floats)
     return w

@@ -12,6 +12,8 @@ Stateless numba kernels (GIL released); they write only the arrays they are give
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 from numba import njit
 
@@ -26,7 +28,7 @@ MAX_K = 16383  # |r| = |2k - sign(k)| <= 32767 fits an int16 escape
 _PRED = np.array(
     [[(st, p) for st in range(4) for p in range(2) if NEXT[st, p] == ns] for ns in range(4)], np.int64
 )
-_NEXT_BITS = sum(int(s) << (4 * i) for i, s in enumerate(NEXT.reshape(-1)))  # the table as nibbles
+_LITTLE_ENDIAN = sys.byteorder == "little"  # ``_quantizers_swar`` reads 8 tokens a word, token t in byte t
 
 
 @njit(nogil=True, cache=True)
@@ -135,39 +137,112 @@ def quantize(y, steps, scale, delta, lam, sym, esc):
 
 
 @njit(nogil=True, cache=True)
+def _row_needs_care(srow):
+    """Whether a component's symbols hold an escape or a k with |k| >= 64 (only those codes can need one)."""
+    acc = np.uint8(0)
+    for t in range(srow.shape[0]):
+        acc |= np.uint8(np.uint8(srow[t] - np.uint8(ZERO - 63)) > np.uint8(126))
+    return acc != 0
+
+
+@njit(nogil=True, cache=True)
+def _quantizers(srow, esc, e_in, qrow):
+    """``qrow`` = the quantizer (0 or 1) of each token of one component, its escaped k from ``esc[e_in]`` on.
+    The state machine in closed form: with state = 2 b1 + b0, ``NEXT`` is b0' = b1, b1' = b0 ^ parity(k), so
+    the quantizer of token t (b1, from state 0) is q_t = parity(k_(t-1)) ^ q_(t-2), q_0 = q_(-1) = 0."""
+    a = np.uint8(0)
+    b = np.uint8(0)
+    for t in range(srow.shape[0]):
+        qrow[t] = a
+        s = srow[t]
+        p = s & np.uint8(1)  # the parity of k = s - ZERO (ZERO is even)
+        if s == ESC:
+            p = np.uint8(esc[e_in] & 1)
+            e_in += 1
+        nb = p ^ b
+        b = a
+        a = nb
+
+
+@njit(nogil=True, cache=True)
+def _quantizers_swar(sym, q):
+    """``_quantizers`` of every component as if no k were escaped, 8 tokens a 64-bit word (T a multiple of
+    8, C-contiguous, little-endian): y_t = parity(k_(t-1)) bytewise, its stride-2 prefix XOR within the word
+    by doubling, then XOR the carry (each byte class's last q of the words before: one XOR a word)."""
+    c_n, t_n = sym.shape
+    sw = sym.reshape(c_n * t_n).view(np.uint64).reshape(c_n, t_n // 8)
+    qw = q.reshape(c_n * t_n).view(np.uint64).reshape(c_n, t_n // 8)
+    ones = np.uint64(0x0101010101010101)
+    pair = np.uint64(0x0001000100010001)  # bytes 6 and 7 of a word broadcast to every (even, odd) pair
+    for c in range(c_n):
+        prev = np.uint64(0)
+        carry = np.uint64(0)
+        for i in range(t_n // 8):
+            p = sw[c, i] & ones
+            y = (p << np.uint64(8)) | (prev >> np.uint64(56))  # little-endian: byte t holds token t's
+            prev = p
+            y ^= y << np.uint64(16)
+            y ^= y << np.uint64(32)
+            qw[c, i] = y ^ carry
+            carry ^= ((y >> np.uint64(48)) & np.uint64(0xFFFF)) * pair
+
+
+@njit(nogil=True, cache=True)
 def codes(sym, esc, out_sym, out_esc):
     """Replay the trellis: ``sym`` [C, T] (k + ZERO or ESC, k from ``esc`` in order) -> ``out_sym`` /
     ``out_esc`` in ``transform_ops.quantize``'s form of the integer codes r (a value = r x DELTA x step x scale).
     Returns the escapes written (``out_esc`` int16, as many as ``sym`` has values), -1 when ``esc`` does not
     hold exactly the escaped values, -2 when an r does not fit int16 (not written by ``quantize``).
-    Three passes: the k (component-major, where the escapes are in order), the state machine with tokens
-    outer (the components' chains are independent, so they overlap), the codes."""
+
+    Passes over the whole block (each one vectorizes or is one XOR per value): the escape count, every
+    component's quantizers (``_quantizers``, branch-free, as if no k were escaped), r + ZERO = 2k - q sign(k)
+    + ZERO elementwise; then, value by value, only the components holding an escape (their quantizers
+    redone with the escaped k) or a |k| >= 64: the only ones whose codes can need an escape."""
     c_n, t_n = sym.shape
-    k = np.empty((c_n, t_n), np.int32)
+    n_esc = 0
+    for c in range(c_n):
+        srow = sym[c]
+        for t in range(t_n):
+            n_esc += srow[t] == ESC
+    if n_esc != esc.shape[0]:
+        return -1
+    q = np.empty((c_n, t_n), np.uint8)
+    if t_n % 8 == 0 and _LITTLE_ENDIAN:
+        _quantizers_swar(np.ascontiguousarray(sym), q)  # (a view of a C-contiguous block: no copy)
+    else:
+        for c in range(c_n):
+            srow, qrow = sym[c], q[c]
+            a = np.uint8(0)
+            b = np.uint8(0)
+            for t in range(t_n):  # ``_quantizers`` without its escape test
+                qrow[t] = a
+                nb = (srow[t] & np.uint8(1)) ^ b
+                b = a
+                a = nb
+    for c in range(c_n):  # r + ZERO, wrapped to a byte where r needs an escape (rewritten below)
+        srow, qrow, orow = sym[c], q[c], out_sym[c]
+        for t in range(t_n):
+            s = np.int32(srow[t])
+            qq = np.int32(qrow[t])
+            orow[t] = np.uint8(2 * s - ZERO - (qq if s > ZERO else 0) + (qq if s < ZERO else 0))
+    n = 0
     e_in = 0
     for c in range(c_n):
+        srow = sym[c]
+        if not _row_needs_care(srow):
+            continue
+        row_esc = 0
         for t in range(t_n):
-            s = np.int32(sym[c, t])
+            row_esc += srow[t] == ESC
+        if row_esc:
+            _quantizers(srow, esc, e_in, q[c])
+        for t in range(t_n):
+            s = np.int32(srow[t])
+            k = s - ZERO
             if s == ESC:
-                if e_in >= esc.shape[0]:
-                    return -1
-                k[c, t] = esc[e_in]
+                k = np.int32(esc[e_in])
                 e_in += 1
-            else:
-                k[c, t] = s - ZERO
-    if e_in != esc.shape[0]:
-        return -1
-    st = np.zeros(c_n, np.int32)
-    for t in range(t_n):
-        for c in range(c_n):
-            kk = k[c, t]
-            s0 = st[c]
-            k[c, t] = 2 * kk - (s0 >> 1) * (np.int32(kk > 0) - np.int32(kk < 0))
-            st[c] = (_NEXT_BITS >> (4 * (2 * s0 + (kk & 1)))) & 3
-    n = 0
-    for c in range(c_n):
-        for t in range(t_n):
-            r = k[c, t]
+            r = 2 * k - np.int32(q[c, t]) * (np.int32(k > 0) - np.int32(k < 0))
             if -127 <= r <= 127:
                 out_sym[c, t] = r + ZERO
             else:
