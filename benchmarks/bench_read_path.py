@@ -25,6 +25,7 @@ the host CPU of host decode; staging <= 0.6x bf16 bytes per token.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import resource
 import sys
@@ -117,6 +118,34 @@ def _thread_cpu(t: threading.Thread) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(t.ident))
 
 
+def smollm2_chunks() -> list:
+    """256-token chunks of the held-out texts' real KV, at their positions."""
+    out = []
+    for t in (t for t in kvdata.load_texts(list(TEXTS)) if t.name in TEXTS):
+        for s in range(0, t.k.shape[1] - CHUNK + 1, CHUNK):
+            out.append(
+                (np.ascontiguousarray(t.k[:, s : s + CHUNK]), np.ascontiguousarray(t.v[:, s : s + CHUNK]), s)
+            )
+    return out
+
+
+def llama8b_shape(n_chunks: int = 16):
+    """(fingerprint, chunks, quantizer -> codec) of a Llama-3-8B-shaped layout: synthetic normal KV and a
+    synthetic calibration with per-head groups (the cheaper host inverse: the conservative ratio)."""
+    from benchmarks import synthetic_kv as synthetic
+    from sgl_remote_kv.codec.base import get_codec
+    from tests.calibration_helpers import make_calibration
+
+    fp = synthetic.fingerprint(num_layers=32, heads=8, dim=128)
+    cal = make_calibration(fp, groups=8)
+    chunks = [(*synthetic.kv(fp.layout, CHUNK, seed=i), i * CHUNK) for i in range(n_chunks)]
+
+    def codec_of(quantizer: str):
+        return get_codec("transform", calibration=cal.calib_id.hex(), quality="0.0005", quantizer=quantizer)
+
+    return fp, chunks, codec_of
+
+
 def transform_codec(fp, quantizer: str):
     """The transform codec at the default level with ``quantizer`` (the default: trellis)."""
     from sgl_remote_kv.codec import calibration
@@ -132,9 +161,9 @@ def transform_codec(fp, quantizer: str):
 
 
 class Rig:
-    """A store with the texts' chunks, a strict device pool and its writer."""
+    """A store with the chunks (``(k, v, start)``), a strict device pool and its writer."""
 
-    def __init__(self, tmp: Path, codec, fp, texts) -> None:
+    def __init__(self, tmp: Path, codec, fp, chunks) -> None:
         from sgl_remote_kv.kvpool import PoolTensors, writer_for
         from sgl_remote_kv.store.client import open_client
         from tests.strict_device import StrictDevice, StrictKVPool
@@ -142,15 +171,10 @@ class Rig:
         self.fp, self.codec, self.url = fp, codec, f"file://{tmp / 'store'}"
         client = open_client(self.url)
         self.keys: list[bytes] = []
-        for ti, t in enumerate(texts):
-            for s in range(0, t.k.shape[1] - CHUNK + 1, CHUNK):
-                k, v = (
-                    np.ascontiguousarray(t.k[:, s : s + CHUNK]),
-                    np.ascontiguousarray(t.v[:, s : s + CHUNK]),
-                )
-                key = bytes([ti, s // CHUNK]).ljust(32, b"\0")
-                client.put_many([(key, codec.encode(k, v, fp, start=s))])
-                self.keys.append(key)
+        for i, (k, v, start) in enumerate(chunks):
+            key = i.to_bytes(4, "little").ljust(32, b"\0")
+            client.put_many([(key, codec.encode(k, v, fp, start=start))])
+            self.keys.append(key)
         client.close()
         self.tokens = len(self.keys) * CHUNK
         self.dev = StrictDevice(delay_s=0.0)
@@ -219,8 +243,9 @@ def run_dpu(rig: Rig, device_decode: bool, repeat: int) -> dict:
 
     lay = rig.fp.layout
     cb = chunk_bytes(lay, CHUNK)
-    spec = DataPlaneSettings(workers=(1, 1, 1, 1), slots=2, slot_bytes=8 * cb, cpus=())
-    cfg = DpuClientConfig(rig.url, dest_slots=2, dest_slot_bytes=8 * cb, process=spec)
+    per_slot = max(2, min(8, (64 << 20) // cb))  # chunks per round slot: at most ~64 MiB of KV
+    spec = DataPlaneSettings(workers=(1, 1, 1, 1), slots=2, slot_bytes=per_slot * cb, cpus=())
+    cfg = DpuClientConfig(rig.url, dest_slots=2, dest_slot_bytes=per_slot * cb, process=spec)
     c = DpuClient(cfg, rig.fp, rig.codec)
     c.start()
     staged = rig.staging(device_decode)
@@ -304,6 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--paths", default="inproc,dpu")
+    ap.add_argument(
+        "--shape",
+        choices=("smollm2", "llama8b"),
+        default="smollm2",
+        help="smollm2: real KV of the model; llama8b: synthetic KV of a Llama-3-8B-shaped layout (32 layers, "
+        "8 KV heads, head dim 128) and a synthetic per-head calibration",
+    )
     ap.add_argument("--quantizers", default=f"{DEFAULT_QUANTIZER},scalar", help="the transform codec's")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
@@ -311,13 +343,17 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     fp = kvdata.fingerprint()
-    texts = [t for t in kvdata.load_texts(list(TEXTS)) if t.name in TEXTS]
+    if args.shape == "llama8b":
+        fp, chunks, codec_of = llama8b_shape()
+    else:
+        chunks = smollm2_chunks()
+        codec_of = functools.partial(transform_codec, fp)
     runners = {"inproc": run_inproc, "dpu": run_dpu}
     rows = []
     for quantizer in args.quantizers.split(","):
-        codec = transform_codec(fp, quantizer)
+        codec = codec_of(quantizer)
         with tempfile.TemporaryDirectory() as tmp:
-            rig = Rig(Path(tmp), codec, fp, texts)
+            rig = Rig(Path(tmp), codec, fp, chunks)
             try:
                 for path in args.paths.split(","):
                     r = {m: runners[path](rig, m == "device", args.repeat) for m in ("host", "device")}
@@ -325,8 +361,11 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 rig.close()
     meta = {
-        "texts": list(TEXTS),
-        "model": "SmolLM2-135M (30 layers, 3 KV heads, head dim 64), bf16 KV",
+        "shape": args.shape,
+        "texts": list(TEXTS) if args.shape == "smollm2" else None,
+        "model": "SmolLM2-135M (30 layers, 3 KV heads, head dim 64), bf16 KV"
+        if args.shape == "smollm2"
+        else "Llama-3-8B-shaped (32 layers, 8 KV heads, head dim 128), synthetic bf16 KV, synthetic calibration",
         "chunk": CHUNK,
         "repeat": args.repeat,
         "cpu": kvdata.cpu_model(),

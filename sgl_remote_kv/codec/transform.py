@@ -363,8 +363,7 @@ class TransformView:
     def escapes_consistent(self) -> bool:
         """Every escape symbol has its value and no value is left over (a device cannot check it)."""
         return all(
-            int(np.count_nonzero(self.sym[kv] == ops.ESC)) == n
-            for kv, n in enumerate((self.nk, self.esc.size - self.nk))
+            ops.count_escapes(self.sym[kv]) == n for kv, n in enumerate((self.nk, self.esc.size - self.nk))
         )
 
     def dequant_into(self, dtype: str, out_k: np.ndarray, out_v: np.ndarray) -> None:

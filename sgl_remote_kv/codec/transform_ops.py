@@ -24,6 +24,16 @@ ZERO = 128
 
 # ---- kernels (numba, GIL released) ----------------------------------------------------------
 @njit(nogil=True, cache=True)
+def count_escapes(sym) -> int:
+    """How many ``ESC`` symbols ``sym`` (2-D uint8, any strides) holds: one pass, no temporary."""
+    n = 0
+    for c in range(sym.shape[0]):
+        for t in range(sym.shape[1]):
+            n += sym[c, t] == ESC
+    return n
+
+
+@njit(nogil=True, cache=True)
 def rotate(x, cos, sin, style, sign):
     """RoPE on ``x`` [T, H, D] float32 in place; ``sign`` +1 applies it, -1 undoes it."""
     t_n, h_n, d = x.shape

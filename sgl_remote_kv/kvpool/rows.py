@@ -29,6 +29,7 @@ A record is immutable once published; a reader holds pinned rows, which nothing 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -109,8 +110,12 @@ class RowStore:
         self._check_layers(layer, 1)
         if not self.keep_codes:
             return self._dequant(views, idx, layer)
-        fields = [[(f.name, getattr(vw, f.name)) for f in dataclasses.fields(vw)] for vw in views]
-        arrays = [(i, name, a) for i, fs in enumerate(fields) for name, a in fs if _array(a)]
+        arrays = [
+            (i, name, a)
+            for i, vw in enumerate(views)
+            for name in _field_names(type(vw))
+            if _array(a := getattr(vw, name))
+        ]
         rec, buf = self._new(sum(align(a.nbytes) for _, _, a in arrays), layer, 1, t)
         copied: list[dict] = [{} for _ in views]
         o = 0
@@ -226,6 +231,13 @@ class RowStore:
             if rec.cells <= 0:
                 del self._records[rid]
                 self.arena.free(rec.start, rec.nbytes)
+
+
+@functools.cache
+def _field_names(cls) -> tuple[str, ...]:
+    """A view class's fields in declaration order: the order its arrays take in a record (and the order the
+    device writer uploads them in, so a record's arrays go H2D in one copy)."""
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def _array(a) -> bool:
