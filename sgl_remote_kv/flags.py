@@ -102,6 +102,15 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "hold codes (about half the bytes of bf16 KV per token; /metrics: remote_kv_staging_bytes_per_token).",
     )
     g.add_argument(
+        "--remote-kv-writeback-queue-mb",
+        dest="remote_kv_writeback_queue_mb",
+        type=_writeback_queue_mb,
+        default=2048,
+        metavar="MIB",
+        help="KV (MiB, the pool's dtype) the write-back may hold queued; when new chunks take it past this, the "
+        "oldest queued chunks are dropped (counted: writeback_skipped{reason=queue_full}); default 2048.",
+    )
+    g.add_argument(
         "--remote-kv-nvdec-resolutions",
         dest="remote_kv_nvdec_resolutions",
         type=_nvdec_resolutions,
@@ -228,6 +237,7 @@ _chunk_size = _bounded(int, 16, MAX_CHUNK_SIZE, multiple_of=16)
 _tail_tokens = _bounded(int, 0, MAX_CHUNK_SIZE, multiple_of=16)
 _nvdec_instances = _bounded(int, 1, 64)
 _staging_tokens = _bounded(int, 0, 1 << 26)
+_writeback_queue_mb = _bounded(int, 1, 1 << 20)
 _policy_margin = _bounded(float, 0.0, 1e12)
 
 

@@ -68,6 +68,13 @@ class RemoteKVMetrics:
             metric = self._prom[name]
             (metric.labels(**labels) if labels else metric).inc(value)
 
+    def _set(self, name: str, value: float, **labels: str) -> None:
+        """A gauge."""
+        with self._lock:
+            self._tally[name + "".join(f"|{k}={v}" for k, v in sorted(labels.items()))] = value
+        if self._prom is not None:
+            (self._prom[name].labels(**labels) if labels else self._prom[name]).set(value)
+
     def _observe(self, name: str, value: float) -> None:
         if self._prom is not None:
             self._prom[name].observe(value)
@@ -91,11 +98,7 @@ class RemoteKVMetrics:
     def store_breaker(self, circuit: str, state: str) -> None:
         """The scheduler's store client's ``circuit`` (read / write) breaker entered ``state``
         (gauge: 0 closed, 1 half-open, 2 open)."""
-        circuit = circuit if circuit in BREAKER_CIRCUITS else "read"
-        with self._lock:
-            self._tally[f"store_breaker|circuit={circuit}"] = rank(state)
-        if self._prom is not None:
-            self._prom["store_breaker"].labels(circuit=circuit).set(rank(state))
+        self._set("store_breaker", rank(state), circuit=circuit if circuit in BREAKER_CIRCUITS else "read")
 
     def dataplane_restart(self, reason: str) -> None:
         """A DPU data plane was replaced (the DPU client's receiver thread): ``exited`` or ``hung``."""
@@ -103,17 +106,12 @@ class RemoteKVMetrics:
 
     def staging(self, bytes_per_token: float, codes: bool) -> None:
         """The host staging's arena bytes per row (token); ``codes``: its rows hold codes, not KV."""
-        for name, value in (("staging_bytes_per_token", bytes_per_token), ("staging_codes", float(codes))):
-            with self._lock:
-                self._tally[name] = value
-            if self._prom is not None:
-                self._prom[name].set(value)
+        self._set("staging_bytes_per_token", bytes_per_token)
+        self._set("staging_codes", float(codes))
 
     def dataplane_write(self, seconds: float, layers: int, output: str = "kv") -> None:
-        """The DPU client's receiver thread (in this scheduler process) spent ``seconds`` writing ``layers``
-        fetched layers of a run of a round's chunks into the pool: what the scheduler side of the DPU path
-        costs.
-        ``output``: what the data plane wrote (``kv``, or ``codes`` this side dequantized)."""
+        """The DPU client's receiver thread spent ``seconds`` writing ``layers`` fetched layers of a run of a
+        round's chunks (the data plane's ``output``: ``kv`` or ``codes``) into staging."""
         output = output if output in DPU_JOB_OUTPUTS else "kv"
         self._inc("dataplane_write_seconds", seconds, output=output)
         self._inc("dataplane_write_layers", layers, output=output)
@@ -183,6 +181,10 @@ class RemoteKVMetrics:
     def writeback_skipped(self, reason: str, chunks: int = 1) -> None:
         self._inc("writeback_skipped", chunks, reason=reason)
 
+    def writeback_queue(self, nbytes: int) -> None:
+        """KV bytes the write-back holds queued (not yet being written)."""
+        self._set("writeback_queue_bytes", nbytes)
+
     # -- NVDEC adaptive resolution (labels: ``nvdec.adapter.LABELS``, tokens per frame or "full") ------
     def nvdec_chunk(self, nbytes: float, resolution: str) -> None:
         """The NVDEC path installed a chunk fetched at ``resolution`` (``nbytes`` on the wire)."""
@@ -217,6 +219,9 @@ class RemoteKVMetrics:
 
 
 _LIVE = {"multiprocess_mode": "livemax"}
+_SKIPPED_HELP = (
+    "Write-back chunks not written: present (in the store), queue_full (oldest dropped: queue over its MiB)"
+)
 
 
 def _build_prometheus() -> dict:
@@ -251,32 +256,25 @@ def _build_prometheus() -> dict:
         "failures": Counter(p + "failures", "Remote KV failures (each became a miss)", ["kind"]),
         "decisions": Counter(p + "decisions", "Policy decisions by path", ["path"]),
         "dedup_followers": Counter(
-            p + "dedup_followers", "Requests that waited on another request's in-flight fetch"
+            p + "dedup_followers", "Requests that waited on another's in-flight fetch"
         ),
         "store_breaker": Gauge(
             p + "store_breaker_state",
-            "Store client circuit breaker: 0 closed, 1 half-open, 2 open (worst rank)",
+            "Store circuit breaker: 0 closed, 1 half-open, 2 open",
             ["circuit"],
-            multiprocess_mode="livemax",
+            **_LIVE,
         ),
         "staging_bytes_per_token": Gauge(
             p + "staging_bytes_per_token", "Host staging bytes per token", **_LIVE
         ),
         "staging_codes": Gauge(p + "staging_codes", "1: staging holds codes for the GPU; 0: KV", **_LIVE),
         "slot_waits": Counter(p + "slot_waits", "Fetches that waited for KV slots before they started"),
-        "dataplane_restarts": Counter(
-            p + "dataplane_restarts", "DPU data plane processes replaced", ["reason"]
-        ),
+        "dataplane_restarts": Counter(p + "dataplane_restarts", "DPU data planes replaced", ["reason"]),
         "dataplane_write_seconds": Counter(
-            p + "dataplane_write_seconds",
-            "Seconds the DPU client's receiver thread (scheduler process) spent writing fetched KV into the pool, "
-            "by what the data plane wrote (kv, or codes dequantized on this side)",
-            ["output"],
+            p + "dataplane_write_seconds", "Receiver seconds writing fetched layers, by output", ["output"]
         ),
         "dataplane_write_layers": Counter(
-            p + "dataplane_write_layers",
-            "Layer writes (one layer of a run of a round's chunks) of the DPU client into the pool, by output",
-            ["output"],
+            p + "dataplane_write_layers", "Layer writes of the DPU client's receiver, by output", ["output"]
         ),
         "slot_wait": Histogram(
             p + "slot_wait_seconds",
@@ -291,7 +289,10 @@ def _build_prometheus() -> dict:
         ),
         "written_chunks": Counter(p + "written_chunks", "Chunks written back to the store"),
         "written_bytes": Counter(p + "written_bytes", "Compressed bytes written back"),
-        "writeback_skipped": Counter(p + "writeback_skipped", "Write-back chunks skipped", ["reason"]),
+        "writeback_skipped": Counter(p + "writeback_skipped", _SKIPPED_HELP, ["reason"]),
+        "writeback_queue_bytes": Gauge(
+            p + "writeback_queue_bytes", "KV bytes queued for the write-back", **_LIVE
+        ),
         "fetch_latency": Histogram(
             p + "fetch_seconds",
             "Fetch time per request (store get; on the DPU path the data plane's whole job incl. decode)",

@@ -33,7 +33,6 @@ from sgl_remote_kv.types import ModelFingerprint, PathName
 
 logger = logging.getLogger(__name__)
 
-WRITEBACK_QUEUE = 64  # pending write-back jobs; more are dropped (never blocks serving)
 WRITEBACK_DRAIN_S = 10.0  # /flush_cache and a graceful scheduler exit wait at most this long
 
 

@@ -315,7 +315,7 @@ def test_writeback_stores_every_version_under_its_key(tmp_path):
     keys, client = KeySpace(fp, anchor, C), open_client(f"file://{tmp_path}/s")
     versions = ChunkVersions(anchor, RES, fp, C, metrics.nvdec_written)
     r2t = types.SimpleNamespace(req_to_token=slots[None, :].clone())
-    wb = WriteBack(anchor, fp, client, keys, metrics, writer, r2t, 8, versions=versions)
+    wb = WriteBack(anchor, fp, client, keys, metrics, writer, r2t, 1 << 30, versions=versions)
     wb.offer(request, n_tok, final=True)
     assert wb.flush(120)
     wb.close()

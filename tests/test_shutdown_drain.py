@@ -48,7 +48,7 @@ def _runtime(url: str) -> tuple[runtime.RemoteKVRuntime, types.SimpleNamespace]:
     client = open_client(url)
     keys = runtime.KeySpace(FP, codec, CH)
     r2t = types.SimpleNamespace(req_to_token=slots[None, :].clone())
-    wb = WriteBack(codec, FP, client, keys, RemoteKVMetrics(), writer, r2t, 8, tail_granule=G)
+    wb = WriteBack(codec, FP, client, keys, RemoteKVMetrics(), writer, r2t, 1 << 30, tail_granule=G)
     path = FetchPath(PathName.INPROC, InProcessFetchBackend(client, codec, FP, CH), codec)
     cfg = RemoteKVConfig(mode="inproc", chunk_size=CH)  # the write-back above has its own tail granule
     rt = runtime.build(

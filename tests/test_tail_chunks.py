@@ -167,7 +167,7 @@ def test_writeback_writes_the_tail_of_a_finished_request(tmp_path):
     )
     keys = KeySpace(FP, codec, CH)
     client = open_client(url)
-    wb = WriteBack(codec, FP, client, keys, RemoteKVMetrics(), writer, r2t, 8, tail_granule=G)
+    wb = WriteBack(codec, FP, client, keys, RemoteKVMetrics(), writer, r2t, 1 << 30, tail_granule=G)
     wb.offer(request, n_tok)  # a checkpoint mid-request: full chunks only
     assert wb.flush(30)
     full = keys.keys_for(request.full_untruncated_fill_ids, 2, None)

@@ -72,7 +72,7 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
         metrics,
         kv_writer,
         b.req_to_token_pool,
-        runtime.WRITEBACK_QUEUE,
+        cfg.writeback_queue_mb << 20,
         tail_granule=tails,
         versions=paths.chunk_versions(cfg, codec, fp, metrics.nvdec_written),
     )

@@ -4,8 +4,11 @@ The scheduler thread (``scheduler_hooks.after_checkpoint``, an AFTER hook on ``U
 inserted a request's KV into the radix tree (after each prefill chunk and at finish). ``offer`` works
 out which full chunks are new for this request, copies their KV out of the pool (the slots may be
 reused once the scheduler moves on: ``KVWriter.read_later``, an async copy on device pools that the
-worker waits for) and queues one job; it never waits on the store or the device. A bounded
-queue: when full, the job is dropped and counted (``writeback_skipped{reason="queue_full"}``).
+worker waits for) and queues one job; it never waits on the store or the device. The queue is bounded
+by the KV bytes it holds (``max_bytes``, ``--remote-kv-writeback-queue-mb``): when a new job takes it past
+the bound, the *oldest* queued jobs are dropped (a prefix not yet written is simply not in the tier yet),
+counted (``writeback_skipped{reason="queue_full"}``, chunks) and logged at most once a minute; the
+queue's bytes are a gauge (``writeback_queue_bytes``). The newest job is always kept.
 
 A single worker thread then dedups against the store (``count_prefix``: chunks the store already has
 are not re-encoded), encodes the rest and ``put_many``s them. With ``versions`` (the NVDEC path's
@@ -19,9 +22,9 @@ Buffers: the job owns the copied numpy KV; the worker drops it after the put.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +37,7 @@ from sgl_remote_kv.types import FailureKind
 logger = logging.getLogger(__name__)
 
 _MAX_TRACKED = 65536
+DROP_LOG_S = 60.0  # at most one warning about dropped write-backs per this many seconds
 
 
 @dataclass
@@ -44,6 +48,7 @@ class _Job:
     tokens: int  # per chunk: a full chunk, or a tail sub-chunk
     start: int  # sequence position of k[:, 0] (codecs that undo RoPE need each chunk's position)
     tenant_tag: bytes  # keys.tenant_tag of the request's salt, framed with each value (admin stats)
+    nbytes: int = 0  # KV bytes the job holds (the queue's bound counts them)
 
 
 class WriteBack:
@@ -59,7 +64,7 @@ class WriteBack:
         metrics,
         kv_writer,
         req_to_token_pool,
-        max_queue: int,
+        max_bytes: int,
         tail_granule: int = 0,
         versions=None,
     ) -> None:
@@ -76,7 +81,14 @@ class WriteBack:
         self.versions = versions
         self.kv_writer = kv_writer  # reads the KV of finished chunks (scheduler thread)
         self.req_to_token_pool = req_to_token_pool
-        self._q: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queue)
+        self.max_bytes = max_bytes
+        self._jobs: deque[_Job] = deque()  # queued, oldest first (not the one being written)
+        self._cv = threading.Condition()
+        self._queued_bytes = 0
+        self._unfinished = 0  # queued + being written
+        self._closed = False
+        self._dropped = 0  # chunks dropped since the last warning
+        self._drop_logged = float("-inf")
         # rid -> chunks already offered or known present; bounded (an aborted request never finishes)
         self._progress: OrderedDict[str, int] = OrderedDict()
         self._errors_logged: set[str] = set()
@@ -125,34 +137,66 @@ class WriteBack:
         if idx is None:
             return False
         kv = self.kv_writer.read_later(idx)  # device pools: an async copy, waited for by the worker
-        try:
-            self._q.put_nowait(_Job(keys, first, kv, tokens, lo, tag))
+        job = _Job(keys, first, kv, tokens, lo, tag, (hi - lo) * self.fingerprint.layout.bytes_per_token())
+        dropped: list[_Job] = []
+        with self._cv:
+            self._jobs.append(job)
+            self._queued_bytes += job.nbytes
+            self._unfinished += 1
             self._idle.clear()
-        except queue.Full:
-            self.metrics.writeback_skipped("queue_full", len(keys) - first)
+            while self._queued_bytes > self.max_bytes and len(self._jobs) > 1:  # the oldest go first
+                old = self._jobs.popleft()
+                self._queued_bytes -= old.nbytes
+                self._unfinished -= 1
+                dropped.append(old)
+            queued = self._queued_bytes
+            self._cv.notify()
+        self.metrics.writeback_queue(queued)
+        if dropped:
+            self._count_dropped(sum(len(j.keys) - j.first_chunk for j in dropped))
         return True
+
+    def _count_dropped(self, chunks: int) -> None:
+        """Dropped chunks: counted at once, logged at most once per ``DROP_LOG_S`` (scheduler thread)."""
+        self.metrics.writeback_skipped("queue_full", chunks)
+        self._dropped += chunks
+        now = time.monotonic()
+        if now - self._drop_logged >= DROP_LOG_S:
+            logger.warning(
+                "remote-kv write-back behind: dropped the %d oldest unwritten chunks (queue over %d MiB); "
+                "those prefixes are not in the tier until requested again",
+                self._dropped,
+                self.max_bytes >> 20,
+            )
+            self._dropped, self._drop_logged = 0, now
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued job is written (``/flush_cache``, tests); False on timeout."""
-        return self._idle.wait(timeout) if self._q.unfinished_tasks else True
+        return self._idle.wait(timeout)
 
     def pending(self) -> int:
         """Jobs queued or being written."""
-        return self._q.unfinished_tasks
+        with self._cv:
+            return self._unfinished
 
     def close(self) -> None:
-        try:
-            self._q.put_nowait(None)
-        except queue.Full:
-            pass
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
 
     # -- worker thread ---------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            job = self._q.get()
-            try:
-                if job is None:
+            with self._cv:
+                while not self._jobs and not self._closed:
+                    self._cv.wait()
+                if not self._jobs:  # closed and drained
                     return
+                job = self._jobs.popleft()
+                self._queued_bytes -= job.nbytes
+                queued = self._queued_bytes
+            self.metrics.writeback_queue(queued)
+            try:
                 self._write(job)
             except Exception as e:  # thread boundary: a failed write-back is only a lost cache entry
                 kind = type(e).__name__
@@ -161,9 +205,10 @@ class WriteBack:
                     self._errors_logged.add(kind)
                     logger.warning("remote-kv write-back failed (%s): %s", kind, e)
             finally:
-                self._q.task_done()
-                if self._q.unfinished_tasks == 0:
-                    self._idle.set()
+                with self._cv:
+                    self._unfinished -= 1
+                    if self._unfinished == 0:
+                        self._idle.set()
 
     def _write(self, job: _Job) -> None:
         k, v = job.kv.result()  # KVWriteError if the device copy did not complete: counted, not stored
