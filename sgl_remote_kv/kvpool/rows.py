@@ -97,8 +97,7 @@ class RowStore:
         rec.k = buf[: k.nbytes].view(self.storage).reshape(k.shape)
         rec.v = buf[k.nbytes :].view(self.storage).reshape(k.shape)
         rec.k[...], rec.v[...] = k, v
-        self.stats["kv"] += n * len(idx)
-        self._publish(rec, idx)
+        self._publish(rec, idx, "kv")
 
     def write_quantized(self, views: Sequence, rows: torch.Tensor, layer: int) -> None:
         """One layer of consecutive chunks as their codes views: kept (``keep_codes``), or dequantized here
@@ -125,8 +124,7 @@ class RowStore:
             copied[i][name] = dst
             o += align(a.nbytes)
         rec.views = tuple(dataclasses.replace(vw, **c) for vw, c in zip(views, copied, strict=True))
-        self.stats["codes"] += t
-        self._publish(rec, idx)
+        self._publish(rec, idx, "codes")
 
     def write_quantized_layers(self, views_by_layer: Sequence[Sequence], rows: torch.Tensor) -> None:
         for layer, views in enumerate(views_by_layer):
@@ -148,9 +146,7 @@ class RowStore:
             with self._lock:
                 self.arena.free(rec.start, rec.nbytes)
             raise KVWriteError(f"host dequant of layer {layer} failed: {e!r}") from e
-        self.stats["host_dequant"] += t
-        self.stats["kv"] += t
-        self._publish(rec, idx)
+        self._publish(rec, idx, "kv", "host_dequant")
 
     # KVWriter's reader calls: staging is host memory, written synchronously
     def wait_layer(self, layer: int) -> None:
@@ -204,16 +200,21 @@ class RowStore:
         with self._lock:
             start = self.arena.alloc(nbytes)
         if start is None:
-            self.stats["full"] += 1
+            with self._lock:
+                self.stats["full"] += 1
             raise KVWriteError(
                 f"staging arena full: {nbytes} bytes wanted, {self.arena.nbytes - self.arena.used} of "
                 f"{self.arena.nbytes} free (--remote-kv-staging-tokens)"
             )
         return Record(layer_lo, n_layers, tokens, start, nbytes), self.arena.view(start, nbytes)
 
-    def _publish(self, rec: Record, idx: np.ndarray) -> None:
+    def _publish(self, rec: Record, idx: np.ndarray, *counted: str) -> None:
+        """``rec`` (its bytes written) names the cells of its layers x ``idx``; ``counted``: the stats it adds
+        its tokens x layers to."""
         layers = slice(rec.layer_lo, rec.layer_lo + rec.n_layers)
         with self._lock:
+            for name in counted:
+                self.stats[name] += rec.n_layers * len(idx)
             rid = self._next
             self._next += 1
             self._records[rid] = rec
