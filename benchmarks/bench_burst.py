@@ -3,8 +3,8 @@
 The scenario of issue 21: ``generated-shared-prefix`` at ``--request-rate inf`` on a small CPU KV pool,
 after a restart so every shared prefix comes from the store. Phase 1 (server A) serves the workload once
 and writes its prefixes back; phase 2 (server B, fresh process, same store) serves it again as one burst.
-What must hold: every request completes, most prefixes are fetched, none fails for lack of KV slots
-while waiting is allowed, and no request waits for KV slots longer than ``slot_wait_s``.
+What must hold: every request completes, most prefixes are fetched, none fails for lack of staging rows
+while waiting is allowed, and no request waits for staging rows longer than ``slot_wait_s``.
 
 Prints a table and writes ``docs/results/burst.json``. Run: ``make bench-burst`` (about 5-10 minutes on
 the 2-core box).
@@ -73,7 +73,7 @@ def main() -> None:
         "written_bytes_phase1": written,
         "hit_tokens": metric(d, "remote_kv_hit_tokens_total"),
         "hit_chunks": metric(d, "remote_kv_hit_chunks_total"),
-        "failures_no_kv_slots": _failures(d, "no_kv_slots"),
+        "failures_no_staging_rows": _failures(d, "no_staging_rows"),
         "slot_waits": waits,
         "slot_wait_mean_s": metric(d, "remote_kv_slot_wait_seconds_sum") / waits if waits else 0.0,
         "slot_waits_over_10s": waits

@@ -75,11 +75,6 @@ def candidate_tilings(heads: int, dim: int) -> list[Tiling]:
     return [Tiling(hr, hc, dr, dc) for hr, hc in _divisor_pairs(heads) for dr, dc in _divisor_pairs(dim)]
 
 
-def naive_tiling(heads: int, dim: int) -> Tiling:
-    """One token = one row of ``H * D`` values (llm.265's frame = [tokens, channels])."""
-    return Tiling(1, heads, 1, dim)
-
-
 @dataclass(frozen=True)
 class FrameLayout:
     """Where every code of a ``tokens``-token chunk lands; all sizes derive from the fields."""

@@ -163,8 +163,8 @@ class FailureKind(str, Enum):
     FETCH_TIMEOUT = "fetch_timeout"
     ABANDONED = "abandoned"
     # installing into SGLang
-    WRITE = "write"  # a write into the KV pool failed or timed out
-    NO_KV_SLOTS = "no_kv_slots"
+    WRITE = "write"  # a write into staging rows (or the linker's copy into the KV pool) failed or timed out
+    NO_STAGING_ROWS = "no_staging_rows"  # no staging rows within slot_wait_s (renamed from no_kv_slots)
     INSTALL = "install"
     LOCAL_PREFIX_EVICTED = "local_prefix_evicted"
     ABORTED_WHILE_WAITING = "aborted_while_waiting"

@@ -121,7 +121,7 @@ class Backend:
 
     def submit(self, rid, keys, start, slots, tokens=None):
         h = FetchHandle(rid, len(keys), start, C, tokens)
-        h.direct, h.kv_slots = True, slots
+        h.direct, h.rows = True, slots
         self.handles[rid] = h
         return h
 

@@ -60,7 +60,7 @@ def make_pool(layout: KVLayout, pool_size: int, n_tokens: int, seed: int = 1, op
 
 def pool_tokens(target: KVTarget, layout: KVLayout, lo: int, hi: int):
     """Read tokens ``lo..hi`` back from the pool as numpy storage arrays ``[L, T, H, D]``."""
-    return target.writer.read(target.kv_slots[lo:hi])
+    return target.writer.read(target.rows[lo:hi])
 
 
 def register_raw(sock, client, region: str | None = None) -> None:

@@ -2,10 +2,10 @@
 a host queue and fetch backends whose handles finish when the test says so, a real store lookup path
 (``KeySpace`` keys), the real policy and metrics, and a fake clock.
 
-What must hold: a remote hit is installed and released with its KV slots owned by the tree; a fetch
-reserves its KV slots before it starts and backs off (never fails) while the pool cannot give them;
-only the oldest waiting request reserves (FIFO); no request waits for slots longer than
-``slot_wait_s``; a burst larger than the pool ends with every request released and every slot back.
+What must hold: a remote hit is installed and released with its rows owned by the tree (the double of
+the server's staging); a fetch reserves its rows before it starts and backs off (never fails) while the
+tree cannot give them; only the oldest waiting request reserves (FIFO); no request waits for rows longer
+than ``slot_wait_s``; a burst larger than the rows ends with every request released and every row back.
 """
 
 from __future__ import annotations
@@ -45,16 +45,14 @@ def test_remote_hit_is_reserved_fetched_installed_and_released(world):
     r = req("a", 5 * C + 3)
     w.stored(r, 5)
     _park(w, r)
-    w.q.poll()  # lookup hit -> RESERVE -> slots reserved -> FETCH in the same pass
+    w.q.poll()  # lookup hit -> RESERVE -> rows reserved -> FETCH in the same pass
     p = w.q.parked["a"]
-    assert (
-        p.phase is Phase.FETCH and len(p.kv_slots) == 5 * C and w.tree.cap - len(w.tree.free_slots) == 5 * C
-    )
-    assert w.q.held_slots() == 5 * C
+    assert p.phase is Phase.FETCH and len(p.rows) == 5 * C and w.tree.cap - len(w.tree.free_slots) == 5 * C
+    assert w.q.held_rows() == 5 * C
     w.be.finish("a")
     w.q.poll()
     assert w.host.released == ["a"] and w.host.hits["a"] == (0, 5 * C)
-    assert sorted(w.tree.owned) == sorted(w.be.handles["a"].kv_slots.tolist())  # tree-owned, none leaked
+    assert sorted(w.tree.owned) == sorted(w.be.handles["a"].rows.tolist())  # tree-owned, none leaked
     assert len(w.q.held) == 1 and w.tree.locks == 1  # the new node is locked until admission
     w.host.waiting_reqs.clear()  # the engine admitted it
     w.q.poll()
@@ -87,7 +85,7 @@ def test_no_slots_backs_off_then_fetches_when_slots_return(world):
     hog = w.tree.alloc(6 * C)  # the engine's running requests hold most of the pool
     r = req("a", 4 * C + 1)
     w.stored(r, 4)
-    before = _failures(w, "no_kv_slots")
+    before = _failures(w, "no_staging_rows")
     _park(w, r)
     for _ in range(3):
         w.clock.t += 1.0
@@ -97,7 +95,7 @@ def test_no_slots_backs_off_then_fetches_when_slots_return(world):
     w.clock.t += 1.0
     w.q.poll()
     assert w.q.parked["a"].phase is Phase.FETCH
-    assert w.c.metrics.snapshot()["slot_waits"] >= 1 and _failures(w, "no_kv_slots") == before
+    assert w.c.metrics.snapshot()["slot_waits"] >= 1 and _failures(w, "no_staging_rows") == before
     w.be.finish("a")
     w.q.poll()
     assert w.host.hits["a"] == (0, 4 * C)
@@ -118,10 +116,10 @@ def test_fifo_the_oldest_reserves_first_and_no_wait_exceeds_the_bound(world):
     w.clock.t += 4.0
     w.q.poll()
     assert set(w.q.parked) == {"big", "small"} and not w.host.released
-    before = _failures(w, "no_kv_slots")
+    before = _failures(w, "no_staging_rows")
     w.clock.t += 1.5  # past slot_wait_s for both: both recompute (the bound holds for every waiter)
     w.q.poll()
-    assert w.host.released == ["big", "small"] and _failures(w, "no_kv_slots") - before == 2
+    assert w.host.released == ["big", "small"] and _failures(w, "no_staging_rows") - before == 2
     w.tree.free(hog)
     assert len(w.tree.free_slots) == w.tree.cap and w.tree.locks == 0
 
@@ -144,7 +142,7 @@ def test_fetch_larger_than_the_queue_share_is_trimmed_to_its_leading_chunks(worl
     _park(w, r)
     w.q.poll()
     p = w.q.parked["a"]
-    assert p.phase is Phase.FETCH and p.fetch_tokens == [C] * 4 and len(p.kv_slots) == 4 * C
+    assert p.phase is Phase.FETCH and p.fetch_tokens == [C] * 4 and len(p.rows) == 4 * C
     w.be.finish("a")
     w.q.poll()
     assert w.host.hits["a"] == (0, 4 * C)  # the other 6 chunks are recomputed
@@ -186,7 +184,7 @@ def test_burst_larger_than_the_pool_every_request_ends_and_every_slot_returns(wo
     assert not w.q.busy() and sorted(w.host.released) == sorted(r.rid for r in reqs)
     hits = len(w.host.hits)
     assert hits >= 20, hits  # most of the burst was served from the store despite the small pool
-    assert _failures(w, "no_kv_slots") + hits >= 40  # the rest recomputed after a bounded wait
+    assert _failures(w, "no_staging_rows") + hits >= 40  # the rest recomputed after a bounded wait
     assert waits and max(waits) <= 5.0 + 0.1 + 1e-9, max(waits)  # slot_wait_s, observed at 0.1 s ticks
     w.q.poll()
     w.tree.give_back()

@@ -65,7 +65,7 @@ def test_each_chunk_is_written_when_it_arrived_not_when_the_round_did(tmp_path):
         deadline, early = time.monotonic() + 30, None
         while time.monotonic() < deadline and early is None:
             with c.cv:
-                if all(h.in_pool[0]):
+                if all(h.written[0]):
                     early = (h.layers_seen[N - 1], h.finished)
             time.sleep(0.005)
         assert early == (0, False)  # chunk 0 written; nothing of the last chunk in the region yet
@@ -85,10 +85,10 @@ def test_writes_are_per_chunk_run_and_per_round_without_eager(tmp_path, eager):
     try:
         target = make_pool(LAYOUT, 256, N * CHUNK)
         rec = _Recording(target.writer)
-        assert c.fetch("r", keys, CHUNK, KVTarget(rec, target.kv_slots), timeout=30).hit_chunks == N
+        assert c.fetch("r", keys, CHUNK, KVTarget(rec, target.rows), timeout=30).hit_chunks == N
     finally:
         c.close()
-    slots = target.kv_slots.tolist()
+    slots = target.rows.tolist()
     if eager:  # never more than one chunk's tokens at a time here (chunks arrive 50 ms apart)
         assert {(s, n) for s, n, _, _ in rec.starts} == {(slots[i * CHUNK], CHUNK) for i in range(N)}
         assert sum(layers for *_, layers in rec.starts) == N * LAYOUT.num_layers
@@ -101,8 +101,8 @@ def test_a_failed_write_fails_its_chunk_and_the_later_ones_not_the_earlier(tmp_p
     c = _client(f"faulty+file://{tmp_path}/s?latency_s=0.05")
     try:
         target = make_pool(LAYOUT, 256, N * CHUNK)
-        rec = _Recording(target.writer, fail_slot=int(target.kv_slots[CHUNK]))  # chunk 1's first token
-        res = c.fetch("r", keys, CHUNK, KVTarget(rec, target.kv_slots), timeout=30)
+        rec = _Recording(target.writer, fail_slot=int(target.rows[CHUNK]))  # chunk 1's first token
+        res = c.fetch("r", keys, CHUNK, KVTarget(rec, target.rows), timeout=30)
     finally:
         c.close()
     assert res.hit_chunks == 1 and res.failures[1] == "write" and set(res.failures) <= {1, 2}
@@ -117,8 +117,8 @@ def test_chunks_count_as_in_the_pool_only_as_a_prefix():
     h = FetchHandle(
         threading.Condition(), "r", [b"a" * 32, b"b" * 32], [CHUNK, CHUNK], LAYOUT.num_layers, None
     )
-    h.mark_in_pool(1, 2, 0, LAYOUT.num_layers)
+    h.mark_written(1, 2, 0, LAYOUT.num_layers)
     assert h.layer_ready == [0] * LAYOUT.num_layers and not h.layer_is_ready(0)
-    h.mark_in_pool(0, 1, 0, 2)
+    h.mark_written(0, 1, 0, 2)
     assert h.layer_ready == [2, 2] + [0] * (LAYOUT.num_layers - 2)
     assert h.layer_is_ready(1) and not h.layer_is_ready(2)

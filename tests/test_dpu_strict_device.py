@@ -187,7 +187,7 @@ def test_close_with_a_wedged_device_does_not_hang(client, dev):
 
 def test_a_finished_chunk_whose_layers_never_reached_the_pool_is_not_a_hit():
     """Chunk 0 of a 2-chunk round finished, chunk 1 was lost with the data plane. Chunk 0 is a hit only
-    once every one of its layers was written into the pool (``mark_in_pool`` runs after a write returned);
+    once every one of its layers was written into the pool (``mark_written`` runs after a write returned);
     with one layer missing it is not."""
     import threading
 
@@ -203,7 +203,7 @@ def test_a_finished_chunk_whose_layers_never_reached_the_pool_is_not_a_hit():
     for written, hit in ((0, 0), (n - 1, 0), (n, 1)):
         h = FetchHandle(threading.Condition(), "r", [b"a" * 32, b"b" * 32], [CHUNK, CHUNK], n, target)
         h.rounds.append(HostRound(h, 0, 2, 0, 2 * CHUNK, terminal=True))
-        h.mark_in_pool(0, 1, 0, written)
+        h.mark_written(0, 1, 0, written)
         h.state[0] = DONE
         h.mark_failed(1, "dataplane_lost")
         assert h.check_finished()

@@ -149,8 +149,8 @@ def test_queue_stages_a_fetched_hit_and_pins_it_until_admission():
     for _ in range(3):
         ns.q.poll()
     assert "a" in ns.be.handles, "fetch submitted"
-    slots = ns.be.handles["a"].kv_slots
-    assert len(slots) == 3 * C and free_rows(staged) == 256 - 3 * C  # staging rows, not pool slots
+    rows = ns.be.handles["a"].rows
+    assert len(rows) == 3 * C and free_rows(staged) == 256 - 3 * C  # staging rows, not pool slots
     ns.be.finish("a")
     for _ in range(3):
         ns.q.poll()

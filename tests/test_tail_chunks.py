@@ -111,7 +111,7 @@ def test_a_prompt_ending_mid_chunk_fetches_its_tail_sub_chunks():
     w.stored(r, 2, subs=3)
     _settle(w, r)
     p = w.q.parked["a"]
-    assert p.phase is Phase.FETCH and p.fetch_tokens == [C, C, 4, 4, 4] and len(p.kv_slots) == 2 * C + 12
+    assert p.phase is Phase.FETCH and p.fetch_tokens == [C, C, 4, 4, 4] and len(p.rows) == 2 * C + 12
     w.be.finish("a")
     w.q.poll()
     assert w.host.hits["a"] == (0, 2 * C + 12)

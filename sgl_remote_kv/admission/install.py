@@ -4,8 +4,8 @@ server, ``StagedTree`` stages the rows under SGLang's page hashes for the linker
 ``Installer`` is the admission queue's collaborator for the last step of a FETCH record. It never
 releases a request itself: it returns the lock to hold until the request is admitted, or None.
 
-Threads: scheduler thread only. Rows: a record's reserved ``kv_slots`` stay the queue's until ``insert``
-takes them; ``complete`` frees whatever was not taken, on every outcome.
+Threads: scheduler thread only. Rows: a record's reserved staging ``rows`` stay the queue's until
+``insert`` stages them; ``complete`` frees whatever was not taken, on every outcome.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Installer:
 
     def account(self, p: ParkedRequest) -> None:
         """Count a fetch that ended on this rank: its failure (and the repair of an undecodable chunk),
-        the policy's estimates, the fetch metrics. No effect on the tree or the pool."""
+        the policy's estimates, the fetch metrics. No effect on the tree or the staging."""
         h, c = p.handle, self.c
         c.policy.fetch_ended(p.rid)
         if h.failure is not None:
@@ -59,33 +59,33 @@ class Installer:
             log("installing fetched KV for %s failed: %r", p.rid, e)
             return None
         finally:
-            c.tree.free(p.kv_slots)  # whatever the tree did not take
+            c.tree.free(p.rows)  # whatever ``insert`` did not stage
             c.tree.unlock(p.prefix_lock)
-            p.kv_slots = p.prefix_lock = None
+            p.rows = p.prefix_lock = None
 
     def admit_early(self, p: ParkedRequest, now: float) -> tuple[object, int] | None:
-        """Layer-wise: every chunk is fetched and verified; insert the reserved slots now and let the
-        forward pass wait per layer (``layerwise.py``). Direct backends keep writing the slots until
+        """Layer-wise: every chunk is fetched and verified; stage the reserved rows now and let the
+        linker's load wait per layer (``layerwise.py``). Direct backends keep writing the rows until
         ``layerwise`` saw every layer (or cancelled the handle to decode the rest itself). None: not
         admitted (the record stays in FETCH and completes normally)."""
-        h, c, slots = p.handle, self.c, p.kv_slots
+        h, c, rows = p.handle, self.c, p.rows
         try:
-            lock = self._insert_hit(p, slots)
+            lock = self._insert_hit(p, rows)
         except Exception as e:  # boundary: keep waiting on the normal completion path instead
             c.metrics.failure(FailureKind.INSTALL)
             logger.warning("layer-wise install for %s failed: %r", p.rid, e)
             return None
-        p.kv_slots = None  # tree-owned now
+        p.rows = None  # staged now (the staging entry owns them)
         on_demand = p.path is PathName.INPROC  # decode in the forward thread: no GIL convoy with a worker
         if on_demand:
             h.cancel()
-        c.layerwise.add(h, slots, c.paths[p.path].codec, on_demand=on_demand)
+        c.layerwise.add(h, rows, c.paths[p.path].codec, on_demand=on_demand)
         c.policy.fetch_ended(p.rid)
         c.policy.observe_fetch(p.path, h.fetched_bytes, h.fetch_s, 0, 0.0)
-        tokens = len(slots)
+        tokens = len(rows)
         c.metrics.fetched(h.fetched_bytes, tokens * c.bytes_per_token, h.fetch_s, None, now - p.parked_at)
         c.metrics.layerwise_admission()
-        logger.debug("layer-wise: admitted %s before its KV is in the pool", p.rid)
+        logger.debug("layer-wise: admitted %s before its KV is in the staging rows", p.rid)
         c.tree.unlock(p.prefix_lock)
         p.prefix_lock = None
         return lock, tokens
@@ -95,24 +95,24 @@ class Installer:
         ok = h.ok_tokens
         if ok <= 0:
             return None
-        slots = p.kv_slots[:ok]
-        if not h.direct:  # a direct backend already wrote the KV into the reserved slots
+        rows = p.rows[:ok]
+        if not h.direct:  # a direct backend already wrote the KV into the reserved rows
             if not h.has_staged():
                 return None
             try:
-                self.c.tree.write(slots, h)
+                self.c.tree.write(rows, h)
             except KVWriteError as e:  # a failed write is a miss: the request recomputes
                 self.c.metrics.failure(FailureKind.WRITE)
                 logger.warning("writing fetched KV for %s failed; recomputing: %s", p.rid, e)
                 return None
-        lock = self._insert_hit(p, slots)  # if it raises, ``complete`` frees every reserved slot
-        p.kv_slots = p.kv_slots[ok:]  # tree-owned (or freed by the insert as duplicates); the rest freed
+        lock = self._insert_hit(p, rows)  # if it raises, ``complete`` frees every reserved row
+        p.rows = p.rows[ok:]  # the first ``ok`` are staged now; ``complete`` frees the rest
         return lock, ok
 
-    def _insert_hit(self, p: ParkedRequest, slots):
+    def _insert_hit(self, p: ParkedRequest, rows):
         c = self.c
-        ok, start = len(slots), p.handle.start_token
-        lock = c.tree.insert(p.req, p.prefix_node, start, slots)
+        ok, start = len(rows), p.handle.start_token
+        lock = c.tree.insert(p.req, p.prefix_node, start, rows)
         c.host.mark_hit(p.req, start, ok)
         codec = c.paths[p.path].codec
         c.metrics.hit(ok, ok // self.chunk, codec.name, getattr(codec, "quality", None))

@@ -6,16 +6,17 @@
                │ hit, policy chose a path
                ├──same chunks already being fetched──> FOLLOW ──leader gone──> re-parked (local hit)
                v
-            RESERVE ──no KV slots within slot_wait_s──────────────────> released (recompute)
-               │ slots reserved (FIFO: only the oldest RESERVE request tries)
+            RESERVE ──no staging rows within slot_wait_s──────────────> released (recompute)
+               │ rows reserved (FIFO: only the oldest RESERVE request tries)
                v
-             FETCH ──done──> installed into the tree ─────────────────> released (device hit)
-               │  └─verified (layer-wise)──> admitted early ──────────> released (KV per layer)
-               └──losing / hung / aborted──> ZOMBIE ──backend stopped──> slots freed
+             FETCH ──done──> rows staged (page hashes) ───────────────> released (SGLang loads them)
+               │  └─verified (layer-wise)──> staged early ────────────> released (loaded per layer)
+               └──losing / hung / aborted──> ZOMBIE ──backend stopped──> rows freed
 
-Words: *KV slots* are token slots of SGLang's KV pool (``kv_slots``: reserved by this queue, owned by it
-until the tree takes them at install); the DPU's destination-region slots and staging buffers belong to
-the fetch backends and never appear here.
+Words: *rows* are host staging rows (``kvpool/staged.py``, through ``TreeOps.alloc`` in the server:
+``staged_tree.StagedTree``; ``rows``: reserved by this queue, owned by it until ``insert`` stages them).
+SGLang allocates its own KV slots later, in the linker's ``load``, and the queue never sees them; the
+DPU's destination-region slots and staging buffers belong to the fetch backends and never appear here.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from sgl_remote_kv.types import PathName
 class Phase(Enum):
     LOOKUP = "lookup"  # counting the request's chunks in the store (worker thread)
     FOLLOW = "follow"  # waiting on another parked request fetching the same chunks
-    RESERVE = "reserve"  # the policy chose a path; waiting (FIFO, bounded) for KV slots
-    FETCH = "fetch"  # fetching into the reserved KV slots
-    ZOMBIE = "zombie"  # dropped; the backend may still write its KV slots (freed once it stopped)
+    RESERVE = "reserve"  # the policy chose a path; waiting (FIFO, bounded) for staging rows
+    FETCH = "fetch"  # fetching into the reserved staging rows
+    ZOMBIE = "zombie"  # dropped; the backend may still write its rows (freed once it stopped)
 
 
 @dataclass(eq=False)
@@ -52,9 +53,9 @@ class ParkedRequest:
     decision: object = None  # the policy's Decision (estimates), None when another rank's choice won
     wire_bytes: int = 0
     leader: str | None = None  # FOLLOW: rid of the request fetching the same chunks
-    prefix_node: object = None  # FETCH: tree node ending where the fetched span starts (locked)
+    prefix_node: object = None  # FETCH: node ending where the fetched span starts (device prefix + staged)
     prefix_lock: object = None
-    kv_slots: object = None  # FETCH/ZOMBIE: reserved KV slots the tree does not own (torch int64)
+    rows: object = None  # FETCH/ZOMBIE: reserved staging rows not staged yet (torch int64), one per token
     handle: object = None  # FETCH/ZOMBIE: the backend's FetchHandle
     miss_reason: str | None = None  # this rank's own reason for a miss (metrics), set by observe
 

@@ -18,7 +18,7 @@ from sgl_remote_kv.types import PathName
 
 
 class FetchPlanner:
-    """See module docstring. ``budget``: KV slots the queue may hold (a larger fetch is trimmed)."""
+    """See module docstring. ``budget``: rows the queue may hold (a larger fetch is trimmed)."""
 
     def __init__(self, c: Collaborators, settings: AdmissionSettings, budget: int) -> None:
         self.c, self.s, self.budget = c, settings, budget

@@ -3,8 +3,8 @@
 In the server, ``staged_tree.StagedTree`` implements ``TreeOps`` (SGLang's device prefix through
 ``sglang_glue.seam.DeviceTree``, plus host staging rows that SGLang's linker loads from) and
 ``sglang_glue.seam.SchedulerHost`` implements ``HostOps``; the tests implement them on plain Python
-objects. The queue's "slots" are whatever ``TreeOps.alloc`` hands out: staging rows in the server. Nothing in this package
-imports SGLang.
+objects. The queue's rows are whatever ``TreeOps.alloc`` hands out: host staging rows in the server (never
+SGLang's KV slots). Nothing in this package imports SGLang.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ class AdmissionSettings:
     # Upper cap of a fetch's life (and of a dedup follower's wait). Fetches are normally cancelled much
     # earlier by the policy: when they lose against recompute, or past a byte-scaled hang guard.
     fetch_timeout_s: float = 120.0
-    # A request that chose to fetch waits at most this long for KV slots (FIFO), then recomputes.
+    # A request that chose to fetch waits at most this long for rows (FIFO), then recomputes. (The name
+    # predates staging rows; kept.)
     slot_wait_s: float = 5.0
-    # KV slots this queue may hold at once (reserved for fetches + installed hits not yet admitted), as
-    # a fraction of the pool: the rest stays for the requests SGLang is running and admitting.
+    # Rows this queue may hold at once (reserved for fetches + staged hits not yet admitted), as a
+    # fraction of ``TreeOps.capacity()`` (the server: 1, the whole staging area). The name is kept.
     max_pool_fraction: float = 0.5
     idle_wait_s: float = 0.005  # how long an otherwise idle scheduler waits for a fetch to finish
 
@@ -63,11 +64,11 @@ class TreeOps(Protocol):
 
     def alloc(self, n: int): ...  # n rows, or None
 
-    def free(self, kv_slots) -> None: ...  # after fencing every KV write
+    def free(self, rows) -> None: ...  # after fencing every KV write
 
-    def write(self, kv_slots, handle) -> None: ...  # a fetch's decoded KV into the rows; raises KVWriteError
+    def write(self, rows, handle) -> None: ...  # a fetch's decoded KV into the rows; raises KVWriteError
 
-    def insert(self, req, prefix_node, start: int, kv_slots): ...  # publish; -> a lock until admitted
+    def insert(self, req, prefix_node, start: int, rows): ...  # stage; -> a lock until admitted
 
 
 class HostOps(Protocol):
@@ -96,7 +97,7 @@ class HostOps(Protocol):
 
 class FetchPathLike(Protocol):
     name: PathName
-    backend: object  # FetchBackend: submit(rid, keys, start_token, kv_slots) -> FetchHandle
+    backend: object  # FetchBackend: submit(rid, keys, start_token, rows) -> FetchHandle
     codec: object
 
 

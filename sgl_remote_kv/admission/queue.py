@@ -8,19 +8,21 @@ Three operations, all on the scheduler thread (store I/O and decoding run on wor
   LOOKUP and count, on a worker, the tokens the store holds: leading full chunks, then the tail sub-chunks
   of the first chunk region it lacks. Otherwise the caller enqueues it normally.
 - ``poll()`` (every scheduling pass): **observe → agree → act**. Every record is observed on local facts
-  only (lookup answered? slots waited too long? fetch done, verified, losing against recompute?), the TP
+  only (lookup answered? rows waited for too long? fetch done, verified, losing against recompute?), the TP
   ranks agree on every observation (``agreement.py``; the identity with one rank) and every record acts
   on the agreed verdict only. There is no other poll loop.
 - ``abort(rid, abort_all)``: cancel matching records' fetches and hand the requests to the engine's own
   abort path.
 
-Rows (admission without starvation; host staging rows in the server, ``TreeOps``): a record that chose to
-fetch reserves the rows of its fetched span *before* fetching (RESERVE → FETCH), so an install never fails for lack of slots. Only the
-oldest RESERVE record may reserve (FIFO: a large request is not overtaken forever by small ones); when the
-pool cannot give the slots it backs off and retries next pass, and after ``slot_wait_s`` it recomputes
-(``failures{kind="no_kv_slots"}``). The queue holds at most ``max_pool_fraction`` of the pool (slots
-reserved for fetches plus installed hits not yet admitted), so the requests the engine is running and
-admitting keep the rest; a fetch larger than that is trimmed to its leading chunks.
+Rows (admission without starvation; ``TreeOps.alloc``: host staging rows in the server, never SGLang's KV
+slots, which SGLang allocates itself in the linker's ``load``): a record that chose to fetch reserves the
+rows of its fetched span *before* fetching (RESERVE → FETCH), so staging never fails for lack of rows. Only
+the oldest RESERVE record may reserve (FIFO: a large request is not overtaken forever by small ones); when
+staging cannot give the rows it backs off and retries next pass, and after ``slot_wait_s`` it recomputes
+(``failures{kind="no_staging_rows"}``). The queue holds at most ``max_pool_fraction`` of
+``TreeOps.capacity()`` (rows reserved for fetches, dropped fetches not yet reaped, and staged hits not yet
+admitted; the server sets 1: the whole staging area); a fetch larger than that is trimmed to its leading
+chunks.
 
 Releasing a request = the engine's original enqueue: its ``match_prefix`` then finds the fetched prefix
 staged (the linker's ``lookup``) and SGLang loads it. Nothing is promised to the engine before the KV is
@@ -65,10 +67,10 @@ class WaitingForKV:
         self.c, self.s = c, settings
         self.parked: dict[str, ParkedRequest] = {}  # park order = FIFO order, the same on every TP rank
         self.zombies: list[ParkedRequest] = []
-        self.held: list[tuple[object, object, int]] = []  # (req, tree lock, KV slots) until admitted
+        self.held: list[tuple[object, object, int]] = []  # (req, lock, rows staged) until admitted
         self._io = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="srkv-lookup")
         self.installer = Installer(c, settings.chunk_size, self._io)
-        self.budget = int(c.tree.capacity() * settings.max_pool_fraction)  # KV slots this queue may hold
+        self.budget = int(c.tree.capacity() * settings.max_pool_fraction)  # rows this queue may hold
         self.planner = FetchPlanner(c, settings, self.budget)
         # KVFidelity.EXACT requests fetch on these paths only; while any path installs lossy KV into the
         # local tree, they also get a radix namespace of their own (``HostOps.isolate_exact``)
@@ -118,7 +120,7 @@ class WaitingForKV:
     # -- poll: observe -> agree -> act ----------------------------------------------------------------
     def poll(self) -> None:
         if self.c.layerwise is not None:
-            self.c.layerwise.finish_all()  # before any lock release / slot reuse below
+            self.c.layerwise.finish_all()  # before any lock release / row reuse below
         self._release_admitted_locks()
         records, zombies = list(self.parked.values()), list(self.zombies)
         if not records and not zombies:
@@ -130,7 +132,7 @@ class WaitingForKV:
         entries += [(f"zombie:{z.rid}", row(ready(1) if z.handle.done() else PENDING)) for z in zombies]
         verdicts = self.c.agreement.agree(entries)
         for z, v in zip(zombies, verdicts[len(records) :], strict=True):
-            if not v.pending:  # every rank's backend stopped writing the dropped fetch's slots
+            if not v.pending:  # every rank's backend stopped writing the dropped fetch's rows
                 self._free(z)
                 self.zombies.remove(z)
         for p, v in zip(records, verdicts[: len(records)], strict=True):
@@ -138,7 +140,7 @@ class WaitingForKV:
                 self._act(p, v, now)
 
     def _observe(self, p: ParkedRequest, now: float, head: bool) -> Verdict:
-        """This rank's local facts about ``p`` (no effect on the tree, the pool or the engine)."""
+        """This rank's local facts about ``p`` (no effect on the tree, the staging or the engine)."""
         p.miss_reason = None
         age = now - p.since
         if p.phase is Phase.LOOKUP:
@@ -149,7 +151,7 @@ class WaitingForKV:
             return row(self._miss(p, FailureKind.FETCH_TIMEOUT) if age > self.s.fetch_timeout_s else PENDING)
         if p.phase is Phase.RESERVE:
             if age > self.s.slot_wait_s:
-                return row(self._miss(p, FailureKind.NO_KV_SLOTS))
+                return row(self._miss(p, FailureKind.NO_STAGING_ROWS))
             return row(ready(1) if head else PENDING)  # only the FIFO head tries to reserve
         h = p.handle  # FETCH
         if h.done():  # ready(0) would read as PENDING: a fetch that got nothing is a miss
@@ -197,7 +199,7 @@ class WaitingForKV:
                 self._reserve(p, now)
         elif v.miss:  # FETCH
             # The same steps on every rank, whatever its own fetch's state: a rank whose fetch already
-            # ended must still keep a zombie for the reserved slots, or the ranks' zombie lists (and
+            # ended must still keep a zombie for the reserved rows, or the ranks' zombie lists (and
             # with them the collectives of the next passes) would differ.
             if p.handle.done():  # nothing usable here (counted by ``account``), or a peer missed
                 self.installer.account(p)
@@ -234,7 +236,7 @@ class WaitingForKV:
             p.decision = None
         p.path = path
         if not self.planner.plan(p, tokens):
-            m.failure(FailureKind.NO_KV_SLOTS)
+            m.failure(FailureKind.NO_STAGING_ROWS)
             self._release(p)
             return
         leader = self._leader(p)
@@ -285,37 +287,39 @@ class WaitingForKV:
     def _reserve_head(self) -> ParkedRequest | None:
         return next((p for p in self.parked.values() if p.phase is Phase.RESERVE), None)
 
-    def held_slots(self) -> int:
-        """KV slots the queue holds: reserved for fetches (and dropped ones) plus installed hits that
-        the engine has not admitted yet."""
+    def held_rows(self) -> int:
+        """Rows the queue holds: reserved for fetches (and dropped ones) plus staged hits that the
+        engine has not admitted yet."""
         recs = [*self.parked.values(), *self.zombies]
-        return sum(len(p.kv_slots) for p in recs if p.kv_slots is not None) + sum(n for *_, n in self.held)
+        return sum(len(p.rows) for p in recs if p.rows is not None) + sum(n for *_, n in self.held)
 
     # -- RESERVE -> FETCH --------------------------------------------------------------------------
     def _reserve(self, p: ParkedRequest, now: float) -> None:
-        """The FIFO head tries to reserve its KV slots and submit its fetch; otherwise it waits."""
+        """The FIFO head tries to reserve its rows and submit its fetch; otherwise it waits."""
         if self._reserve_head() is not p:
             return
         c, chunk = self.c, self.s.chunk_size
         need = sum(p.fetch_tokens)
-        if self.held_slots() + need > self.budget:
-            return  # back off: the queue's share of the pool is in use
+        if self.held_rows() + need > self.budget:
+            return  # back off: the queue's share of the rows is in use
         start = p.local_chunks * chunk
         m = c.tree.match(p.req, start)
         if m.prefix_len < start:
             c.metrics.failure(FailureKind.LOCAL_PREFIX_EVICTED)
             self._release(p)
             return
-        lock = c.tree.lock(m.node)  # before alloc: its eviction must not take the prefix
-        slots = c.tree.alloc(need)
-        if slots is None:
+        # hold the prefix the fetched span continues until it is staged: SGLang's eviction must not take
+        # the device prefix, nor a last release the staged pages after it (``StagedTree.lock``)
+        lock = c.tree.lock(m.node)
+        rows = c.tree.alloc(need)
+        if rows is None:
             c.tree.unlock(lock)
-            return  # back off: the pool is full; retried next pass
-        p.prefix_node, p.prefix_lock, p.kv_slots = m.node, lock, slots
+            return  # back off: every staging row is reserved or staged; retried next pass
+        p.prefix_node, p.prefix_lock, p.rows = m.node, lock, rows
         if now - p.since > 0:
             c.metrics.slot_wait(now - p.since)
         try:
-            p.handle = c.paths[p.path].backend.submit(p.rid, p.fetch_keys, start, slots, p.fetch_tokens)
+            p.handle = c.paths[p.path].backend.submit(p.rid, p.fetch_keys, start, rows, p.fetch_tokens)
         except Exception as e:  # boundary: a backend that cannot take the job is a miss
             c.metrics.failure(FailureKind.INTERNAL)
             logger.warning("remote KV fetch submit for %s failed: %r", p.rid, e)
@@ -343,21 +347,21 @@ class WaitingForKV:
             self.c.host.release(p.req)
 
     def _drop(self, p: ParkedRequest) -> None:
-        """Give up on a record. Reserved KV slots are freed only once the backend stopped writing them."""
+        """Give up on a record. Reserved rows are freed only once the backend stopped writing them."""
         if p.lookup is not None:
             p.lookup.cancel()
         if p.handle is None:
             return
         self.c.policy.fetch_ended(p.rid)
         p.handle.cancel()
-        if p.kv_slots is not None or p.prefix_lock is not None:
+        if p.rows is not None or p.prefix_lock is not None:
             p.enter(Phase.ZOMBIE, time.monotonic())
             self.zombies.append(p)
 
     def _free(self, p: ParkedRequest) -> None:
-        self.c.tree.free(p.kv_slots)
+        self.c.tree.free(p.rows)
         self.c.tree.unlock(p.prefix_lock)
-        p.kv_slots = p.prefix_lock = None
+        p.rows = p.prefix_lock = None
 
     def _release_admitted_locks(self) -> None:
         if not self.held:

@@ -1,6 +1,6 @@
 """``TreeOps`` for the linker integration: fetched chunks are staged, not inserted into the tree.
 
-The queue's steps keep their meaning (``ports.TreeOps``) with host staging rows in place of KV slots:
+The queue's steps (``ports.TreeOps``) run on host staging rows; SGLang's KV slots never reach the queue:
 
 - ``match``: the device prefix (the tree, no I/O) extended by the pages already staged after it, so a
   dedup follower or a repeated prompt does not fetch staged pages again.

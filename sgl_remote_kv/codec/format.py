@@ -126,9 +126,6 @@ class ChunkHeader:
     payload_len: int
     layers: tuple[LayerEntry, ...]
 
-    def params_dict(self) -> dict:
-        return json.loads(self.params)
-
     @property
     def blob_len(self) -> int:
         return self.header_len + self.payload_len

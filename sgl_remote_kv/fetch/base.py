@@ -2,13 +2,13 @@
 chunks and decodes them (``inproc.py``: worker threads of this process; ``dpu.py``: the DPU data plane;
 ``nvdec.py``: the video decoder pool). ``paths.py`` chooses the paths and the codec.
 
-- ``FetchBackend.submit(request_id, keys, start_token, kv_slots, tokens) -> FetchHandle`` starts fetching
+- ``FetchBackend.submit(request_id, keys, start_token, rows, tokens) -> FetchHandle`` starts fetching
   ``keys`` (consecutive chunk keys of one prompt, the first one starting at token ``start_token``;
   ``tokens``: each chunk's token count — full chunks, then possibly tail sub-chunks; backends with
   ``tails = False`` take full chunks only); a *direct*
-  backend (``direct = True``: DPU, NVDEC) writes the KV into the reserved KV slots itself
-  through the pool's ``KVWriter``, the others stage it (``handle.k``/``handle.v`` or ``handle.codes``)
-  for the install;
+  backend (``direct = True``: DPU, NVDEC) writes the KV into the reserved staging ``rows`` itself
+  through the staging's ``KVWriter`` (``kvpool.rows.RowStore``), the others hold it in the handle
+  (``handle.k``/``handle.v`` or ``handle.codes``) until the install writes it into the rows;
 - ``FetchHandle`` reports progress: ``layers_ready`` (layers fully decoded for every chunk that is
   still valid), ``done()``, ``ok_chunks`` (leading chunks fetched and decoded; chunks after the first
   failure are dropped, since a hit must stay prefix-contiguous), ``failure`` (kind of the first
@@ -51,7 +51,7 @@ class FetchHandle:
     """Progress of one request's fetch. Written by one worker thread, read by the scheduler thread."""
 
     decoded_here = True  # the decode ran in this process (``decode_s`` is its time)
-    direct = False  # the backend writes the KV into ``kv_slots`` itself (nothing staged to install)
+    direct = False  # the backend writes the KV into ``rows`` itself (nothing held to write at install)
 
     def __init__(
         self,
@@ -72,7 +72,7 @@ class FetchHandle:
         self.k: np.ndarray | None = None
         self.v: np.ndarray | None = None
         self.codes: list[list] | None = None  # [layer][chunk] codes views (Codec.codes_stage), instead of k/v
-        self.kv_slots = None  # direct backends: the reserved KV slots (host int64), one per token
+        self.rows = None  # direct backends: the reserved staging rows (host int64), one per token
         self.ok_chunks = n_chunks
         self.layers_ready = 0
         self.failure: str | None = None
@@ -123,14 +123,14 @@ class FetchHandle:
     def has_staged(self) -> bool:
         return self.k is not None or self.codes is not None
 
-    def write_staged(self, writer: KVWriter, slots, tokens: int) -> None:
-        """The first ``tokens`` staged tokens into ``slots`` through ``writer`` (after ``done()``).
-        Raises ``KVWriteError``."""
+    def write_staged(self, writer: KVWriter, rows, tokens: int) -> None:
+        """The first ``tokens`` tokens held in the handle into ``rows`` through ``writer`` (after
+        ``done()``). Raises ``KVWriteError``."""
         if self.codes is not None:
             n = bisect.bisect_right(self.offsets, tokens) - 1  # chunks that end within ``tokens``
-            writer.write_quantized_layers([views[:n] for views in self.codes], slots)
+            writer.write_quantized_layers([views[:n] for views in self.codes], rows)
         else:
-            writer.write(self.k[:, :tokens], self.v[:, :tokens], slots)
+            writer.write(self.k[:, :tokens], self.v[:, :tokens], rows)
 
     # -- worker side ---------------------------------------------------------------------------
     def _fail_from(self, chunk: int, kind: str) -> None:
@@ -151,11 +151,11 @@ class FetchHandle:
 
 
 class FetchBackend(Protocol):
-    direct: bool  # True: the KV lands in the reserved kv_slots (DPU, NVDEC); else it is staged
+    direct: bool  # True: the backend writes the reserved rows (DPU, NVDEC); else the install does
     tails: bool  # True: ``submit`` takes chunks of different token counts (tail sub-chunks)
 
     def submit(
-        self, request_id: str, keys: list[bytes], start_token: int, kv_slots, tokens: list[int] | None = None
+        self, request_id: str, keys: list[bytes], start_token: int, rows, tokens: list[int] | None = None
     ) -> FetchHandle: ...
 
     def queue_depth(self) -> int: ...
@@ -202,18 +202,18 @@ class ThreadedFetchBackend:
         request_id: str,
         keys: list[bytes],
         start_token: int,
-        kv_slots=None,
+        rows=None,
         tokens: list[int] | None = None,
     ) -> FetchHandle:
-        """Queue a fetch; ``kv_slots``: the reserved KV slots of its tokens (used by direct backends);
+        """Queue a fetch; ``rows``: the reserved staging rows of its tokens (used by direct backends);
         ``tokens``: per-chunk token counts (default: full chunks)."""
         if tokens is not None and not self.tails and set(tokens) != {self.chunk_size}:
             raise ValueError(f"{self.label} takes full chunks only")
         handle = FetchHandle(request_id, len(keys), start_token, self.chunk_size, tokens)
         if self.direct:
-            if kv_slots is None:
-                raise ValueError(f"{self.label} is a direct backend: submit with the reserved KV slots")
-            handle.kv_slots, handle.direct = kv_slots.to("cpu", torch.int64), True
+            if rows is None:
+                raise ValueError(f"{self.label} is a direct backend: submit with the reserved rows")
+            handle.rows, handle.direct = rows.to("cpu", torch.int64), True
         with self._lock:
             self._pending += 1
         self._pool.submit(self._run, handle, list(keys))

@@ -1,23 +1,23 @@
 """Fetch backend over the DPU data plane (``sgl_remote_kv.fetch.dpu_client.client.DpuClient``).
 
 Unlike the in-process backend, this one is *direct*: the caller (the waiting_for_KV queue, on the
-scheduler thread) reserves the destination KV slots in SGLang's pool before submitting, and the DPU
-client's receiver thread writes finished layers straight into them through the pool's ``KVWriter``
-(a failed write fails the round's chunks: never a hit). The handle then only
+scheduler thread) reserves the destination staging rows (``kvpool/staged.py``) before submitting, and the
+DPU client's receiver thread writes finished layers straight into them through the staging's
+``KVWriter`` (a failed write fails the round's chunks: never a hit). The handle then only
 reports how many leading chunks made it (``ok_chunks``); chunks past the first failure are misses and
-their slots are freed by the caller.
+their rows are freed by the caller.
 
 Layer-wise (``--remote-kv-layerwise``): the data plane copies each round's verified blobs into the
 shared region and the client keeps host copies, so the handle becomes ``verified`` (every chunk fetched
 and parsed, on both sides) while layers are still decoding; ``layer_ready(l)`` is then true once layer
-``l`` of every chunk has been scattered into the slots. ``layerwise.py`` admits the request at
+``l`` of every chunk has been written into the rows. ``layerwise.py`` admits the request at
 ``verified`` and decodes from ``blobs`` itself if the data plane fails afterwards (``broken()``).
 
 Threads: ``submit``/``cancel``/handle reads on the scheduler thread (and the forward thread, for
 ``layer_ready``/``broken``/``blobs`` of an admitted layer-wise install); the DPU client's receiver thread
-updates the underlying handle under its own lock. Buffers: the reserved slots belong to the caller
-until it inserts them into the radix tree or frees them; the data plane writes them only until the
-handle is finished or cancelled.
+updates the underlying handle under its own lock. Buffers: the reserved rows belong to the caller
+until it stages them or frees them; the DPU client writes them only until the handle is finished or
+cancelled.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 class DpuFetchHandle(FetchHandle):
     """Adapter: our ``FetchHandle`` view of a ``dpu_client.jobs.FetchHandle``."""
 
-    direct = True  # the KV lands in the caller's slots (written by the client's receiver thread)
+    direct = True  # the KV lands in the caller's rows (written by the client's receiver thread)
     decoded_here = False  # the data plane decodes: its time is part of ``fetch_s``
 
     def __init__(
@@ -110,7 +110,7 @@ class DpuFetchHandle(FetchHandle):
         self._client.cancel(self._inner)
 
     def layer_ready(self, layer: int) -> bool:
-        """``layer`` of every chunk is in the slots."""
+        """``layer`` of every chunk is in the rows."""
         return self._inner.layer_ready[layer] >= self.n_chunks
 
 
@@ -133,12 +133,12 @@ class DpuFetchBackend:
         request_id: str,
         keys: list[bytes],
         start_token: int,
-        kv_slots: torch.Tensor,
+        rows: torch.Tensor,
         tokens: list[int] | None = None,
     ) -> FetchHandle:
         from sgl_remote_kv.fetch.dpu_client.jobs import KVTarget
 
-        target = KVTarget(self.kv_writer, kv_slots.to("cpu", torch.int64))  # host copy, on this thread
+        target = KVTarget(self.kv_writer, rows.to("cpu", torch.int64))  # host copy, on this thread
         inner = self.client.submit(
             request_id, list(keys), list(tokens) if tokens else self.chunk_size, target
         )
@@ -157,7 +157,7 @@ def start_dpu_backend(
     ``on_store_error(op, kind, n)``: the data plane's store client failures (per failed chunk);
     ``on_restart(reason)``: the data plane was replaced (``exited`` / ``hung``) or, attached, a reconnect
     (``hung`` / ``restarted``); ``on_write(seconds, layers, output)``: the client's receiver thread wrote fetched
-    layers into the pool."""
+    layers into the staging rows."""
     try:
         from sgl_remote_kv.dpu.settings import DataPlaneSettings
         from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig

@@ -4,7 +4,9 @@ A request is released to SGLang once its chunks are verified, before every layer
 host staging rows. ``LayerwiseInstalls`` tracks those installs per layer: the linker's load thread calls
 ``wait_until(layer)`` before it copies a layer from staging into the slots SGLang allocated
 (``linker.RemoteKVLinker``), and SGLang's forward waits for that copy per layer through the linker's
-layer counter. (It keeps the duck-typed ``LayerDoneCounter`` shape of SGLang's layer-transfer counters.)
+layer counter. (It keeps ``wait_until`` and ``consumer_index`` of SGLang's ``LayerDoneCounter``, so a
+pool's readers can wait on it directly, as the tests' pools do; SGLang itself never holds it -- its
+``set_consumer`` calls go to the linker's counter -- so it has no ``set_consumer``.)
 
 Safety rule: a fetched request is released before its KV is in the staging rows only when **every chunk's bytes
 were fetched and verified** (the codec's ``parse`` checked header and checksums: the handle's
@@ -16,10 +18,10 @@ from the already-fetched, verified blobs in-process (``codec.decode_layer_into``
 error there is impossible short of a codec bug; it raises, the linker fails the load (SGLang aborts
 the request with a 503) rather than letting attention read wrong KV.
 
-A non-direct path stages each layer and this class writes it through the pool's ``KVWriter``. The DPU
-and NVDEC paths are *direct*: the DPU client's receiver thread (the decoder pool's workers) write each
-layer (layer group) into the rows as it is ready (``layer_ready``, set only after the write returned),
-so waiting is all this class does for them; the DPU's fallback blobs are host copies the
+A non-direct path holds each layer in its handle and this class writes it into the rows through the
+staging's ``KVWriter``. The DPU and NVDEC paths are *direct*: the DPU client's receiver thread (the
+decoder pool's workers) write each layer (layer group) into the rows as it is ready (``layer_ready``,
+set only after the write returned), so waiting is all this class does for them; the DPU's fallback blobs are host copies the
 data plane made before signalling verified (``fetch/dpu.py``), and falling back cancels the client's
 handle first (under the client's lock), after which the receiver never writes the rows again. The
 in-process path is decoded *on demand* (``on_demand``): its worker is cancelled at admission and each
@@ -56,7 +58,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Pending:
     handle: FetchHandle
-    kv_slots: object  # torch int64 tensor, one KV slot per fetched token
+    rows: object  # torch int64 tensor, one staging row per fetched token
     codec: object
     next_layer: int = 0
     fell_back: bool = False
@@ -67,7 +69,7 @@ class _Pending:
 
 
 class LayerwiseInstalls:
-    """Duck-typed ``LayerDoneCounter`` (see module docstring)."""
+    """Per-layer completion of layer-wise installs into staging rows (see module docstring)."""
 
     @property
     def consumer_index(self) -> int:
@@ -107,9 +109,6 @@ class LayerwiseInstalls:
                 p.write_s,
             )
 
-    def set_consumer(self, index: int) -> None:  # HiCache API; unused
-        pass
-
     def reset(self) -> None:
         pass
 
@@ -117,12 +116,12 @@ class LayerwiseInstalls:
     def busy(self) -> bool:
         return bool(self._pending)
 
-    def add(self, handle: FetchHandle, kv_slots, codec, on_demand: bool = False) -> None:
+    def add(self, handle: FetchHandle, rows, codec, on_demand: bool = False) -> None:
         with self._lock:
-            self._pending.append(_Pending(handle, kv_slots, codec, on_demand=on_demand))
+            self._pending.append(_Pending(handle, rows, codec, on_demand=on_demand))
 
     def finish_all(self) -> None:
-        """Complete every pending install (start of each scheduling pass, before any slot reuse)."""
+        """Complete every pending install (start of each scheduling pass, before any row reuse)."""
         self.wait_until(self.num_layers - 1)
 
     # -- internals (lock held) -----------------------------------------------------------------------
@@ -132,7 +131,7 @@ class LayerwiseInstalls:
             if p.on_demand:
                 self._decode_layer(p, layer)
             elif not p.fell_back and self._wait_layer(p.handle, layer):
-                if not getattr(p.handle, "direct", False):  # direct: already in the slots
+                if not getattr(p.handle, "direct", False):  # direct: already in the rows
                     h = p.handle
                     n = h.total_tokens
                     try:
@@ -202,14 +201,14 @@ class LayerwiseInstalls:
                 self.metrics.failure("layerwise_decode_error")
                 raise RuntimeError(f"verified chunk {i} of {h.request_id} failed to decode: {e!r}") from e
             try:
-                self.kv_writer.write_quantized([view], p.kv_slots[h.span(i)], layer)
+                self.kv_writer.write_quantized([view], p.rows[h.span(i)], layer)
             except KVWriteError as e:
                 self.metrics.failure("write")
                 raise RuntimeError(f"layer {layer} of admitted {h.request_id} cannot be written: {e}") from e
         p.decode_s += time.perf_counter() - t0
 
     def _write(self, p: _Pending, layer: int, k, v) -> None:
-        self.kv_writer.write(k, v, p.kv_slots, layer)
+        self.kv_writer.write(k, v, p.rows, layer)
 
 
 class _DecodeBuffers:

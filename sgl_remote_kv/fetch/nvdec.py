@@ -1,13 +1,13 @@
 """``FetchBackend`` over the decoder pool: how the SGLang glue uses the NVDEC path.
 
-A *direct* backend, like the DPU one: the waiting_for_KV queue reserves the KV slots before submitting
-(``submit(request_id, keys, start_token, kv_slots)``) and frames go into the pool as they decode. Per
+A *direct* backend, like the DPU one: the waiting_for_KV queue reserves the staging rows before submitting
+(``submit(request_id, keys, start_token, rows)``) and frames go into the rows as they decode. Per
 request, one fetch thread gets the chunk blobs from the store, verifies them, and submits every chunk to
 the shared :class:`DecoderPool`; each chunk's frames are restored by a :class:`SlotWriter` into a
-one-chunk host staging buffer, and as soon as a layer group (K and V videos) of a chunk is restored, the
-pool worker writes those layers into the chunk's slots through the pool's ``KVWriter`` (frame-wise
-restoration: per chunk in flight, one chunk of host staging, no whole-request staging).
-``handle.layers_ready`` advances group by group once every intact chunk has it in the pool, so
+one-chunk host restore buffer, and as soon as a layer group (K and V videos) of a chunk is restored, the
+decoder pool's worker writes those layers into the chunk's rows through the staging's ``KVWriter``
+(frame-wise restoration: per chunk in flight, one chunk of restore buffer, no whole-request buffer).
+``handle.layers_ready`` advances group by group once every intact chunk has it in the rows, so
 layer-wise loading can start before the whole prefix is decoded. A write that fails fails its chunk
 (kind ``write``): the hit ends before it.
 
@@ -24,7 +24,7 @@ the anchor keys (one resolution, the old behaviour).
 
 Threads: ``submit``/``close`` on the scheduler thread; store I/O on this backend's fetch threads; decoding,
 restoration and the writes on the pool's workers (the handle's progress under one lock). After
-``cancel()`` no new write starts; the queue keeps the slots until the handle is done.
+``cancel()`` no new write starts; the queue keeps the rows until the handle is done.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 
 class _Progress:
-    """Per (chunk, group): restored K and V frames; writes a group into the pool once both videos are
+    """Per (chunk, group): restored K and V frames; writes a group into the rows once both videos are
     restored, then publishes ``handle.layers_ready``. Called on pool threads."""
 
     def __init__(self, handle: FetchHandle, writer: KVWriter, n_layers: int) -> None:
@@ -71,7 +71,7 @@ class _Progress:
                 return
             lo, hi = g * GROUP, min((g + 1) * GROUP, self.n_layers)
             try:
-                self.writer.write(k[lo:hi], v[lo:hi], h.kv_slots[chunk * c : (chunk + 1) * c], lo)
+                self.writer.write(k[lo:hi], v[lo:hi], h.rows[chunk * c : (chunk + 1) * c], lo)
             except KVWriteError as e:
                 logger.warning(
                     "NVDEC write of %s chunk %d failed; a miss from there: %s", h.request_id, chunk, e
@@ -111,7 +111,7 @@ class NvdecFetchBackend(ThreadedFetchBackend):
     version only); ``metrics``: ``RemoteKVMetrics`` for the per-resolution counters (None: not counted)."""
 
     label = "nvdec-fetch"
-    direct = True  # the caller reserves the slots; frames land there as they decode
+    direct = True  # the caller reserves the rows; frames land there as they decode
     tails = False  # full chunks only: an hevc chunk's frame layout is fixed by the chunk size
 
     def __init__(
@@ -152,8 +152,8 @@ class NvdecFetchBackend(ThreadedFetchBackend):
         if handle.cancelled:
             handle._fail_from(0, "cancelled")
             return
-        if len(handle.kv_slots) < len(keys) * self.chunk_size:
-            raise ValueError("the NVDEC backend is direct: submit with one reserved slot per token")
+        if len(handle.rows) < len(keys) * self.chunk_size:
+            raise ValueError("the NVDEC backend is direct: submit with one reserved row per token")
         lay, c = self.fingerprint.layout, self.chunk_size
         progress = _Progress(handle, self.kv_writer, lay.num_layers)
         shape = (lay.num_layers, c, lay.num_kv_heads, lay.head_dim)
@@ -165,7 +165,7 @@ class NvdecFetchBackend(ThreadedFetchBackend):
             link_s += sent_s
             k = np.empty(shape, numpy_storage_dtype(lay.dtype))
             v = np.empty(shape, numpy_storage_dtype(lay.dtype))
-            restore = SlotWriter(k, v, np.arange(c), lay.dtype)  # the chunk's host staging rows
+            restore = SlotWriter(k, v, np.arange(c), lay.dtype)  # the chunk's host restore buffer
             progress.frames[i] = self._versions[res].frame_layout(c, lay.num_kv_heads, lay.head_dim).frames
             blobs.append(blob)
             headers.append(hdr)

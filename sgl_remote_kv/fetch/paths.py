@@ -101,9 +101,7 @@ class PathParts:
     wakeup: threading.Event
     on_store_error: object = None  # (op, kind, n): the data plane's own store client's failures
     on_restart: object = None  # (reason): the data plane was replaced
-    on_pool_write: object = (
-        None  # (seconds, layers, output): the DPU client's receiver thread wrote into the pool
-    )
+    on_staging_write: object = None  # (seconds, layers, output): the DPU client's receiver wrote staging rows
     pool_device: object = None  # the KV pool's torch device (None: the writer's): picks NVDEC on a GPU
 
 
@@ -225,7 +223,7 @@ def _dpu_or_inproc(parts: PathParts) -> FetchPath:
             parts.wakeup.set,
             parts.on_store_error,
             parts.on_restart,
-            parts.on_pool_write,
+            parts.on_staging_write,
         )
         if be is not None:
             return FetchPath(PathName.DPU, be, parts.codec)

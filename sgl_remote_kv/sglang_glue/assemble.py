@@ -59,7 +59,7 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
         wakeup,
         on_store_error=metrics.store_error,
         on_restart=metrics.dataplane_restart,
-        on_pool_write=metrics.dataplane_write,
+        on_staging_write=metrics.dataplane_write,
         pool_device=kv_writer.pool.k[0].device,
     )
     keys = runtime.KeySpace(fp, codec, cfg.chunk_size, generation.read(client, fp) or b"")

@@ -234,11 +234,6 @@ _REGISTRY: dict[str, str] = {
 }
 
 
-def register_scheme(scheme: str, target: str) -> None:
-    """Register a backend factory (``"package.module:function"``) for a URL scheme."""
-    _REGISTRY[scheme.lower()] = target
-
-
 def default_store_url() -> str:
     """The embedded store under the cache dir; the default of ``--remote-kv-store``."""
     return (env.cache_dir() / "store").resolve().as_uri()

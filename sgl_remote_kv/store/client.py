@@ -292,15 +292,6 @@ class StoreClient:
         """State of each breaker: ``{"read": ..., "write": ...}``."""
         return {"read": self._guard.read.state, "write": self._guard.write.state}
 
-    def backend_stats(self) -> StoreStats | None:
-        """The wrapped backend's own counters (``None`` if it is not open or fails)."""
-        err, st = (
-            self._guard.call("stats", lambda s: s.stats())
-            if self._guard.store is not None
-            else ("closed", None)
-        )
-        return st if err is None else None
-
     def close(self) -> None:
         self._guard.close()
 

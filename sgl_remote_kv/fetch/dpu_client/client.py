@@ -6,10 +6,11 @@ process (pinned away from the serving cores when the machine has enough) -- or, 
 host --, registers its region, fingerprint and codec with it (``protocol.Register``), and runs one background
 *receiver thread* (``receiver.Receiver``) that owns the ZeroMQ socket: it sends queued submissions,
 heartbeats, turns completions into per-request state (``FetchHandle``), writes finished layers of a round
-into the caller's paged KV pool through the target's ``KVWriter`` (``kvpool``; decoded KV, or the codec's
-codes that the writer dequantizes: ``DpuClientConfig.output``), and has the data plane replaced when it
-dies or hangs, or the service reconnected when it restarts (``supervisor.Supervisor``: in-flight chunks
-become misses, kind ``dataplane_lost``).
+into the target's rows through its ``KVWriter`` (in the server: host staging rows,
+``kvpool.rows.RowStore``; decoded KV, or the codec's codes that the writer dequantizes:
+``DpuClientConfig.output``), and has the data plane replaced when it dies or hangs, or the service
+reconnected when it restarts (``supervisor.Supervisor``: in-flight chunks become misses, kind
+``dataplane_lost``).
 
 This module is the client's interface and lifecycle (``start``/``close``, ``submit``/``cancel``/``fetch``,
 ``stats``, pinning the region on the pools' writers); the receiver thread is ``receiver.py``, the data
@@ -69,10 +70,10 @@ class DpuClientConfig:
     start_timeout_s: float = 60.0
     endpoint: str = ""  # "": spawn a private data plane; else attach to the service there (ipc:// or tcp://)
     auth_key_file: str = ""  # shared secret of an attached service's endpoint (CURVE); required for tcp://
-    # write each run of finished layers into the pool as soon as every chunk of the round has it (always
+    # write each run of finished layers into the rows as soon as every chunk of the round has it (always
     # with a blob area); False: one write per host round once all its layers arrived (fewer device launches)
     eager_writes: bool = True
-    # what the data plane writes for the pool's writer: "kv" (decoded KV), "codes" (the lossless stage's
+    # what the data plane writes for the target's writer: "kv" (decoded KV), "codes" (the lossless stage's
     # output, dequantized by the writer: ``KVWriter.write_quantized``), or "auto": codes where the writer
     # dequantizes on a device (``KVWriter.device_dequant``: a GPU pool), KV otherwise. Codes only for codecs
     # with a device dequant stage; other codecs always fetch KV.
@@ -253,8 +254,8 @@ class DpuClient:
         tokens = [chunk_tokens] * len(keys) if isinstance(chunk_tokens, int) else list(chunk_tokens)
         if len(tokens) != len(keys) or not keys:
             raise ValueError("need one token count per key and at least one key")
-        if target is not None and len(target.kv_slots) < sum(tokens):
-            raise ValueError("target.kv_slots shorter than the fetched tokens")
+        if target is not None and len(target.rows) < sum(tokens):
+            raise ValueError("target.rows shorter than the fetched tokens")
         h = FetchHandle(
             self.cv, request_id, list(keys), tokens, self.layout.num_layers, target, self._wants_codes(target)
         )

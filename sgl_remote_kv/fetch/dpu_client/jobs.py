@@ -25,16 +25,18 @@ PENDING, DONE, FAILED = 0, 1, 2
 
 @dataclass(frozen=True)
 class KVTarget:
-    """Where a request's fetched KV goes: the pool's ``KVWriter`` and the token slots (host ``int64
-    [tokens]``, one per token of the fetched prefix, in order)."""
+    """Where a request's fetched KV goes: a ``KVWriter`` (in the server: the host staging's, a
+    ``kvpool.rows.RowStore``) and its rows (host ``int64 [tokens]``, one per token of the fetched prefix,
+    in order)."""
 
     writer: KVWriter
-    kv_slots: torch.Tensor
+    rows: torch.Tensor
 
 
 @dataclass(frozen=True)
 class FetchResult:
-    """Outcome of a fetch: the first ``hit_chunks`` chunks (``hit_tokens`` tokens) are in the pool."""
+    """Outcome of a fetch: the first ``hit_chunks`` chunks (``hit_tokens`` tokens) are in the target's
+    rows."""
 
     request_id: str
     hit_chunks: int
@@ -46,9 +48,9 @@ class FetchResult:
 
 
 class LayerWrite(enum.IntEnum):
-    """One layer of one chunk of a round on its way into the pool: not in the destination region yet
-    (``ABSENT``), there but not handed out (``WAITING``), queued for or in the receiver thread's write
-    outside the lock (``QUEUED``), in the pool (``WRITTEN``)."""
+    """One layer of one chunk of a round on its way into the target's rows: not in the destination region
+    yet (``ABSENT``), there but not handed out (``WAITING``), queued for or in the receiver thread's write
+    outside the lock (``QUEUED``), in the rows (``WRITTEN``)."""
 
     ABSENT = 0
     WAITING = 1
@@ -99,13 +101,13 @@ class FetchHandle:
         self.failures: dict[int, str] = {}
         self.wire_bytes = [0] * len(keys)
         self.first_fail = len(keys)
-        self.in_pool = [
+        self.written = [
             bytearray(num_layers) for _ in keys
         ]  # per chunk, per layer: 1 once the write returned
-        self.layer_ready = [0] * num_layers  # per layer: leading chunks whose layer is in the pool
+        self.layer_ready = [0] * num_layers  # per layer: leading chunks whose layer is written
         self.rounds: list[HostRound] = []
         self.cancelled = False
-        self.writing = 0  # layer runs queued for or in a write into the pool (the handle finishes after)
+        self.writing = 0  # layer runs queued for or in a write into the rows (the handle finishes after)
         self.finished = False
         self.t0 = time.monotonic()
         self.t_done = 0.0
@@ -130,7 +132,7 @@ class FetchHandle:
             return self._result()
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
-        """Block until ``layer`` of every chunk of the hit prefix is in the pool (or the fetch is over).
+        """Block until ``layer`` of every chunk of the hit prefix is written (or the fetch is over).
 
         Returns False on timeout. After True, ``hit_chunks_now()`` bounds the usable prefix; the final
         prefix is ``wait().hit_chunks`` (it can only shrink while chunks are in flight)."""
@@ -157,7 +159,7 @@ class FetchHandle:
     # ---- client side (under cv) --------------------------------------------------------------------
     def _result(self) -> FetchResult:
         """The hit ends at the first failed chunk, and before the first chunk whose layers were not all
-        written into the pool (a finished chunk whose write never ran is not a hit)."""
+        written into the target's rows (a finished chunk whose write never ran is not a hit)."""
         hit = self.first_fail
         if self.target is not None:
             hit = min(hit, *self.layer_ready)
@@ -184,17 +186,18 @@ class FetchHandle:
         self.verified.set()
         return True
 
-    def mark_in_pool(self, lo: int, hi: int, layer_lo: int, layer_hi: int) -> None:
-        """Layers ``layer_lo..layer_hi`` of chunks ``lo..hi`` are in the pool; advances ``layer_ready``."""
+    def mark_written(self, lo: int, hi: int, layer_lo: int, layer_hi: int) -> None:
+        """Layers ``layer_lo..layer_hi`` of chunks ``lo..hi`` are in the target's rows; advances
+        ``layer_ready``."""
         for c in range(lo, hi):
-            self.in_pool[c][layer_lo:layer_hi] = b"\x01" * (layer_hi - layer_lo)
+            self.written[c][layer_lo:layer_hi] = b"\x01" * (layer_hi - layer_lo)
         n = len(self.keys)
         for layer in range(layer_lo, layer_hi):
-            while self.layer_ready[layer] < n and self.in_pool[self.layer_ready[layer]][layer]:
+            while self.layer_ready[layer] < n and self.written[self.layer_ready[layer]][layer]:
                 self.layer_ready[layer] += 1
 
     def mark_failed(self, index: int, kind: str) -> None:
-        """Chunk ``index`` failed (also a chunk the data plane finished whose write into the pool failed)."""
+        """Chunk ``index`` failed (also a chunk the data plane finished whose write into the rows failed)."""
         if self.state[index] != FAILED:
             self.state[index] = FAILED
             self.failures[index] = kind

@@ -4,7 +4,7 @@ It owns the link's ZeroMQ socket: it sends the frames the round bookkeeping queu
 none on an attached connection the service has not accepted), heartbeats every
 ``DpuClientConfig.heartbeat_s``, reads the data plane's messages and dispatches them -- ``Pong`` and
 ``Registered`` to the ``supervisor.Supervisor``, ``ChunksVerified`` to the verified-blob copies below,
-every completion event to ``RoundBook.on_event`` -- runs the pool writes those events queued, and lets
+every completion event to ``RoundBook.on_event`` -- runs the row writes those events queued, and lets
 the supervisor replace or reconnect a lost data plane. An exception in one pass is counted
 (``receiver_errors``) and logged; the thread goes on serving.
 
@@ -13,8 +13,8 @@ codec CRCs), arrives as ``ChunkFailed`` with ``store_error``: it is passed to th
 ``on_store_error(op, kind, n)`` (the serving glue: ``store_errors_total{op="get",kind}``), once per chunk;
 a corrupt one is also logged here (``store/corruption.py``, rate-limited).
 
-Threads and buffers: socket I/O and the pool writes (scatters) run only on this thread, the scatters
-outside the client's ``cv`` (``rounds.RoundBook``: a slow device write does not hold up ``submit``;
+Threads and buffers: socket I/O and the writes into the target's rows (scatters) run only on this thread,
+the scatters outside the client's ``cv`` (``rounds.RoundBook``: a slow device write does not hold up ``submit``;
 ``cancel`` waits only for a write of its own fetch); the round bookkeeping is touched only under ``cv``.
 The scatters read the client's destination region, which the data plane writes into; a slot is handed
 out again only after this thread ran the writes of the event that freed it.
@@ -152,7 +152,7 @@ class Receiver:
             self._run_writes()
 
     def _run_writes(self) -> None:
-        """Run the pool writes the last event queued, outside ``cv`` (before this thread reads the next
+        """Run the row writes the last event queued, outside ``cv`` (before this thread reads the next
         event or sends anything: a slot freed by ``JobDone`` is not handed out before its write ran)."""
         c = self.client
         while True:

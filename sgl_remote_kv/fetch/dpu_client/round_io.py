@@ -1,4 +1,4 @@
-"""Destination-region layout of host rounds, and the writes out of it into the KV pool.
+"""Destination-region layout of host rounds, and the writes out of it into the target's rows (staging).
 
 A host round occupies one destination slot laid out as K ``[L, T_round, H, D]`` then V
 ``[L, T_round, H, D]`` (T_round: the round's tokens); a write takes a run of layers of a run of the round's
@@ -6,8 +6,8 @@ chunks (``rounds.RoundBook.try_write``) as one ``KVWriter.write`` of a ``[layers
 layer's tokens contiguous; the whole block contiguous when it spans the round). A round fetched as codes
 (``FetchHandle.codes``: the data plane writes each layer's
 lossless-stage output, ``SubmitFetch.output``) lays its chunks out one after the other, each as ``L``
-areas of its layer's K + V bytes, and goes into the pool one ``KVWriter.write_quantized`` per layer
-(the pool's side dequantizes). Called under the client's lock by the receiver thread (writes) and by
+areas of its layer's K + V bytes, and goes into the rows one ``KVWriter.write_quantized`` per
+layer (the writer keeps or dequantizes the codes). Called under the client's lock by the receiver thread (writes) and by
 ``submit`` (offsets); the region is owned by the client (the writer registers it as pinned memory).
 """
 
@@ -104,14 +104,14 @@ class RoundIO:
         target: KVTarget,
     ) -> None:
         """Layers ``lo..hi`` of the round's chunks ``c0..c1`` (``n_tok`` tokens from the round's token ``t0``,
-        in ``slot``) into the pool (raises ``KVWriteError``)."""
-        kv_slots = target.kv_slots[r.token_lo + t0 : r.token_lo + t0 + n_tok]
+        in ``slot``) into the target's rows (raises ``KVWriteError``)."""
+        rows = target.rows[r.token_lo + t0 : r.token_lo + t0 + n_tok]
         if r.handle.codes:
             for layer in range(lo, hi):
-                target.writer.write_quantized(self._code_views(slot, r, layer, c0, c1), kv_slots, layer)
+                target.writer.write_quantized(self._code_views(slot, r, layer, c0, c1), rows, layer)
             return
         k, v = self.round_view(slot, r)
-        target.writer.write(k[lo:hi, t0 : t0 + n_tok], v[lo:hi, t0 : t0 + n_tok], kv_slots, lo)
+        target.writer.write(k[lo:hi, t0 : t0 + n_tok], v[lo:hi, t0 : t0 + n_tok], rows, lo)
 
     def _code_views(self, slot: int, r: HostRound, layer: int, c0: int, c1: int) -> list:
         """The codec's views of ``layer`` of the round's chunks ``c0..c1``, read in place from the region

@@ -8,21 +8,21 @@ the request are cancelled (queued ones dropped, in-flight ones sent ``Cancel``).
 
 Threads: every method but ``run_write`` runs under the client's condition variable ``cv`` (``DpuClient``
 takes it): ``add``/``cancel`` on the caller's thread, the rest on the client's receiver thread, which is
-the only one writing the pool. Writes run *outside* ``cv``, so a slow device write never holds up
+the only one writing the target's rows. Writes run *outside* ``cv``, so a slow device write never holds up
 ``submit``/``cancel`` or the heartbeats: ``try_write`` queues runs of finished layers (``WriteOp``, each
 with the slot it reads, so freeing the slot after ``JobDone`` does not move it), the receiver thread takes
 them (``next_write``), runs them (``run_write``: the target's ``KVWriter`` reads the destination region)
 and reports back (``write_done``) before it handles the next event or sends anything, so the data plane
 cannot be handed that slot again before the write read it. ``FetchHandle.writing`` counts a handle's queued
 and running writes: the handle finishes only when it is 0, and ``DpuClient.cancel`` waits for it (the
-caller frees the KV slots right after). A layer counts as in the pool only after the write returned; a
+caller frees the rows right after). A layer counts as written only after the write returned; a
 write that raises fails its chunks and the round's later ones (kind ``write``) exactly like a chunk the data
 plane failed on, so it is never a hit; a queued write of a round that is cancelled or past a miss by then is dropped.
 With ``eager`` (the client's default) each chunk's run of layers is written as soon as it is in the region
 (runs of consecutive chunks with the same layers in one write), overlapping the data plane's fetch and
 decode of later chunks and layers, so only the last chunk's write follows its last byte; without it a round
 is written once all its layers are in the region: one write (one scatter launch on a GPU) per round. A chunk
-counts as in the pool layer by layer only as a prefix in chunk order (``FetchHandle.mark_in_pool``).
+counts as written layer by layer only as a prefix in chunk order (``FetchHandle.mark_written``).
 Process lifecycle is ``client.py``, heartbeats and event dispatch ``receiver.py``, restarts ``supervisor.py``.
 """
 
@@ -71,9 +71,9 @@ class RoundBook:
     """See module docstring. ``submit_msg(round)`` builds the ``SubmitFetch`` of a round given a slot and
     a job id; ``counters`` is the client's counter dict; ``on_finished`` (may be None) is called when a
     fetch finished; ``eager``: write each chunk's layers as soon as they are in the region;
-    ``on_write(seconds, layers, output)`` (may be None) after every write of a round's layers into the pool
+    ``on_write(seconds, layers, output)`` (may be None) after every write of a round's layers into the rows
     (``output``: ``"kv"`` or ``"codes"``, what the data plane wrote for it)
-    (the receiver thread's time in the pool's ``KVWriter``, failed writes included)."""
+    (the receiver thread's time in the target's ``KVWriter``, failed writes included)."""
 
     def __init__(
         self,
@@ -278,7 +278,7 @@ class RoundBook:
     def _written(self, r: HostRound, c0: int, c1: int, lo: int, hi: int) -> None:
         for row in r.chunk_layers[c0:c1]:
             row[lo:hi] = bytes([LayerWrite.WRITTEN]) * (hi - lo)
-        r.handle.mark_in_pool(r.chunk_lo + c0, r.chunk_lo + c1, lo, hi)
+        r.handle.mark_written(r.chunk_lo + c0, r.chunk_lo + c1, lo, hi)
 
     def next_write(self) -> WriteOp | None:
         """The next queued write to run, dropping those of rounds cancelled or past a miss since."""
