@@ -164,7 +164,7 @@ class RemoteKVMetrics:
         self._inc("dedup_followers")
 
     def slot_wait(self, seconds: float) -> None:
-        """A request that chose to fetch waited ``seconds`` for KV slots before its fetch started."""
+        """A request that chose to fetch waited ``seconds`` for staging rows before its fetch started."""
         self._inc("slot_waits")
         self._observe("slot_wait", seconds)
 
@@ -268,7 +268,7 @@ def _build_prometheus() -> dict:
             p + "staging_bytes_per_token", "Host staging bytes per token", **_LIVE
         ),
         "staging_codes": Gauge(p + "staging_codes", "1: staging holds codes for the GPU; 0: KV", **_LIVE),
-        "slot_waits": Counter(p + "slot_waits", "Fetches that waited for KV slots before they started"),
+        "slot_waits": Counter(p + "slot_waits", "Fetches that waited for staging rows before they started"),
         "dataplane_restarts": Counter(p + "dataplane_restarts", "DPU data planes replaced", ["reason"]),
         "dataplane_write_seconds": Counter(
             p + "dataplane_write_seconds", "Receiver seconds writing fetched layers, by output", ["output"]
@@ -278,7 +278,7 @@ def _build_prometheus() -> dict:
         ),
         "slot_wait": Histogram(
             p + "slot_wait_seconds",
-            "Time a fetch waited for KV slots before it started (bounded by slot_wait_s)",
+            "Time a fetch waited for staging rows before it started (bounded by slot_wait_s)",
             buckets=_LAT_BUCKETS,
         ),
         "layerwise_wait": Counter(
