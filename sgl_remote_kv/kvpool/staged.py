@@ -175,8 +175,8 @@ class StagingPlan:
 
 def codes_bytes_per_token(layout: KVLayout) -> int:
     """Arena bytes a token's codes take at most, all layers, as the quantized and transform codecs stage
-    them: 1 byte per value for K and V, room for escapes and outlier channels (1/16 of the values at 2
-    bytes), per-head float32 scales for K and V, and 64-byte alignment of a chunk's arrays."""
+    them: 1 byte per value for K and V, room for escapes and outlier channels on 1/32 of the values (2
+    bytes each), per-head float32 scales for K and V, and the 64-byte alignment of a chunk's arrays."""
     c = layout.num_kv_heads * layout.head_dim
     return layout.num_layers * (2 * c + c // 8 + 8 * layout.num_kv_heads + 32)
 
