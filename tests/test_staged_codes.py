@@ -259,3 +259,27 @@ def test_a_row_written_again_supersedes_its_record_and_a_never_written_layer_fai
     staged.writer.write(k[:1, :4], k[:1, :4], other)  # layer 0 only
     with pytest.raises(KVWriteError, match="layer 1 of a staged row holds no KV"):
         staged.writer.windows(other.numpy(), 1)
+
+
+def test_the_plan_says_why_a_path_stages_kv_and_sizes_the_arena_for_it():
+    """Start-up's one line per path that cannot deliver codes (``assemble.plain_paths``), and the arena
+    sized for KV whenever one can write KV (any mix then fits)."""
+    from sgl_remote_kv.codec.base import get_codec
+    from sgl_remote_kv.config import RemoteKVConfig
+    from sgl_remote_kv.sglang_glue.assemble import plain_paths
+
+    quant = get_codec("quant_deflate")
+    kv = LAY.bytes_per_token()
+    assert plain_paths(RemoteKVConfig(mode="dpu"), quant) == []
+    plan = staging_plan(LAY, True, quant, [])
+    assert plan.keep_codes and plan.bytes_per_token == codes_bytes_per_token(LAY) <= 0.6 * kv
+    why = plain_paths(RemoteKVConfig(mode="dpu", dpu_output="kv"), quant)
+    assert len(why) == 1 and "--remote-kv-dpu-output kv" in why[0]
+    assert staging_plan(LAY, True, quant, why) == type(plan)(True, kv, tuple(why))
+    assert any("NVDEC" in w for w in plain_paths(RemoteKVConfig(mode="auto"), quant))
+    lossless = get_codec("lossless")
+    why = plain_paths(RemoteKVConfig(mode="inproc"), lossless)
+    assert len(why) == 1 and "no device dequant stage" in why[0]
+    assert not staging_plan(LAY, True, lossless, why).keep_codes
+    host = staging_plan(LAY, False, quant, [])
+    assert not host.keep_codes and host.bytes_per_token == kv and "host memory" in host.reasons[0]

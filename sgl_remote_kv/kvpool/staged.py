@@ -178,7 +178,7 @@ def codes_bytes_per_token(layout: KVLayout) -> int:
     them: 1 byte per value for K and V, room for escapes and outlier channels on 1/32 of the values (2
     bytes each), per-head float32 scales for K and V, and the 64-byte alignment of a chunk's arrays."""
     c = layout.num_kv_heads * layout.head_dim
-    return layout.num_layers * (2 * c + c // 8 + 8 * layout.num_kv_heads + 32)
+    return layout.num_layers * (2 * c + c // 8 + 8 * layout.num_kv_heads + 8)
 
 
 def staging_plan(layout: KVLayout, device_dequant: bool, codec, plain: Sequence[str]) -> StagingPlan:
