@@ -27,7 +27,7 @@ ships ~1 byte per value over PCIe, not 2-4, and the transform codec's inverse tr
 
 Implementations: ``HostKVWriter`` (CPU pools: single-threaded numpy copies) here, ``DeviceKVWriter``
 (device pools: pinned host source, H2D copy on a side stream, one scatter launch per write, an event per
-layer) in ``device_writer.py``. ``writer_for`` picks one from the pool's device.
+layer) in ``device_writer.py``. ``kvpool.writer_for`` picks one from the pool's device.
 
 Threads: ``write`` may be called from any thread (one lock per writer serialises writes); ``read`` from
 the scheduler thread only.
@@ -232,25 +232,3 @@ class HostKVWriter(KVWriter):
         k = np.stack([_numpy_view(t)[idx] for t in self.pool.k]).view(self.storage)
         v = np.stack([_numpy_view(t)[idx] for t in self.pool.v]).view(self.storage)
         return k, v
-
-
-def writer_for(
-    pool: PoolTensors, layout: KVLayout, timeout_s: float = DEFAULT_TIMEOUT_S, ops=None
-) -> KVWriter:
-    """The writer for the pool's device: ``HostKVWriter`` on CPU, ``DeviceKVWriter`` over ``ops`` on a
-    device (``cuda_ops.CudaOps`` unless given: the test suite passes its strict CPU double)."""
-    dev = pool.k[0].device
-    for t in (*pool.k, *pool.v):
-        if t.device != dev or t.dtype != TORCH_DTYPES[layout.dtype] or not t.is_contiguous():
-            raise ValueError("pool tensors must share one device and the layout's dtype, and be contiguous")
-    if dev.type == "cpu":
-        return HostKVWriter(pool, layout, timeout_s)
-    if dev.type == "cuda":
-        from .device_writer import DeviceKVWriter
-
-        if ops is None:
-            from .cuda_ops import CudaOps
-
-            ops = CudaOps(dev)
-        return DeviceKVWriter(pool, layout, ops, timeout_s)
-    raise ValueError(f"no KV writer for pools on {dev}")
