@@ -212,7 +212,10 @@ def test_dpu_codes_output_is_staged_and_decoded_on_the_device(tmp_path, dev, mon
         staged.stage(hashes(ids, 4 * DPU_CHUNK, PAGE), rows)
         pin = staged.pin(hashes(ids, 4 * DPU_CHUNK, PAGE))
         slots = torch.randperm(512)[: 4 * DPU_CHUNK]
+        writes = w.stats["writes"]
+        assert len(staged.writer._records) > DPU_LAYOUT.num_layers  # the rounds staged several per layer
         _load(staged, pin, w, kv, slots)
+        assert w.stats["writes"] - writes == DPU_LAYOUT.num_layers  # joined: one device write per layer
         monkeypatch.undo()
         rk, rv = w.read(slots)
         for i in range(4):
@@ -283,3 +286,28 @@ def test_the_plan_says_why_a_path_stages_kv_and_sizes_the_arena_for_it():
     assert not staging_plan(LAY, True, lossless, why).keep_codes
     host = staging_plan(LAY, False, quant, [])
     assert not host.keep_codes and host.bytes_per_token == kv and "host memory" in host.reasons[0]
+
+
+def test_consecutive_codes_runs_join_into_one_write_and_only_those():
+    from sgl_remote_kv.kvpool.rows import Record
+    from sgl_remote_kv.kvpool.staged import _joined
+
+    def codes(tokens):
+        return Record(
+            0,
+            1,
+            tokens,
+            0,
+            0,
+            views=(quant.LayerView(1, 1, *([np.empty(0)] * 3), np.empty((tokens, 1)), None),),
+        )
+
+    r1, r2, r3 = codes(16), codes(16), codes(16)
+    plain = Record(0, 1, 8, 0, 0, k=np.empty(0), v=np.empty(0))
+    # from the middle of r1 to the middle of r2: one write, window 4..24 of their 32 tokens
+    assert [(len(v), a, b, i) for v, a, b, i in _joined([(r1, 4, 16, 0), (r2, 0, 8, 12)])] == [(2, 4, 24, 0)]
+    # r1 not run to its end, rows that do not follow on, or a plain record between: separate writes
+    assert len(_joined([(r1, 0, 10, 0), (r2, 0, 16, 10)])) == 2
+    assert len(_joined([(r1, 0, 16, 0), (r2, 0, 16, 20)])) == 2
+    got = _joined([(r1, 0, 16, 0), (plain, 0, 8, 16), (r3, 0, 16, 24)])
+    assert [type(g[0]) for g in got] == [list, Record, list]

@@ -148,20 +148,47 @@ class StagedPages:
         layer is in the rows: layer-wise installs still decoding into them), ``on_layer(layer)`` after.
         Each run of rows that are consecutive tokens of one staged record is one write: a contiguous slice
         of plain KV (``write``) or a token window of codes (``write_quantized``, dequantized by the pool's
-        writer). Raises ``KVWriteError`` (and whatever ``ready`` raises)."""
+        writer); runs of codes records that continue one another (a record's end, the next one's start, the
+        same kind of view) go in one write. Raises ``KVWriteError`` (and whatever ``ready`` raises)."""
         batch = [(pin.rows.numpy(), slots.to("cpu", torch.int64)) for pin, slots in batch]
         for layer in range(self.layout.num_layers):
             if ready is not None:
                 ready(layer)
             for rows, slots in batch:
-                for rec, a, b, i in self.writer.windows(rows, layer):
+                for rec, a, b, i in _joined(self.writer.windows(rows, layer)):
                     s = slots[i : i + b - a]
-                    if rec.is_codes:
-                        writer.write_quantized(rec.views, s, layer, window=(a, b))
+                    if isinstance(rec, list):  # codes views of one or more records
+                        writer.write_quantized(rec, s, layer, window=(a, b))
                     else:
                         j = layer - rec.layer_lo
                         writer.write(rec.k[j : j + 1, a:b], rec.v[j : j + 1, a:b], s, layer_lo=layer)
             on_layer(layer)
+
+
+def _joined(runs):
+    """``RowStore.windows`` runs with consecutive codes runs joined: ``(views, a, b, i)`` for codes (``a..b``
+    within the joined views' tokens), ``(record, a, b, i)`` for plain KV. Codes runs join when the first ends
+    its record, the next starts its own, the rows follow on and the views are of one kind."""
+    out: list = []
+    end = False  # the last codes entry ends at its last record's end
+    for rec, a, b, i in runs:
+        if not rec.is_codes:
+            out.append((rec, a, b, i))
+            end = False
+            continue
+        last = out[-1] if out else None
+        if (
+            end
+            and a == 0
+            and isinstance(last[0], list)
+            and last[3] + last[2] - last[1] == i
+            and type(last[0][0]) is type(rec.views[0])
+        ):
+            out[-1] = (last[0] + list(rec.views), last[1], last[2] + b, last[3])
+        else:
+            out.append((list(rec.views), a, b, i))
+        end = b == rec.tokens
+    return out
 
 
 @dataclass(frozen=True)
