@@ -43,9 +43,8 @@ from .writer import DEFAULT_TIMEOUT_S, TORCH_DTYPES, KVWriteError, KVWriter, Poo
 
 MAX_TOKENS = 16384  # tokens per scatter launch (the kernel's grid axis y is capped at 65535)
 MAX_PIECE_BYTES = 64 << 20  # K+V bytes per piece: bounds the pinned and device staging buffers
-ROPE_TABLES = (
-    1024  # chunk positions whose device RoPE tables are kept (a 256K-token context of 256-token chunks)
-)
+# chunk positions whose device RoPE tables are kept (a 256K-token context of 256-token chunks)
+ROPE_TABLES = 1024
 
 logger = logging.getLogger(__name__)
 
