@@ -34,7 +34,6 @@ KNOWN_CYCLES: list[frozenset[str]] = [
         {PKG, *(_P + f for f in ("config", "dpu", "fetch", "flags", "preflight", "runtime", "sglang_glue"))}
     ),
     frozenset(_P + "fetch.dpu_client." + m for m in ("client", "receiver", "supervisor")),
-    frozenset(_P + "store." + m for m in ("client", "guard")),
     frozenset(_P + "sglang_glue." + m for m in ("engine_api", "plugin")),
 ]
 

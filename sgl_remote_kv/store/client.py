@@ -41,7 +41,7 @@ from .auth_gate import AUTH
 from .base import CorruptValue, Counters, KVStore, StoreError, StoreStats, open_store, redact_url
 from .breaker import worst
 from .framing import FrameError, check_frame, frame
-from .guard import CallGuard, ErrorListener, error_kind
+from .guard import CallGuard, ClientConfig, ErrorListener, error_kind
 from .keys import SHARED_TAG
 from .negative_cache import NegativeCache
 from .streaming import StreamedGet, StreamOutcome, StreamPlan
@@ -58,23 +58,6 @@ class PrefixLookup:
 
     found: int
     error: str | None = None
-
-
-@dataclass(frozen=True)
-class ClientConfig:
-    timeout_s: float = 5.0  # fixed part of every call's deadline
-    # Slowest transfer rate tolerated (adds bytes / min_mb_s to the deadline): a hang guard only, as
-    # slow as the queue's (2 Mbit/s); whether a slow fetch still pays is the policy's call.
-    min_mb_s: float = 0.25
-    retries: int = 1
-    retry_backoff_s: float = 0.02
-    negative_ttl_s: float = 1.0
-    negative_max: int = 65536
-    breaker_failures: int = 3
-    breaker_reset_s: float = 5.0
-    auth_retry_s: float = 60.0  # after refused credentials: calls fail fast, one probe per this long
-    batch: int = 8  # keys per backend call in get_many/put_many (each call has its own timeout)
-    workers: int = 4
 
 
 class StoreClient:

@@ -40,14 +40,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from .auth_gate import AUTH, AuthGate
 from .base import Counters, KVStore, StoreError
 from .breaker import CircuitBreaker
-
-if TYPE_CHECKING:
-    from .client import ClientConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,6 +61,23 @@ OPS = {
 }
 _WRITES = frozenset({"put_many", "delete_many"})
 ErrorListener = Callable[[str, str, int], None]
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    timeout_s: float = 5.0  # fixed part of every call's deadline
+    # Slowest transfer rate tolerated (adds bytes / min_mb_s to the deadline): a hang guard only, as
+    # slow as the queue's (2 Mbit/s); whether a slow fetch still pays is the policy's call.
+    min_mb_s: float = 0.25
+    retries: int = 1
+    retry_backoff_s: float = 0.02
+    negative_ttl_s: float = 1.0
+    negative_max: int = 65536
+    breaker_failures: int = 3
+    breaker_reset_s: float = 5.0
+    auth_retry_s: float = 60.0  # after refused credentials: calls fail fast, one probe per this long
+    batch: int = 8  # keys per backend call in get_many/put_many (each call has its own timeout)
+    workers: int = 4
 
 
 class CallGuard:
