@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 
 def configure(**options):
-    """See ``sgl_remote_kv.sglang_glue.plugin.configure``."""
-    from sgl_remote_kv.sglang_glue.plugin import configure as _configure
+    """See ``sgl_remote_kv.config.configure``."""
+    from sgl_remote_kv.config import configure as _configure
 
     return _configure(**options)

@@ -184,6 +184,20 @@ class RemoteKVConfig:
         payload = env.config_json()
         return cls.from_json(payload) if payload else cls()
 
+    def publish(self) -> None:
+        """Export this config to the processes started after it (``current`` reads it back), with one
+        INFO line."""
+        from sgl_remote_kv.store.base import redact_url
+
+        env.publish_config_json(self.to_json())
+        logger.info(
+            "sgl-remote-kv: --remote-kv %s (store %s, chunk %d tokens, codec %s)",
+            self.mode,
+            redact_url(self.resolved_store_url()),
+            self.chunk_size,
+            self.codec,
+        )
+
     # --- CLI edge ---
     add_cli_args = staticmethod(add_flags)  # the flags: flags.py
 
@@ -252,3 +266,13 @@ class RemoteKVConfig:
             dpu_output=getattr(ns, "remote_kv_dpu_output", "auto"),
             flush=getattr(ns, "remote_kv_flush", "local"),
         )
+
+
+def configure(**options) -> RemoteKVConfig:
+    """The offline ``sglang.Engine``'s way to turn the tier on: call before constructing the Engine, with
+    the flags' destinations as keywords (``remote_kv="dpu"``, ``remote_kv_store="redis://..."``,
+    ``remote_kv_chunk_size=256``, ...). Same validation and errors as the CLI (``ValueError``); the
+    config applies to every Engine this process starts afterwards (``remote_kv="off"`` turns it off)."""
+    cfg = RemoteKVConfig.from_kwargs(options)
+    cfg.publish()
+    return cfg

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 
-from sgl_remote_kv.config import RemoteKVConfig
+from sgl_remote_kv.config import RemoteKVConfig, configure
 from sgl_remote_kv.runtime import WRITEBACK_DRAIN_S
 from sgl_remote_kv.sglang_glue import seam
 
@@ -39,8 +39,6 @@ def make_server_args(original, *args, **kwargs):
         return original(*args, **kwargs)
     RemoteKVConfig.from_kwargs(ours)  # ValueError, before SGLang sees anything
     server_args = original(*args, **kwargs)  # SGLang's own TypeError for its unknown keywords
-    from sgl_remote_kv.sglang_glue.plugin import configure
-
     configure(**ours)  # exported only now that the Engine will start
     return server_args
 

@@ -23,7 +23,6 @@ import logging
 
 from sgl_remote_kv import env
 from sgl_remote_kv.config import RemoteKVConfig
-from sgl_remote_kv.store.base import redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -41,19 +40,8 @@ def _after_from_cli_args(server_args, *args, **kwargs):
     ns = args[-1] if args else kwargs.get("args")
     if ns is None or not hasattr(ns, "remote_kv"):
         return server_args  # built from a namespace without our flags (e.g. Engine(**kwargs))
-    _publish(RemoteKVConfig.from_namespace(ns))
+    RemoteKVConfig.from_namespace(ns).publish()
     return server_args
-
-
-def _publish(cfg: RemoteKVConfig) -> None:
-    env.publish_config_json(cfg.to_json())
-    logger.info(
-        "sgl-remote-kv: --remote-kv %s (store %s, chunk %d tokens, codec %s)",
-        cfg.mode,
-        redact_url(cfg.resolved_store_url()),
-        cfg.chunk_size,
-        cfg.codec,
-    )
 
 
 def _before_resolve(server_args, *args, **kwargs):
@@ -149,13 +137,3 @@ def load() -> None:
     cfg = RemoteKVConfig.current()
     if cfg.enabled:
         logger.info("sgl-remote-kv active in this process: mode=%s", cfg.mode)
-
-
-def configure(**options) -> RemoteKVConfig:
-    """The offline ``sglang.Engine``'s way to turn the tier on: call before constructing the Engine, with
-    the flags' destinations as keywords (``remote_kv="dpu"``, ``remote_kv_store="redis://..."``,
-    ``remote_kv_chunk_size=256``, ...). Same validation and errors as the CLI (``ValueError``); the
-    config applies to every Engine this process starts afterwards (``remote_kv="off"`` turns it off)."""
-    cfg = RemoteKVConfig.from_kwargs(options)
-    _publish(cfg)
-    return cfg
