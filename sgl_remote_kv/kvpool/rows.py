@@ -40,7 +40,7 @@ import torch
 from sgl_remote_kv.types import KVLayout, numpy_storage_dtype
 
 from .arena import Arena, align
-from .writer import KVWriteError
+from .writer import KVWriteError, dequant_views
 
 
 @dataclass
@@ -137,11 +137,8 @@ class RowStore:
         rec, buf = self._new(2 * nb, layer, 1, t)
         rec.k = buf[:nb].view(self.storage).reshape(shape)
         rec.v = buf[nb:].view(self.storage).reshape(shape)
-        lo = 0
         try:
-            for vw in views:
-                vw.dequant_into(lay.dtype, rec.k[0, lo : lo + vw.tokens], rec.v[0, lo : lo + vw.tokens])
-                lo += vw.tokens
+            dequant_views(views, lay.dtype, rec.k[0], rec.v[0])
         except Exception as e:  # a failed decode is a failed write: its chunks are misses
             with self._lock:
                 self.arena.free(rec.start, rec.nbytes)

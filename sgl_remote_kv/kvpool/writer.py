@@ -154,11 +154,7 @@ class KVWriter(ABC):
         a, b = (0, t) if window is None else window
         k = np.empty((1, t, lay.num_kv_heads, lay.head_dim), self.storage)
         v = np.empty_like(k)
-        lo = 0
-        for vw in views:
-            n = vw.tokens
-            vw.dequant_into(lay.dtype, k[0, lo : lo + n], v[0, lo : lo + n])
-            lo += n
+        dequant_views(views, lay.dtype, k[0], v[0])
         self.host_dequant_tokens += t
         self._write(k[:, a:b], v[:, a:b], slots, layer)
 
@@ -208,6 +204,14 @@ class KVWriter(ABC):
         rows = self.pool.k[0].shape[0]
         if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= rows):
             raise KVWriteError(f"slots {int(slots.min())}..{int(slots.max())} outside the pool's {rows} rows")
+
+
+def dequant_views(views: Sequence, dtype: str, k: np.ndarray, v: np.ndarray) -> None:
+    """The codec's CPU stage of consecutive chunks' views into ``k``/``v`` ``[T, H, D]`` (tokens in order)."""
+    lo = 0
+    for vw in views:
+        vw.dequant_into(dtype, k[lo : lo + vw.tokens], v[lo : lo + vw.tokens])
+        lo += vw.tokens
 
 
 def _numpy_view(t: torch.Tensor) -> np.ndarray:
