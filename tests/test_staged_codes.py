@@ -78,20 +78,32 @@ def _load(staged, pin, writer, kv, slots):
     assert counter.finish(index)
 
 
+def _fetch(client, codec, staged, keys):
+    """The in-process path's fetch of ``keys``, asking the staging what to deliver (codes or KV)."""
+    be = InProcessFetchBackend(client, codec, FP, C, keep_codes=staged.writer.device_dequant)
+    h = be.submit("r", keys, start_token=0)
+    assert h.wait(30) and h.failure is None
+    return be, h
+
+
+def _stage(staged, h, ids):
+    """``h``'s chunks into new staging rows, staged under the pages of ``ids``; the stager's pin."""
+    rows = staged.alloc(N * C)
+    h.write_staged(staged.writer, rows, N * C)
+    return staged.stage(hashes(ids, N * C, PAGE), rows)
+
+
 @pytest.mark.parametrize("kind", ["quant_deflate", "transform"])
 def test_inproc_codes_are_staged_and_decoded_on_the_device(tmp_path, dev, monkeypatch, kind):
     client, codec, keys, k, v = _store(tmp_path, kind)
     kv, w = _device(dev)
     staged = _staging(w, 64, codec=codec)
     assert staged.writer.device_dequant  # the fetch paths' question: stage codes
-    be = InProcessFetchBackend(client, codec, FP, C, keep_codes=staged.writer.device_dequant)
-    h = be.submit("r", keys, start_token=0)
-    assert h.wait(30) and h.failure is None and h.codes is not None
+    be, h = _fetch(client, codec, staged, keys)
+    assert h.codes is not None
     _no_host_dequant(monkeypatch)
-    rows = staged.alloc(N * C)
-    h.write_staged(staged.writer, rows, N * C)
     ids = list(range(1000, 1000 + N * C))
-    entry = staged.stage(hashes(ids, N * C, PAGE), rows)
+    entry = _stage(staged, h, ids)
     # pages 1..4 of 6: tokens 8..40, from the middle of chunk 0 to the middle of chunk 2
     pin = staged.pin(hashes(ids, N * C, PAGE)[1:5])
     slots = torch.randperm(128, generator=torch.Generator().manual_seed(5))[:32]
@@ -129,13 +141,10 @@ def test_a_host_pool_keeps_the_host_decode_bit_for_bit(tmp_path):
     w = writer_for(PoolTensors(*planes), LAY)
     staged = _staging(w, 64, codec=codec)
     assert not staged.writer.device_dequant and staged.writer.bytes_per_token == LAY.bytes_per_token()
-    be = InProcessFetchBackend(client, codec, FP, C, keep_codes=staged.writer.device_dequant)
-    h = be.submit("r", keys, start_token=0)
-    assert h.wait(30) and h.codes is None
-    rows = staged.alloc(N * C)
-    h.write_staged(staged.writer, rows, N * C)
+    be, h = _fetch(client, codec, staged, keys)
+    assert h.codes is None
     ids = list(range(N * C))
-    staged.stage(hashes(ids, N * C, PAGE), rows)
+    _stage(staged, h, ids)
     pin = staged.pin(hashes(ids, N * C, PAGE)[1:5])
     slots = torch.arange(32)
     staged.copy_out([(pin, slots)], w, lambda layer: None)
@@ -161,13 +170,9 @@ def test_lossless_kv_is_staged_as_kv_and_uploaded_zero_copy_bit_exact(tmp_path, 
     plan = staging_plan(LAY, w.device_dequant, codec, [])
     assert not plan.keep_codes and plan.bytes_per_token == LAY.bytes_per_token()
     staged = _staging(w, 64, codec=codec)
-    be = InProcessFetchBackend(client, codec, FP, C, keep_codes=staged.writer.device_dequant)
-    h = be.submit("r", keys, start_token=0)
-    assert h.wait(30) and h.failure is None
-    rows = staged.alloc(N * C)
-    h.write_staged(staged.writer, rows, N * C)
+    be, h = _fetch(client, codec, staged, keys)
     ids = list(range(N * C))
-    staged.stage(hashes(ids, N * C, PAGE), rows)
+    _stage(staged, h, ids)
     pin = staged.pin(hashes(ids, N * C, PAGE))
     slots = torch.randperm(128)[: N * C]
     _no_host_dequant(monkeypatch)
