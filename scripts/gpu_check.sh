@@ -59,14 +59,14 @@ shopt -u nullglob
 mode=${GPU_CHECK_INSTALL:-auto}
 [ "$mode" = auto ] && [ "$REHEARSAL" = 1 ] && mode=1
 if [ ${#whls[@]} -eq 0 ]; then
-  install="none: no wheels in $WHEELS"
+  install="none: no wheels in ${WHEELS#"$ROOT"/}"
 elif [ "$mode" = 0 ] || { [ "$mode" = auto ] && [ "$pyver" != 3.12 ]; }; then
   install="skipped: python $pyver (the wheels are for 3.12; GPU_CHECK_INSTALL=1 forces)"
 elif "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
     "${whls[@]}"; then
-  install="ok: ${#whls[@]} wheels into $SITE"
+  install="ok: ${#whls[@]} wheels into the --target dir (GPU_CHECK_SITE)"
 else
-  install="FAILED: pip install of ${#whls[@]} wheels into $SITE"
+  install="FAILED: pip install of ${#whls[@]} wheels into the --target dir (GPU_CHECK_SITE)"
   setup_failed=1
 fi
 log "wheels: $install"
