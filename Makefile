@@ -4,7 +4,7 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-codec-speed bench-read-path bench-store bench-dpu bench-dpu-service bench-dpu-floor bench-nvdec bench-adaptive-resolution \
 	bench-cpu-attention bench-e2e bench-e2e-quick bench-burst bench-tail projection soak test-faults \
-	test-conformance dashboard bench-exactness bench-task-accuracy gpu-rehearsal bench-calibration bench-quality-proxy clean
+	test-conformance dashboard bench-exactness bench-task-accuracy gpu-rehearsal gpu-server-rehearsal bench-calibration bench-quality-proxy clean
 
 setup:
 	bash scripts/setup_env.sh
@@ -53,6 +53,13 @@ test-conformance: model
 # Not in `make test`: 5-7 min the first time (5.1 GB: PyPI's torch 2.11 brings its CUDA libraries), 1.5 min after.
 gpu-rehearsal:
 	bash scripts/gpu_rehearsal.sh
+
+# The GPU machine's whole-server check (scripts/gpu_server_check.sh) rehearsed here: SGLang 0.5.23 from the
+# "server" wheel set on torch 2.11 (the environment above), the sgl_kernel stand-ins (scripts/gpu_standins),
+# the CPU platform plugin, the small model's shape; to the end (server up, fetches, JSON). Writes
+# docs/results/gpu_server_rehearsal.json. Not in `make test`: ~4 min with the environment in place.
+gpu-server-rehearsal:
+	bash scripts/gpu_server_rehearsal.sh
 
 # Benchmarks print tables and write docs/results/*.json (+ PNG plots). None of them is a test.
 # The calibration `make calibration` made: its id and the held-out ratios per kind of text, level and entropy

@@ -140,8 +140,9 @@ import types
 
 __version__ = "0.0.0+gpu-check-stub"
 STUB = True
-# submodules SGLang imports under an ImportError fallback of its own: let it take the fallback
-_ABSENT = {__name__ + ".scalar_type"}
+# submodules SGLang imports under an ImportError fallback of its own: let it take the fallback (allreduce:
+# else SGLang believes its custom all-reduce is there)
+_ABSENT = {__name__ + ".scalar_type", __name__ + ".allreduce"}
 
 
 def _stub(qualname):

@@ -22,7 +22,8 @@
 #    set, nothing errored or failed, and the set's own test files skip only for "no CUDA" (no module
 #    missing); other files may also skip naming a package that set does not carry. Exit 1 otherwise.
 #
-# Env: GPU_REHEARSAL_PYTHON (the interpreter), GPU_REHEARSAL_DIR (.rehearsal), GPU_REHEARSAL_JSON.
+# Env: GPU_REHEARSAL_PYTHON (the interpreter), GPU_REHEARSAL_DIR (.rehearsal), GPU_REHEARSAL_JSON,
+#      GPU_REHEARSAL_ENV_ONLY=1 (step 1 alone: scripts/gpu_server_rehearsal.sh uses the environment).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit 2
@@ -116,6 +117,7 @@ else
   echo "$want" > "$STAMP"
 fi
 T2=$(now)
+[ "${GPU_REHEARSAL_ENV_ONLY:-0}" = 1 ] && { log "environment only: done in $((T2 - T0)) s"; exit 0; }
 
 # -- 2. each wheel set, through gpu_wheels.sh and gpu_check.sh ------------------------------------------
 rc_all=0

@@ -4,6 +4,7 @@
 #
 #   bash scripts/gpu_wheels.sh            # profile "core" (default): sgl_remote_kv + SGLang's KV pool
 #   bash scripts/gpu_wheels.sh nvdec      # profile "nvdec": PyNvVideoCodec (tests/test_gpu_nvdec.py)
+#   bash scripts/gpu_wheels.sh server     # profile "server": a whole SGLang server (scripts/gpu_server_check.sh)
 #
 # The GPU image already has torch, triton, numpy, numba, pytest, transformers, safetensors, psutil, ...
 # (/work/.library/device/KINDS.md); each wheel below was found missing there by importing the suite's
@@ -15,6 +16,13 @@
 # HTTP/gRPC server, benchmark, multimodal, radix-tree core; 19 MB of its 39 MB) are dropped; importing
 # the KV pool loads none of them. SGLang also imports sgl_kernel at module level on CUDA; that wheel
 # (sglang-kernel) is 373 MB, so gpu_check.sh puts an import-only stub there instead (calls raise).
+#
+# "server": "core" plus what `python -m sglang.launch_server` imports beyond the KV pool (HTTP server,
+# JSON schema, OpenTelemetry API, soundfile through transformers' processors; found by importing the launch
+# path against the rehearsal's image-like environment), plus this project's own wheel built from the tree
+# (the server finds `--remote-kv` through its entry points: what users install). SGLang slimmed as in core:
+# none of its Rust modules is on the launch path (its radix-tree core is replaced by SGLang's Python one:
+# built for torch 2.14.1, it misreads torch 2.11's tensors). No sgl_kernel: scripts/gpu_standins/.
 #
 # "nvdec": isal + pynvvideocodec (~27 MiB). No PyAV (34 MiB): the NVDEC tests decode committed chunks and
 # compare with committed CPU-twin decodes (tests/fixtures/nvdec/, tests/nvdec_fixtures.py). Its own
@@ -69,6 +77,24 @@ distro==1.9.0               openai
 sniffio==1.3.1              openai
 partial-json-parser==0.2.1.1.post7  sglang's Triton attention backend import chain
 "
+SERVER="
+fastapi==0.165.0            sglang.srt.entrypoints.http_server
+uvicorn==0.54.0             sglang.srt.entrypoints.http_server
+h11==0.16.0                 uvicorn
+click==8.5.1                uvicorn
+anyio==4.16.0               starlette, fastapi
+idna==3.20                  anyio
+python-multipart==0.0.34    fastapi (form bodies)
+setproctitle==1.3.8         sglang.srt.utils (process titles)
+opentelemetry-api==1.45.2   fastapi.telemetry
+jsonschema==4.26.0          sglang.srt.entrypoints.openai.protocol
+referencing==0.37.0         jsonschema
+rpds-py==2026.9.1           referencing
+jsonschema-specifications==2025.9.1  jsonschema
+soundfile==0.13.1           transformers' AutoProcessor, imported by SGLang's tokenizer manager
+cffi==2.1.1                 soundfile
+xgrammar==0.2.7             sglang.srt.function_call (StructuralTag; imported by the OpenAI chat server)
+"
 NVDEC="
 isal==1.9.1                 codec.format (the hevc codec's chunk framing)
 pynvvideocodec==2.2.4       nvdec.nvcodec (NVDEC)
@@ -80,7 +106,8 @@ av==18.1.0                  nvdec.video: the nvdec profile's CPU twin until the 
 case "$PROFILE" in
   core) LIST="$CORE_BASE$CORE_SGLANG"; BUDGET_MIB=60 ;;
   nvdec) LIST="$NVDEC"; BUDGET_MIB=40 ;;
-  *) echo "usage: $0 [core|nvdec]" >&2; exit 2 ;;
+  server) LIST="$CORE_BASE$CORE_SGLANG$SERVER"; BUDGET_MIB=60 ;;
+  *) echo "usage: $0 [core|nvdec|server]" >&2; exit 2 ;;
 esac
 SPECS=$(echo "$LIST" | awk 'NF {print $1}')
 mkdir -p "$DEST"
@@ -100,10 +127,10 @@ for f in sorted(os.listdir(dest)):
 
 # one version of each distribution in $DEST (two stop the whole install there), and one profile (both
 # do not fit in one call): drop the wheels of every distribution this script knows, any version
-for spec in $(echo "$CORE_BASE$CORE_SGLANG$NVDEC$RETIRED" | awk 'NF {print $1}'); do
+for spec in $(echo "$CORE_BASE$CORE_SGLANG$SERVER$NVDEC$RETIRED sgl_remote_kv==x" | awk 'NF {print $1}'); do
   wheels_of "${spec%%==*}" | while read -r f; do rm -f "$f"; done
 done
-rm -f "$DEST"/MANIFEST-core.txt "$DEST"/MANIFEST-nvdec.txt
+rm -f "$DEST"/MANIFEST-core.txt "$DEST"/MANIFEST-nvdec.txt "$DEST"/MANIFEST-server.txt
 
 PLAT="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64"
 PLAT="$PLAT --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
@@ -121,7 +148,12 @@ for spec in $SPECS; do
   fi
 done
 
-if [ "$PROFILE" = core ] && [ "$SLIM" = 1 ]; then
+if [ "$PROFILE" = server ]; then  # this project's wheel, from the working tree (no build isolation: offline-safe)
+  "$PY" -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$DEST" "$ROOT" \
+    || { echo "gpu_wheels: could not build this project's wheel" >&2; exit 1; }
+fi
+
+if [ "$PROFILE" != nvdec ] && [ "$SLIM" = 1 ]; then
   "$PY" -c '
 import os, sys, zipfile
 path = sys.argv[1]

@@ -94,3 +94,29 @@ def test_bad_url_errors_hide_the_password(url: str) -> None:
     with pytest.raises(ValueError) as e:
         open_store(url)
     assert "hunter2" not in str(e.value) and "***" in str(e.value)
+
+
+def test_faulty_link_gbps_paces_gets_and_a_control_file_changes_it_at_runtime(tmp_path) -> None:
+    """`link_gbps` makes returned bytes cross an emulated link of that rate; `control=` re-reads faults."""
+    import json
+    import os
+    import time
+
+    control = tmp_path / "faults.json"
+    s = open_store(f"faulty+file://{tmp_path / 's'}?link_gbps=0.08&control={control}")  # 10 MB/s
+    assert s.faults.link_gbps == 0.08
+    key, value = bytes(32), bytes(500_000)
+    s.put_many([(key, value)])  # puts are not shaped
+    t0 = time.monotonic()
+    assert s.get_many([key]) == [value]
+    assert time.monotonic() - t0 >= 0.05  # 0.5 MB at 10 MB/s
+    control.write_text(json.dumps({"link_gbps": 0}))
+    t0 = time.monotonic()
+    assert s.get_many([key]) == [value]
+    assert time.monotonic() - t0 < 0.04 and s.faults.link_gbps == 0
+    control.write_text(json.dumps({"bogus": 1}))
+    os.utime(control, ns=(1, 1))  # a new mtime: re-read, refused, the faults in force stay
+    s.get_many([key])
+    assert s.faults.link_gbps == 0
+    with pytest.raises(ValueError, match="link_gbps"):
+        FaultConfig(link_gbps=-1)

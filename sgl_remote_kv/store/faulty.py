@@ -24,14 +24,20 @@ URL: ``faulty+<inner url>`` with fault options in the query, e.g.
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import os
 import random
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .base import KVStore, StoreStats, StoreTimeout, StoreUnavailable, open_store, redact_url
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,9 +51,12 @@ class FaultConfig:
     unavailable_fraction: float = 0.0
     down: bool = False
     piece_latency_s: float = 0.0
+    link_gbps: float = 0.0  # 0: no emulated link
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.link_gbps < 0:
+            raise ValueError("FaultConfig.link_gbps must be >= 0 (0: no emulated link)")
         for name in ("error_rate", "corrupt_rate", "drop_rate", "unavailable_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"FaultConfig.{name} must be in [0, 1]")
@@ -60,11 +69,15 @@ class FaultConfig:
 class FaultyStore:
     """Wraps a ``KVStore`` and injects faults per ``FaultConfig``. Thread-safe like its inner store."""
 
-    def __init__(self, inner: KVStore, faults: FaultConfig | None = None) -> None:
+    def __init__(self, inner: KVStore, faults: FaultConfig | None = None, control: str | None = None) -> None:
         self.inner = inner
         self._lock = threading.Lock()
         self._injected: dict[str, int] = {}
-        self.set_faults(faults or FaultConfig())
+        self._base = faults or FaultConfig()
+        self._control = control
+        self._control_mtime: int | None = None
+        self._wire_free = 0.0  # monotonic time at which the emulated link is idle
+        self.set_faults(self._base)
         if hasattr(inner, "stream_get"):  # a capability: offered only where the inner store streams
             self.stream_get = self._stream_get
 
@@ -83,7 +96,38 @@ class FaultyStore:
         with self._lock:
             return self._rng.random() < p
 
+    def _reload_control(self) -> None:
+        """Apply the control file's faults over the URL's when its mtime changed (see module docstring)."""
+        try:
+            mtime = os.stat(self._control).st_mtime_ns
+        except OSError:
+            mtime = None
+        if mtime == self._control_mtime:
+            return
+        self._control_mtime = mtime
+        try:
+            override = json.loads(Path(self._control).read_text()) if mtime is not None else {}
+            faults = dataclasses.replace(self._base, **override)
+        except (OSError, ValueError, TypeError) as e:  # TypeError: an unknown field
+            log.warning("fault control file %s not applied: %s", self._control, e)
+            return
+        self.set_faults(faults)
+
+    def _wire(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` have crossed the emulated link (after whatever crosses it already)."""
+        gbps = self.faults.link_gbps
+        if gbps <= 0 or nbytes <= 0:
+            return
+        with self._lock:
+            start = max(time.monotonic(), self._wire_free)
+            self._wire_free = done = start + nbytes * 8 / (gbps * 1e9)
+        delay = done - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
     def _before(self, keys: Sequence[bytes]) -> None:
+        if self._control:
+            self._reload_control()
         f = self.faults
         if f.latency_s or f.jitter_s:
             with self._lock:
@@ -124,6 +168,7 @@ class FaultyStore:
                 self._count("corrupt")
                 v = bytes(buf)
             out.append(v)
+        self._wire(sum(len(v) for v in out if v))
         return out
 
     def _stream_get(self, key: bytes, piece_bytes: int) -> Iterator[bytes]:
@@ -135,6 +180,7 @@ class FaultyStore:
         for i, piece in enumerate(self.inner.stream_get(key, piece_bytes)):
             if i and self.faults.piece_latency_s:
                 time.sleep(self.faults.piece_latency_s)
+            self._wire(len(piece))
             if flip:
                 flip, buf = False, bytearray(piece)
                 buf[len(buf) // 2] ^= 0xFF
@@ -178,8 +224,11 @@ def open_faulty(url: str) -> FaultyStore:
     fields = {f.name: f.type for f in dataclasses.fields(FaultConfig)}
     fault_kw: dict[str, object] = {}
     rest = []
+    control = None
     for k, v in parse_qsl(query, keep_blank_values=True):
-        if k not in fields:
+        if k == "control":
+            control = v
+        elif k not in fields:
             rest.append((k, v))
         elif k == "error_kind":
             fault_kw[k] = v
@@ -196,4 +245,4 @@ def open_faulty(url: str) -> FaultyStore:
         inner_url = urlunsplit(parts._replace(query=urlencode(rest)))
     else:
         inner_url = inner_url.split("?", 1)[0] + (f"?{urlencode(rest)}" if rest else "")
-    return FaultyStore(open_store(inner_url), FaultConfig(**fault_kw))  # type: ignore[arg-type]
+    return FaultyStore(open_store(inner_url), FaultConfig(**fault_kw), control=control)  # type: ignore[arg-type]
