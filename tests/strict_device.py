@@ -264,6 +264,29 @@ class StrictDevice:
 
         self._enqueue(run, [])
 
+    def quantize_into(
+        self, k_plane, v_plane, slots, m_k: int, m_v: int, groups: int, chunk: int, channel_scale: bool, out
+    ) -> None:
+        from sgl_remote_kv.kernels.quantize import quantize_layer_device
+
+        from sgl_remote_kv.kvpool.readback import copy_layer_codes
+
+        for t in (k_plane, v_plane, slots):
+            if not isinstance(t, DeviceTensor):
+                raise RuntimeError("quantize operands must be on the device (strict device)")
+        outs = (out.codes, out.amax, out.f16, out.finite, *(() if out.cs is None else (out.cs,)))
+        if any(isinstance(t, DeviceTensor) for t in outs):
+            raise RuntimeError("quantize_into copies device -> host (strict device)")
+
+        def run():
+            with torch._C.DisableTorchFunctionSubclass():
+                r = quantize_layer_device(
+                    k_plane[slots], v_plane[slots], m_k, m_v, groups, chunk, channel_scale
+                )
+                copy_layer_codes(r, out)  # written when the stream runs: read only after the event
+
+        self._enqueue(run, [])
+
     def constant(self, array: np.ndarray) -> DeviceTensor:
         return self.tensor(torch.from_numpy(np.array(array)))  # a writable copy
 

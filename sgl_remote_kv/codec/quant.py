@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import struct
+from abc import abstractmethod
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +32,8 @@ from numba import njit
 
 from sgl_remote_kv.codec.base import Codec
 from sgl_remote_kv.codec.errors import CorruptChunk
-from sgl_remote_kv.codec.format import ChunkHeader
+from sgl_remote_kv.codec.format import ChunkHeader, pack
+from sgl_remote_kv.types import ModelFingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +109,11 @@ class QuantSpec:
 
     def groups(self, heads: int) -> int:
         return heads if self.granularity == "head" else 1
+
+    @property
+    def device_encodable(self) -> bool:
+        """``kernels/quantize.py`` does this spec on the device (it keeps no outlier channels)."""
+        return self.k_outliers == 0
 
 
 def to_f32(a: np.ndarray, dtype: str) -> np.ndarray:
@@ -339,6 +346,35 @@ class QuantCodec(Codec):
 
     spec: QuantSpec
     device_dequant = True
+
+    @property
+    def device_encode(self) -> bool:
+        """A device pool's write-back quantizes on the device and brings back codes (``encode_quantized``)."""
+        return self.spec.device_encodable
+
+    def encode_layer(self, k: np.ndarray, v: np.ndarray, layer: int, fingerprint: ModelFingerprint) -> bytes:
+        buf = quantize_layer(self.spec, k, v, layer, fingerprint.layout.dtype)
+        n = k.size
+        return self.encode_parts(buf[: buf.size - 2 * n], buf[-2 * n : -n], buf[-n:], layer, fingerprint)
+
+    @abstractmethod
+    def encode_parts(self, head, k_codes, v_codes, layer: int, fingerprint: ModelFingerprint) -> bytes:
+        """The entropy stage of one layer's decoded-layer buffer, given as its three parts (their
+        concatenation is the buffer: prelude and scales, K codes, V codes; uint8 arrays)."""
+
+    def encode_quantized(self, q, j: int, fingerprint: ModelFingerprint) -> bytes:
+        """Chunk ``j`` of a device-quantized read (``quantized.QuantizedChunks``) as a blob: the same bytes
+        ``encode`` makes of its KV."""
+        parts = (q.layer_parts(self.spec, i, j) for i in range(fingerprint.layout.num_layers))
+        sections = [self.encode_parts(*p, i, fingerprint) for i, p in enumerate(parts)]
+        return pack(
+            self.codec_id,
+            self.params_bytes(),
+            fingerprint,
+            q.chunk,
+            sections,
+            aux_id=self.aux_id(fingerprint),
+        )
 
     def scratch_bytes(self, header: ChunkHeader, layer: int) -> int:
         lay = header.layout

@@ -45,12 +45,15 @@ class QuantDeflateCodec(quant.QuantCodec):
     def params(self) -> dict:
         return {**self.spec.params(), "method": self.method, "level": self.level}
 
-    def encode_layer(self, k: np.ndarray, v: np.ndarray, layer: int, fingerprint: ModelFingerprint) -> bytes:
-        buf = quant.quantize_layer(self.spec, k, v, layer, fingerprint.layout.dtype)
-        n_codes = k.size
-        cuts = [0, buf.size - 2 * n_codes, buf.size - n_codes, buf.size]
-        parts = [buf[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
-        return lz.pack_streams(lz.METHODS[self.method], self.level, parts)
+    def encode_parts(
+        self,
+        head: np.ndarray,
+        k_codes: np.ndarray,
+        v_codes: np.ndarray,
+        layer: int,
+        fingerprint: ModelFingerprint,
+    ) -> bytes:
+        return lz.pack_streams(lz.METHODS[self.method], self.level, [head, k_codes, v_codes])
 
     def lossless_stage(self, section: memoryview, out: np.ndarray) -> int:
         return lz.unpack_streams(section, out, lz.METHODS[self.method])

@@ -89,10 +89,18 @@ class QuantRansCodec(quant.QuantCodec):
         models = [(freq, cum, t.ctx0(layer, 0), t.prob_bits), (freq, cum, t.ctx0(layer, 1), t.prob_bits)]
         return t.table_id[:8], models, b""
 
-    def encode_layer(self, k: np.ndarray, v: np.ndarray, layer: int, fingerprint: ModelFingerprint) -> bytes:
+    def encode_parts(
+        self,
+        head: np.ndarray,
+        k_codes: np.ndarray,
+        v_codes: np.ndarray,
+        layer: int,
+        fingerprint: ModelFingerprint,
+    ) -> bytes:
         lay = fingerprint.layout
-        t_n, c_n = k.shape[0], lay.num_kv_heads * lay.head_dim
-        buf = quant.quantize_layer(self.spec, k, v, layer, lay.dtype)
+        c_n = lay.num_kv_heads * lay.head_dim
+        t_n = k_codes.size // c_n
+        buf = np.concatenate([head, k_codes, v_codes])
         view = quant.split_layer(self.spec, buf, layer, t_n, lay.num_kv_heads, lay.head_dim, lay.itemsize)
         prefix_len = buf.size - 2 * t_n * c_n
         tid, models, extra = self._section_tables(view, layer, fingerprint)

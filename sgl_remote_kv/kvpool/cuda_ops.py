@@ -16,10 +16,12 @@ import numpy as np
 import torch
 
 from sgl_remote_kv.kernels.dequant import dequant_triton
+from sgl_remote_kv.kernels.quantize import quantize_layer_device
 from sgl_remote_kv.kernels.scatter import scatter_triton
 from sgl_remote_kv.kernels.transform import inverse_triton, resolve_escapes
 
 from .host_pin import cuda_pinner
+from .readback import copy_layer_codes
 
 
 class CudaOps:
@@ -71,6 +73,22 @@ class CudaOps:
         self._here()
         with torch.cuda.stream(self.stream):
             dequant_triton(codes, scales, m, cs, out.dtype, out=out)
+
+    def quantize_into(
+        self, k_plane, v_plane, slots, m_k: int, m_v: int, groups: int, chunk: int, channel_scale: bool, out
+    ) -> None:
+        self._here()
+        with torch.cuda.stream(self.stream):  # temporaries allocated here: freed in this stream's order
+            r = quantize_layer_device(
+                k_plane.index_select(0, slots),
+                v_plane.index_select(0, slots),
+                m_k,
+                m_v,
+                groups,
+                chunk,
+                channel_scale,
+            )
+            copy_layer_codes(r, out)
 
     def constant(self, array: np.ndarray) -> torch.Tensor:
         self._here()

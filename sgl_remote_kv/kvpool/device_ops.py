@@ -27,6 +27,11 @@ class DeviceOps(Protocol):
     # per plane: the rows at ``slots`` (device int64) into ``out[i]`` (pinned host), async D2H
     def gather_into(self, planes: list[torch.Tensor], slots: torch.Tensor, out: torch.Tensor) -> None: ...
     def dequant(self, codes, scales, m: int, cs, out: torch.Tensor) -> None: ...  # kernels/dequant.py
+    # the write-back's device encode: the rows at ``slots`` of one layer's planes, quantized
+    # (kernels/quantize.py), results into ``out`` (a ``LayerCodes`` of pinned host tensors), async D2H
+    def quantize_into(
+        self, k_plane, v_plane, slots, m_k: int, m_v: int, groups: int, chunk: int, channel_scale: bool, out
+    ) -> None: ...
     def constant(self, array: np.ndarray) -> torch.Tensor: ...  # a device copy, complete on return
     # kernels/transform.py: escapes resolved, inverse transform into ``out`` [2, t, C], sinks put over it
     def inverse_transform(

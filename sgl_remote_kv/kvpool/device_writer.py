@@ -36,7 +36,7 @@ from sgl_remote_kv.codec.transform_ops import rope_tables
 from sgl_remote_kv.types import KVLayout
 
 from .device_ops import DeviceOps
-from .readback import PendingRead, device_read_later
+from .readback import PendingCodes, PendingRead, device_read_later, device_read_quantized_later
 from .staging import Staging, align
 from .upload import upload_parts
 from .writer import DEFAULT_TIMEOUT_S, TORCH_DTYPES, KVWriteError, KVWriter, PoolTensors
@@ -68,7 +68,14 @@ class DeviceKVWriter(KVWriter):
         self._late_lock = threading.Lock()  # not the write lock: fence() must not wait for a write
         self._consts: dict[tuple, object] = {}  # (calibration, quality, layer, group) -> TransformConsts
         self._rope_tables: dict[tuple, tuple] = {}  # (rope, start, tokens) -> device (cos, sin), oldest first
-        self.stats = {"writes": 0, "zero_copy": 0, "staged": 0, "timeouts": 0, "device_dequant": 0}
+        self.stats = {
+            "writes": 0,
+            "zero_copy": 0,
+            "staged": 0,
+            "timeouts": 0,
+            "device_dequant": 0,
+            "device_encode": 0,
+        }
         self.stats["zero_copy_parts"] = 0  # codes uploaded from the pinned region where they lie
 
     # ---- host regions ------------------------------------------------------------------------------
@@ -355,6 +362,10 @@ class DeviceKVWriter(KVWriter):
 
     def read_later(self, slots: torch.Tensor) -> PendingRead:
         return device_read_later(self, slots)
+
+    def read_quantized_later(self, slots: torch.Tensor, spec, chunk: int) -> PendingCodes:
+        self.stats["device_encode"] += 1
+        return device_read_quantized_later(self, slots, spec, chunk)
 
     def read(self, slots: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         return self.read_later(slots).result()

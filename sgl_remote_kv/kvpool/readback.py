@@ -16,14 +16,38 @@ writer's side stream:
 It returns at once. ``PendingRead.result()`` (the write-back worker thread) waits for the event, bounded
 by the writer's timeout, and returns ``[L, T, H, D]`` views of the pinned buffer in the storage dtype.
 
+``device_read_quantized_later`` is the same read for a codec that quantizes on the device (the ``quant_*``
+codecs, ``codec.device_encode``): in step 2 each layer's slice is quantized on the side stream
+(``kernels/quantize.py``) and only its codes, scales and per-chunk flags come back (about half the bytes of
+bf16 KV); ``PendingCodes.result()`` returns them as a ``codec.quant.QuantizedChunks``, and the host is left
+with the lossless stage.
+
 Buffers: the ``PendingRead`` owns the pinned buffer; its views stay valid while the caller holds them.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from sgl_remote_kv.codec.quant import QuantSpec
+from sgl_remote_kv.codec.quantized import QuantizedChunks
+from sgl_remote_kv.kernels.quantize import LayerCodes
+
 from .writer import TORCH_DTYPES, PendingRead
+
+
+class PendingCodes(PendingRead):
+    """A device-quantized read (``QuantizedChunks``), complete once its device event is."""
+
+    def __init__(self, codes: QuantizedChunks, wait) -> None:
+        super().__init__(None, None, wait)
+        self.codes = codes
+
+    def result(self) -> QuantizedChunks:  # type: ignore[override]
+        super().result()
+        return self.codes
 
 
 def device_read_later(writer, slots: torch.Tensor) -> PendingRead:
@@ -46,3 +70,66 @@ def device_read_later(writer, slots: torch.Tensor) -> PendingRead:
         ops.stream_wait(done)  # the caller's stream: no slot is rewritten before the copy read it
     host = out.numpy().view(writer.storage).reshape(2 * n, t, lay.num_kv_heads, lay.head_dim)
     return PendingRead(host[:n], host[n:], lambda: writer._wait_host(done))
+
+
+def copy_layer_codes(src: LayerCodes, dst: LayerCodes) -> None:
+    """``src``'s tensors into ``dst``'s (same shapes; device -> pinned host: asynchronous on the current
+    stream, read only after an event recorded behind it)."""
+    pairs = [(src.codes, dst.codes), (src.amax, dst.amax), (src.f16, dst.f16), (src.finite, dst.finite)]
+    if src.cs is not None:
+        pairs.append((src.cs, dst.cs))
+    for a, b in pairs:
+        b.copy_(a, non_blocking=True)
+
+
+def device_read_quantized_later(writer, slots: torch.Tensor, spec: QuantSpec, chunk: int) -> PendingCodes:
+    """See module docstring: ``slots`` (a multiple of ``chunk`` tokens) quantized per ``spec`` on the device."""
+    lay, ops = writer.layout, writer.ops
+    idx = slots.to("cpu", torch.int64).contiguous()
+    t, n_layers = idx.numel(), lay.num_layers
+    c, g, n = lay.num_kv_heads * lay.head_dim, spec.groups(lay.num_kv_heads), idx.numel() // chunk
+    # one pinned buffer: the float32 arrays first (aligned), then the bytes
+    shapes = [("amax", (n_layers, 2, t, g), torch.float32)]
+    if spec.k_channel_scale:
+        shapes.append(("cs", (n_layers, n, c), torch.float32))
+    shapes += [("codes", (n_layers, 2, t, c), torch.uint8), ("f16", (n_layers, n), torch.bool)]
+    shapes.append(("finite", (n_layers, n), torch.bool))
+    sizes = [math.prod(shape) * (4 if dt == torch.float32 else 1) for _, shape, dt in shapes]
+    with writer._lock:
+        buf = ops.pinned_empty(sum(sizes))
+        views, o = {}, 0
+        for (name, shape, dt), size in zip(shapes, sizes, strict=True):
+            views[name] = buf[o : o + size].view(dt).view(shape)
+            o += size
+        host_idx = ops.pinned_empty(t * 8)
+        host_idx.view(torch.int64).copy_(idx)
+        d_idx = ops.device_empty(t * 8)
+        ops.side_wait(ops.record_current())  # after the forward pass that computed the KV
+        ops.upload(d_idx, host_idx)
+        for i in range(n_layers):
+            m_k, m_v = spec.levels(i)
+            cs = views["cs"][i] if "cs" in views else None
+            out = LayerCodes(views["codes"][i], views["amax"][i], views["f16"][i], views["finite"][i], cs)
+            ops.quantize_into(
+                writer.pool.k[i],
+                writer.pool.v[i],
+                d_idx.view(torch.int64),
+                m_k,
+                m_v,
+                g,
+                chunk,
+                spec.k_channel_scale,
+                out,
+            )
+        done = ops.record()
+        ops.stream_wait(done)  # the caller's stream: no slot is rewritten before the read
+    arrays = {name: v.numpy() for name, v in views.items()}
+    codes = QuantizedChunks(
+        chunk,
+        arrays["codes"],
+        arrays["amax"],
+        arrays["f16"].view("u1"),
+        arrays["finite"].view("u1"),
+        arrays.get("cs"),
+    )
+    return PendingCodes(codes, lambda: writer._wait_host(done))

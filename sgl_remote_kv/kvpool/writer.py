@@ -183,6 +183,12 @@ class KVWriter(ABC):
         device pools copy on their side stream (``readback.py``); host pools copy now."""
         return PendingRead(*self.read(slots))
 
+    def read_quantized_later(self, slots: torch.Tensor, spec, chunk: int) -> PendingRead | None:
+        """``read_later`` quantized on the device for the write-back (``readback.device_read_quantized_later``:
+        its ``result()`` is a ``codec.quant.QuantizedChunks`` of ``chunk``-token chunks per ``spec``); None
+        where the pool is in host memory (the host encodes what ``read_later`` gives)."""
+        return None
+
     @abstractmethod
     def _write(self, k: np.ndarray, v: np.ndarray, slots: torch.Tensor, layer_lo: int) -> None: ...
 

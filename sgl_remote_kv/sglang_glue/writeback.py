@@ -10,13 +10,18 @@ the bound, the *oldest* queued jobs are dropped (a prefix not yet written is sim
 counted (``writeback_skipped{reason="queue_full"}``, chunks) and logged at most once a minute; the
 queue's bytes are a gauge (``writeback_queue_bytes``). The newest job is always kept.
 
+On a device pool with a codec that quantizes on the device (``codec.device_encode``: the ``quant_*``
+codecs), the copy is ``KVWriter.read_quantized_later`` instead: the device quantizes on its side stream and
+only codes and scales come back, so the worker runs the lossless stage alone (``encode_quantized``: the same
+bytes as a host encode). Other codecs, host pools and the NVDEC path's versions read KV and encode on the host.
+
 A single worker thread then dedups against the store (``count_prefix``: chunks the store already has
 are not re-encoded), encodes the rest and ``put_many``s them. With ``versions`` (the NVDEC path's
 adaptive resolution, ``nvdec/versions.py``) each stored full chunk is then also encoded at the other
 resolutions, stored after the chunks' own keys (hits first; a fetch falls back until they land). Stores publish a value only after it is
 completely written, so readers never see a partial chunk.
 
-Buffers: the job owns the copied numpy KV; the worker drops it after the put.
+Buffers: the job owns the copied numpy KV (or codes); the worker drops it after the put.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sgl_remote_kv.codec.quantized import QuantizedChunks
 from sgl_remote_kv.kvpool.writer import PendingRead
 from sgl_remote_kv.sglang_glue import seam
 from sgl_remote_kv.store import keys as keys_mod
@@ -44,11 +50,11 @@ DROP_LOG_S = 60.0  # at most one warning about dropped write-backs per this many
 class _Job:
     keys: list[bytes]  # keys of chunks [0, last_chunk) of the request's token prefix
     first_chunk: int  # kv holds chunks [first_chunk, last_chunk)
-    kv: PendingRead  # the KV copied out of the pool ([L, T, H, D] each), maybe still on its way
+    kv: PendingRead  # the KV copied out of the pool ([L, T, H, D] each) or its codes, maybe still on its way
     tokens: int  # per chunk: a full chunk, or a tail sub-chunk
     start: int  # sequence position of k[:, 0] (codecs that undo RoPE need each chunk's position)
     tenant_tag: bytes  # keys.tenant_tag of the request's salt, framed with each value (admin stats)
-    nbytes: int = 0  # KV bytes the job holds (the queue's bound counts them)
+    nbytes: int = 0  # host bytes the job holds (the queue's bound counts them)
 
 
 class WriteBack:
@@ -80,6 +86,8 @@ class WriteBack:
         # nvdec.versions.ChunkVersions: each full chunk's other resolutions (adaptive resolution), or None
         self.versions = versions
         self.kv_writer = kv_writer  # reads the KV of finished chunks (scheduler thread)
+        # quantize on the device, encode only the lossless stage here (see module docstring)
+        self.device_encode = bool(getattr(codec, "device_encode", False)) and versions is None
         self.req_to_token_pool = req_to_token_pool
         self.max_bytes = max_bytes
         self._jobs: deque[_Job] = deque()  # queued, oldest first (not the one being written)
@@ -136,8 +144,12 @@ class WriteBack:
         idx = seam.req_kv_indices(self.req_to_token_pool, req, lo, hi)
         if idx is None:
             return False
-        kv = self.kv_writer.read_later(idx)  # device pools: an async copy, waited for by the worker
-        job = _Job(keys, first, kv, tokens, lo, tag, (hi - lo) * self.fingerprint.layout.bytes_per_token())
+        lay = self.fingerprint.layout
+        kv = self.kv_writer.read_quantized_later(idx, self.codec.spec, tokens) if self.device_encode else None
+        nbytes = (hi - lo) * lay.num_layers * 2 * lay.num_kv_heads * lay.head_dim  # codes, about
+        if kv is None:  # device pools: an async copy, waited for by the worker
+            kv, nbytes = self.kv_writer.read_later(idx), (hi - lo) * lay.bytes_per_token()
+        job = _Job(keys, first, kv, tokens, lo, tag, nbytes)
         dropped: list[_Job] = []
         with self._cv:
             self._jobs.append(job)
@@ -211,7 +223,7 @@ class WriteBack:
                         self._idle.set()
 
     def _write(self, job: _Job) -> None:
-        k, v = job.kv.result()  # KVWriteError if the device copy did not complete: counted, not stored
+        read = job.kv.result()  # KVWriteError if the device copy did not complete: counted, not stored
         c = job.tokens
         last = len(job.keys)
         present = self.client.count_prefix(job.keys)
@@ -220,13 +232,17 @@ class WriteBack:
             self.metrics.writeback_skipped("present", min(present, last) - job.first_chunk)
         items = []
         for i in range(start, last):
-            lo, hi = (i - job.first_chunk) * c, (i - job.first_chunk + 1) * c
-            blob = self.codec.encode(
-                np.ascontiguousarray(k[:, lo:hi]),
-                np.ascontiguousarray(v[:, lo:hi]),
-                self.fingerprint,
-                start=job.start + lo,
-            )
+            j = i - job.first_chunk
+            if isinstance(read, QuantizedChunks):  # quantized on the device: the lossless stage here
+                blob = self.codec.encode_quantized(read, j, self.fingerprint)
+            else:
+                k, v = read
+                blob = self.codec.encode(
+                    np.ascontiguousarray(k[:, j * c : (j + 1) * c]),
+                    np.ascontiguousarray(v[:, j * c : (j + 1) * c]),
+                    self.fingerprint,
+                    start=job.start + j * c,
+                )
             items.append((job.keys[i], blob))
         if not items:
             return
@@ -234,8 +250,8 @@ class WriteBack:
         self.metrics.writeback(stored, sum(len(b) for _, b in items[:stored]))
         if stored < len(items):
             self.metrics.failure("writeback:store")
-        if self.versions is not None and stored:
-            self._write_versions(job, k, v, start, start + stored, [b for _, b in items[:stored]])
+        if self.versions is not None and stored:  # versions: never device-encoded (read is KV)
+            self._write_versions(job, *read, start, start + stored, [b for _, b in items[:stored]])
 
     def _write_versions(self, job: _Job, k, v, first: int, end: int, anchors: list[bytes]) -> None:
         """Chunks ``[first, end)``'s other resolutions (adaptive resolution), after their own keys: a hit is
