@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-codec-speed bench-read-path bench-store bench-dpu bench-dpu-service bench-dpu-floor bench-nvdec bench-adaptive-resolution \
+.PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-codec-speed bench-read-path bench-write-path bench-store bench-dpu bench-dpu-service bench-dpu-floor bench-nvdec bench-adaptive-resolution \
 	bench-cpu-attention bench-e2e bench-e2e-quick bench-burst bench-tail projection soak test-faults \
 	test-conformance dashboard bench-exactness bench-task-accuracy gpu-rehearsal gpu-server-rehearsal bench-calibration bench-quality-proxy clean
 
@@ -85,6 +85,11 @@ bench-codec-speed: calibration
 # side by side, and staging bytes per token (docs/results/read_path.json).
 bench-read-path: calibration
 	$(PY) -m benchmarks.bench_read_path
+
+# Host CPU per GB of the write-back from a device pool (strict CPU double), host encode vs device encode side
+# by side, and TPOT of a CPU server with the tier's write-back against --remote-kv off (docs/results/write_path.json).
+bench-write-path: calibration
+	$(PY) -m benchmarks.bench_write_path
 
 # Greedy divergence of remote vs local hits per codec, and of exact-KV requests (real servers)
 bench-exactness: model

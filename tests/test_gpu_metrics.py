@@ -8,6 +8,9 @@ the tests check only that each number measured the path it names (``tests/gpu_me
 - ``dequant_triton_gbps`` / ``inverse_transform_triton_gbps``: decoded KV bytes per second written by
   the Triton dequant (quant codecs) and inverse-transform (transform codec) kernels; the goal is
   ``decode_goal_gbps`` (50 GB/s), recorded next to them, not asserted;
+- ``writeback_device_quantize_gbps`` / ``writeback_host_lossless_s_per_gb``: the write-back's device encode
+  (``KVWriter.read_quantized_later``: bf16 KV quantized on the side stream, codes back in pinned memory) per
+  second, and the host CPU per GB of KV it leaves (the lossless stage); its blobs must equal the host encode's;
 - ``triton_compile``: the first launch (compile + run) of each kernel variant vs a warm launch, and the
   tier's start-up ``warm_up`` cold vs warm, in a fresh process with an empty Triton cache.
 
@@ -81,3 +84,49 @@ def test_triton_cold_compile_times(tmp_path, gpu_metrics):
     r = json.loads(line.removeprefix("RESULT "))
     gpu_metrics["triton_compile"] = r
     assert r["kvpool_warm_up"]["writes"] == ["kv", "codes:quant_deflate"], r
+
+
+@pytest.mark.gpu_needs("sglang.srt.mem_cache.memory_pool")
+def test_writeback_device_encode_matches_the_host_encode_and_its_rate(gpu_metrics):
+    """The write-back's device encode (``KVWriter.read_quantized_later``) on a CUDA pool: quantized on the
+    writer's side stream, codes and scales back in pinned memory, blobs byte-identical to a host encode of the
+    same KV (CUDA's float32 division, multiply and round-half-even are IEEE's, as numpy's). Records
+    ``writeback_device_quantize_gbps`` (bf16 KV read out of the pool per second, quantize + D2H included) and
+    ``writeback_host_lossless_s_per_gb`` (host CPU seconds per GB of KV left to the host: the lossless stage)."""
+    import time
+
+    import numpy as np
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from benchmarks import synthetic_kv as synthetic
+    from sgl_remote_kv.codec.base import get_codec
+
+    fp = synthetic.fingerprint(num_layers=8, heads=8, dim=128, dtype="bfloat16")
+    lay, chunk, tokens = fp.layout, 256, 16384
+    pool = MHATokenToKVPool(tokens + 256, 1, torch.bfloat16, 8, 128, 8, "cuda", False)
+    w = writer_for(PoolTensors(pool.k_buffer, pool.v_buffer), lay, timeout_s=30.0)
+    k, v = synthetic.kv(lay, tokens, seed=3)
+    slots = torch.randperm(tokens + 200, device="cpu")[:tokens] + 1
+    w.write(k, v, slots)
+    codec = get_codec("quant_deflate")
+    q = w.read_quantized_later(slots, codec.spec, chunk).result()
+    for j in (0, tokens // chunk - 1):
+        want = codec.encode(
+            np.ascontiguousarray(k[:, j * chunk : (j + 1) * chunk]),
+            np.ascontiguousarray(v[:, j * chunk : (j + 1) * chunk]),
+            fp,
+        )
+        assert codec.encode_quantized(q, j, fp) == want, f"chunk {j}: device encode differs from the host's"
+    runs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        q = w.read_quantized_later(slots, codec.spec, chunk).result()
+        runs.append(time.perf_counter() - t0)
+    kv_bytes = 2 * lay.num_layers * tokens * lay.num_kv_heads * lay.head_dim * 2
+    gpu_metrics["writeback_device_quantize_gbps"] = round(kv_bytes / min(runs) / 1e9, 2)
+    t0 = time.thread_time()
+    for j in range(8):
+        codec.encode_quantized(q, j, fp)
+    cpu = time.thread_time() - t0
+    gpu_metrics["writeback_host_lossless_s_per_gb"] = round(cpu / (kv_bytes * 8 / (tokens // chunk)) * 1e9, 3)
+    assert w.stats["device_encode"] == 4

@@ -1,0 +1,203 @@
+"""What the write-back costs: host CPU of host encode against device encode, and a serving CPU server's TPOT
+(``make bench-write-path``).
+
+**Encode** (``rows``): 256-token chunks of KV sit in a device KV pool (the strict CPU double of a CUDA
+device, ``tests/strict_device.py``) at scattered slots, and are written back two ways side by side, as
+``WriteBack`` does it:
+
+- ``host_encode``: ``KVWriter.read_later`` (bf16 KV out of the pool) and ``codec.encode`` on the host;
+- ``device_encode``: ``KVWriter.read_quantized_later`` (quantized on the device's side stream, codes and
+  scales out) and ``codec.encode_quantized`` (the lossless stage alone on the host). Its blobs are checked
+  byte-identical to the host encode's.
+
+**Host CPU** is the calling thread's CPU time less what it spent inside the double's device calls
+(``bench_read_path.DispatchMeter``: on a GPU, launches of microseconds each); the double's stream thread
+(the device's own work) is not counted. GB = bf16 KV bytes written back. Codecs: ``quant_deflate`` (the
+device-encodable one) and, for reference, the default ``transform`` codec (host encode only: no device
+quantizer for it yet). Shapes: SmolLM2-135M's real KV (held-out texts) and a Llama-3-8B-shaped layout
+(synthetic KV). Goal (issue 51): device encode <= 0.3x the host CPU of host encode.
+
+**TPOT** (``tpot``, ``--skip-tpot`` leaves it out): the new-user experiment on the CPU twin, real servers one
+after another (SmolLM2-135M float32, the build the calibration belongs to): ``--remote-kv dpu`` with the
+default codec, and ``--remote-kv off``; the same cold prompts (``--prompts``, 1,998 token ids each, 32 new
+tokens, greedy), one at a time. TPOT = (total - TTFT) / (new tokens - 1); ``tpot_default_s``, ``tpot_off_s``
+are the means. Goal: ``tpot_default_s <= 1.3 x tpot_off_s``. Writes ``docs/results/write_path.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks import kvdata
+from benchmarks.bench_read_path import CHUNK, DispatchMeter, smollm2_chunks
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "docs" / "results" / "write_path.json"
+TD = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _pool(dev, fp, chunks):
+    """A strict device pool holding the chunks' KV at scattered slots; (writer, slots)."""
+    from sgl_remote_kv.kvpool import PoolTensors, writer_for
+    from tests.strict_device import StrictKVPool
+
+    lay = fp.layout
+    t = CHUNK * len(chunks)
+    pool = StrictKVPool(dev, lay, t + 64, TD[lay.dtype])
+    w = writer_for(PoolTensors(pool.k_buffer, pool.v_buffer), lay, 60.0, ops=dev)
+    slots = torch.randperm(t + 64, generator=torch.Generator().manual_seed(0))[:t]
+    k = np.concatenate([c[0] for c in chunks], axis=1)
+    v = np.concatenate([c[1] for c in chunks], axis=1)
+    w.write(k, v, slots)
+    dev.synchronize()
+    return w, slots
+
+
+def _measure(meter, fn) -> tuple[float, object]:
+    c0, d0 = time.thread_time(), meter.cpu
+    out = fn()
+    return (time.thread_time() - c0) - (meter.cpu - d0), out
+
+
+def encode_rows(shape: str, repeat: int) -> list[dict]:
+    from sgl_remote_kv.codec.base import get_codec
+    from tests.strict_device import StrictDevice
+
+    if shape == "llama8b":
+        from benchmarks import synthetic_kv as synthetic
+
+        fp = synthetic.fingerprint(num_layers=32, heads=8, dim=128)
+        chunks = [(*synthetic.kv(fp.layout, CHUNK, seed=i), i * CHUNK) for i in range(8)]
+        transform = None  # no calibration of that shape: the transform row is SmolLM2's
+    else:
+        fp = kvdata.fingerprint()
+        chunks = smollm2_chunks()
+        from benchmarks.bench_read_path import transform_codec
+        from sgl_remote_kv.types import DEFAULT_QUANTIZER
+
+        transform = transform_codec(fp, DEFAULT_QUANTIZER)
+    gb = sum(c[0].nbytes + c[1].nbytes for c in chunks) / 1e9
+    dev = StrictDevice()
+    meter = DispatchMeter(dev)
+    rows = []
+    try:
+        w, slots = _pool(dev, fp, chunks)
+        codecs = [("quant_deflate", get_codec("quant_deflate"))] + (
+            [("transform", transform)] if transform else []
+        )
+        for name, codec in codecs:
+
+            def host(codec=codec):
+                k, v = w.read_later(slots).result()
+                return [
+                    codec.encode(
+                        np.ascontiguousarray(k[:, i * CHUNK : (i + 1) * CHUNK]),
+                        np.ascontiguousarray(v[:, i * CHUNK : (i + 1) * CHUNK]),
+                        fp,
+                        start=chunks[i][2],
+                    )
+                    for i in range(len(chunks))
+                ]
+
+            def device(codec=codec):
+                q = w.read_quantized_later(slots, codec.spec, CHUNK).result()
+                return [codec.encode_quantized(q, i, fp) for i in range(len(chunks))]
+
+            host_s, blobs = min((_measure(meter, host) for _ in range(repeat)), key=lambda r: r[0])
+            row = {
+                "shape": shape,
+                "codec": name,
+                "chunks": len(chunks),
+                "kv_gb": round(gb, 4),
+                "host_cpu_s_per_gb_host_encode": round(host_s / gb, 3),
+                "compressed_ratio": round(gb * 1e9 / sum(len(b) for b in blobs), 2),
+            }
+            if getattr(codec, "device_encode", False):
+                dev_s, dblobs = min((_measure(meter, device) for _ in range(repeat)), key=lambda r: r[0])
+                row["host_cpu_s_per_gb_device_encode"] = round(dev_s / gb, 3)
+                row["ratio"] = round(dev_s / host_s, 3)
+                row["blobs_identical"] = dblobs == blobs
+            else:
+                row["host_cpu_s_per_gb_device_encode"] = None
+                row["device_encode"] = "not offered: no device quantizer for this codec (host encode)"
+            rows.append(row)
+            print(json.dumps(row))
+    finally:
+        dev.close()
+    return rows
+
+
+def tpot(prompts: int, new_tokens: int) -> dict:
+    """See module docstring: the default codec's server against --remote-kv off, same cold prompts."""
+    from benchmarks.e2e_server import stream_generate, wait_writeback_idle
+    from sgl_remote_kv.launcher import ServerSpec, SGLangServer
+    from sgl_remote_kv.model import ensure_model
+
+    model = str(ensure_model("float32"))
+    rng = random.Random(7)
+    ids = [[rng.randrange(200, 49000) for _ in range(1998)] for _ in range(prompts)]
+    out: dict = {"prompt_tokens": 1998, "new_tokens": new_tokens, "prompts": prompts, "servers": {}}
+    for label, extra in (("default", ["--remote-kv", "dpu"]), ("off", ["--remote-kv", "off"])):
+        with tempfile.TemporaryDirectory() as tmp:
+            if label == "default":
+                extra += ["--remote-kv-store", f"file://{tmp}/store", "--enable-metrics"]
+            spec = ServerSpec(model_path=model, extra_args=tuple(extra), max_total_tokens=16384)
+            with SGLangServer(spec) as srv:
+                runs = []
+                for p in ids:
+                    r = stream_generate(srv.base_url, p, new_tokens)
+                    n = len(r["output_ids"])
+                    runs.append(
+                        {
+                            "ttft_s": round(r["ttft_s"], 3),
+                            "tpot_s": round((r["total_s"] - r["ttft_s"]) / max(1, n - 1), 4),
+                        }
+                    )
+                    if label == "default":  # the next prompt starts with this one's write-back done
+                        wait_writeback_idle(srv.base_url, quiet_s=2.0, timeout_s=120)
+                out["servers"][label] = runs
+                out[f"tpot_{label}_s"] = round(float(np.mean([r["tpot_s"] for r in runs])), 4)
+                print(label, runs)
+    out["ratio"] = round(out["tpot_default_s"] / out["tpot_off_s"], 3)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--shapes", default="smollm2,llama8b")
+    ap.add_argument("--skip-tpot", action="store_true")
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = [r for shape in args.shapes.split(",") for r in encode_rows(shape, args.repeat)]
+    result = {
+        "meta": {
+            "chunk": CHUNK,
+            "repeat": args.repeat,
+            "cpu": kvdata.cpu_model(),
+            "device": "strict CPU double of a CUDA device (tests/strict_device.py); its stream thread's CPU "
+            "and the host threads' CPU inside its device calls excluded",
+            "date": time.strftime("%Y-%m-%d"),
+        },
+        "rows": rows,
+    }
+    if not args.skip_tpot:
+        result["tpot"] = tpot(args.prompts, args.new_tokens)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
