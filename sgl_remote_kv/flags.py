@@ -111,6 +111,16 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "oldest queued chunks are dropped (counted: writeback_skipped{reason=queue_full}); default 2048.",
     )
     g.add_argument(
+        "--remote-kv-writeback-cpu",
+        dest="remote_kv_writeback_cpu",
+        type=_writeback_cpu,
+        default=0.25,
+        metavar="SHARE",
+        help="While the server runs batches, the write-back's encoding is busy at most this share of the time "
+        "(it pauses between chunks; an idle server writes back at full speed). 0: no encoding while serving; "
+        "1: never pause. Default 0.25.",
+    )
+    g.add_argument(
         "--remote-kv-nvdec-resolutions",
         dest="remote_kv_nvdec_resolutions",
         type=_nvdec_resolutions,
@@ -239,6 +249,7 @@ _nvdec_instances = _bounded(int, 1, 64)
 _staging_tokens = _bounded(int, 0, 1 << 26)
 _writeback_queue_mb = _bounded(int, 1, 1 << 20)
 _policy_margin = _bounded(float, 0.0, 1e12)
+_writeback_cpu = _bounded(float, 0.0, 1.0)
 
 
 def _nvdec_resolutions(text: str) -> tuple[int, ...]:

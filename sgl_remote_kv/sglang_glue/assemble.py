@@ -73,6 +73,7 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
         kv_writer,
         b.req_to_token_pool,
         cfg.writeback_queue_mb << 20,
+        cpu_share=cfg.writeback_cpu,
         tail_granule=tails,
         versions=paths.chunk_versions(cfg, codec, fp, metrics.nvdec_written),
     )

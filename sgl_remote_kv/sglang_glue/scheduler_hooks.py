@@ -135,7 +135,11 @@ def before_abort_request(self, recv_req, *args, **kwargs):
 
 
 def around_run_batch(original, self, batch, *args, **kwargs):
-    """Time pure prefill batches to fit the policy's prefill-time model (the recompute estimate)."""
+    """Time pure prefill batches to fit the policy's prefill-time model (the recompute estimate), and tell
+    the write-back the server is serving (it paces its encoding then)."""
+    rt = runtime.get()
+    if rt is not None and rt.writeback is not None:
+        rt.writeback.note_serving()
     q = self.__dict__.get(_ATTR)
     tokens = seam.prefill_tokens(batch) if q is not None else None
     if tokens is None:

@@ -15,6 +15,11 @@ codecs), the copy is ``KVWriter.read_quantized_later`` instead: the device quant
 only codes and scales come back, so the worker runs the lossless stage alone (``encode_quantized``: the same
 bytes as a host encode). Other codecs, host pools and the NVDEC path's versions read KV and encode on the host.
 
+The worker never takes the serving thread's place: while the scheduler runs batches (``note_serving``, on
+every batch; within ``SERVING_GRACE_S``), after each chunk it encoded it pauses so that encoding takes at
+most ``cpu_share`` of the wall time (``--remote-kv-writeback-cpu``; 0: it waits for the server to go idle;
+1: no pause). An idle server writes back at full speed; a shutdown drain is never paced.
+
 A single worker thread then dedups against the store (``count_prefix``: chunks the store already has
 are not re-encoded), encodes the rest and ``put_many``s them. With ``versions`` (the NVDEC path's
 adaptive resolution, ``nvdec/versions.py``) each stored full chunk is then also encoded at the other
@@ -43,6 +48,7 @@ from sgl_remote_kv.types import FailureKind
 logger = logging.getLogger(__name__)
 
 _MAX_TRACKED = 65536
+SERVING_GRACE_S = 0.25  # a batch this recently: the server is serving (the write-back paces itself)
 DROP_LOG_S = 60.0  # at most one warning about dropped write-backs per this many seconds
 
 
@@ -71,6 +77,7 @@ class WriteBack:
         kv_writer,
         req_to_token_pool,
         max_bytes: int,
+        cpu_share: float = 1.0,
         tail_granule: int = 0,
         versions=None,
     ) -> None:
@@ -90,6 +97,8 @@ class WriteBack:
         self.device_encode = bool(getattr(codec, "device_encode", False)) and versions is None
         self.req_to_token_pool = req_to_token_pool
         self.max_bytes = max_bytes
+        self.cpu_share = cpu_share
+        self._serving_at = float("-inf")  # monotonic time of the scheduler's last batch
         self._jobs: deque[_Job] = deque()  # queued, oldest first (not the one being written)
         self._cv = threading.Condition()
         self._queued_bytes = 0
@@ -115,6 +124,10 @@ class WriteBack:
         self._progress.move_to_end(rid)
         while len(self._progress) > _MAX_TRACKED:
             self._progress.popitem(last=False)
+
+    def note_serving(self) -> None:
+        """The scheduler runs a batch now (every batch: a float store, no lock)."""
+        self._serving_at = time.monotonic()
 
     def forget(self, rid: str) -> None:
         self._progress.pop(rid, None)
@@ -197,6 +210,21 @@ class WriteBack:
             self._cv.notify()
 
     # -- worker thread ---------------------------------------------------------------------------
+    def _serving(self) -> bool:
+        return time.monotonic() - self._serving_at < SERVING_GRACE_S
+
+    def _pace(self, busy_s: float) -> None:
+        """After ``busy_s`` of encoding: pause while the server serves (see module docstring)."""
+        share = self.cpu_share
+        if share >= 1.0 or self._closed or not self._serving():
+            return
+        if share > 0.0:
+            if busy_s > 0.0:
+                time.sleep(min(busy_s * (1.0 - share) / share, 5.0))
+            return
+        while self._serving() and not self._closed:  # share 0: defer until the server is idle
+            time.sleep(0.05)
+
     def _loop(self) -> None:
         while True:
             with self._cv:
@@ -231,7 +259,10 @@ class WriteBack:
         if present > job.first_chunk:
             self.metrics.writeback_skipped("present", min(present, last) - job.first_chunk)
         items = []
+        busy = 0.0
         for i in range(start, last):
+            self._pace(busy)  # after the previous chunk's encoding (share 0: before any)
+            t0 = time.perf_counter()
             j = i - job.first_chunk
             if isinstance(read, QuantizedChunks):  # quantized on the device: the lossless stage here
                 blob = self.codec.encode_quantized(read, j, self.fingerprint)
@@ -244,6 +275,7 @@ class WriteBack:
                     start=job.start + j * c,
                 )
             items.append((job.keys[i], blob))
+            busy = time.perf_counter() - t0
         if not items:
             return
         stored = self.client.put_many(items, job.tenant_tag)
