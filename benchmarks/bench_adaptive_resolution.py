@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 
 from benchmarks.e2e_server import delta, flush_device_cache, metric, scrape, shaped_store, stream_generate
+from benchmarks.launcher import ServerSpec, SGLangServer
 from benchmarks.netshape import netns_supported
-from sgl_remote_kv.launcher import ServerSpec, SGLangServer
 from sgl_remote_kv.model import ensure_model
 
 logger = logging.getLogger("bench_adaptive_resolution")

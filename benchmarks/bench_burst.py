@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.e2e_server import Workload, delta, metric, run_harness, scrape, wait_writeback_idle
-from sgl_remote_kv.launcher import ServerSpec, SGLangServer
+from benchmarks.launcher import ServerSpec, SGLangServer
 from sgl_remote_kv.model import ensure_model
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from sgl_remote_kv.launcher import ServerSpec, SGLangServer
+from benchmarks.launcher import ServerSpec, SGLangServer
 from sgl_remote_kv.model import ensure_model
 
 logger = logging.getLogger(__name__)

@@ -60,8 +60,8 @@ from benchmarks.e2e_server import (
     shaped_store,
     wait_writeback_idle,
 )
+from benchmarks.launcher import ServerSpec, SGLangServer
 from benchmarks.netshape import netns_supported
-from sgl_remote_kv.launcher import ServerSpec, SGLangServer
 from sgl_remote_kv.model import ensure_model
 
 logger = logging.getLogger(__name__)

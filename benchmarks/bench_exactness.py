@@ -25,7 +25,7 @@ from pathlib import Path
 
 from benchmarks.e2e_probe import generate, probe_prompts
 from benchmarks.e2e_server import flush_device_cache, scrape, wait_writeback_idle
-from sgl_remote_kv.launcher import ServerSpec, SGLangServer
+from benchmarks.launcher import ServerSpec, SGLangServer
 from sgl_remote_kv.model import ensure_model
 
 ROOT = Path(__file__).resolve().parent.parent

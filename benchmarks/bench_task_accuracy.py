@@ -41,9 +41,9 @@ from pathlib import Path
 
 from benchmarks.e2e_probe import generate
 from benchmarks.e2e_server import flush_device_cache, metric, scrape
+from benchmarks.launcher import ServerSpec, SGLangServer
 from benchmarks.task_accuracy_items import TASKS, load_corpus, make_suite
 from benchmarks.task_accuracy_report import build_result, level_table, table, transform_name
-from sgl_remote_kv.launcher import ServerSpec, SGLangServer
 from sgl_remote_kv.model import ensure_model
 from sgl_remote_kv.types import DEFAULT_QUALITY, QUALITY_LEVELS, QUANTIZERS
 

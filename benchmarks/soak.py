@@ -36,8 +36,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from benchmarks.launcher import ServerSpec, SGLangServer
 from benchmarks.redis_server import RedisServer, free_port
-from sgl_remote_kv.launcher import ServerSpec, SGLangServer
 from sgl_remote_kv.model import ensure_model
 from sgl_remote_kv.store.framing import frame, unframe
 from tests.fixtures.faults import TcpProxy, data_plane_procs, tree_rss_mb

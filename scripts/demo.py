@@ -16,8 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from sgl_remote_kv.config import RemoteKVConfig
-from sgl_remote_kv.launcher import ServerSpec, SGLangServer
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/ (the server launcher), from the tree
+
+from benchmarks.launcher import ServerSpec, SGLangServer  # noqa: E402
+from sgl_remote_kv.config import RemoteKVConfig  # noqa: E402
 from sgl_remote_kv.model import ensure_model
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # benchmarks/ and tests/ from the tree; sgl_remote_kv from the installed wheel
 
 from benchmarks.e2e_server import decisions, delta, flush_device_cache, scrape, wait_writeback_idle  # noqa: E402
-from sgl_remote_kv.launcher import ServerSpec, SGLangServer  # noqa: E402
+from benchmarks.launcher import ServerSpec, SGLangServer  # noqa: E402
 
 # Random-weight models: SGLang builds the weights from config.json (--load-format dummy, seeded).
 LLAMA = {

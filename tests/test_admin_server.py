@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from benchmarks.launcher import ServerSpec, SGLangServer
 from sgl_remote_kv.admin import cli
-from sgl_remote_kv.launcher import ServerSpec, SGLangServer
 from tests.fixtures.remote_kv_server import CHUNK, storage_tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # two servers, ~1.5 min; the command's logic: test_admin.py

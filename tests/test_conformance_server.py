@@ -45,7 +45,7 @@ from sglang.test.kits.basic_scheduler_stress_kit import BasicSchedulerStressMixi
 from sglang.test.kits.prefix_cache_branching_kit import PrefixCacheBranchingMixin
 from sglang.test.kits.unified_radix_cache_kit import AccuracyTwoPassMixin, UnifiedRadixTreeTestMixin
 
-from sgl_remote_kv.launcher import ServerSpec, SGLangServer
+from benchmarks.launcher import ServerSpec, SGLangServer
 from tests.fixtures.remote_kv_server import CHUNK, flush_cache
 
 pytestmark = [pytest.mark.e2e]

@@ -11,7 +11,7 @@ import inspect
 import re
 from pathlib import Path
 
-from sgl_remote_kv.launcher import CPU_ARGS
+from benchmarks.launcher import CPU_ARGS
 from sgl_remote_kv.preflight import check_store_url
 from sgl_remote_kv.store import base
 

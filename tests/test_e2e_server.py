@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from benchmarks.launcher import ServerSpec, SGLangServer
 from sgl_remote_kv.contract import shm_names
-from sgl_remote_kv.launcher import ServerSpec, SGLangServer
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import e2e_server
-from sgl_remote_kv.launcher import ServerSpec, SGLangServer
+from benchmarks.launcher import ServerSpec, SGLangServer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))

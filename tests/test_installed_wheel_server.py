@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_remote_kv.launcher import ServerSpec, SGLangServer
+from benchmarks.launcher import ServerSpec, SGLangServer
 from tests.fixtures.dists import ROOT
 from tests.fixtures.remote_kv_server import flush_cache, post, storage_tokens
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from sgl_remote_kv.launcher import PortInUse, ServerSpec, SGLangServer
+from benchmarks.launcher import PortInUse, ServerSpec, SGLangServer
 
 FAKE = textwrap.dedent(
     """
@@ -68,7 +68,7 @@ def test_a_taken_port_is_retried_on_another(tmp_path):
 
 
 def test_a_fixed_port_that_is_taken_fails_fast(tmp_path):
-    from sgl_remote_kv.launcher import free_port
+    from benchmarks.launcher import free_port
 
     srv = _server(tmp_path, port=free_port())
     t0 = time.monotonic()

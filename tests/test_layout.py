@@ -15,8 +15,11 @@
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = "sgl_remote_kv"
@@ -172,3 +175,57 @@ def test_product_modules_stay_small():
     assert not too_long and not grew, "\n".join(too_long + grew)
     stale = [r for r in OVER_BUDGET if not (ROOT / r).exists()]
     assert not stale, f"OVER_BUDGET names modules that are gone: {stale}"
+
+
+_DOTTED = re.compile(r"sgl_remote_kv(?:\.[a-z_0-9]+)+")
+
+
+def _product_edges() -> dict[str, set[str]]:
+    """Module -> the product modules it uses: its imports, and dotted names in its string literals (registries
+    such as the store URL schemes, ``"sgl_remote_kv.store.faulty:open_faulty"``, import by name)."""
+    edges = {m: _imports(m, p) for m, p in FILES.items()}
+    for m, p in FILES.items():
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                for name in _DOTTED.findall(node.value):
+                    while name and name not in FILES:
+                        name = name.rpartition(".")[0]
+                    if name and name != m:
+                        edges[m].add(name)
+    return edges
+
+
+def _entry_points() -> set[str]:
+    """What users start: pyproject's entry points and scripts, and every ``python -m`` main."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    targets = [v for group in project["entry-points"].values() for v in group.values()]
+    targets += list(project["scripts"].values())
+    return {t.split(":")[0] for t in targets} | {m for m in FILES if m.endswith(".__main__")}
+
+
+def _unreached(modules: set[str], edges: dict[str, set[str]], roots: set[str]) -> set[str]:
+    """Modules not reached from ``roots`` along ``edges`` (a reached module's parent packages are reached)."""
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        m = todo.pop()
+        if m in seen or m not in modules:
+            continue
+        seen.add(m)
+        parts = m.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]
+        todo += edges.get(m, ())
+    return modules - seen
+
+
+def test_the_wheel_holds_no_module_only_tests_benchmarks_or_scripts_use():
+    """Every packaged module is reached from what users start (entry points, ``python -m`` mains) through the
+    product's own imports; one that only tests, benchmarks or scripts import belongs outside the package."""
+    unreached = _unreached(set(FILES), _product_edges(), _entry_points())
+    assert not unreached, f"packaged modules nothing in the product uses: {sorted(unreached)}"
+    assert {f"{PKG}.sglang_glue.plugin", f"{PKG}.dpu.__main__"} <= _entry_points()
+
+
+def test_the_reach_check_sees_a_module_only_tests_use():
+    edges = {"p.a": {"p.b"}, "p.b": set(), "p.c": {"p.b"}}
+    assert _unreached({"p", "p.a", "p.b", "p.c"}, edges, {"p.a"}) == {"p.c"}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_remote_kv.launcher import ServerSpec, SGLangServer
+from benchmarks.launcher import ServerSpec, SGLangServer
 from tests.fixtures.remote_kv_server import CHUNK, generate, metrics, storage_tokens, total
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
