@@ -21,8 +21,8 @@ quantizer for it yet). Shapes: SmolLM2-135M's real KV (held-out texts) and a Lla
 after another (SmolLM2-135M float32, the build the calibration belongs to): ``--remote-kv dpu`` with the
 default codec, and ``--remote-kv off``; the same cold prompts (``--prompts``, 1,998 token ids each, 32 new
 tokens, greedy), one at a time. TPOT = (total - TTFT) / (new tokens - 1); ``tpot_default_s``, ``tpot_off_s``
-are the means. Before each prompt the previous one's write-back is done (its written-chunk counter still
-for 6 s, longer than a paced pause). Goal: ``tpot_default_s <= 1.3 x tpot_off_s``. ``--writeback-cpu``
+are the means. Before each prompt the previous one's write-back is done (the written-chunk counter has
+counted its full chunks, then stood still for 3 s). Goal: ``tpot_default_s <= 1.3 x tpot_off_s``. ``--writeback-cpu``
 (repeatable) runs the tier's server at other ``--remote-kv-writeback-cpu`` shares. Writes
 ``docs/results/write_path.json``.
 """
@@ -138,9 +138,19 @@ def encode_rows(shape: str, repeat: int) -> list[dict]:
     return rows
 
 
+def _wait_written(url: str, chunks: float, timeout_s: float = 300.0) -> None:
+    """Until the written-chunk counter reaches ``chunks`` (a prompt's full chunks), then its tail sub-chunks."""
+    from benchmarks.e2e_server import metric, scrape, wait_writeback_idle
+
+    deadline = time.monotonic() + timeout_s
+    while metric(scrape(url), "remote_kv_written_chunks_total") < chunks and time.monotonic() < deadline:
+        time.sleep(0.5)
+    wait_writeback_idle(url, quiet_s=3.0, timeout_s=60)
+
+
 def tpot(prompts: int, new_tokens: int, writeback_cpu: str | None = None) -> dict:
     """See module docstring: the default codec's server against --remote-kv off, same cold prompts."""
-    from benchmarks.e2e_server import stream_generate, wait_writeback_idle
+    from benchmarks.e2e_server import metric, scrape, stream_generate
     from benchmarks.launcher import ServerSpec, SGLangServer
     from sgl_remote_kv.model import ensure_model
 
@@ -158,6 +168,7 @@ def tpot(prompts: int, new_tokens: int, writeback_cpu: str | None = None) -> dic
             with SGLangServer(spec) as srv:
                 runs = []
                 for p in ids:
+                    before = metric(scrape(srv.base_url), "remote_kv_written_chunks_total")
                     r = stream_generate(srv.base_url, p, new_tokens)
                     n = len(r["output_ids"])
                     runs.append(
@@ -167,7 +178,7 @@ def tpot(prompts: int, new_tokens: int, writeback_cpu: str | None = None) -> dic
                         }
                     )
                     if label == "default":  # the next prompt starts with this one's write-back done
-                        wait_writeback_idle(srv.base_url, quiet_s=6.0, timeout_s=300)
+                        _wait_written(srv.base_url, before + len(p) // CHUNK)
                 out["servers"][label] = runs
                 out[f"tpot_{label}_s"] = round(float(np.mean([r["tpot_s"] for r in runs])), 4)
                 print(label, runs)

@@ -114,11 +114,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--remote-kv-writeback-cpu",
         dest="remote_kv_writeback_cpu",
         type=_writeback_cpu,
-        default=0.25,
+        default=0.1,
         metavar="SHARE",
         help="While the server runs batches, the write-back's encoding is busy at most this share of the time "
         "(it pauses between chunks; an idle server writes back at full speed). 0: no encoding while serving; "
-        "1: never pause. Default 0.25.",
+        "1: never pause. Default 0.1.",
     )
     g.add_argument(
         "--remote-kv-nvdec-resolutions",
