@@ -38,7 +38,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # benchmarks/ and tests/ from the tree; sgl_remote_kv from the installed wheel
 
-from benchmarks.e2e_server import decisions, delta, flush_device_cache, scrape, wait_writeback_idle  # noqa: E402
+from benchmarks.e2e_server import (  # noqa: E402
+    decisions,
+    delta,
+    flush_device_cache,
+    metric,
+    scrape,
+    wait_writeback_idle,
+)
 from benchmarks.launcher import ServerSpec, SGLangServer  # noqa: E402
 
 # Random-weight models: SGLang builds the weights from config.json (--load-format dummy, seeded).
@@ -116,6 +123,7 @@ TPOT = {
     "rehearsal": ("smollm2-135m-shape", "dpu-codes", 512, 25),
 }
 NEW_TOKENS = 8
+CHUNK = 256  # the tier's default chunk (--remote-kv-chunk-size)
 
 
 class Report:
@@ -329,11 +337,12 @@ class Check:
                 self.report.data["errors"].append(f"deadline: {model} {path} {n} tokens not measured")
                 return
             self.seed += 1
+            before = written_chunks(url)
             stream(url, prompt(vocab, n, 10_000 + self.seed), 2)  # compile this length's kernels
             self.seed += 1
             ids = prompt(vocab, n, self.seed)
             cold = stream(url, ids, NEW_TOKENS)
-            written = wait_writeback_idle(url, quiet_s=3.0, timeout_s=max(10.0, min(180.0, self.left() - 20)))
+            written = self.wait_written(url, before + 2 * (n // CHUNK) - 2)
             for gbps in rates:
                 if self.left() < 20:
                     self.report.data["errors"].append(f"deadline: {model} {path} {n} @ {gbps} not measured")
@@ -361,15 +370,24 @@ class Check:
                 self.report.save()
             set_link(self.control, 0)
 
+    def wait_written(self, url: str, chunks: float) -> float:
+        """Until the write-back has stored ``chunks`` chunks in all (the counter), then stood still for 3 s
+        (a request's tail); bounded by the deadline. Returns the written bytes."""
+        deadline = time.monotonic() + max(10.0, min(180.0, self.left() - 20))
+        while written_chunks(url) < chunks and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return wait_writeback_idle(url, quiet_s=3.0, timeout_s=max(5.0, deadline - time.monotonic()))
+
     def tpot(self, srv: SGLangServer, model: str, n: int, gbps: float, k: int = 3) -> dict:
         """Inter-token time of one running decode while k other requests fetch their prefix from the tier,
         against the same while k other requests recompute theirs, and with nothing else running."""
         vocab, url = MODELS[model]["vocab_size"], srv.base_url
         base = 50_000 + self.seed
         fetched = [prompt(vocab, n, base + i) for i in range(k)]
+        before = written_chunks(url)
         for ids in fetched:  # into the tier
             stream(url, ids, 1)
-        wait_writeback_idle(url, quiet_s=3.0, timeout_s=max(10.0, min(120.0, self.left() - 30)))
+        self.wait_written(url, before + k * (n // CHUNK) - k)
         flush_device_cache(url)
         set_link(self.control, gbps)
         out = {"model": model, "prompt_tokens": n, "gbps": gbps, "others": k}
@@ -404,6 +422,10 @@ class Check:
         end = time.perf_counter()
         t.join()
         return box, (start, end), served
+
+
+def written_chunks(url: str) -> float:
+    return metric(scrape(url), "remote_kv_written_chunks_total")
 
 
 def sglang_block() -> dict:

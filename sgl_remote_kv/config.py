@@ -42,7 +42,9 @@ class RemoteKVConfig:
     nvdec_instances: int = 2  # decoder instances of the NVDEC pool (--remote-kv nvdec|auto)
     staging_tokens: int = 0  # host staging rows (tokens); 0 = half the KV pool, at most STAGING_AUTO_MAX
     writeback_queue_mb: int = 2048  # KV the write-back may hold queued; past it the oldest jobs are dropped
-    writeback_cpu: float = 0.1  # the write-back worker's busy share of wall time while the server serves
+    # the write-back worker's busy share of wall time while the server serves; None: WRITEBACK_CPU_HOST_POOL
+    # where the KV pool is in host memory (its encode shares the forward's cores), else 1 (no pause)
+    writeback_cpu: float | None = None
     # hevc versions written and fetched, tokens per frame (0 = "full", the anchor, always included);
     # None = 16, chunk/4 (else chunk/2) and full where they fit (docs/NVDEC.md "Adaptive resolution")
     nvdec_resolutions: tuple[int, ...] | None = None
@@ -109,7 +111,7 @@ class RemoteKVConfig:
             raise ValueError(
                 f"--remote-kv-writeback-queue-mb must be in [1, {1 << 20}], got {self.writeback_queue_mb}"
             )
-        if not 0.0 <= self.writeback_cpu <= 1.0:
+        if self.writeback_cpu is not None and not 0.0 <= self.writeback_cpu <= 1.0:
             raise ValueError(f"--remote-kv-writeback-cpu must be in [0, 1], got {self.writeback_cpu}")
         if not 1 <= self.nvdec_instances <= 64:
             raise ValueError(f"--remote-kv-nvdec-instances must be in [1, 64], got {self.nvdec_instances}")
@@ -259,7 +261,7 @@ class RemoteKVConfig:
             nvdec_instances=getattr(ns, "remote_kv_nvdec_instances", 2),
             staging_tokens=getattr(ns, "remote_kv_staging_tokens", 0),
             writeback_queue_mb=getattr(ns, "remote_kv_writeback_queue_mb", 2048),
-            writeback_cpu=getattr(ns, "remote_kv_writeback_cpu", 0.1),
+            writeback_cpu=getattr(ns, "remote_kv_writeback_cpu", None),
             nvdec_resolutions=getattr(ns, "remote_kv_nvdec_resolutions", None),
             nvdec_fetch=getattr(ns, "remote_kv_nvdec_fetch", "adaptive"),
             layerwise=getattr(ns, "remote_kv_layerwise", False),

@@ -114,11 +114,12 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--remote-kv-writeback-cpu",
         dest="remote_kv_writeback_cpu",
         type=_writeback_cpu,
-        default=0.1,
+        default=None,
         metavar="SHARE",
         help="While the server runs batches, the write-back's encoding is busy at most this share of the time "
         "(it pauses between chunks; an idle server writes back at full speed). 0: no encoding while serving; "
-        "1: never pause. Default 0.1.",
+        "1: never pause. Default: 0.1 where the KV pool is in host memory (the CPU platform: the encode shares "
+        "the forward's cores), 1 on a GPU.",
     )
     g.add_argument(
         "--remote-kv-nvdec-resolutions",

@@ -9,6 +9,7 @@ import threading
 import time
 import types
 
+import pytest
 import torch
 from dpu_helpers import FP, LAYOUT, codecs
 
@@ -100,3 +101,17 @@ def test_share_zero_defers_encoding_until_the_server_is_idle(tmp_path) -> None:
     stop.set()
     assert wb.flush(10)  # idle: written
     wb.close()
+
+
+def test_the_default_share_paces_host_pools_only_and_the_flag_overrides_it() -> None:
+    from sgl_remote_kv.config import RemoteKVConfig
+    from sgl_remote_kv.sglang_glue.assemble import WRITEBACK_CPU_HOST_POOL, writeback_share
+
+    host = types.SimpleNamespace(device_dequant=False)
+    device = types.SimpleNamespace(device_dequant=True)
+    auto = RemoteKVConfig(mode="dpu")
+    assert writeback_share(auto, host) == WRITEBACK_CPU_HOST_POOL == 0.1  # the forward's own cores
+    assert writeback_share(auto, device) == 1.0  # a GPU's prefill: keep up
+    assert writeback_share(RemoteKVConfig(mode="dpu", writeback_cpu=0.0), device) == 0.0
+    with pytest.raises(ValueError, match="--remote-kv-writeback-cpu must be in"):
+        RemoteKVConfig(mode="dpu", writeback_cpu=1.5)

@@ -73,7 +73,7 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
         kv_writer,
         b.req_to_token_pool,
         cfg.writeback_queue_mb << 20,
-        cpu_share=cfg.writeback_cpu,
+        cpu_share=writeback_share(cfg, kv_writer),
         tail_granule=tails,
         versions=paths.chunk_versions(cfg, codec, fp, metrics.nvdec_written),
     )
@@ -129,6 +129,15 @@ def build_staging(cfg: RemoteKVConfig, codec, kv_writer, pool_tokens: int, page_
     return staged
 
 
+def writeback_share(cfg: RemoteKVConfig, kv_writer) -> float:
+    """``--remote-kv-writeback-cpu``, or its default for this pool: paced (``WRITEBACK_CPU_HOST_POOL``) where
+    the pool is in host memory, since the encode then takes the forward's own cores; unpaced on a device pool,
+    whose host cores the forward does not use (the write-back must keep up with a GPU's prefill)."""
+    if cfg.writeback_cpu is not None:
+        return cfg.writeback_cpu
+    return 1.0 if kv_writer.device_dequant else WRITEBACK_CPU_HOST_POOL
+
+
 def plain_paths(cfg: RemoteKVConfig, codec) -> list[str]:
     """Why some fetch path of this mode writes KV, not codes, into staging (one line per path)."""
     out = []
@@ -142,3 +151,6 @@ def plain_paths(cfg: RemoteKVConfig, codec) -> list[str]:
 
 
 STAGING_AUTO_MAX = 65536  # tokens of the automatic staging size (--remote-kv-staging-tokens 0)
+# the write-back's default share while serving where the pool is in host memory (measured on the CPU twin:
+# 0.1 kept TPOT at 1.30x --remote-kv off's, 0.25 at 1.62x; docs/results/write_path.json)
+WRITEBACK_CPU_HOST_POOL = 0.1
