@@ -35,12 +35,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-from sgl_remote_kv.dpu.buffers import chunk_bytes, layer_bytes
-from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from benchmarks import kvdata
 from sgl_remote_kv.codec.base import default_codec, get_codec
 from sgl_remote_kv.codec.format import layer_section
+from sgl_remote_kv.contract.settings import DataPlaneSettings
+from sgl_remote_kv.contract.sizing import chunk_bytes, layer_bytes
 from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 from sgl_remote_kv.store.client import open_client
 

@@ -57,8 +57,6 @@ from pathlib import Path
 import numpy as np
 import redis
 import torch
-from sgl_remote_kv.dpu.buffers import chunk_bytes
-from sgl_remote_kv.dpu.settings import DataPlaneSettings, Debug
 
 from benchmarks import kvdata
 from benchmarks.bench_dpu import process_cpu_s
@@ -66,6 +64,8 @@ from benchmarks.e2e_server import REDIS_PORT, shaped_store
 from benchmarks.netshape import netns_supported
 from sgl_remote_kv.codec import calibration
 from sgl_remote_kv.codec.base import default_codec, get_codec
+from sgl_remote_kv.contract.settings import DataPlaneSettings, Debug
+from sgl_remote_kv.contract.sizing import chunk_bytes
 from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 from sgl_remote_kv.fetch.dpu_client.jobs import KVTarget
 from sgl_remote_kv.kvpool import PoolTensors, writer_for

@@ -21,12 +21,11 @@ import threading
 import time
 from pathlib import Path
 
-from sgl_remote_kv.dpu.buffers import chunk_bytes
-from sgl_remote_kv.dpu.settings import DataPlaneSettings
-
 from benchmarks import kvdata
 from benchmarks.bench_dpu import FP, GB, LAYOUT, _cpu_s, load_chunks, put
 from sgl_remote_kv.codec.base import default_codec
+from sgl_remote_kv.contract.settings import DataPlaneSettings
+from sgl_remote_kv.contract.sizing import chunk_bytes
 from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 
 OUT = kvdata.REPO / "docs" / "results" / "dpu_service.json"

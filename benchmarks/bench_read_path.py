@@ -235,9 +235,8 @@ def run_inproc(rig: Rig, device_decode: bool, repeat: int) -> dict:
 
 
 def run_dpu(rig: Rig, device_decode: bool, repeat: int) -> dict:
-    from sgl_remote_kv.dpu.buffers import chunk_bytes
-    from sgl_remote_kv.dpu.settings import DataPlaneSettings
-
+    from sgl_remote_kv.contract.settings import DataPlaneSettings
+    from sgl_remote_kv.contract.sizing import chunk_bytes
     from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
     from sgl_remote_kv.fetch.dpu_client.jobs import KVTarget
 

@@ -16,11 +16,11 @@ import os
 import sys
 
 from sgl_remote_kv.contract.protocol import decode_warmup
+from sgl_remote_kv.contract.settings import SERVICE_LOG_LEVEL, DataPlaneSettings, add_flags, from_namespace
 from sgl_remote_kv.store.credentials import url_password_warning
 
 from .config import DataPlaneConfig
 from .server import DataPlaneServer
-from .settings import SERVICE_LOG_LEVEL, DataPlaneSettings, add_flags, from_namespace
 from .store_proxy import StoreProxy, StoreProxyConfig
 
 

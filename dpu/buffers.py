@@ -8,7 +8,8 @@ Memory model (ShadowServe §4.3, in software):
   ``ceil(slot_bytes * inflate_ratio)`` (lossless-stage output; 1.0 fits every codec, 0.5 fits codecs
   whose lossless output is int8 of a 16-bit KV, as in the paper). Total = ``slots * slot_bytes *
   (1 + inflate_ratio)``, fixed for the life of the process.
-- A round is a set of consecutive chunks of one job that fits one slot. ``plan_rounds`` computes every
+- A round is a set of consecutive chunks of one job that fits one slot. ``plan_rounds``
+  (``contract/sizing.py``, which the host uses too) computes every
   chunk's occupancy from its token count and the model dimensions only (no store round-trip), before
   the round starts; a job larger than a slot runs as several rounds.
 - Compressed blobs come from the store client as ``bytes`` it allocates (the Python store clients give
@@ -28,67 +29,13 @@ import logging
 import math
 import mmap
 import os
-from dataclasses import dataclass
 
 import numpy as np
 
+from sgl_remote_kv.contract.sizing import ChunkRegion, layer_bytes
 from sgl_remote_kv.types import KVLayout
 
 logger = logging.getLogger(__name__)
-
-
-def layer_bytes(layout: KVLayout, tokens: int) -> int:
-    """Bytes of K (or V) of one layer of ``tokens`` tokens."""
-    return tokens * layout.num_kv_heads * layout.head_dim * layout.itemsize
-
-
-def chunk_bytes(layout: KVLayout, tokens: int) -> int:
-    """Decoded K+V bytes of a chunk of ``tokens`` tokens over all layers."""
-    return 2 * layout.num_layers * layer_bytes(layout, tokens)
-
-
-def inflate_layer_cap(layout: KVLayout, tokens: int, inflate_ratio: float) -> int:
-    """Bytes of a chunk-layer's share of the inflate region."""
-    return math.ceil(2 * layer_bytes(layout, tokens) * inflate_ratio)
-
-
-@dataclass(frozen=True)
-class ChunkRegion:
-    """Occupancy of one chunk inside its round slot (offsets relative to the slot)."""
-
-    index: int  # chunk index within the job
-    tokens: int
-    src_off: int  # DMA-source region: K [L, T, H, D] then V [L, T, H, D]
-    infl_off: int  # inflate region: num_layers consecutive pieces of ``infl_layer`` bytes
-    infl_layer: int
-
-
-def plan_rounds(
-    tokens: list[int], layout: KVLayout, slot_bytes: int, inflate_ratio: float
-) -> list[list[ChunkRegion]]:
-    """Split a job's chunks (in prefix order) into rounds that each fit one slot.
-
-    Raises ``ValueError`` if a single chunk does not fit a slot (the caller reports ``bad_request``).
-    """
-    infl_slot = math.ceil(slot_bytes * inflate_ratio)
-    rounds: list[list[ChunkRegion]] = []
-    cur: list[ChunkRegion] = []
-    src = infl = 0
-    for i, t in enumerate(tokens):
-        need_src = chunk_bytes(layout, t)
-        per_layer = inflate_layer_cap(layout, t, inflate_ratio)
-        need_infl = per_layer * layout.num_layers
-        if need_src > slot_bytes or need_infl > infl_slot:
-            raise ValueError(f"chunk {i} ({t} tokens, {need_src} B) does not fit a {slot_bytes} B slot")
-        if src + need_src > slot_bytes or infl + need_infl > infl_slot:
-            rounds.append(cur)
-            cur, src, infl = [], 0, 0
-        cur.append(ChunkRegion(i, t, src, infl, per_layer))
-        src += need_src
-        infl += need_infl
-    if cur:
-        rounds.append(cur)
-    return rounds
 
 
 class StagingBuffers:

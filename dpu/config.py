@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 from sgl_remote_kv.contract import protocol as P
 from sgl_remote_kv.contract.endpoints import check_endpoint
-
-from .settings import DataPlaneSettings
+from sgl_remote_kv.contract.settings import DataPlaneSettings
 
 
 @dataclass(frozen=True)

@@ -25,13 +25,14 @@ import numpy as np
 
 from sgl_remote_kv.codec.errors import CorruptChunk
 from sgl_remote_kv.contract.messages import BlobRef, Message
+from sgl_remote_kv.contract.settings import PipelineConfig
+from sgl_remote_kv.contract.sizing import layer_bytes
 from sgl_remote_kv.store import corruption
 from sgl_remote_kv.store.streaming import StreamOutcome
 
-from .buffers import layer_bytes
 from .fetch_gate import FetchGate
 from .receive import ChunkReceiver
-from .tasks import ChunkTask, JobState, PipelineConfig
+from .tasks import ChunkTask, JobState
 
 
 class ChunkBook(Protocol):

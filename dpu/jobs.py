@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.contract import protocol as P
+from sgl_remote_kv.contract.sizing import ChunkRegion, plan_rounds
 
-from .buffers import ChunkRegion, plan_rounds
 from .clients import ClientTable
 from .config import DataPlaneConfig
 from .tasks import FairQueue, JobState

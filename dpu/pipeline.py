@@ -60,11 +60,13 @@ import numpy as np
 from sgl_remote_kv.codec.errors import CORRUPTION, ChunkError, ForeignChunk
 from sgl_remote_kv.codec.format import layer_section
 from sgl_remote_kv.contract.messages import BlobRef, ChunkDone, ChunkFailed, JobDone, LayerDone, Message
+from sgl_remote_kv.contract.settings import STAGES, PipelineConfig
+from sgl_remote_kv.contract.sizing import ChunkRegion, layer_bytes
 from sgl_remote_kv.store import corruption
 
-from .buffers import ChunkRegion, StagingBuffers, layer_bytes
+from .buffers import StagingBuffers
 from .fetch_stage import FetchStage
-from .tasks import STAGES, ChunkTask, JobState, PipelineConfig, RoundTable, SlabQueue, StageStats, layer_major
+from .tasks import ChunkTask, JobState, RoundTable, SlabQueue, StageStats, layer_major
 
 logger = logging.getLogger(__name__)
 

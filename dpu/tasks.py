@@ -21,34 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sgl_remote_kv.contract.messages import BlobRef, ChunkDest, ChunksVerified, LayerDone
+from sgl_remote_kv.contract.sizing import ChunkRegion
 from sgl_remote_kv.types import numpy_storage_dtype
-
-from .buffers import ChunkRegion
-
-STAGES = ("fetch", "inflate", "dequant", "dma")
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    """The pipeline's view of ``settings.DataPlaneSettings`` (built only by its ``pipeline()``)."""
-
-    fetch_workers: int
-    inflate_workers: int
-    dequant_workers: int
-    dma_workers: int
-    layer_group: int  # layers per slab
-    queue_depth: int  # items per stage queue
-    stage_cpus: tuple[tuple[int, ...], ...]  # per stage (STAGES order): cores to pin to, or ()
-    adaptive_fetch: bool  # fetch concurrency 1 or fetch_workers, from the link (``fetch_gate``)
-    stream_piece: int  # bytes per piece of a streamed store read; 0: whole-value gets
-    # Ablations (benchmarks only): run a chunk's four stages back to back on the fetch worker, and/or
-    # allocate a chunk's staging buffers per chunk instead of using the pre-allocated slot regions.
-    serial: bool
-    prealloc: bool
-    # Ablation (benchmarks only): a round's slabs start only once every chunk of the round was fetched.
-    round_barrier: bool
-    # Fault injection / emulation (tests, benchmarks): the DMA stage sleeps this long per slab.
-    dma_delay_s: float
 
 
 class JobState:

@@ -19,9 +19,10 @@ from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.contract import protocol as P
 from sgl_remote_kv.contract import shm_names
+from sgl_remote_kv.contract.sizing import layer_bytes
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 
-from .buffers import DestRegion, layer_bytes
+from .buffers import DestRegion
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, fields
 
 from sgl_remote_kv import env
 from sgl_remote_kv.contract.endpoints import check_endpoint
-from sgl_remote_kv.dpu.settings import MAX_CPUS
+from sgl_remote_kv.contract.settings import MAX_CPUS
 from sgl_remote_kv.flags import (
     DEFAULT_TAIL_TOKENS,
     FLUSH_SCOPES,

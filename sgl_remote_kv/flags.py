@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from sgl_remote_kv.contract.endpoints import is_endpoint
-from sgl_remote_kv.dpu.settings import cpu_list_arg
+from sgl_remote_kv.contract.settings import cpu_list_arg
 from sgl_remote_kv.types import DEFAULT_QUALITY, DEFAULT_QUANTIZER, DPU_OUTPUTS, QUALITY_LEVELS, QUANTIZERS
 
 MODES = ("off", "dpu", "nvdec", "inproc", "auto")
@@ -279,7 +279,7 @@ def _dpu_args(text: str) -> str:
     """Data-plane flags, checked by parsing them into ``DataPlaneSettings`` (the data plane's own flags)."""
     import shlex
 
-    from sgl_remote_kv.dpu.settings import DataPlaneSettings
+    from sgl_remote_kv.contract.settings import DataPlaneSettings
 
     try:
         DataPlaneSettings.from_flags(shlex.split(text))

@@ -107,13 +107,13 @@ def check_chunk_fits(chunk_size: int, pool_tokens: int, layout, data_plane: bool
         )
     if not data_plane:
         return
-    from sgl_remote_kv.dpu.buffers import chunk_bytes, plan_rounds
-    from sgl_remote_kv.fetch.dpu_client.client import DpuClientConfig
+    from sgl_remote_kv.contract.settings import DataPlaneSettings
+    from sgl_remote_kv.contract.sizing import DEST_SLOT_BYTES, chunk_bytes, plan_rounds
 
-    cfg = DpuClientConfig(store_url="")
-    slot = min(cfg.dest_slot_bytes, cfg.process.slot_bytes)
+    process = DataPlaneSettings()  # the defaults the DPU client starts its data plane with
+    slot = min(DEST_SLOT_BYTES, process.slot_bytes)
     try:
-        plan_rounds([chunk_size], layout, slot, cfg.process.inflate_ratio)
+        plan_rounds([chunk_size], layout, slot, process.inflate_ratio)
     except ValueError:
         fit = max((t for t in range(16, chunk_size, 16) if chunk_bytes(layout, t) <= slot), default=0)
         raise StartupError(

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import zmq
 from dpu_helpers import CHUNK, codecs, pool_tokens
-from sgl_remote_kv.dpu.buffers import chunk_bytes
-from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.contract import protocol as P
+from sgl_remote_kv.contract.settings import DataPlaneSettings
+from sgl_remote_kv.contract.sizing import chunk_bytes
 from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 

@@ -6,9 +6,10 @@ import os
 
 import numpy as np
 import pytest
-from sgl_remote_kv.dpu.buffers import DestRegion, StagingBuffers, chunk_bytes, plan_rounds
+from sgl_remote_kv.dpu.buffers import DestRegion, StagingBuffers
 
 from sgl_remote_kv.contract import shm_names
+from sgl_remote_kv.contract.sizing import chunk_bytes, plan_rounds
 from sgl_remote_kv.fetch.dpu_client.host_region import HostRegion
 from sgl_remote_kv.types import KVLayout
 

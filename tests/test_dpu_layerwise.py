@@ -31,11 +31,11 @@ from dpu_helpers import (
     register_raw,
 )
 from dpu_service_helpers import settings_service
-from sgl_remote_kv.dpu.buffers import chunk_bytes
-from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.codec.base import decode
 from sgl_remote_kv.contract import protocol as P
+from sgl_remote_kv.contract.settings import DataPlaneSettings
+from sgl_remote_kv.contract.sizing import chunk_bytes
 from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 from sgl_remote_kv.fetch.dpu_client.jobs import HostRound
 

@@ -28,11 +28,11 @@ from dpu_helpers import (
     register_raw,
 )
 from dpu_service_helpers import settings_service
-from sgl_remote_kv.dpu.buffers import chunk_bytes
-from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.codec.base import decode
 from sgl_remote_kv.contract import shm_names
+from sgl_remote_kv.contract.settings import DataPlaneSettings
+from sgl_remote_kv.contract.sizing import chunk_bytes
 from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 from sgl_remote_kv.fetch.dpu_client.host_region import HostRegion
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
@@ -307,9 +307,8 @@ def test_layer_wait_means_layer_is_in_the_pool(tmp_path, make_client):
     "case", ["past_region", "codes_past_region", "codes_area_too_small", "codes_no_device_dequant"]
 )
 def test_bad_destination_is_rejected_not_written(tmp_path, case):
-    from sgl_remote_kv.dpu.buffers import layer_bytes
-
     from sgl_remote_kv.contract import protocol as P
+    from sgl_remote_kv.contract.sizing import layer_bytes
 
     codec = codecs()["lossless" if case in ("past_region", "codes_no_device_dequant") else "quant"]
     url = f"file://{tmp_path}/store"
@@ -398,7 +397,7 @@ import sys, time
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from dpu_helpers import FP, codecs
 from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
-from sgl_remote_kv.dpu.settings import DataPlaneSettings
+from sgl_remote_kv.contract.settings import DataPlaneSettings
 spec = DataPlaneSettings(slot_bytes=1 << 20)
 c = DpuClient(DpuClientConfig("file://{tmp_path}/store", dest_slot_bytes=1 << 20, process=spec), FP, codecs()["lossless"])
 c.start()

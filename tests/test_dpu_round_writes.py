@@ -12,10 +12,10 @@ import time
 import numpy as np
 import pytest
 from dpu_helpers import CHUNK, FP, LAYOUT, codecs, make_pool, pool_tokens, put_chunks, random_chunks
-from sgl_remote_kv.dpu.buffers import chunk_bytes
-from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.codec.base import decode
+from sgl_remote_kv.contract.settings import DataPlaneSettings
+from sgl_remote_kv.contract.sizing import chunk_bytes
 from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 from sgl_remote_kv.fetch.dpu_client.jobs import FetchHandle, KVTarget
 from sgl_remote_kv.kvpool import KVWriteError

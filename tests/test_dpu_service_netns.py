@@ -108,7 +108,7 @@ def test_only_the_service_reaches_the_store(own_redis_server, tmp_path):
         "--store-endpoint",
         store_ep,
     ).start()
-    from sgl_remote_kv.dpu.buffers import chunk_bytes
+    from sgl_remote_kv.contract.sizing import chunk_bytes
 
     script = _CLIENTS.format(
         tests=str(Path(__file__).parent),

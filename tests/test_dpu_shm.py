@@ -20,10 +20,10 @@ import textwrap
 from pathlib import Path
 
 from dpu_helpers import CHUNK, FP, codecs
-from sgl_remote_kv.dpu.buffers import chunk_bytes
-from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.contract import shm_names
+from sgl_remote_kv.contract.settings import DataPlaneSettings
+from sgl_remote_kv.contract.sizing import chunk_bytes
 from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 
 SHM = Path("/dev/shm")
@@ -86,8 +86,8 @@ _HOST = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     from dpu_helpers import CHUNK, FP, codecs
     from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
-    from sgl_remote_kv.dpu.buffers import chunk_bytes
-    from sgl_remote_kv.dpu.settings import DataPlaneSettings
+    from sgl_remote_kv.contract.sizing import chunk_bytes
+    from sgl_remote_kv.contract.settings import DataPlaneSettings
     spec = DataPlaneSettings(workers=(1, 1, 1, 1), slots=1, slot_bytes=chunk_bytes(FP.layout, CHUNK))
     cfg = DpuClientConfig(sys.argv[2], 1, chunk_bytes(FP.layout, CHUNK), process=spec)
     c = DpuClient(cfg, FP, codecs()["lossless"])

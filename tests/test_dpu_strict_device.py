@@ -32,11 +32,11 @@ from dpu_helpers import (
     put_chunks,
     random_chunks,
 )
-from sgl_remote_kv.dpu.buffers import chunk_bytes
-from sgl_remote_kv.dpu.settings import DataPlaneSettings
 from strict_device import StrictDevice, StrictKVPool
 
 from sgl_remote_kv.codec.base import decode
+from sgl_remote_kv.contract.settings import DataPlaneSettings
+from sgl_remote_kv.contract.sizing import chunk_bytes
 from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 
 CB = chunk_bytes(LAYOUT, CHUNK)

@@ -17,11 +17,11 @@ from dpu_helpers import (
     put_chunks,
     random_chunks,
 )
-from sgl_remote_kv.dpu.buffers import chunk_bytes
-from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.codec import calibration as cm
 from sgl_remote_kv.codec.base import decode, get_codec
+from sgl_remote_kv.contract.settings import DataPlaneSettings
+from sgl_remote_kv.contract.sizing import chunk_bytes
 from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 
 

@@ -17,11 +17,11 @@ import sys
 import pytest
 from dpu_helpers import CHUNK, FP, codecs
 from sgl_remote_kv.dpu.__main__ import build_parser, config_from_args
-from sgl_remote_kv.dpu.buffers import chunk_bytes
-from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
 from sgl_remote_kv.codec.base import default_codec
 from sgl_remote_kv.contract import protocol as P
+from sgl_remote_kv.contract.settings import DataPlaneSettings
+from sgl_remote_kv.contract.sizing import chunk_bytes
 from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 
 _FRESH = """

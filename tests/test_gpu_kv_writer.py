@@ -126,9 +126,9 @@ def _dpu_fetch_into_cuda(tmp_path, codec, output: str, seed: int):
     """A real data plane fetches 5 chunks of ``codec`` into an SGLang pool on CUDA with ``output``;
     returns (writer, slots, blobs)."""
     from dpu_helpers import CHUNK, FP, LAYOUT, put_chunks, random_chunks
-    from sgl_remote_kv.dpu.buffers import chunk_bytes
-    from sgl_remote_kv.dpu.settings import DataPlaneSettings
 
+    from sgl_remote_kv.contract.settings import DataPlaneSettings
+    from sgl_remote_kv.contract.sizing import chunk_bytes
     from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
     from sgl_remote_kv.fetch.dpu_client.jobs import KVTarget
 

@@ -20,10 +20,10 @@ import pytest
 import torch
 from dpu_helpers import CHUNK, FP, LAYOUT, codecs, put_chunks, random_chunks
 from pool_fake import FakeKVPool
-from sgl_remote_kv.dpu.buffers import chunk_bytes
-from sgl_remote_kv.dpu.settings import DataPlaneSettings, Debug
 
 from sgl_remote_kv.codec.base import decode
+from sgl_remote_kv.contract.settings import DataPlaneSettings, Debug
+from sgl_remote_kv.contract.sizing import chunk_bytes
 from sgl_remote_kv.fetch import layerwise
 from sgl_remote_kv.fetch.dpu import DpuFetchBackend
 from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig

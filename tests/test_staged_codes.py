@@ -189,9 +189,8 @@ def test_dpu_codes_output_is_staged_and_decoded_on_the_device(tmp_path, dev, mon
     """The data plane's ``auto`` output for staging that keeps codes: its lossless stage only (nothing
     dequantized on the data plane), codes copied into the arena, dequantized on the device at load,
     bit-identical to the CPU decode."""
-    from sgl_remote_kv.dpu.buffers import chunk_bytes
-    from sgl_remote_kv.dpu.settings import DataPlaneSettings
-
+    from sgl_remote_kv.contract.settings import DataPlaneSettings
+    from sgl_remote_kv.contract.sizing import chunk_bytes
     from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
     from sgl_remote_kv.fetch.dpu_client.jobs import KVTarget
 

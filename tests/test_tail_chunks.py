@@ -69,9 +69,8 @@ def test_in_process_backend_fetches_full_and_tail_chunks_in_one_handle(tmp_path,
 
 
 def test_dpu_data_plane_fetches_full_and_tail_chunks_in_one_job_bit_exact(tmp_path):
-    from sgl_remote_kv.dpu.buffers import chunk_bytes
-    from sgl_remote_kv.dpu.settings import DataPlaneSettings
-
+    from sgl_remote_kv.contract.settings import DataPlaneSettings
+    from sgl_remote_kv.contract.sizing import chunk_bytes
     from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 
     codec = codecs()["quant"]

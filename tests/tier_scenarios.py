@@ -72,9 +72,8 @@ def _dev_stream(device: str):
 @contextlib.contextmanager
 def dpu_client(url: str, fp: ModelFingerprint, codec, *, blob_area: bool, dma_delay_s: float = 0.0):
     """A started ``DpuClient`` (its own data plane) for ``N_CHUNKS`` chunks of ``CHUNK`` tokens."""
-    from sgl_remote_kv.dpu.buffers import chunk_bytes
-    from sgl_remote_kv.dpu.settings import DataPlaneSettings, Debug
-
+    from sgl_remote_kv.contract.settings import DataPlaneSettings, Debug
+    from sgl_remote_kv.contract.sizing import chunk_bytes
     from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 
     cb = chunk_bytes(fp.layout, CHUNK)

@@ -159,7 +159,7 @@ def start_dpu_backend(
     (``hung`` / ``restarted``); ``on_write(seconds, layers, output)``: the client's receiver thread wrote fetched
     layers into the staging rows."""
     try:
-        from sgl_remote_kv.dpu.settings import DataPlaneSettings
+        from sgl_remote_kv.contract.settings import DataPlaneSettings
         from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
 
         # --remote-kv-dpu-args (validated by config) and --remote-kv-dpu-cpus (empty: auto = None)

@@ -43,7 +43,8 @@ import zmq
 from sgl_remote_kv.contract import protocol as P
 from sgl_remote_kv.contract import shm_names
 from sgl_remote_kv.contract.endpoints import check_endpoint
-from sgl_remote_kv.dpu.settings import DataPlaneSettings
+from sgl_remote_kv.contract.settings import DataPlaneSettings
+from sgl_remote_kv.contract.sizing import DEST_SLOT_BYTES
 from sgl_remote_kv.types import DPU_OUTPUTS, ModelFingerprint
 
 from .host_region import HostRegion
@@ -61,7 +62,7 @@ logger = logging.getLogger(__name__)
 class DpuClientConfig:
     store_url: str
     dest_slots: int = 2
-    dest_slot_bytes: int = 64 << 20
+    dest_slot_bytes: int = DEST_SLOT_BYTES
     blob_slot_bytes: int = 0  # > 0: host-visible copies of verified blobs (layer-wise admission)
     process: DataPlaneSettings = DataPlaneSettings()
     heartbeat_s: float = 0.5

@@ -32,7 +32,7 @@ import zmq
 
 from sgl_remote_kv.contract import protocol as P
 from sgl_remote_kv.contract import shm_names
-from sgl_remote_kv.dpu.settings import DataPlaneSettings
+from sgl_remote_kv.contract.settings import DataPlaneSettings
 
 logger = logging.getLogger(__name__)
 

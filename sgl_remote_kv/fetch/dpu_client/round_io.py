@@ -18,7 +18,7 @@ import numpy as np
 from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.codec.format import ChunkShape
 from sgl_remote_kv.contract import protocol as P
-from sgl_remote_kv.dpu.buffers import layer_bytes
+from sgl_remote_kv.contract.sizing import layer_bytes
 from sgl_remote_kv.kvpool import KVWriteError
 from sgl_remote_kv.types import KVLayout, numpy_storage_dtype
 

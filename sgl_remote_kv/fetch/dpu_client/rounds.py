@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sgl_remote_kv.contract import protocol as P
-from sgl_remote_kv.dpu.buffers import plan_rounds
+from sgl_remote_kv.contract.sizing import plan_rounds
 from sgl_remote_kv.kvpool import KVWriteError
 from sgl_remote_kv.types import KVLayout
 

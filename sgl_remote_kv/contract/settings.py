@@ -5,7 +5,8 @@
 hands it to the child process as one JSON argument (``--settings-json``); a standalone
 ``python -m sgl_remote_kv.dpu`` run parses the same flags (``add_flags``/``from_namespace``) into the same
 type. Benchmark ablations and fault injection are grouped in ``Debug``. The pipeline's own view
-(``tasks.PipelineConfig``) is derived here and has no defaults of its own.
+(``PipelineConfig``) is derived here and has no defaults of its own. Shared by the host (which builds and
+sends it) and the data plane (which runs with it), so it lives in the contract.
 """
 
 from __future__ import annotations
@@ -14,7 +15,31 @@ import argparse
 import json
 from dataclasses import asdict, dataclass, field
 
-from .tasks import STAGES, PipelineConfig
+STAGES = ("fetch", "inflate", "dequant", "dma")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The pipeline's view of ``settings.DataPlaneSettings`` (built only by its ``pipeline()``)."""
+
+    fetch_workers: int
+    inflate_workers: int
+    dequant_workers: int
+    dma_workers: int
+    layer_group: int  # layers per slab
+    queue_depth: int  # items per stage queue
+    stage_cpus: tuple[tuple[int, ...], ...]  # per stage (STAGES order): cores to pin to, or ()
+    adaptive_fetch: bool  # fetch concurrency 1 or fetch_workers, from the link (``fetch_gate``)
+    stream_piece: int  # bytes per piece of a streamed store read; 0: whole-value gets
+    # Ablations (benchmarks only): run a chunk's four stages back to back on the fetch worker, and/or
+    # allocate a chunk's staging buffers per chunk instead of using the pre-allocated slot regions.
+    serial: bool
+    prealloc: bool
+    # Ablation (benchmarks only): a round's slabs start only once every chunk of the round was fetched.
+    round_barrier: bool
+    # Fault injection / emulation (tests, benchmarks): the DMA stage sleeps this long per slab.
+    dma_delay_s: float
+
 
 FETCH_CONCURRENCY = ("adaptive", "fixed")
 SERVICE_LOG_LEVEL = "INFO"
