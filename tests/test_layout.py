@@ -30,11 +30,8 @@ MAX_LINES = 400
 OVER_BUDGET: dict[str, int] = {}
 
 
-# Import cycles still present (strongly connected components, measured 2026-11-28); each may only shrink.
-_P = PKG + "."
-KNOWN_CYCLES: list[frozenset[str]] = [
-    frozenset(_P + "fetch.dpu_client." + m for m in ("client", "receiver", "supervisor")),
-]
+# Import cycles still present (strongly connected components); each may only shrink. None since 2026-11-28.
+KNOWN_CYCLES: list[frozenset[str]] = []
 
 
 def _files() -> dict[str, Path]:

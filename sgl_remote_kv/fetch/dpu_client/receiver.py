@@ -44,7 +44,7 @@ from .link import AttachedService, DataPlaneProcess
 from .supervisor import Supervisor
 
 if TYPE_CHECKING:
-    from .client import DpuClient
+    from .owner import ClientState
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Receiver:
 
     def __init__(
         self,
-        client: DpuClient,
+        client: ClientState,
         proc: DataPlaneProcess | AttachedService,
         supervisor: Supervisor,
         wake_rx: zmq.Socket,

@@ -28,7 +28,7 @@ from sgl_remote_kv.contract import protocol as P
 from .link import AttachedService, DataPlaneProcess
 
 if TYPE_CHECKING:
-    from .client import DpuClient
+    from .owner import ClientState
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class Supervisor:
     """See module docstring. ``client``: the owning ``DpuClient`` (its ``cfg``, ``cv``, ``book``,
     ``counters`` and ``on_restart`` are read when used); ``proc``: its link to the data plane."""
 
-    def __init__(self, client: DpuClient, proc: DataPlaneProcess | AttachedService) -> None:
+    def __init__(self, client: ClientState, proc: DataPlaneProcess | AttachedService) -> None:
         self.client, self.proc = client, proc
         self.attached = bool(client.cfg.endpoint)
         self.registered = True  # attached: the service accepted our current connection's Register
