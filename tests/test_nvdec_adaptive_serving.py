@@ -295,8 +295,9 @@ def test_writeback_stores_every_version_under_its_key(tmp_path):
 
     from sgl_remote_kv.kvpool import PoolTensors, writer_for
     from sgl_remote_kv.runtime import KeySpace
-    from sgl_remote_kv.sglang_glue.writeback import WriteBack
+    from sgl_remote_kv.sglang_glue.assemble import WriteBackRequests
     from sgl_remote_kv.store.client import open_client
+    from sgl_remote_kv.writeback import WriteBack
 
     fp = synthetic.fingerprint(num_layers=4, dtype="float32")
     lay = fp.layout
@@ -315,7 +316,9 @@ def test_writeback_stores_every_version_under_its_key(tmp_path):
     keys, client = KeySpace(fp, anchor, C), open_client(f"file://{tmp_path}/s")
     versions = ChunkVersions(anchor, RES, fp, C, metrics.nvdec_written)
     r2t = types.SimpleNamespace(req_to_token=slots[None, :].clone())
-    wb = WriteBack(anchor, fp, client, keys, metrics, writer, r2t, 1 << 30, versions=versions)
+    wb = WriteBack(
+        anchor, fp, client, keys, metrics, writer, WriteBackRequests(r2t), 1 << 30, versions=versions
+    )
     wb.offer(request, n_tok, final=True)
     assert wb.flush(120)
     wb.close()

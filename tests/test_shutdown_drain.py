@@ -24,9 +24,10 @@ from sgl_remote_kv.fetch.base import FetchPath
 from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
 from sgl_remote_kv.kvpool import PoolTensors, writer_for
 from sgl_remote_kv.metrics import RemoteKVMetrics
-from sgl_remote_kv.sglang_glue.writeback import WriteBack
+from sgl_remote_kv.sglang_glue.assemble import WriteBackRequests
 from sgl_remote_kv.store.client import open_client
 from sgl_remote_kv.types import PathName
+from sgl_remote_kv.writeback import WriteBack
 
 CH, G = 32, 8
 N_TOK = 2 * CH + 3 * G + 5  # 2 chunks, 3 tail sub-chunks, 5 tokens left over
@@ -48,7 +49,9 @@ def _runtime(url: str) -> tuple[runtime.RemoteKVRuntime, types.SimpleNamespace]:
     client = open_client(url)
     keys = runtime.KeySpace(FP, codec, CH)
     r2t = types.SimpleNamespace(req_to_token=slots[None, :].clone())
-    wb = WriteBack(codec, FP, client, keys, RemoteKVMetrics(), writer, r2t, 1 << 30, tail_granule=G)
+    wb = WriteBack(
+        codec, FP, client, keys, RemoteKVMetrics(), writer, WriteBackRequests(r2t), 1 << 30, tail_granule=G
+    )
     path = FetchPath(PathName.INPROC, InProcessFetchBackend(client, codec, FP, CH), codec)
     cfg = RemoteKVConfig(mode="inproc", chunk_size=CH)  # the write-back above has its own tail granule
     rt = runtime.build(

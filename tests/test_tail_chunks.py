@@ -22,9 +22,10 @@ from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
 from sgl_remote_kv.kvpool import PoolTensors, writer_for
 from sgl_remote_kv.metrics import RemoteKVMetrics
 from sgl_remote_kv.runtime import KeySpace
-from sgl_remote_kv.sglang_glue.writeback import WriteBack
+from sgl_remote_kv.sglang_glue.assemble import WriteBackRequests
 from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.store.client import open_client
+from sgl_remote_kv.writeback import WriteBack
 from tests.admission_fakes import C, make_queue, req
 
 CH, G = 32, 8  # chunk and sub-chunk tokens of the fetch tests (dpu_helpers' layout)
@@ -166,7 +167,9 @@ def test_writeback_writes_the_tail_of_a_finished_request(tmp_path):
     )
     keys = KeySpace(FP, codec, CH)
     client = open_client(url)
-    wb = WriteBack(codec, FP, client, keys, RemoteKVMetrics(), writer, r2t, 1 << 30, tail_granule=G)
+    wb = WriteBack(
+        codec, FP, client, keys, RemoteKVMetrics(), writer, WriteBackRequests(r2t), 1 << 30, tail_granule=G
+    )
     wb.offer(request, n_tok)  # a checkpoint mid-request: full chunks only
     assert wb.flush(30)
     full = keys.keys_for(request.full_untruncated_fill_ids, 2, None)

@@ -17,8 +17,9 @@ from dpu_helpers import FP, LAYOUT, codecs
 from sgl_remote_kv import runtime
 from sgl_remote_kv.kvpool import PoolTensors, writer_for
 from sgl_remote_kv.metrics import RemoteKVMetrics
-from sgl_remote_kv.sglang_glue.writeback import WriteBack
+from sgl_remote_kv.sglang_glue.assemble import WriteBackRequests
 from sgl_remote_kv.store.client import open_client
+from sgl_remote_kv.writeback import WriteBack
 
 CH = 32
 CHUNK_BYTES = CH * LAYOUT.bytes_per_token()
@@ -58,9 +59,9 @@ def test_a_full_queue_drops_the_oldest_counts_and_logs_once_and_never_blocks(tmp
     r2t = types.SimpleNamespace(req_to_token=torch.arange(2 * CH)[None, :].clone())
     metrics = RemoteKVMetrics()
     wb = WriteBack(
-        codec, FP, store, keys, metrics, writer, r2t, 3 * 2 * CHUNK_BYTES
+        codec, FP, store, keys, metrics, writer, WriteBackRequests(r2t), 3 * 2 * CHUNK_BYTES
     )  # 3 requests of 2 chunks
-    caplog.set_level(logging.WARNING, logger="sgl_remote_kv.sglang_glue.writeback")
+    caplog.set_level(logging.WARNING, logger="sgl_remote_kv.writeback")
 
     reqs = [_request(f"r{i}", 2 * CH, 1000 * i) for i in range(10)]
     wb.offer(reqs[0], 2 * CH)
@@ -93,7 +94,7 @@ def test_one_job_larger_than_the_bound_is_kept(tmp_path):
     client = open_client(f"file://{tmp_path / 'store'}")
     keys = runtime.KeySpace(FP, codec, CH)
     r2t = types.SimpleNamespace(req_to_token=torch.arange(2 * CH)[None, :].clone())
-    wb = WriteBack(codec, FP, client, keys, RemoteKVMetrics(), writer, r2t, 1)
+    wb = WriteBack(codec, FP, client, keys, RemoteKVMetrics(), writer, WriteBackRequests(r2t), 1)
     req = _request("big", 2 * CH, 7)
     wb.offer(req, 2 * CH)
     assert wb.flush(30)

@@ -17,8 +17,9 @@ from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.kvpool import PoolTensors, writer_for
 from sgl_remote_kv.kvpool.device_writer import DeviceKVWriter
 from sgl_remote_kv.metrics import RemoteKVMetrics
-from sgl_remote_kv.sglang_glue.writeback import WriteBack
+from sgl_remote_kv.sglang_glue.assemble import WriteBackRequests
 from sgl_remote_kv.store.client import open_client
+from sgl_remote_kv.writeback import WriteBack
 from tests.strict_device import StrictDevice, StrictKVPool
 
 TD = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -97,7 +98,7 @@ def test_device_encode_is_byte_identical_and_runs_no_host_quantizer(dev, tmp_pat
     store = open_client(f"file://{tmp_path / 'store'}")
     keys = runtime.KeySpace(fp, codec, CH)
     r2t = types.SimpleNamespace(req_to_token=slots[None, :].clone())
-    wb = WriteBack(codec, fp, store, keys, RemoteKVMetrics(), writer, r2t, 1 << 30)
+    wb = WriteBack(codec, fp, store, keys, RemoteKVMetrics(), writer, WriteBackRequests(r2t), 1 << 30)
     assert wb.device_encode
     req = _request(3 * CH)
     wb.offer(req, 3 * CH)

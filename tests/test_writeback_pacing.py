@@ -16,8 +16,9 @@ from dpu_helpers import FP, LAYOUT, codecs
 from sgl_remote_kv import runtime
 from sgl_remote_kv.kvpool import PoolTensors, writer_for
 from sgl_remote_kv.metrics import RemoteKVMetrics
-from sgl_remote_kv.sglang_glue.writeback import WriteBack
+from sgl_remote_kv.sglang_glue.assemble import WriteBackRequests
 from sgl_remote_kv.store.client import open_client
+from sgl_remote_kv.writeback import WriteBack
 
 CH = 32
 ENCODE_S = 0.03  # what each chunk's encode takes here
@@ -45,7 +46,15 @@ def _writeback(tmp_path, share: float, chunks: int):
     keys = runtime.KeySpace(FP, codec, CH)
     r2t = types.SimpleNamespace(req_to_token=torch.arange(chunks * CH)[None, :].clone())
     wb = WriteBack(
-        _SlowCodec(codec), FP, store, keys, RemoteKVMetrics(), writer, r2t, 1 << 30, cpu_share=share
+        _SlowCodec(codec),
+        FP,
+        store,
+        keys,
+        RemoteKVMetrics(),
+        writer,
+        WriteBackRequests(r2t),
+        1 << 30,
+        cpu_share=share,
     )
     req = types.SimpleNamespace(
         rid="r",

@@ -20,11 +20,30 @@ from sgl_remote_kv.fetch import layerwise, paths
 from sgl_remote_kv.kvpool.staged import StagedPages, staging_plan
 from sgl_remote_kv.kvpool.warmup import warm_up
 from sgl_remote_kv.sglang_glue import seam
-from sgl_remote_kv.sglang_glue.writeback import WriteBack
 from sgl_remote_kv.store import generation
 from sgl_remote_kv.store.base import redact_url
+from sgl_remote_kv.writeback import WriteBack
 
 logger = logging.getLogger(__name__)
+
+
+class WriteBackRequests:
+    """The write-back's view of SGLang's requests (``writeback.RequestReader``), through the seam's accessors."""
+
+    def __init__(self, req_to_token_pool) -> None:
+        self.req_to_token_pool = req_to_token_pool
+
+    def rid(self, req) -> str:
+        return seam.SchedulerHost.rid(req)
+
+    def fill_ids(self, req) -> list[int]:
+        return seam.req_fill_ids(req)
+
+    def salt(self, req) -> str | None:
+        return seam.req_salt(req)
+
+    def kv_indices(self, req, lo: int, hi: int):
+        return seam.req_kv_indices(self.req_to_token_pool, req, lo, hi)
 
 
 def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKVRuntime:
@@ -71,7 +90,7 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
         keys,
         metrics,
         kv_writer,
-        b.req_to_token_pool,
+        WriteBackRequests(b.req_to_token_pool),
         cfg.writeback_queue_mb << 20,
         cpu_share=writeback_share(cfg, kv_writer),
         tail_granule=tails,

@@ -36,12 +36,12 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from sgl_remote_kv.codec.quantized import QuantizedChunks
 from sgl_remote_kv.kvpool.writer import PendingRead
-from sgl_remote_kv.sglang_glue import seam
 from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.types import FailureKind
 
@@ -63,9 +63,18 @@ class _Job:
     nbytes: int = 0  # host bytes the job holds (the queue's bound counts them)
 
 
+class RequestReader(Protocol):
+    """What the write-back reads of a request (``sglang_glue.assemble.WriteBackRequests`` over SGLang's)."""
+
+    def rid(self, req) -> str: ...
+    def fill_ids(self, req) -> list[int]: ...  # the request's token ids so far
+    def salt(self, req) -> str | None: ...  # its cache salt (the key namespace of a tenant)
+    def kv_indices(self, req, lo: int, hi: int): ...  # pool slots of tokens [lo, hi), or None
+
+
 class WriteBack:
-    """``keys``: the deployment's ``runtime.KeySpace`` (write codec); ``req_to_token_pool``: SGLang's,
-    read through the seam."""
+    """``keys``: the deployment's ``runtime.KeySpace`` (write codec); ``requests``: how to read a request
+    (``RequestReader``; the SGLang glue passes SGLang's). No SGLang import here."""
 
     def __init__(
         self,
@@ -75,7 +84,7 @@ class WriteBack:
         keys,
         metrics,
         kv_writer,
-        req_to_token_pool,
+        requests: RequestReader,
         max_bytes: int,
         cpu_share: float = 1.0,
         tail_granule: int = 0,
@@ -95,7 +104,7 @@ class WriteBack:
         self.kv_writer = kv_writer  # reads the KV of finished chunks (scheduler thread)
         # quantize on the device, encode only the lossless stage here (see module docstring)
         self.device_encode = bool(getattr(codec, "device_encode", False)) and versions is None
-        self.req_to_token_pool = req_to_token_pool
+        self.requests = requests
         self.max_bytes = max_bytes
         self.cpu_share = cpu_share
         self._serving_at = float("-inf")  # monotonic time of the scheduler's last batch
@@ -138,12 +147,12 @@ class WriteBack:
         chunk after them."""
         c, g = self.chunk_size, self.tail_granule
         last = up_to // c
-        rid = seam.SchedulerHost.rid(req)
+        rid = self.requests.rid(req)
         first = self._progress.get(rid, 0)
         subs = (up_to - last * c) // g if final and g else 0
         if last <= first and not subs:
             return
-        ids, salt = seam.req_fill_ids(req), seam.req_salt(req)
+        ids, salt = self.requests.fill_ids(req), self.requests.salt(req)
         keys = self.keys.keys_for(ids, last, salt)
         tag = keys_mod.tenant_tag(salt)
         if last > first and self._queue(req, keys, first, first * c, last * c, c, tag):
@@ -154,7 +163,7 @@ class WriteBack:
 
     def _queue(self, req, keys: list[bytes], first: int, lo: int, hi: int, tokens: int, tag: bytes) -> bool:
         """Copy tokens ``[lo, hi)`` out of the pool and queue them as chunks ``keys[first:]``."""
-        idx = seam.req_kv_indices(self.req_to_token_pool, req, lo, hi)
+        idx = self.requests.kv_indices(req, lo, hi)
         if idx is None:
             return False
         lay = self.fingerprint.layout
