@@ -19,7 +19,7 @@ by the writer's timeout, and returns ``[L, T, H, D]`` views of the pinned buffer
 ``device_read_quantized_later`` is the same read for a codec that quantizes on the device (the ``quant_*``
 codecs, ``codec.device_encode``): in step 2 each layer's slice is quantized on the side stream
 (``kernels/quantize.py``) and only its codes, scales and per-chunk flags come back (about half the bytes of
-bf16 KV); ``PendingCodes.result()`` returns them as a ``codec.quant.QuantizedChunks``, and the host is left
+bf16 KV); ``PendingCodes.result()`` returns them as a ``codec.quantized.QuantizedChunks``, and the host is left
 with the lossless stage.
 
 Buffers: the ``PendingRead`` owns the pinned buffer; its views stay valid while the caller holds them.

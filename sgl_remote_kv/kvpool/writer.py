@@ -185,7 +185,7 @@ class KVWriter(ABC):
 
     def read_quantized_later(self, slots: torch.Tensor, spec, chunk: int) -> PendingRead | None:
         """``read_later`` quantized on the device for the write-back (``readback.device_read_quantized_later``:
-        its ``result()`` is a ``codec.quant.QuantizedChunks`` of ``chunk``-token chunks per ``spec``); None
+        its ``result()`` is a ``codec.quantized.QuantizedChunks`` of ``chunk``-token chunks per ``spec``); None
         where the pool is in host memory (the host encodes what ``read_later`` gives)."""
         return None
 
