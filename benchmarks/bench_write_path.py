@@ -138,19 +138,9 @@ def encode_rows(shape: str, repeat: int) -> list[dict]:
     return rows
 
 
-def _wait_written(url: str, chunks: float, timeout_s: float = 300.0) -> None:
-    """Until the written-chunk counter reaches ``chunks`` (a prompt's full chunks), then its tail sub-chunks."""
-    from benchmarks.e2e_server import metric, scrape, wait_writeback_idle
-
-    deadline = time.monotonic() + timeout_s
-    while metric(scrape(url), "remote_kv_written_chunks_total") < chunks and time.monotonic() < deadline:
-        time.sleep(0.5)
-    wait_writeback_idle(url, quiet_s=3.0, timeout_s=60)
-
-
 def tpot(prompts: int, new_tokens: int, writeback_cpu: str | None = None) -> dict:
     """See module docstring: the default codec's server against --remote-kv off, same cold prompts."""
-    from benchmarks.e2e_server import metric, scrape, stream_generate
+    from benchmarks.e2e_server import chunks_done, stream_generate, wait_written
     from benchmarks.launcher import ServerSpec, SGLangServer
     from sgl_remote_kv.model import ensure_model
 
@@ -168,7 +158,7 @@ def tpot(prompts: int, new_tokens: int, writeback_cpu: str | None = None) -> dic
             with SGLangServer(spec) as srv:
                 runs = []
                 for p in ids:
-                    before = metric(scrape(srv.base_url), "remote_kv_written_chunks_total")
+                    before = chunks_done(srv.base_url)
                     r = stream_generate(srv.base_url, p, new_tokens)
                     n = len(r["output_ids"])
                     runs.append(
@@ -178,7 +168,7 @@ def tpot(prompts: int, new_tokens: int, writeback_cpu: str | None = None) -> dic
                         }
                     )
                     if label == "default":  # the next prompt starts with this one's write-back done
-                        _wait_written(srv.base_url, before + len(p) // CHUNK)
+                        wait_written(srv.base_url, before + len(p) // CHUNK, idle_timeout_s=60)
                 out["servers"][label] = runs
                 out[f"tpot_{label}_s"] = round(float(np.mean([r["tpot_s"] for r in runs])), 4)
                 print(label, runs)

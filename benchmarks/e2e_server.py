@@ -215,33 +215,58 @@ def wait_writeback_idle(base_url: str, quiet_s: float = 4.0, timeout_s: float = 
     return last or 0.0
 
 
-def stream_generate(base_url: str, ids: list[int], new_tokens: int, timeout_s: float = 900) -> dict:
-    """Streamed greedy /generate: TTFT (first chunk), total time, output ids (SGLang streams them cumulative
-    unless ``--incremental-streaming-output``), storage tokens."""
-    body = {
-        "input_ids": ids,
-        "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens},
-        "stream": True,
-    }
+def chunks_done(base_url: str) -> float:
+    """Chunks the write-back is done with: stored, or found already in the store (``present``)."""
+    m = scrape(base_url)
+    present = sum(v for k, v in m.items() if "writeback_skipped" in k and 'reason="present"' in k)
+    return metric(m, "remote_kv_written_chunks_total") + present
+
+
+def wait_written(
+    base_url: str, chunks: float, timeout_s: float = 300.0, idle_timeout_s: float | None = None
+) -> float:
+    """Until ``chunks_done`` reaches ``chunks`` (the full chunks of what was sent; a paced write-back can be
+    still for longer than ``wait_writeback_idle``'s quiet time between them), at most ``timeout_s``, then until
+    the written bytes stand still for 3 s (the tail sub-chunks), at most ``idle_timeout_s`` (None: what is
+    left of ``timeout_s``, at least 5 s). Returns the written bytes."""
+    deadline = time.monotonic() + timeout_s
+    while chunks_done(base_url) < chunks and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if idle_timeout_s is None:
+        idle_timeout_s = max(5.0, deadline - time.monotonic())
+    return wait_writeback_idle(base_url, quiet_s=3.0, timeout_s=idle_timeout_s)
+
+
+def stream_generate(
+    base_url: str, ids: list[int], new_tokens: int, timeout_s: float = 900, ignore_eos: bool = False
+) -> dict:
+    """Streamed greedy /generate: TTFT (first chunk), total time, the arrival time (``perf_counter``) of each
+    output token, output ids (SGLang streams them cumulative unless ``--incremental-streaming-output``),
+    storage tokens."""
+    params = {"temperature": 0, "max_new_tokens": new_tokens, **({"ignore_eos": True} if ignore_eos else {})}
+    body = {"input_ids": ids, "sampling_params": params, "stream": True}
     req = urllib.request.Request(
         base_url + "/generate", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
     )
     t0 = time.perf_counter()
-    ttft, last = None, None
+    ttft, last, arrivals = None, None, []
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
+            now = time.perf_counter()
             if ttft is None:
-                ttft = time.perf_counter() - t0
+                ttft = now - t0
             last = json.loads(line[5:])
+            arrivals += [now] * max(0, len(last.get("output_ids") or []) - len(arrivals))
     total = time.perf_counter() - t0
     meta = (last or {}).get("meta_info", {})
     details = meta.get("cached_tokens_details") or {}
     return {
         "ttft_s": ttft,
         "total_s": total,
+        "arrivals": arrivals,
         "output_ids": list((last or {}).get("output_ids", [])),
         "storage_tokens": int(details.get("storage") or 0),
     }

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -33,19 +34,19 @@ import statistics
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # benchmarks/ and tests/ from the tree; sgl_remote_kv from the installed wheel
 
 from benchmarks.e2e_server import (  # noqa: E402
+    chunks_done,
     decisions,
     delta,
     flush_device_cache,
-    metric,
     scrape,
-    wait_writeback_idle,
+    stream_generate,
+    wait_written,
 )
 from benchmarks.launcher import ServerSpec, SGLangServer  # noqa: E402
 
@@ -178,38 +179,8 @@ def prompt(vocab: int, n: int, seed: int) -> list[int]:
     return [rng.randrange(100, vocab - 100) for _ in range(n)]
 
 
-def stream(base_url: str, ids: list[int], new_tokens: int, timeout_s: float = 600) -> dict:
-    """Streamed greedy /generate by token ids: TTFT, arrival time of each output token, the ids, and how
-    many prompt tokens SGLang reports as served by the tier (``cached_tokens_details.storage``)."""
-    body = {
-        "input_ids": ids,
-        "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
-        "stream": True,
-    }
-    req = urllib.request.Request(
-        base_url + "/generate", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
-    )
-    t0 = time.perf_counter()
-    ttft, last, arrivals, seen = None, None, [], 0
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            now = time.perf_counter()
-            ttft = ttft if ttft is not None else now - t0
-            last = json.loads(line[5:])
-            n = len(last.get("output_ids") or [])
-            arrivals += [now] * max(0, n - seen)
-            seen = max(seen, n)
-    meta = (last or {}).get("meta_info", {})
-    return {
-        "ttft_s": ttft,
-        "total_s": time.perf_counter() - t0,
-        "arrivals": arrivals,
-        "output_ids": list((last or {}).get("output_ids") or []),
-        "storage_tokens": int((meta.get("cached_tokens_details") or {}).get("storage") or 0),
-    }
+# greedy, every new token generated (random weights may pick EOS early), each token's arrival time
+stream = functools.partial(stream_generate, timeout_s=600, ignore_eos=True)
 
 
 def set_link(control: Path, gbps: float) -> None:
@@ -339,7 +310,7 @@ class Check:
                 self.report.data["errors"].append(f"deadline: {model} {path} {n} tokens not measured")
                 return
             self.seed += 1
-            before = written_chunks(url)
+            before = chunks_done(url)
             stream(url, prompt(vocab, n, 10_000 + self.seed), 2)  # compile this length's kernels
             self.seed += 1
             ids = prompt(vocab, n, self.seed)
@@ -374,12 +345,8 @@ class Check:
             set_link(self.control, 0)
 
     def wait_written(self, url: str, chunks: float) -> float:
-        """Until the write-back has stored ``chunks`` chunks in all (the counter), then stood still for 3 s
-        (a request's tail); bounded by the deadline. Returns the written bytes."""
-        deadline = time.monotonic() + max(10.0, min(180.0, self.left() - 20))
-        while written_chunks(url) < chunks and time.monotonic() < deadline:
-            time.sleep(0.5)
-        return wait_writeback_idle(url, quiet_s=3.0, timeout_s=max(5.0, deadline - time.monotonic()))
+        """``e2e_server.wait_written``, bounded by the deadline. Returns the written bytes."""
+        return wait_written(url, chunks, max(10.0, min(180.0, self.left() - 20)))
 
     def tpot(self, srv: SGLangServer, model: str, n: int, gbps: float, k: int = 3) -> dict:
         """Inter-token time of one running decode while k other requests fetch their prefix from the tier,
@@ -387,7 +354,7 @@ class Check:
         vocab, url = MODELS[model]["vocab_size"], srv.base_url
         base = 50_000 + self.seed
         fetched = [prompt(vocab, n, base + i) for i in range(k)]
-        before = written_chunks(url)
+        before = chunks_done(url)
         for ids in fetched:  # into the tier
             stream(url, ids, 1)
         self.wait_written(url, before + k * (n // CHUNK) - k)
@@ -425,13 +392,6 @@ class Check:
         end = time.perf_counter()
         t.join()
         return box, (start, end), served
-
-
-def written_chunks(url: str) -> float:
-    """Chunks the write-back is done with: stored, or found already in the store."""
-    m = scrape(url)
-    present = sum(v for k, v in m.items() if "writeback_skipped" in k and 'reason="present"' in k)
-    return metric(m, "remote_kv_written_chunks_total") + present
 
 
 def sglang_block() -> dict:

@@ -26,10 +26,6 @@ class QuantizedChunks:
     finite: np.ndarray  # [L, n] uint8
     cs: np.ndarray | None  # [L, n, C] float32, or None
 
-    @property
-    def chunks(self) -> int:
-        return self.f16.shape[1]
-
     def layer_parts(self, spec: QuantSpec, layer: int, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Chunk ``j``'s decoded-layer buffer of ``layer`` as (prelude + scales [+ channel scales], K codes,
         V codes): ``quantize_layer``'s bytes, split where its entropy stages split them. ``ValueError``
