@@ -207,6 +207,7 @@ class DataPlaneServer:
         parts = [
             f"store {redact_url(cfg.store_url)}",
             f"staging {st.slots} x {st.slot_bytes / 2**20:.0f} MiB",
+            st.describe_workers(),
             f"auth: {auth_how}" if auth_how else "",
             f"client timeout {cfg.client_timeout_s:g} s" if cfg.client_timeout_s else "",
             f"{len(cfg.allowed_fingerprints)} models allowed" if cfg.allowed_fingerprints else "",

@@ -81,14 +81,17 @@ def _assert_pool_equals_decode(target, blobs, n, fp=FP):
         assert np.array_equal(k, pk) and np.array_equal(v, pv), f"chunk {i} differs"
 
 
-@pytest.mark.parametrize("codec_name", ["lossless", "quant"])
-def test_round_trip_bit_exact_with_rounds(tmp_path, make_client, codec_name):
+@pytest.mark.parametrize(
+    "codec_name,workers", [("lossless", (1, 1, 1, 1)), ("quant", (1, 1, 1, 1)), ("quant", (2, 3, 3, 1))]
+)
+def test_round_trip_bit_exact_with_rounds(tmp_path, make_client, codec_name, workers):
+    """(2, 3, 3, 1): several inflate and dequant workers write slabs of the same chunks concurrently."""
     codec = codecs()[codec_name]
     url = f"file://{tmp_path}/store"
     keys, blobs = put_chunks(url, codec, random_chunks(7, seed=3))
     writes: list[tuple[float, int]] = []  # the scheduler-side cost the glue exports (dataplane_write_*)
     c = make_client(
-        url, codec, on_write=lambda s, n, output: writes.append((s, n))
+        url, codec, on_write=lambda s, n, output: writes.append((s, n)), process=dp_spec(workers=workers)
     )  # 3 chunks per host round, 2 per DP round
     target = make_pool(LAYOUT, 1024, 7 * CHUNK)
     h = c.submit("r", keys, CHUNK, target)
@@ -516,5 +519,26 @@ def test_dpu_args_flag_and_data_plane_flags_reach_their_config():
     host = config_from_args(build_parser().parse_args(base + ["--settings-json", settings.to_json()]))
     assert host.settings == settings
     assert DataPlaneSettings.from_flags([]) == DataPlaneSettings(cpus=())
+
+
+def test_inflate_and_dequant_workers_default_to_one_per_data_plane_core():
+    """Workers 0 (the inflate and dequant defaults) resolve to the data plane's cores: its ``cpus``, else the
+    cores this process may use, capped; explicit counts stay; negative counts are refused."""
+    from sgl_remote_kv.contract.settings import AUTO_WORKERS_MAX
+
+    d = DataPlaneSettings()
+    assert d.workers == (2, 0, 0, 1)
+    four = DataPlaneSettings(cpus=(4, 5, 6, 7))
+    assert four.stage_workers() == (2, 4, 4, 1)
+    pipe = four.pipeline()
+    assert (pipe.fetch_workers, pipe.inflate_workers, pipe.dequant_workers, pipe.dma_workers) == (2, 4, 4, 1)
+    assert "inflate 4, dequant 4" in four.describe_workers() and "(4 cores)" in four.describe_workers()
+    mine = min(AUTO_WORKERS_MAX, len(os.sched_getaffinity(0)))
+    assert DataPlaneSettings(cpus=()).stage_workers() == (2, mine, mine, 1)
+    assert DataPlaneSettings(cpus=tuple(range(64))).stage_workers()[1] == AUTO_WORKERS_MAX
+    assert DataPlaneSettings(cpus=(0, 1), workers=(1, 1, 2, 1)).stage_workers() == (1, 1, 2, 1)
+    assert DataPlaneSettings.from_flags(["--inflate-workers", "3"]).stage_workers()[1] == 3
+    with pytest.raises(ValueError, match="counts >= 0"):
+        DataPlaneSettings(workers=(2, -1, 0, 1))
     with pytest.raises(ValueError):
         DataPlaneSettings.from_flags(["--no-such-flag"])

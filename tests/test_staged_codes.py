@@ -185,10 +185,11 @@ def test_lossless_kv_is_staged_as_kv_and_uploaded_zero_copy_bit_exact(tmp_path, 
     client.close()
 
 
-def test_dpu_codes_output_is_staged_and_decoded_on_the_device(tmp_path, dev, monkeypatch):
+@pytest.mark.parametrize("workers", [(1, 1, 1, 1), (1, 3, 1, 1)])
+def test_dpu_codes_output_is_staged_and_decoded_on_the_device(tmp_path, dev, monkeypatch, workers):
     """The data plane's ``auto`` output for staging that keeps codes: its lossless stage only (nothing
     dequantized on the data plane), codes copied into the arena, dequantized on the device at load,
-    bit-identical to the CPU decode."""
+    bit-identical to the CPU decode; also with three inflate workers writing codes concurrently."""
     from sgl_remote_kv.contract.settings import DataPlaneSettings
     from sgl_remote_kv.contract.sizing import chunk_bytes
     from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
@@ -198,9 +199,7 @@ def test_dpu_codes_output_is_staged_and_decoded_on_the_device(tmp_path, dev, mon
     url = f"file://{tmp_path}/store"
     keys, blobs = put_chunks(url, codec, random_chunks(4, seed=8))
     cb = chunk_bytes(DPU_LAYOUT, DPU_CHUNK)
-    spec = DataPlaneSettings(
-        workers=(1, 1, 1, 1), layer_group=2, slots=2, slot_bytes=2 * cb, store_timeout_s=2.0
-    )
+    spec = DataPlaneSettings(workers=workers, layer_group=2, slots=2, slot_bytes=2 * cb, store_timeout_s=2.0)
     c = DpuClient(DpuClientConfig(url, dest_slots=2, dest_slot_bytes=2 * cb, process=spec), DPU_FP, codec)
     c.start()
     try:

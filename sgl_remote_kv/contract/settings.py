@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import asdict, dataclass, field
 
 STAGES = ("fetch", "inflate", "dequant", "dma")
@@ -44,6 +45,7 @@ class PipelineConfig:
 FETCH_CONCURRENCY = ("adaptive", "fixed")
 SERVICE_LOG_LEVEL = "INFO"
 MAX_CPUS = 4096
+AUTO_WORKERS_MAX = 16  # a worker count of 0 resolves to min(cores, this)
 HOST_FLAGS = frozenset(
     {
         "--endpoint",
@@ -74,8 +76,10 @@ class Debug:
 
 @dataclass(frozen=True)
 class DataPlaneSettings:
-    # worker threads per stage: fetch, inflate, dequant, dma; two fetch workers hide store latency
-    workers: tuple[int, int, int, int] = (2, 1, 1, 1)
+    # worker threads per stage: fetch, inflate, dequant, dma; two fetch workers hide store latency; 0: one
+    # per core of the data plane (``cores()``, at most AUTO_WORKERS_MAX): inflate and dequant are the
+    # stages that scale with cores (zlib, zstd and the numpy dequant release the GIL)
+    workers: tuple[int, int, int, int] = (2, 0, 0, 1)
     layer_group: int = 6  # layers per pipeline work item (slab)
     queue_depth: int = 64  # items per inter-stage queue
     slots: int = 2  # round slots in the staging buffers
@@ -95,8 +99,10 @@ class DataPlaneSettings:
     debug: Debug = field(default_factory=Debug)
 
     def __post_init__(self) -> None:
-        if len(self.workers) != len(STAGES) or any(w < 1 for w in self.workers):
-            raise ValueError(f"workers must be {len(STAGES)} counts >= 1, got {self.workers}")
+        if len(self.workers) != len(STAGES) or any(w < 0 for w in self.workers):
+            raise ValueError(
+                f"workers must be {len(STAGES)} counts >= 0 (0: one per core), got {self.workers}"
+            )
         if self.layer_group < 1 or self.queue_depth < 1 or self.slots < 1 or self.slot_bytes < 1:
             raise ValueError("layer_group, queue_depth, slots and slot_bytes must be >= 1")
         if not 0 < self.inflate_ratio <= 64 or not 0 < self.store_timeout_s <= 600:
@@ -106,13 +112,27 @@ class DataPlaneSettings:
         if self.fetch_concurrency not in FETCH_CONCURRENCY:
             raise ValueError(f"fetch_concurrency must be one of {FETCH_CONCURRENCY}")
 
+    def cores(self) -> int:
+        """The cores the data plane runs on: ``cpus``, else those this process may use."""
+        return len(self.cpus) if self.cpus else len(os.sched_getaffinity(0))
+
+    def stage_workers(self) -> tuple[int, int, int, int]:
+        """``workers`` with each 0 resolved to one per core (``cores()``, at most ``AUTO_WORKERS_MAX``)."""
+        auto = max(1, min(AUTO_WORKERS_MAX, self.cores()))
+        return tuple(w or auto for w in self.workers)  # type: ignore[return-value]
+
+    def describe_workers(self) -> str:
+        """e.g. ``workers fetch 2, inflate 4, dequant 4, dma 1 (4 cores)``, for start lines."""
+        counts = ", ".join(f"{s} {n}" for s, n in zip(STAGES, self.stage_workers(), strict=True))
+        return f"workers {counts} ({self.cores()} cores)"
+
     def pipeline(self) -> PipelineConfig:
         cpus = self.cpus or ()
         stage_cpus = (
             tuple((cpus[i % len(cpus)],) for i in range(len(STAGES))) if self.pin_stages and cpus else ()
         )
         return PipelineConfig(
-            *self.workers,
+            *self.stage_workers(),
             layer_group=self.layer_group,
             queue_depth=self.queue_depth,
             stage_cpus=stage_cpus,
@@ -196,7 +216,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     d = DataPlaneSettings()
     for i, stage in enumerate(STAGES):
         p.add_argument(
-            f"--{stage}-workers", type=int, default=d.workers[i], help=f"threads of the {stage} stage"
+            f"--{stage}-workers",
+            type=int,
+            default=d.workers[i],
+            help=f"threads of the {stage} stage (0: one per core of the data plane; default {d.workers[i]})",
         )
     p.add_argument("--layer-group", type=int, default=d.layer_group, help="layers per pipeline work item")
     p.add_argument("--queue-depth", type=int, default=d.queue_depth, help="items per inter-stage queue")

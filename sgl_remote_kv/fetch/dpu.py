@@ -161,6 +161,7 @@ def start_dpu_backend(
     try:
         from sgl_remote_kv.contract.settings import DataPlaneSettings
         from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
+        from sgl_remote_kv.fetch.dpu_client.link import auto_cpus
 
         # --remote-kv-dpu-args (validated by config) and --remote-kv-dpu-cpus (empty: auto = None)
         flags = shlex.split(config.dpu_args)
@@ -190,6 +191,9 @@ def start_dpu_backend(
     except Exception as e:  # boundary: a missing/broken data plane means the in-process path
         logger.warning("DPU data plane unavailable (%r); using the in-process fetch path", e)
         return None
-    where = f"attached to {config.dpu_endpoint}" if config.dpu_endpoint else "started"
-    logger.info("DPU data plane %s (pid %s)", where, client.pid)
+    if config.dpu_endpoint:  # the service has its own settings
+        logger.info("DPU data plane attached to %s (pid %s)", config.dpu_endpoint, client.pid)
+    else:
+        shown = spec if spec.cpus is not None else dataclasses.replace(spec, cpus=auto_cpus())
+        logger.info("DPU data plane started (pid %s; %s)", client.pid, shown.describe_workers())
     return DpuFetchBackend(client, kv_writer, config.chunk_size, on_done)
