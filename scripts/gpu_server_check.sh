@@ -23,7 +23,8 @@
 # Exit status: the driver's (0 when every row was served by the tier and lossless answers matched).
 # Env: PYTHON (default python3), GPU_SERVER_WHEELS (.whl), GPU_SERVER_SITE (/tmp/gpu_server_site),
 #      GPU_SERVER_WORK (/tmp/gpu_server), GPU_SERVER_DEADLINE_S (450: no new row after it),
-#      GPU_SERVER_REHEARSAL (0|1), GPU_SERVER_INSTALL (1|0).
+#      GPU_SERVER_REHEARSAL (0|1), GPU_SERVER_INSTALL (1|0),
+#      GPU_SERVER_PLAN (gpu: the full plan; gpu-paths: the 8B shape's read paths only, for a second call).
 set -uo pipefail
 CALLER_PWD=$PWD
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -83,7 +84,7 @@ fi
 
 # -- 3. the driver -------------------------------------------------------------------------------------
 cd "$WORK" || exit 2
-args=(--out "$REPORT" --work "$WORK" --deadline-s "${GPU_SERVER_DEADLINE_S:-450}")
+args=(--out "$REPORT" --work "$WORK" --deadline-s "${GPU_SERVER_DEADLINE_S:-450}" --plan "${GPU_SERVER_PLAN:-gpu}")
 [ "$REHEARSAL" = 1 ] && args+=(--rehearsal --audit "$WORK/audit.json")
 "$PY" "$ROOT/scripts/gpu_server_check.py" "${args[@]}"
 drc=$?

@@ -148,9 +148,15 @@ for spec in $SPECS; do
   fi
 done
 
-if [ "$PROFILE" = server ]; then  # this project's wheel, from the working tree (no build isolation: offline-safe)
-  "$PY" -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$DEST" "$ROOT" \
-    || { echo "gpu_wheels: could not build this project's wheel" >&2; exit 1; }
+if [ "$PROFILE" = server ]; then  # this project's wheel (no build isolation: offline-safe), built from a copy
+  # of what a clone holds: setuptools reuses the tree's build/, which keeps modules since deleted (the first
+  # H200 server run carried a stale sgl_remote_kv/dpu/settings.py that way)
+  src=$(mktemp -d)
+  (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
+     [ -e "$f" ] && printf '%s\0' "$f"; done | xargs -0 cp --parents -t "$src") \
+    && "$PY" -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$DEST" "$src" \
+    || { rm -rf "$src"; echo "gpu_wheels: could not build this project's wheel" >&2; exit 1; }
+  rm -rf "$src"
 fi
 
 if [ "$PROFILE" != nvdec ] && [ "$SLIM" = 1 ]; then
