@@ -99,6 +99,9 @@ class Receiver:
                 self._flush_outbox(sock)
                 if sock in ready:
                     P.drain(sock, self._on_message, self._bad_frame)
+                    # the events may have queued frames (a JobDone frees a slot: the next round's submit);
+                    # send them now, not after the next event or the poll's timeout (up to 250 ms a round)
+                    self._flush_outbox(sock)
                 now = time.monotonic()
                 if now - last_hb >= c.cfg.heartbeat_s:
                     last_hb = now
