@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-codec-speed bench-read-path bench-write-path bench-store bench-dpu bench-dpu-service bench-dpu-floor bench-nvdec bench-adaptive-resolution \
+.PHONY: setup model calibration demo test test-slow lint bench-codec bench-codec-rd bench-codec-speed bench-read-path bench-dpu-rounds bench-write-path bench-store bench-dpu bench-dpu-service bench-dpu-floor bench-nvdec bench-adaptive-resolution \
 	bench-cpu-attention bench-e2e bench-e2e-quick bench-burst bench-tail projection soak test-faults \
 	test-conformance dashboard bench-exactness bench-task-accuracy gpu-rehearsal gpu-server-rehearsal bench-calibration bench-quality-proxy clean
 
@@ -85,6 +85,11 @@ bench-codec-speed: calibration
 # side by side, and staging bytes per token (docs/results/read_path.json).
 bench-read-path: calibration
 	$(PY) -m benchmarks.bench_read_path
+
+# The DPU path's rounds at a Llama-3-8B-shaped chunk size: tokens/s with the default 64 MiB slots (2 chunks a
+# round) and 16-chunk slots, inflate real (quant_deflate) or free (raw) -> docs/results/dpu_rounds.json
+bench-dpu-rounds:
+	$(PY) -m benchmarks.bench_dpu_rounds
 
 # Host CPU per GB of the write-back from a device pool (strict CPU double), host encode vs device encode side
 # by side, and TPOT of a CPU server with the tier's write-back against --remote-kv off (docs/results/write_path.json).
