@@ -17,7 +17,7 @@ from sgl_remote_kv.codec.base import decode
 from sgl_remote_kv.contract.settings import DataPlaneSettings
 from sgl_remote_kv.contract.sizing import chunk_bytes
 from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
-from sgl_remote_kv.fetch.dpu_client.jobs import FetchHandle, KVTarget
+from sgl_remote_kv.fetch.dpu_client.jobs import ClientFetch, KVTarget
 from sgl_remote_kv.kvpool import KVWriteError
 
 CB = chunk_bytes(LAYOUT, CHUNK)
@@ -114,7 +114,7 @@ def test_a_failed_write_fails_its_chunk_and_the_later_ones_not_the_earlier(tmp_p
 def test_chunks_count_as_in_the_pool_only_as_a_prefix():
     """Chunk 1 written before chunk 0 (two fetch workers can finish out of order): no layer is ready
     until chunk 0's is too; then both are."""
-    h = FetchHandle(
+    h = ClientFetch(
         threading.Condition(), "r", [b"a" * 32, b"b" * 32], [CHUNK, CHUNK], LAYOUT.num_layers, None
     )
     h.mark_written(1, 2, 0, LAYOUT.num_layers)

@@ -191,7 +191,7 @@ def test_a_finished_chunk_whose_layers_never_reached_the_pool_is_not_a_hit():
     with one layer missing it is not."""
     import threading
 
-    from sgl_remote_kv.fetch.dpu_client.jobs import DONE, FetchHandle, HostRound, KVTarget
+    from sgl_remote_kv.fetch.dpu_client.jobs import DONE, ClientFetch, HostRound, KVTarget
     from sgl_remote_kv.kvpool import PoolTensors, writer_for
 
     k = [
@@ -201,7 +201,7 @@ def test_a_finished_chunk_whose_layers_never_reached_the_pool_is_not_a_hit():
     target = KVTarget(writer_for(PoolTensors(k, k), LAYOUT), torch.arange(2 * CHUNK))
     n = LAYOUT.num_layers
     for written, hit in ((0, 0), (n - 1, 0), (n, 1)):
-        h = FetchHandle(threading.Condition(), "r", [b"a" * 32, b"b" * 32], [CHUNK, CHUNK], n, target)
+        h = ClientFetch(threading.Condition(), "r", [b"a" * 32, b"b" * 32], [CHUNK, CHUNK], n, target)
         h.rounds.append(HostRound(h, 0, 2, 0, 2 * CHUNK, terminal=True))
         h.mark_written(0, 1, 0, written)
         h.state[0] = DONE

@@ -46,7 +46,10 @@ class AdmissionSettings:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
-class LocalMatch(Protocol):
+@dataclass(frozen=True)
+class LocalMatch:
+    """What ``TreeOps.match`` returns (the one definition: the glue's ``DeviceTree`` builds it)."""
+
     prefix_len: int  # tokens of the prompt the tree holds on the device
     node: object  # the tree node that ends there
 

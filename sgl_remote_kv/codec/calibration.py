@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from sgl_remote_kv.codec import rans
+from sgl_remote_kv.codec.registry import Registry
 from sgl_remote_kv.types import DEFAULT_QUALITY, QUALITY_LEVELS, ModelFingerprint, RopeSpec
 
 logger = logging.getLogger(__name__)
@@ -251,59 +252,21 @@ class Calibration:
         return c
 
 
-# ---- registry -------------------------------------------------------------------------------
-_LOCK = threading.Lock()
-_BY_ID: dict[bytes, Calibration] = {}
-_LOADED_DIRS: set[Path] = set()
-
-
-def default_dir() -> Path:
-    from sgl_remote_kv import env
-
-    return env.cache_dir() / "calibration"
-
-
-def register(c: Calibration) -> bytes:
-    with _LOCK:
-        _BY_ID[c.calib_id] = c
-    return c.calib_id
-
-
-def unregister(calib_id: bytes) -> None:
-    with _LOCK:
-        _BY_ID.pop(calib_id, None)
-
-
-def load_dir(directory: str | Path | None = None, *, force: bool = False) -> int:
-    """Register every valid calibration file of ``directory`` (once per directory unless ``force``);
-    a bad file is logged and skipped. Returns how many were registered."""
-    d = Path(directory) if directory else default_dir()
-    with _LOCK:
-        if d in _LOADED_DIRS and not force:
-            return 0
-        _LOADED_DIRS.add(d)
-    n = 0
-    # oldest first, so "the newest-registered" (find_for) is the newest file: the latest fit wins
-    for p in sorted(d.glob("*.npz"), key=lambda f: (f.stat().st_mtime, f.name)) if d.is_dir() else []:
-        try:
-            register(Calibration.load(p))
-            n += 1
-        except CalibrationError as e:
-            logger.warning("skipping calibration file: %s", e)
-    return n
-
-
-def registered() -> list[Calibration]:
-    """Every registered calibration, in registration order."""
-    with _LOCK:
-        return list(_BY_ID.values())
+# ---- registry (``registry.Registry``: ``<cache>/calibration/<id>.npz``) -------------------------------
+_REGISTRY: Registry[Calibration] = Registry(
+    "calibration", "calibration", Calibration.load, lambda c: c.calib_id, (CalibrationError,)
+)
+default_dir = _REGISTRY.default_dir
+register = _REGISTRY.register
+unregister = _REGISTRY.unregister
+load_dir = _REGISTRY.load_dir
+registered = _REGISTRY.items  # every registered calibration, in registration order
 
 
 def lookup(calib_id: bytes) -> Calibration | None:
     """A registered calibration by id (the default directory is read on first use)."""
     load_dir()
-    with _LOCK:
-        return _BY_ID.get(bytes(calib_id))
+    return _REGISTRY.get(calib_id)
 
 
 def find_for(fp: ModelFingerprint, level: str = DEFAULT_LEVEL) -> Calibration:
@@ -320,8 +283,7 @@ def find_for(fp: ModelFingerprint, level: str = DEFAULT_LEVEL) -> Calibration:
         except CalibrationError:
             return False
 
-    with _LOCK:
-        hits = [c for c in _BY_ID.values() if c.model_key == key and fits(c)]
+    hits = [c for c in registered() if c.model_key == key and fits(c)]
     hits.sort(key=lambda c: c.group_dim)  # stable: registration order among equal group sizes
     if not hits:
         raise CalibrationError(

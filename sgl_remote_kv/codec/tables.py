@@ -5,7 +5,7 @@ arrays + JSON metadata, loaded with ``allow_pickle=False``), and referenced from
 16-byte ``table_id`` (BLAKE2b-128 over fingerprint digest, spec and frequencies). A decoder that does
 not know a blob's table id raises ``ForeignChunk``.
 
-Process-wide registry: ``register`` / ``unregister`` / ``lookup`` / ``find_for``; ``load_dir`` registers every table file
+Process-wide registry (``registry.Registry``): ``register`` / ``unregister`` / ``lookup`` / ``find_for``; ``load_dir`` registers every table file
 in a directory (default ``<cache>/codec_tables``).
 """
 
@@ -14,13 +14,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from sgl_remote_kv.codec import quant, rans
+from sgl_remote_kv.codec.registry import Registry
 from sgl_remote_kv.types import ModelFingerprint
 
 logger = logging.getLogger(__name__)
@@ -144,52 +144,26 @@ def fit(
     return EntropyTables(fingerprint.digest(), params, prob_bits, freq)
 
 
-_LOCK = threading.Lock()
-_BY_ID: dict[bytes, EntropyTables] = {}
-
-
-def register(t: EntropyTables) -> bytes:
-    with _LOCK:
-        _BY_ID[t.table_id] = t
-    return t.table_id
-
-
-def unregister(table_id: bytes) -> None:
-    with _LOCK:
-        _BY_ID.pop(table_id, None)
-
-
-def lookup(table_id: bytes) -> EntropyTables | None:
-    """Table by full 16-byte id, or by a unique 8-byte prefix."""
-    with _LOCK:
-        if len(table_id) == 16:
-            return _BY_ID.get(table_id)
-        hits = [t for tid, t in _BY_ID.items() if tid[: len(table_id)] == table_id]
-    return hits[0] if len(hits) == 1 else None
+# ---- registry (``registry.Registry``: ``<cache>/codec_tables/<id>.npz``) -----------------------------
+_REGISTRY: Registry[EntropyTables] = Registry(
+    "entropy tables",
+    "codec_tables",
+    EntropyTables.load,
+    lambda t: t.table_id,
+    (OSError, ValueError, KeyError),
+)
+default_dir = _REGISTRY.default_dir
+register = _REGISTRY.register
+unregister = _REGISTRY.unregister
+load_dir = _REGISTRY.load_dir
+lookup = _REGISTRY.get  # by full 16-byte id, or by a unique 8-byte prefix
 
 
 def find_for(fingerprint_digest: bytes, spec_params: str) -> EntropyTables | None:
     """The most recently registered table for this model and quantization spec."""
-    with _LOCK:
-        hits = [
-            t
-            for t in _BY_ID.values()
-            if (t.fingerprint_digest, t.spec_params) == (fingerprint_digest, spec_params)
-        ]
+    hits = [
+        t
+        for t in _REGISTRY.items()
+        if (t.fingerprint_digest, t.spec_params) == (fingerprint_digest, spec_params)
+    ]
     return hits[-1] if hits else None
-
-
-def default_dir() -> Path:
-    from sgl_remote_kv import env
-
-    return env.cache_dir() / "codec_tables"
-
-
-def load_dir(directory: str | Path | None = None) -> int:
-    """Register every ``*.npz`` table in ``directory``; returns how many were loaded."""
-    d = Path(directory) if directory else default_dir()
-    n = 0
-    for p in sorted(d.glob("*.npz")) if d.is_dir() else []:
-        register(EntropyTables.load(p))
-        n += 1
-    return n

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 class DpuFetchHandle(FetchHandle):
-    """Adapter: our ``FetchHandle`` view of a ``dpu_client.jobs.FetchHandle``."""
+    """Adapter: our ``FetchHandle`` view of a ``dpu_client.jobs.ClientFetch``."""
 
     direct = True  # the KV lands in the caller's rows (written by the client's receiver thread)
     decoded_here = False  # the data plane decodes: its time is part of ``fetch_s``

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_remote_kv import env
+from sgl_remote_kv.admission.ports import LocalMatch
 from sgl_remote_kv.kvpool import KVWriter, PoolTensors, writer_for
 from sgl_remote_kv.model import model_identity
 from sgl_remote_kv.store.keys import tenant_salt
@@ -126,12 +127,6 @@ def req_kv_indices(req_to_token_pool, req, lo: int, hi: int) -> torch.Tensor | N
 
 
 # -- the radix tree (the device prefix under ``admission.staged_tree.StagedTree``) ---------------------
-@dataclass(frozen=True)
-class LocalMatch:
-    prefix_len: int
-    node: object
-
-
 class DeviceTree:
     """The device prefix of a request and a lock on it (scheduler thread only). The queue never writes
     SGLang's tree or pool: fetched chunks are staged (``StagedTree``) and SGLang's linker wrapper loads

@@ -5,7 +5,7 @@ process (pinned away from the serving cores when the machine has enough) -- or, 
 ``DpuClientConfig.endpoint``, attaches to a data-plane service shared by every rank and server of the
 host --, registers its region, fingerprint and codec with it (``protocol.Register``), and runs one background
 *receiver thread* (``receiver.Receiver``) that owns the ZeroMQ socket: it sends queued submissions,
-heartbeats, turns completions into per-request state (``FetchHandle``), writes finished layers of a round
+heartbeats, turns completions into per-request state (``ClientFetch``), writes finished layers of a round
 into the target's rows through its ``KVWriter`` (in the server: host staging rows,
 ``kvpool.rows.RowStore``; decoded KV, or the codec's codes that the writer dequantizes:
 ``DpuClientConfig.output``), and has the data plane replaced when it dies or hangs, or the service
@@ -44,7 +44,7 @@ from sgl_remote_kv.contract import shm_names
 from sgl_remote_kv.types import ModelFingerprint
 
 from .host_region import HostRegion
-from .jobs import FetchHandle, FetchResult, HostRound, KVTarget
+from .jobs import ClientFetch, FetchResult, HostRound, KVTarget
 from .link import AttachedService, DataPlaneProcess
 from .owner import DpuClientConfig
 from .receiver import Receiver
@@ -212,7 +212,7 @@ class DpuClient:
         keys: list[bytes],
         chunk_tokens: int | list[int],
         target: KVTarget | None,
-    ) -> FetchHandle:
+    ) -> ClientFetch:
         """Fetch chunks ``keys`` (a prefix, in order) into ``target`` (``None``: fetch and discard). The
         target's writer is registered with the destination region (pinned once) on first use."""
         tokens = [chunk_tokens] * len(keys) if isinstance(chunk_tokens, int) else list(chunk_tokens)
@@ -220,7 +220,7 @@ class DpuClient:
             raise ValueError("need one token count per key and at least one key")
         if target is not None and len(target.rows) < sum(tokens):
             raise ValueError("target.rows shorter than the fetched tokens")
-        h = FetchHandle(
+        h = ClientFetch(
             self.cv, request_id, list(keys), tokens, self.layout.num_layers, target, self._wants_codes(target)
         )
         if target is not None:
@@ -240,7 +240,7 @@ class DpuClient:
                 writer.register_host(self.dest.array)
                 self._writers.append(writer)
 
-    def cancel(self, handle: FetchHandle) -> None:
+    def cancel(self, handle: ClientFetch) -> None:
         """Cancel a fetch: nothing more is written for it once this returns (a write of it already running
         is waited for; queued ones are dropped), so the caller may free its KV slots; its unfinished chunks
         become misses."""

@@ -1,4 +1,4 @@
-"""Host-side per-request fetch state: ``FetchHandle`` (what the SGLang integration holds), host rounds.
+"""Host-side per-request fetch state: ``ClientFetch`` (what ``fetch/dpu.py``'s ``DpuFetchHandle`` wraps), host rounds.
 
 A request's chunks (a prefix, in order) are cut into *host rounds* that each fit one slot of the shared
 destination region; each host round is one data-plane job. A chunk that fails makes it and every later
@@ -60,7 +60,7 @@ class LayerWrite(enum.IntEnum):
 
 @dataclass
 class HostRound:
-    handle: FetchHandle
+    handle: ClientFetch
     chunk_lo: int
     chunk_hi: int
     token_lo: int  # first token of this round within the request
@@ -77,8 +77,9 @@ class HostRound:
     terminal: bool = False
 
 
-class FetchHandle:
-    """One submitted fetch. Read by the caller; mutated by the client under ``cv``."""
+class ClientFetch:
+    """One fetch submitted to the data plane (the fetch paths' ``FetchHandle`` is ``fetch/base.py``'s; the
+    DPU path's wraps this one). Read by the caller; mutated by the client under ``cv``."""
 
     def __init__(
         self,

@@ -22,7 +22,7 @@ out again only after this thread ran the writes of the event that freed it.
 Layer-wise admission (``blob_slot_bytes`` > 0): each slot also has a blob area; the data plane copies a
 round's verified compressed blobs there before ``ChunksVerified``. This thread copies them out (before it
 can see that round's ``JobDone``), re-parses them here (header + checksum) and, once every chunk of a
-fetch has them, sets ``FetchHandle.verified`` and calls the client's ``on_event``. The copies are what
+fetch has them, sets ``ClientFetch.verified`` and calls the client's ``on_event``. The copies are what
 the host decodes from if the data plane dies, stalls or is cancelled after that point.
 """
 

@@ -4,7 +4,7 @@ A host round occupies one destination slot laid out as K ``[L, T_round, H, D]`` 
 ``[L, T_round, H, D]`` (T_round: the round's tokens); a write takes a run of layers of a run of the round's
 chunks (``rounds.RoundBook.try_write``) as one ``KVWriter.write`` of a ``[layers, tokens, H, D]`` view (each
 layer's tokens contiguous; the whole block contiguous when it spans the round). A round fetched as codes
-(``FetchHandle.codes``: the data plane writes each layer's
+(``ClientFetch.codes``: the data plane writes each layer's
 lossless-stage output, ``SubmitFetch.output``) lays its chunks out one after the other, each as ``L``
 areas of its layer's K + V bytes, and goes into the rows one ``KVWriter.write_quantized`` per
 layer (the writer keeps or dequantizes the codes). Called under the client's lock by the receiver thread (writes) and by

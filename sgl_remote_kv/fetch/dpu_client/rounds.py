@@ -1,5 +1,5 @@
 """Host-side round bookkeeping of the DPU client: pending and in-flight host rounds, destination slots,
-the outbox of frames for the data plane, and the data plane's completion events -> ``FetchHandle`` state.
+the outbox of frames for the data plane, and the data plane's completion events -> ``ClientFetch`` state.
 
 A request's chunks are cut into host rounds (``plan_rounds``) that each fit one slot of the destination
 region; each is one data-plane job. A slot is reused only after the data plane said ``JobDone`` for the
@@ -13,7 +13,7 @@ the only one writing the target's rows. Writes run *outside* ``cv``, so a slow d
 with the slot it reads, so freeing the slot after ``JobDone`` does not move it), the receiver thread takes
 them (``next_write``), runs them (``run_write``: the target's ``KVWriter`` reads the destination region)
 and reports back (``write_done``) before it handles the next event or sends anything, so the data plane
-cannot be handed that slot again before the write read it. ``FetchHandle.writing`` counts a handle's queued
+cannot be handed that slot again before the write read it. ``ClientFetch.writing`` counts a handle's queued
 and running writes: the handle finishes only when it is 0, and ``DpuClient.cancel`` waits for it (the
 caller frees the rows right after). A layer counts as written only after the write returned; a
 write that raises fails its chunks and the round's later ones (kind ``write``) exactly like a chunk the data
@@ -22,7 +22,7 @@ With ``eager`` (the client's default) each chunk's run of layers is written as s
 (runs of consecutive chunks with the same layers in one write), overlapping the data plane's fetch and
 decode of later chunks and layers, so only the last chunk's write follows its last byte; without it a round
 is written once all its layers are in the region: one write (one scatter launch on a GPU) per round. A chunk
-counts as written layer by layer only as a prefix in chunk order (``FetchHandle.mark_written``).
+counts as written layer by layer only as a prefix in chunk order (``ClientFetch.mark_written``).
 Process lifecycle is ``client.py``, heartbeats and event dispatch ``receiver.py``, restarts ``supervisor.py``.
 """
 
@@ -40,7 +40,7 @@ from sgl_remote_kv.contract.sizing import plan_rounds
 from sgl_remote_kv.kvpool import KVWriteError
 from sgl_remote_kv.types import KVLayout
 
-from .jobs import DONE, FAILED, FetchHandle, HostRound, LayerWrite
+from .jobs import DONE, FAILED, ClientFetch, HostRound, LayerWrite
 from .round_io import RoundIO
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class RoundBook:
         self._job_ids = itertools.count(1)
 
     # ---- caller side -------------------------------------------------------------------------------
-    def add(self, h: FetchHandle) -> None:
+    def add(self, h: ClientFetch) -> None:
         """Plan ``h``'s host rounds, queue them and hand out free slots."""
         t = 0
         for regions in plan_rounds(h.chunk_tokens, self.layout, self.slot_bytes, 1.0):
@@ -114,7 +114,7 @@ class RoundBook:
             t += n
         self.pump()
 
-    def cancel(self, h: FetchHandle) -> None:
+    def cancel(self, h: ClientFetch) -> None:
         h.cancelled = True
         lead = next((i for i, s in enumerate(h.state) if s != DONE), len(h.state))
         h.first_fail = min(h.first_fail, lead)
@@ -125,7 +125,7 @@ class RoundBook:
         self.pump()
 
     # ---- slots and rounds --------------------------------------------------------------------------
-    def drop_pending(self, h: FetchHandle) -> None:
+    def drop_pending(self, h: ClientFetch) -> None:
         """Forget ``h``'s queued rounds that can no longer produce hits (cancelled or past a miss)."""
         keep: deque[HostRound] = deque()
         for r in self.pending:
@@ -161,7 +161,7 @@ class RoundBook:
             r.slot = -1
         self._check_finished(h)
 
-    def _check_finished(self, h: FetchHandle) -> None:
+    def _check_finished(self, h: ClientFetch) -> None:
         if h.check_finished() and self._on_finished is not None:
             self._on_finished()
 
