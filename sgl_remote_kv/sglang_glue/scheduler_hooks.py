@@ -23,9 +23,9 @@ unless ``--remote-kv`` is on and the linker built the runtime):
 The queue's tree is ``admission.staged_tree.StagedTree`` over the device prefix (``seam.DeviceTree``): a
 released request's chunks are staged, and SGLang's linker wrapper loads them (``linker.py``).
 
-All hooks run on the scheduler thread. The queue object (``admission.WaitingForKV``) lives on the
-scheduler instance (``scheduler._srkv_queue``), created on first use with its collaborators from the
-process's runtime and the SGLang seam. A released request goes back through ``_add_request_to_queue``
+All hooks run on the scheduler thread. The queue object (``admission.WaitingForKV``) of a scheduler is
+kept here (``_QUEUES``, weakly keyed by the scheduler: nothing is written on SGLang's object), created on
+first use with its collaborators from the process's runtime and the SGLang seam. A released request goes back through ``_add_request_to_queue``
 (``SchedulerHost.release``), which this hook passes through while ``host.releasing`` is set.
 """
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 from sgl_remote_kv import runtime
 from sgl_remote_kv.admission import Agreement, Collaborators, WaitingForKV
@@ -43,12 +44,18 @@ from sgl_remote_kv.types import FailureKind
 logger = logging.getLogger(__name__)
 
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
-_ATTR = "_srkv_queue"
+# scheduler -> its queue (None: the tier is off for it); a scheduler that is gone takes its entry along
+_QUEUES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _built(scheduler) -> WaitingForKV | None:
+    """The scheduler's queue if ``_queue`` built one (never builds)."""
+    return _QUEUES.get(scheduler)
 
 
 def _queue(scheduler) -> WaitingForKV | None:
     """The scheduler's WaitingForKV, or None when the tier is off on this process."""
-    q = scheduler.__dict__.get(_ATTR, False)
+    q = _QUEUES.get(scheduler, False)
     if q is False:
         rt = runtime.get()
         q = None
@@ -58,7 +65,7 @@ def _queue(scheduler) -> WaitingForKV | None:
         except Exception as e:  # boundary: the tier off for this scheduler, never a crashed server
             rt.metrics.failure(FailureKind.INTERNAL)
             logger.error("remote KV reads disabled: building the waiting_for_KV queue failed: %r", e)
-        scheduler.__dict__[_ATTR] = q
+        _QUEUES[scheduler] = q
     return q
 
 
@@ -116,20 +123,20 @@ def before_process_hicache_events(self, *args, **kwargs):
 
 def after_is_fully_idle(result, self, *args, **kwargs):
     if result:
-        q = self.__dict__.get(_ATTR)
+        q = _built(self)
         if q is not None and q.busy():
             return False
     return result
 
 
 def before_on_idle(self, *args, **kwargs):
-    q = self.__dict__.get(_ATTR)
+    q = _built(self)
     if q is not None and q.busy():
         q.wait()
 
 
 def before_abort_request(self, recv_req, *args, **kwargs):
-    q = self.__dict__.get(_ATTR)
+    q = _built(self)
     if q is not None:
         q.abort(*seam.abort_target(recv_req))
 
@@ -140,7 +147,7 @@ def around_run_batch(original, self, batch, *args, **kwargs):
     rt = runtime.get()
     if rt is not None and rt.writeback is not None:
         rt.writeback.note_serving()
-    q = self.__dict__.get(_ATTR)
+    q = _built(self)
     tokens = seam.prefill_tokens(batch) if q is not None else None
     if tokens is None:
         return original(self, batch, *args, **kwargs)
