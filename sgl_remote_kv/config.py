@@ -111,8 +111,8 @@ class RemoteKVConfig:
             raise ValueError(
                 f"--remote-kv-writeback-queue-mb must be in [1, {1 << 20}], got {self.writeback_queue_mb}"
             )
-        if self.writeback_cpu is not None and not 0.0 <= self.writeback_cpu <= 1.0:
-            raise ValueError(f"--remote-kv-writeback-cpu must be in [0, 1], got {self.writeback_cpu}")
+        if self.writeback_cpu is not None and not 0.0 <= self.writeback_cpu <= 64.0:
+            raise ValueError(f"--remote-kv-writeback-cpu must be in [0, 64], got {self.writeback_cpu}")
         if not 1 <= self.nvdec_instances <= 64:
             raise ValueError(f"--remote-kv-nvdec-instances must be in [1, 64], got {self.nvdec_instances}")
         try:

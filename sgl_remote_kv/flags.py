@@ -116,10 +116,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         type=_writeback_cpu,
         default=None,
         metavar="SHARE",
-        help="While the server runs batches, the write-back's encoding is busy at most this share of the time "
-        "(it pauses between chunks; an idle server writes back at full speed). 0: no encoding while serving; "
-        "1: never pause. Default: 0.1 where the KV pool is in host memory (the CPU platform: the encode shares "
-        "the forward's cores), 1 on a GPU.",
+        help="Cores' worth of the write-back's encoding. Below 1, while the server runs batches, one encoding "
+        "thread is busy at most this share of the time (it pauses between chunks; an idle server writes back "
+        "at full speed); 0: no encoding while serving. N >= 1: N threads encode a job's chunks side by side, "
+        "never pausing. Default: 0.1 where the KV pool is in host memory (the CPU platform: the encode shares "
+        "the forward's cores); on a GPU a quarter of the cores (at least 1, at most 8).",
     )
     g.add_argument(
         "--remote-kv-nvdec-resolutions",
@@ -250,7 +251,7 @@ _nvdec_instances = _bounded(int, 1, 64)
 _staging_tokens = _bounded(int, 0, 1 << 26)
 _writeback_queue_mb = _bounded(int, 1, 1 << 20)
 _policy_margin = _bounded(float, 0.0, 1e12)
-_writeback_cpu = _bounded(float, 0.0, 1.0)
+_writeback_cpu = _bounded(float, 0.0, 64.0)
 
 
 def _nvdec_resolutions(text: str) -> tuple[int, ...]:

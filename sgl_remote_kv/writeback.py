@@ -18,7 +18,9 @@ bytes as a host encode). Other codecs, host pools and the NVDEC path's versions 
 The worker never takes the serving thread's place: while the scheduler runs batches (``note_serving``, on
 every batch; within ``SERVING_GRACE_S``), after each chunk it encoded it pauses so that encoding takes at
 most ``cpu_share`` of the wall time (``--remote-kv-writeback-cpu``; 0: it waits for the server to go idle;
-1: no pause). An idle server writes back at full speed; a shutdown drain is never paced.
+1: no pause). An idle server writes back at full speed; a shutdown drain is never paced. A ``cpu_share`` of
+N >= 2 is N cores' worth: ``int(N)`` encoder threads encode a job's chunks side by side (their lossless
+stages release the GIL), never pausing; the blobs are the same and stored in the same order.
 
 A single worker thread then dedups against the store (``count_prefix``: chunks the store already has
 are not re-encoded), encodes the rest and ``put_many``s them. With ``versions`` (the NVDEC path's
@@ -31,6 +33,7 @@ Buffers: the job owns the copied numpy KV (or codes); the worker drops it after 
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import threading
 import time
@@ -107,6 +110,13 @@ class WriteBack:
         self.requests = requests
         self.max_bytes = max_bytes
         self.cpu_share = cpu_share
+        # cpu_share >= 2: that many encoder threads (see module docstring); owned by the worker thread
+        self.threads = int(cpu_share) if cpu_share >= 2 else 1
+        self._encoders = (
+            cf.ThreadPoolExecutor(self.threads, thread_name_prefix="srkv-wb-encode")
+            if self.threads > 1
+            else None
+        )
         self._serving_at = float("-inf")  # monotonic time of the scheduler's last batch
         self._jobs: deque[_Job] = deque()  # queued, oldest first (not the one being written)
         self._cv = threading.Condition()
@@ -240,6 +250,8 @@ class WriteBack:
                 while not self._jobs and not self._closed:
                     self._cv.wait()
                 if not self._jobs:  # closed and drained
+                    if self._encoders is not None:
+                        self._encoders.shutdown(wait=False)
                     return
                 job = self._jobs.popleft()
                 self._queued_bytes -= job.nbytes
@@ -267,24 +279,30 @@ class WriteBack:
         start = max(present, job.first_chunk)
         if present > job.first_chunk:
             self.metrics.writeback_skipped("present", min(present, last) - job.first_chunk)
-        items = []
-        busy = 0.0
-        for i in range(start, last):
-            self._pace(busy)  # after the previous chunk's encoding (share 0: before any)
-            t0 = time.perf_counter()
+
+        def encode(i: int) -> bytes:
             j = i - job.first_chunk
             if isinstance(read, QuantizedChunks):  # quantized on the device: the lossless stage here
-                blob = self.codec.encode_quantized(read, j, self.fingerprint)
-            else:
-                k, v = read
-                blob = self.codec.encode(
-                    np.ascontiguousarray(k[:, j * c : (j + 1) * c]),
-                    np.ascontiguousarray(v[:, j * c : (j + 1) * c]),
-                    self.fingerprint,
-                    start=job.start + j * c,
-                )
-            items.append((job.keys[i], blob))
-            busy = time.perf_counter() - t0
+                return self.codec.encode_quantized(read, j, self.fingerprint)
+            k, v = read
+            return self.codec.encode(
+                np.ascontiguousarray(k[:, j * c : (j + 1) * c]),
+                np.ascontiguousarray(v[:, j * c : (j + 1) * c]),
+                self.fingerprint,
+                start=job.start + j * c,
+            )
+
+        if self._encoders is not None and last - start > 1:  # side by side, unpaced
+            items = list(
+                zip(job.keys[start:last], self._encoders.map(encode, range(start, last)), strict=True)
+            )
+        else:
+            items, busy = [], 0.0
+            for i in range(start, last):
+                self._pace(busy)  # after the previous chunk's encoding (share 0: before any)
+                t0 = time.perf_counter()
+                items.append((job.keys[i], encode(i)))
+                busy = time.perf_counter() - t0
         if not items:
             return
         stored = self.client.put_many(items, job.tenant_tag)

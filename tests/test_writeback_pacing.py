@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 import types
+from unittest import mock
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ class _SlowCodec:
 
 def _writeback(tmp_path, share: float, chunks: int):
     codec = codecs()["lossless"]
+    torch.manual_seed(0)  # the same KV in every call's pool
     pool = [
         torch.randn(chunks * CH, LAYOUT.num_kv_heads, LAYOUT.head_dim).to(torch.bfloat16) for _ in range(8)
     ]
@@ -120,7 +122,49 @@ def test_the_default_share_paces_host_pools_only_and_the_flag_overrides_it() -> 
     device = types.SimpleNamespace(device_dequant=True)
     auto = RemoteKVConfig(mode="dpu")
     assert writeback_share(auto, host) == WRITEBACK_CPU_HOST_POOL == 0.1  # the forward's own cores
-    assert writeback_share(auto, device) == 1.0  # a GPU's prefill: keep up
+    # a GPU's prefill: keep up, unpaced, on a quarter of the cores (1 here on 2 cores; at most 8)
+    for cores, want in ((2, 1.0), (16, 4.0), (128, 8.0)):
+        with mock.patch("os.sched_getaffinity", return_value=set(range(cores))):
+            assert writeback_share(auto, device) == want
     assert writeback_share(RemoteKVConfig(mode="dpu", writeback_cpu=0.0), device) == 0.0
+    assert writeback_share(RemoteKVConfig(mode="dpu", writeback_cpu=3.0), host) == 3.0
     with pytest.raises(ValueError, match="--remote-kv-writeback-cpu must be in"):
-        RemoteKVConfig(mode="dpu", writeback_cpu=1.5)
+        RemoteKVConfig(mode="dpu", writeback_cpu=65.0)
+
+
+def test_a_share_of_n_cores_encodes_a_jobs_chunks_on_n_threads_with_the_same_blobs(tmp_path) -> None:
+    """--remote-kv-writeback-cpu 3: three encoder threads at once, never paced while serving, and the store
+    ends up with exactly the blobs (and keys) a single paced thread writes."""
+    n = 6
+    live, peak, lock = [0], [0], threading.Lock()
+
+    class Counting(_SlowCodec):
+        def encode(self, *a, **kw):
+            with lock:
+                live[0] += 1
+                peak[0] = max(peak[0], live[0])
+            try:
+                return super().encode(*a, **kw)
+            finally:
+                with lock:
+                    live[0] -= 1
+
+    wb, req = _writeback(tmp_path / "par", 3.0, n)
+    assert wb.threads == 3
+    wb.codec = Counting(wb.codec.codec)
+    stop = threading.Event()
+    _serving(wb, stop)
+    wb.offer(req, n * CH)
+    assert wb.flush(30)
+    stop.set()
+    assert peak[0] >= 2  # side by side (3 threads, 6 chunks of 30 ms each)
+    serial, req1 = _writeback(tmp_path / "one", 1.0, n)
+    assert serial.threads == 1
+    serial.offer(req1, n * CH)
+    assert serial.flush(30)
+    keys = wb.keys.keys_for(list(range(n * CH)), n, None)
+    assert len(keys) == n and keys == serial.keys.keys_for(list(range(n * CH)), n, None)
+    blobs = wb.client.get_many(keys)
+    assert None not in blobs and blobs == serial.client.get_many(keys)
+    wb.close()
+    serial.close()

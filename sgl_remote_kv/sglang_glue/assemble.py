@@ -10,6 +10,7 @@ Threads: the scheduler thread, at start-up.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 from sgl_remote_kv import metrics as metrics_mod
@@ -150,11 +151,14 @@ def build_staging(cfg: RemoteKVConfig, codec, kv_writer, pool_tokens: int, page_
 
 def writeback_share(cfg: RemoteKVConfig, kv_writer) -> float:
     """``--remote-kv-writeback-cpu``, or its default for this pool: paced (``WRITEBACK_CPU_HOST_POOL``) where
-    the pool is in host memory, since the encode then takes the forward's own cores; unpaced on a device pool,
-    whose host cores the forward does not use (the write-back must keep up with a GPU's prefill)."""
+    the pool is in host memory, since the encode then takes the forward's own cores; on a device pool, whose
+    host cores the forward does not use, unpaced threads on a quarter of the cores (the write-back must keep
+    up with a GPU's prefill; the DPU data plane takes another quarter)."""
     if cfg.writeback_cpu is not None:
         return cfg.writeback_cpu
-    return 1.0 if kv_writer.device_dequant else WRITEBACK_CPU_HOST_POOL
+    if not kv_writer.device_dequant:
+        return WRITEBACK_CPU_HOST_POOL
+    return float(max(1, min(WRITEBACK_THREADS_MAX, len(os.sched_getaffinity(0)) // 4)))
 
 
 def plain_paths(cfg: RemoteKVConfig, codec) -> list[str]:
@@ -173,3 +177,4 @@ STAGING_AUTO_MAX = 65536  # tokens of the automatic staging size (--remote-kv-st
 # the write-back's default share while serving where the pool is in host memory (measured on the CPU twin:
 # 0.1 kept TPOT at 1.30x --remote-kv off's, 0.25 at 1.62x; docs/results/write_path.json)
 WRITEBACK_CPU_HOST_POOL = 0.1
+WRITEBACK_THREADS_MAX = 8  # the device-pool default's cap (a quarter of the cores)
