@@ -50,6 +50,13 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=48)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument(
+        "--dp-cpus",
+        choices=("none", "auto"),
+        default="none",
+        help="none: the data plane unpinned; auto: pinned where a server pins its own (the last quarter "
+        "of the cores on >= 4-core hosts), with one inflate worker per core",
+    )
     args = ap.parse_args()
 
     from sgl_remote_kv.codec.base import get_codec
@@ -57,6 +64,7 @@ def main() -> int:
     from sgl_remote_kv.contract.sizing import DEST_SLOT_BYTES, chunk_bytes
     from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
     from sgl_remote_kv.fetch.dpu_client.jobs import KVTarget
+    from sgl_remote_kv.fetch.dpu_client.link import auto_cpus
     from sgl_remote_kv.kvpool.staged import StagedPages, codes_bytes_per_token
     from sgl_remote_kv.store.client import open_client
     from sgl_remote_kv.types import KVLayout, ModelFingerprint
@@ -80,7 +88,7 @@ def main() -> int:
             client.put_many([(k, blobs[i % 4]) for i, k in enumerate(keys)])
             client.close()
             for label, slot in (("64 MiB (default)", DEST_SLOT_BYTES), ("16 chunks", 16 * cb)):
-                spec = DataPlaneSettings(cpus=(), slot_bytes=slot)
+                spec = DataPlaneSettings(cpus=auto_cpus() if args.dp_cpus == "auto" else (), slot_bytes=slot)
                 dpu = DpuClient(DpuClientConfig(url, dest_slot_bytes=slot, process=spec), fp, codec)
                 dpu.start()
                 try:
@@ -128,6 +136,9 @@ def main() -> int:
         "layout": "llama3-8b-shape (32 layers, 8 KV heads, 128 head dim, bf16)",
         "kv": "random normal (near-incompressible)",
         "cpus": len(os.sched_getaffinity(0)),
+        "data_plane": DataPlaneSettings(
+            cpus=auto_cpus() if args.dp_cpus == "auto" else ()
+        ).describe_workers(),
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

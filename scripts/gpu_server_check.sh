@@ -24,7 +24,8 @@
 # Env: PYTHON (default python3), GPU_SERVER_WHEELS (.whl), GPU_SERVER_SITE (/tmp/gpu_server_site),
 #      GPU_SERVER_WORK (/tmp/gpu_server), GPU_SERVER_DEADLINE_S (450: no new row after it),
 #      GPU_SERVER_REHEARSAL (0|1), GPU_SERVER_INSTALL (1|0),
-#      GPU_SERVER_PLAN (gpu: the full plan; gpu-paths: the 8B shape's read paths only, for a second call).
+#      GPU_SERVER_PLAN (gpu: the full plan; gpu-paths: the 8B shape's read paths only, for a second call),
+#      GPU_SERVER_BUDGET_S (530: the DPU-rounds benchmark after the driver runs only inside it).
 set -uo pipefail
 CALLER_PWD=$PWD
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -90,4 +91,20 @@ args=(--out "$REPORT" --work "$WORK" --deadline-s "${GPU_SERVER_DEADLINE_S:-450}
 drc=$?
 [ "$drc" -eq 0 ] || rc=$drc
 log "report: $REPORT (driver exit $drc); $(($(date +%s) - T0)) s"
+
+# -- 4. the DPU path's rounds on this host's CPU, pinned as a server pins its data plane, if time is left ----
+# (benchmarks/bench_dpu_rounds.py; its own JSON next to the report, in the work dir when rehearsed; never
+# changes the exit status)
+if [ "$REHEARSAL" = 1 ]; then ROUNDS=$WORK/dpu_rounds.json; else ROUNDS=$(dirname "$REPORT")/dpu_rounds_gpu_host.json; fi
+left=$((${GPU_SERVER_BUDGET_S:-530} - ($(date +%s) - T0)))
+if [ "$REHEARSAL" = 1 ]; then rargs=(--chunks 8 --repeat 1); else rargs=(--chunks 48 --repeat 2); fi
+if [ "$left" -gt 45 ]; then
+  # the installed wheel first, the tree's benchmarks/ after it (as the driver does)
+  (PYTHONPATH=$PYTHONPATH:$ROOT timeout $((left - 5)) "$PY" -m benchmarks.bench_dpu_rounds --dp-cpus auto \
+     --out "$ROUNDS" "${rargs[@]}") \
+    > "$WORK/dpu_rounds.log" 2>&1
+  log "dpu rounds on this host: exit $? ($ROUNDS); $(tail -5 "$WORK/dpu_rounds.log" | tr '\n' ' ')"
+else
+  log "dpu rounds on this host: skipped ($left s left)"
+fi
 exit "$rc"
