@@ -25,8 +25,9 @@ released request's chunks are staged, and SGLang's linker wrapper loads them (``
 
 All hooks run on the scheduler thread. The queue object (``admission.WaitingForKV``) of a scheduler is
 kept here (``_QUEUES``, weakly keyed by the scheduler: nothing is written on SGLang's object), created on
-first use with its collaborators from the process's runtime and the SGLang seam. A released request goes back through ``_add_request_to_queue``
-(``SchedulerHost.release``), which this hook passes through while ``host.releasing`` is set.
+first use with its collaborators from the process's runtime and the SGLang seam. A released request goes
+back through ``_add_request_to_queue`` (``SchedulerHost.release``), which this hook passes through while
+``host.releasing`` is set.
 """
 
 from __future__ import annotations
