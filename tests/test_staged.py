@@ -261,3 +261,28 @@ def test_linker_releases_a_loads_pins_at_finish_on_the_scheduler_thread():
     assert free_rows(staged) == 8
     assert ln.finish_layer_wise_loading(index)
     assert free_rows(staged) == 16
+
+
+def test_prefaulting_the_arena_commits_its_pages_and_changes_no_byte():
+    """``Arena.prefault`` (a host pool's staging, in the background at start-up): every page resident and
+    writable afterwards (the process's RSS grows by the arena), the bytes already written unchanged."""
+    import threading
+
+    from sgl_remote_kv.kvpool.arena import Arena
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    a = Arena(64 << 20)
+    start = a.alloc(1 << 20)
+    a.array[start : start + (1 << 20)] = 7  # an extent in use while another thread prefaults
+    before = rss()
+    t = threading.Thread(target=lambda: setattr(t, "ok", a.prefault()))
+    t.start()
+    a.array[start : start + 16] = 9
+    t.join()
+    assert t.ok
+    assert rss() - before >= 0.9 * (63 << 20)  # the untouched 63 MiB are resident now
+    assert (a.array[start : start + 16] == 9).all() and (a.array[start + 16 : start + (1 << 20)] == 7).all()
+    assert not a.array[start + (1 << 20) :].any()  # the rest still zero

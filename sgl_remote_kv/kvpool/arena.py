@@ -15,6 +15,8 @@ import mmap
 import numpy as np
 
 ALIGN = 64
+# madvise(2): fault pages in writable without changing a byte (Linux >= 5.14; Python 3.11 lacks the name)
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 def align(n: int, to: int = ALIGN) -> int:
@@ -33,6 +35,16 @@ class Arena:
         self._starts = [0]  # free extents, sorted by start
         self._sizes = {0: self.nbytes}
         self.used = 0
+
+    def prefault(self) -> bool:
+        """Fault every page in (``MADV_POPULATE_WRITE``), so first writes into extents do not pay the kernel's
+        page faults (about 20x a warm write). Changes no byte: safe from any thread while extents are in
+        use. False where the kernel or platform cannot (then pages fault on first use, as before)."""
+        try:
+            self._map.madvise(MADV_POPULATE_WRITE)
+            return True
+        except (OSError, ValueError, AttributeError):  # old kernel / not Linux / closed map
+            return False
 
     def alloc(self, nbytes: int) -> int | None:
         """The start of a new extent of ``nbytes`` (rounded up to ``ALIGN``), or None if none fits."""
