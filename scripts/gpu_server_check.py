@@ -323,7 +323,7 @@ class Check:
             before = chunks_done(url)
             stream(url, prompt(vocab, n, 10_000 + self.seed), 2)  # compile this length's kernels
             # its write-back done first: the cold run must not share the host with another prompt's encode
-            # (the first H200 run's 32K recompute took 5.0 s so, 3.0 s alone)
+            # (that slowed the first H200 run's recompute rows, docs/RESULTS.md)
             self.wait_written(url, before + n // CHUNK - 1)
             self.seed += 1
             ids = prompt(vocab, n, self.seed)
