@@ -69,6 +69,7 @@ def main() -> int:
     from sgl_remote_kv.store.client import open_client
     from sgl_remote_kv.types import KVLayout, ModelFingerprint
 
+    dp_cpus = auto_cpus() if args.dp_cpus == "auto" else ()  # the data plane's cores, or () unpinned
     layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
     fp = ModelFingerprint("LlamaForCausalLM", layout, "bench-dpu-rounds")
     n, cb = args.chunks, chunk_bytes(layout, CHUNK)
@@ -88,7 +89,7 @@ def main() -> int:
             client.put_many([(k, blobs[i % 4]) for i, k in enumerate(keys)])
             client.close()
             for label, slot in (("64 MiB (default)", DEST_SLOT_BYTES), ("16 chunks", 16 * cb)):
-                spec = DataPlaneSettings(cpus=auto_cpus() if args.dp_cpus == "auto" else (), slot_bytes=slot)
+                spec = DataPlaneSettings(cpus=dp_cpus, slot_bytes=slot)
                 dpu = DpuClient(DpuClientConfig(url, dest_slot_bytes=slot, process=spec), fp, codec)
                 dpu.start()
                 try:
@@ -136,9 +137,7 @@ def main() -> int:
         "layout": "llama3-8b-shape (32 layers, 8 KV heads, 128 head dim, bf16)",
         "kv": "random normal (near-incompressible)",
         "cpus": len(os.sched_getaffinity(0)),
-        "data_plane": DataPlaneSettings(
-            cpus=auto_cpus() if args.dp_cpus == "auto" else ()
-        ).describe_workers(),
+        "data_plane": DataPlaneSettings(cpus=dp_cpus).describe_workers(),
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -161,7 +161,7 @@ def start_dpu_backend(
     try:
         from sgl_remote_kv.contract.settings import DataPlaneSettings
         from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
-        from sgl_remote_kv.fetch.dpu_client.link import auto_cpus
+        from sgl_remote_kv.fetch.dpu_client.link import resolved
 
         # --remote-kv-dpu-args (validated by config) and --remote-kv-dpu-cpus (empty: auto = None)
         flags = shlex.split(config.dpu_args)
@@ -194,6 +194,5 @@ def start_dpu_backend(
     if config.dpu_endpoint:  # the service has its own settings
         logger.info("DPU data plane attached to %s (pid %s)", config.dpu_endpoint, client.pid)
     else:
-        shown = spec if spec.cpus is not None else dataclasses.replace(spec, cpus=auto_cpus())
-        logger.info("DPU data plane started (pid %s; %s)", client.pid, shown.describe_workers())
+        logger.info("DPU data plane started (pid %s; %s)", client.pid, resolved(spec).describe_workers())
     return DpuFetchBackend(client, kv_writer, config.chunk_size, on_done)

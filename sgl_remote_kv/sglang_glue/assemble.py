@@ -135,13 +135,11 @@ def build_staging(cfg: RemoteKVConfig, codec, kv_writer, pool_tokens: int, page_
     plan = staging_plan(lay, kv_writer.device_dequant, codec, plain_paths(cfg, codec))
     staged = StagedPages(lay, rows, page_size, keep_codes=plan.keep_codes, nbytes=rows * plan.bytes_per_token)
     kv_writer.register_host(staged.writer.arena.array)  # device pools: the load uploads from where rows lie
-    if (
-        not kv_writer.device_dequant
-    ):  # a host pool: nothing pinned the arena's pages; fault them in now, in the
-        # background (no byte changes), so a fresh server's first remote hit does not pay for it
-        threading.Thread(
-            target=staged.writer.arena.prefault, name="srkv-staging-prefault", daemon=True
-        ).start()
+    # a host pool: nothing pinned the arena's pages; fault them in now, in the background (no byte changes),
+    # so a fresh server's first remote hit does not pay for it
+    if not kv_writer.device_dequant:
+        prefault = staged.writer.arena.prefault
+        threading.Thread(target=prefault, name="srkv-staging-prefault", daemon=True).start()
     metrics_mod.get().staging(staged.writer.bytes_per_token, plan.keep_codes)
     for why in plan.reasons:
         logger.info("remote KV staging: %s", why)

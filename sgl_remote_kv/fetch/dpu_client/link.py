@@ -45,14 +45,20 @@ def auto_cpus() -> tuple[int, ...]:
     return tuple(avail[-max(1, len(avail) // 4) :])
 
 
+def resolved(settings: DataPlaneSettings) -> DataPlaneSettings:
+    """``settings`` as a spawned data plane runs with them: ``cpus`` None (auto) -> ``auto_cpus()``."""
+    if settings.cpus is None:  # auto: away from the serving process when the machine has the cores
+        return dataclasses.replace(settings, cpus=auto_cpus())
+    return settings
+
+
 def command(
     settings: DataPlaneSettings, endpoint: str, warm: str | None = None, regions: dict[str, int] | None = None
 ) -> list[str]:
     """The data plane's command line; the store URL (it may hold a password) goes to its stdin. ``warm``:
     ``protocol.Warmup`` JSON (the codec and model it will decode; it warms up before serving);
     ``regions``: destination region name -> the descriptor the child inherits (``HostRegion.fd``)."""
-    if settings.cpus is None:  # auto: away from the serving process when the machine has the cores
-        settings = dataclasses.replace(settings, cpus=auto_cpus())
+    settings = resolved(settings)
     cmd = [sys.executable, "-m", "sgl_remote_kv.dpu", "--endpoint", endpoint, "--store", "-"]
     cmd += ["--parent-pid", str(os.getpid()), "--client-timeout", "0"]  # exits if the host dies
     cmd += ["--warm", warm] if warm else []
