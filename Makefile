@@ -16,7 +16,7 @@ model: setup
 # A calibration belongs to one weights build: the e2e benchmarks serve the bfloat16 build (MODEL_DTYPE).
 MODEL_DTYPE ?= float32
 calibration: model
-	$(PY) -m sgl_remote_kv.calibrate --if-missing --model-path "$$($(PY) -m sgl_remote_kv.model --dtype $(MODEL_DTYPE) | tail -1)"
+	$(PY) -m sgl_remote_kv.codec.calibration --if-missing --model-path "$$($(PY) -m sgl_remote_kv.model --dtype $(MODEL_DTYPE) | tail -1)"
 
 demo: calibration
 	$(PY) scripts/demo.py --remote-kv dpu --turns 3 --restart

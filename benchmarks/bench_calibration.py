@@ -1,6 +1,6 @@
 """The calibration a user's ``make calibration`` makes, and the ratios it gives (``make bench-calibration``).
 
-For the registered calibration fitted on the default text set (``sgl_remote_kv.calibration_texts``):
+For the registered calibration fitted on the default text set (``sgl_remote_kv.codec.calibration.texts``):
 its id, the KL per level it measured on its own texts (its report), and the transform codec's ratio
 (bf16 bytes / blob bytes, 256-token chunks at their real positions) on every held-out text of the
 catalogue, per kind, entropy coder and level. No model runs: the KV comes from ``benchmarks.kvdata``.
@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import kvdata
-from sgl_remote_kv import calibration_texts
 from sgl_remote_kv.codec import calibration as cm
 from sgl_remote_kv.codec.base import get_codec
+from sgl_remote_kv.codec.calibration import texts as calibration_texts
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "results" / "calibration.json"
 ENTROPY = ("deflate", "rans", "auto")

@@ -195,7 +195,8 @@ class Spec:
 
 def fit_tables(ctx: EvalContext, params: dict):
     """Entropy tables for ``quant_rans`` fitted on the chunks of the ``tune`` texts (held-out texts unseen)."""
-    from sgl_remote_kv.codec import quant, tables
+    from sgl_remote_kv.codec import quant
+    from sgl_remote_kv.codec.calibration import tables
 
     keys = ("k_bins", "v_bins", "granularity", "k_channel_scale", "k_outliers")
     spec = quant.QuantSpec.make(**{k: params[k] for k in keys if k in params})

@@ -17,7 +17,7 @@ with ``meets_goal`` (>= 1.5x that peer) and ``meets_stretch`` (>= 2x).
 
 The transform codec's numbers come from the calibration a user's ``make calibration`` makes: the
 registered one must have been fitted on the default text set, and its id is recorded (``meta.calibration``);
-``--fresh-calibration`` fits one from scratch first (``python -m sgl_remote_kv.calibrate``, pinned
+``--fresh-calibration`` fits one from scratch first (``python -m sgl_remote_kv.codec.calibration``, pinned
 numerics) into the cache directory.
 
 Writes ``docs/results/codec_rd.json`` and the plots ``codec_rd_kl.png`` / ``codec_rd_top1.png``.
@@ -380,13 +380,13 @@ def check_calibration(fresh: bool) -> str:
     one, which must have been fitted on the default text set (what ``make calibration`` makes)."""
     import subprocess
 
-    from sgl_remote_kv import calibration_texts
     from sgl_remote_kv.codec import calibration
+    from sgl_remote_kv.codec.calibration import texts as calibration_texts
 
     if fresh:
         model = kvdata.model_dir()
         subprocess.run(
-            [sys.executable, "-m", "sgl_remote_kv.calibrate", "--model-path", str(model)], check=True
+            [sys.executable, "-m", "sgl_remote_kv.codec.calibration", "--model-path", str(model)], check=True
         )
         calibration.load_dir(force=True)
     cal = calibration.find_for(kvdata.fingerprint(), calibration.DEFAULT_LEVEL)

@@ -99,8 +99,8 @@ def _corr(a, b) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench_codec_rd import check_calibration
-    from sgl_remote_kv import calibration_texts as ct
     from sgl_remote_kv.codec import calibration as cm
+    from sgl_remote_kv.codec.calibration import texts as ct
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--level", default=cm.DEFAULT_LEVEL, choices=cm.LEVELS)

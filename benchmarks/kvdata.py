@@ -5,7 +5,7 @@ model through transformers) and the next ``CONT`` tokens are the teacher-forced 
 ``benchmarks.quality``. KV is stored as bf16 bits (``np.uint16``) shaped ``[layers, tokens, kv_heads, dim]``
 -- exactly what the codecs consume -- under ``<repo>/.cache/kvdata/``.
 
-Texts are the product's catalogue (``sgl_remote_kv.calibration_texts.SOURCES``: prose, code, JSON,
+Texts are the product's catalogue (``sgl_remote_kv.codec.calibration.texts.SOURCES``: prose, code, JSON,
 non-English prose, chat turns) and carry a role: ``tune`` texts (the calibration's fit set,
 ``CALIBRATION``) choose the default codec config, ``heldout`` texts (every other one) report it, per kind.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sgl_remote_kv import calibration_texts as ct
+from sgl_remote_kv.codec.calibration import texts as ct
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "kvdata"

@@ -34,7 +34,7 @@ def kv(layout: KVLayout, tokens: int, seed: int = 0) -> tuple[np.ndarray, np.nda
 
 def fitted_rans_codec(fp: ModelFingerprint, tokens: int = 64, n_samples: int = 2, **params):
     """A ``quant_rans`` codec with tables fitted on synthetic KV for ``fp`` (tests, demos)."""
-    from sgl_remote_kv.codec import tables
+    from sgl_remote_kv.codec.calibration import tables
     from sgl_remote_kv.codec.quant_rans import QuantRansCodec
 
     spec_codec = QuantRansCodec(**params)

@@ -10,7 +10,7 @@
 - ``SRKV_STORE_PASSWORD``: the Redis store's password, for URLs that name neither a password nor a
   ``password_file`` (``store/credentials.py``); inherited by the scheduler and data-plane processes, and
   never on a command line.
-- ``SRKV_PINNED_NUMERICS``: set by ``python -m sgl_remote_kv.calibrate`` when it re-executes itself with
+- ``SRKV_PINNED_NUMERICS``: set by ``python -m sgl_remote_kv.codec.calibration`` when it re-executes itself with
   pinned numerics (``pinned_numerics_env``; never set by hand).
 """
 

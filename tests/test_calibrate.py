@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sgl_remote_kv import calibrate, calibration_texts
-from sgl_remote_kv.calibration_scorer import Scorer
 from sgl_remote_kv.codec import calibration as cm
 from sgl_remote_kv.codec.base import default_codec, get_codec
+from sgl_remote_kv.codec.calibration import cli as calibrate
+from sgl_remote_kv.codec.calibration import texts as calibration_texts
+from sgl_remote_kv.codec.calibration.scorer import Scorer
 from sgl_remote_kv.types import KVLayout, ModelFingerprint
 
 HELD_OUT = Path("/usr/share/common-licenses/Apache-2.0")  # not a calibration text

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from sgl_remote_kv import calibration_texts
 from sgl_remote_kv.codec import calibration as cm
+from sgl_remote_kv.codec.calibration import texts as calibration_texts
 
 COMMITTED = Path(__file__).resolve().parent.parent / "docs" / "results" / "calibration.json"
 LEVELS = (cm.DEFAULT_LEVEL, "0.001")

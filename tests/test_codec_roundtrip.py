@@ -161,7 +161,7 @@ def test_entropy_coders_decode_the_same_codes_as_deflate(cfg):
 
 
 def test_rans_tables_save_load_and_unknown_table(tmp_path):
-    from sgl_remote_kv.codec import tables
+    from sgl_remote_kv.codec.calibration import tables
     from sgl_remote_kv.codec.errors import ForeignChunk
 
     fp = synthetic.fingerprint(dtype="bfloat16")

@@ -240,7 +240,7 @@ def test_sink_positions_are_stored_exactly():
 def test_for_model_refuses_another_rope_and_a_missing_calibration(cal):
     with pytest.raises(cm.CalibrationError, match="RoPE"):
         transform.TransformCodec.for_model(fp(), "0.001", rope=RopeSpec(500000.0, D, "neox"))
-    with pytest.raises(cm.CalibrationError, match="sgl_remote_kv.calibrate"):
+    with pytest.raises(cm.CalibrationError, match="sgl_remote_kv.codec.calibration"):
         transform.TransformCodec.for_model(fp(weights="another-model"), "0.001")
 
 

@@ -28,7 +28,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from benchmarks.redis_server import RedisServer, free_port
-from sgl_remote_kv.calibrate import fingerprint_for
+from sgl_remote_kv.codec.calibration.cli import fingerprint_for
 from sgl_remote_kv.fetch.paths import resolve_codec
 from sgl_remote_kv.types import RopeSpec
 from tests.fixtures.faults import gen, make_case, metric, wait_written

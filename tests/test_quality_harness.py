@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks import kvdata, quality
 from benchmarks.kvdata import TextKV
-from sgl_remote_kv import calibration_texts as ct
+from sgl_remote_kv.codec.calibration import texts as ct
 
 PREFIX, CONT = 128, 16
 

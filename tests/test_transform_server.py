@@ -21,8 +21,8 @@ def test_transform_codec_serves_remote_hits_at_its_level(model_dir, tmp_path, ou
 
     from transformers import AutoTokenizer
 
-    from sgl_remote_kv.calibrate import fingerprint_for
     from sgl_remote_kv.codec import calibration
+    from sgl_remote_kv.codec.calibration.cli import fingerprint_for
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     calibration.find_for(fingerprint_for(Path(model_dir), cfg), "0.002")  # `make calibration` ran

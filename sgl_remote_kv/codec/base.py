@@ -317,7 +317,7 @@ def default_codec(entropy: str = "deflate", **overrides) -> Codec:
     """The default quantized codec (see docs/CODEC.md for why). Change the defaults here only.
 
     ``entropy="deflate"`` (the DPU's format, no tables needed) or ``"rans"`` (better ratio; needs entropy
-    tables for the model registered in ``codec.tables``).
+    tables for the model registered in ``codec.calibration.tables``).
     """
     params = {"k_bins": DEFAULT_K_BINS, "v_bins": DEFAULT_V_BINS, "granularity": "token", **overrides}
     return get_codec("quant_rans" if entropy == "rans" else "quant_deflate", **params)

@@ -20,8 +20,9 @@ import struct
 
 import numpy as np
 
-from sgl_remote_kv.codec import quant, rans, tables
-from sgl_remote_kv.codec import tables as tables_mod
+from sgl_remote_kv.codec import quant, rans
+from sgl_remote_kv.codec.calibration import tables
+from sgl_remote_kv.codec.calibration import tables as tables_mod
 from sgl_remote_kv.codec.errors import CorruptChunk, ForeignChunk
 from sgl_remote_kv.codec.format import ChunkHeader
 from sgl_remote_kv.types import ModelFingerprint

@@ -150,6 +150,50 @@ class FetchHandle:
                 on_event()
 
 
+class LayerDecodeError(Exception):
+    """Chunk ``index`` failed in ``decode_layer`` (``cause``: the codec's ``ChunkError``)."""
+
+    def __init__(self, index: int, cause: ChunkError) -> None:
+        super().__init__(f"chunk {index}: {cause!r}")
+        self.index, self.cause = index, cause
+
+
+class Scratch:
+    """A grow-only uint8 scratch for ``decode_layer``: one buffer lent to every call, replaced by a larger one
+    when a chunk-layer needs more; the outgrown one is zeroed before it is dropped (decoded codec bytes must
+    not reach a later ``torch.empty``: ``layerwise._DecodeBuffers``). Not thread-safe: one user at a time."""
+
+    def __init__(self) -> None:
+        self._buf = np.zeros(1, np.uint8)
+
+    def __call__(self, nbytes: int) -> np.ndarray:
+        if self._buf.size < nbytes:
+            self._buf.fill(0)
+            self._buf = np.zeros(nbytes, np.uint8)
+        return self._buf
+
+
+def decode_layer(codec: Codec, blobs, headers, layer: int, scratch, into=None):
+    """The one in-process decode loop: ``layer`` of each verified chunk ``(blobs[i], headers[i])``, in order.
+
+    ``scratch(nbytes) -> uint8 array`` lends the codec's scratch (the caller decides whether it is reused
+    or fresh). With ``into(i) -> (k, v)`` it decodes chunk ``i`` fully into those arrays and yields ``i``;
+    without, it runs the lossless stage only and yields ``(i, codes)`` (a view into that chunk's scratch,
+    for a device dequant). A chunk that fails raises ``LayerDecodeError`` (its index and cause): the caller
+    decides what a failure means (a fetch worker cuts the hit there; a released install cannot)."""
+    for i, (blob, hdr) in enumerate(zip(blobs, headers, strict=True)):
+        buf = scratch(codec.scratch_bytes(hdr, layer))
+        try:
+            if into is None:
+                out = (i, codec.codes_stage(blob, hdr, layer, buf))
+            else:
+                codec.decode_layer_into(blob, hdr, layer, buf, *into(i))
+                out = i
+        except ChunkError as e:
+            raise LayerDecodeError(i, e) from e
+        yield out
+
+
 class FetchBackend(Protocol):
     direct: bool  # True: the backend writes the reserved rows (DPU, NVDEC); else the install does
     tails: bool  # True: ``submit`` takes chunks of different token counts (tail sub-chunks)

@@ -13,8 +13,13 @@ import time
 
 import numpy as np
 
-from sgl_remote_kv.codec.errors import ChunkError
-from sgl_remote_kv.fetch.base import FetchHandle, ThreadedFetchBackend
+from sgl_remote_kv.fetch.base import (
+    FetchHandle,
+    LayerDecodeError,
+    Scratch,
+    ThreadedFetchBackend,
+    decode_layer,
+)
 from sgl_remote_kv.types import numpy_storage_dtype
 
 
@@ -43,65 +48,50 @@ class InProcessFetchBackend(ThreadedFetchBackend):
             if handle.cancelled:
                 handle._fail_from(0, "cancelled")
             return
-        if self.keep_codes:
-            self._stage_codes(handle, keys, blobs, headers)
-        else:
-            self._decode_layer_major(handle, keys, blobs, headers)
+        self._decode(handle, keys, blobs, headers)
 
-    def _stage_codes(self, handle: FetchHandle, keys: list[bytes], blobs: list, headers: list) -> None:
-        """Lossless stage only, layer-major: ``handle.codes[layer][chunk]`` (views into per-chunk buffers)."""
+    def _decode(self, handle: FetchHandle, keys: list[bytes], blobs: list, headers: list) -> None:
+        """Layer-major through ``decode_layer``: into ``handle.k``/``handle.v`` (``layers_ready`` advancing per
+        layer), or with ``keep_codes`` the lossless stage only into ``handle.codes[layer][chunk]`` (views into
+        per-chunk buffers, published whole). A chunk that fails cuts the hit there."""
         lay = self.fingerprint.layout
         t0 = time.perf_counter()
         codes: list[list] = []
+        if self.keep_codes:
+            scratch = _fresh  # each chunk's codes outlive the loop
+        else:
+            shape = (lay.num_layers, handle.offsets[handle.ok_chunks], lay.num_kv_heads, lay.head_dim)
+            dt = numpy_storage_dtype(lay.dtype)
+            handle.k, handle.v = np.empty(shape, dt), np.empty(shape, dt)
+            scratch = Scratch()
         for layer in range(lay.num_layers):
-            row = []
-            for i in range(handle.ok_chunks):
-                buf = np.empty(self.codec.scratch_bytes(headers[i], layer), np.uint8)
-                try:
-                    row.append(self.codec.codes_stage(blobs[i], headers[i], layer, buf))
-                except ChunkError as e:
-                    self._chunk_error(handle, i, keys[i], e)
-                    break
-            codes.append(row)
+            n, row = handle.ok_chunks, []
+            into = None if self.keep_codes else _spans_of(handle, layer)
+            try:
+                for item in decode_layer(self.codec, blobs[:n], headers[:n], layer, scratch, into):
+                    if self.keep_codes:
+                        row.append(item[1])
+            except LayerDecodeError as e:
+                self._chunk_error(handle, e.index, keys[e.index], e.cause)
             if handle.cancelled:
                 handle._fail_from(0, "cancelled")
                 return
             if handle.ok_chunks == 0:
                 return
-        handle.codes = [row[: handle.ok_chunks] for row in codes]
-        handle.layers_ready = lay.num_layers
+            if self.keep_codes:
+                codes.append(row)
+            else:
+                handle.layers_ready = layer + 1
+        if self.keep_codes:
+            handle.codes = [row[: handle.ok_chunks] for row in codes]
+            handle.layers_ready = lay.num_layers
         handle.decode_s = time.perf_counter() - t0
         handle.decoded_bytes = handle.ok_tokens * lay.bytes_per_token()
 
-    def _decode_layer_major(self, handle: FetchHandle, keys: list[bytes], blobs: list, headers: list) -> None:
-        lay = self.fingerprint.layout
-        shape = (lay.num_layers, handle.offsets[handle.ok_chunks], lay.num_kv_heads, lay.head_dim)
-        dt = numpy_storage_dtype(lay.dtype)
-        handle.k, handle.v = np.empty(shape, dt), np.empty(shape, dt)
-        t0 = time.perf_counter()
-        scratch = np.empty(1, np.uint8)
-        for layer in range(lay.num_layers):
-            for i in range(handle.ok_chunks):
-                need = self.codec.scratch_bytes(headers[i], layer)
-                if scratch.size < need:
-                    scratch = np.empty(need, np.uint8)
-                try:
-                    self.codec.decode_layer_into(
-                        blobs[i],
-                        headers[i],
-                        layer,
-                        scratch,
-                        handle.k[layer, handle.span(i)],
-                        handle.v[layer, handle.span(i)],
-                    )
-                except ChunkError as e:
-                    self._chunk_error(handle, i, keys[i], e)
-                    break
-            if handle.cancelled:
-                handle._fail_from(0, "cancelled")
-                return
-            if handle.ok_chunks == 0:
-                return
-            handle.layers_ready = layer + 1
-        handle.decode_s = time.perf_counter() - t0
-        handle.decoded_bytes = handle.k[:, : handle.ok_tokens].nbytes * 2
+
+def _fresh(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, np.uint8)
+
+
+def _spans_of(handle: FetchHandle, layer: int):
+    return lambda i: (handle.k[layer, handle.span(i)], handle.v[layer, handle.span(i)])

@@ -47,8 +47,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sgl_remote_kv.codec.errors import ChunkError
-from sgl_remote_kv.fetch.base import FetchHandle
+from sgl_remote_kv.fetch.base import FetchHandle, LayerDecodeError, Scratch, decode_layer
 from sgl_remote_kv.kvpool import KVWriteError
 from sgl_remote_kv.types import numpy_storage_dtype
 
@@ -167,45 +166,41 @@ class LayerwiseInstalls:
             h.wait(0.002)
 
     def _decode_layer(self, p: _Pending, layer: int) -> None:
-        if self.kv_writer.device_dequant and p.codec.device_dequant:
-            return self._decode_layer_on_device(p, layer)
+        """``layer`` of every chunk from the verified blobs (``decode_layer``, the shared scratch), then into the
+        rows: on a device pool whose codec has a device stage, codes per chunk (``write_quantized``: the
+        dequant runs on the device, each chunk's codes written before the scratch is reused); else decoded
+        K/V, one write for the layer."""
         t0 = time.perf_counter()
         h = p.handle
-        k, v = self._bufs.kv(h.total_tokens)
-        for i, (blob, hdr) in enumerate(zip(h.blobs, h.headers, strict=True)):
-            scratch = self._bufs.scratch(p.codec.scratch_bytes(hdr, layer))
-            try:
-                p.codec.decode_layer_into(blob, hdr, layer, scratch, k[h.span(i)], v[h.span(i)])
-            except ChunkError as e:
-                self.metrics.failure("layerwise_decode_error")
-                raise RuntimeError(f"verified chunk {i} of {h.request_id} failed to decode: {e!r}") from e
-        t1 = time.perf_counter()
+        on_device = self.kv_writer.device_dequant and p.codec.device_dequant
+        k, v = (None, None) if on_device else self._bufs.kv(h.total_tokens)
+        into = None if on_device else (lambda i: (k[h.span(i)], v[h.span(i)]))
         try:
-            self._write(p, layer, k[None], v[None])
-        except KVWriteError as e:
-            self.metrics.failure("write")
-            raise RuntimeError(f"layer {layer} of admitted {h.request_id} cannot be written: {e}") from e
+            for item in decode_layer(p.codec, h.blobs, h.headers, layer, self._bufs.scratch, into):
+                if on_device:
+                    self._write_or_fail(
+                        p, layer, self.kv_writer.write_quantized, [item[1]], p.rows[h.span(item[0])], layer
+                    )
+        except LayerDecodeError as e:
+            self.metrics.failure("layerwise_decode_error")
+            raise RuntimeError(
+                f"verified chunk {e.index} of {h.request_id} failed to decode: {e.cause!r}"
+            ) from e
+        t1 = time.perf_counter()
+        if not on_device:
+            self._write_or_fail(p, layer, self.kv_writer.write, k[None], v[None], p.rows, layer)
         p.decode_s += t1 - t0
         p.write_s += time.perf_counter() - t1
 
-    def _decode_layer_on_device(self, p: _Pending, layer: int) -> None:
-        """Device pools: the lossless stage here, dequantization on the device (``write_quantized``),
-        one chunk at a time through the shared scratch."""
-        t0 = time.perf_counter()
-        h = p.handle
-        for i, (blob, hdr) in enumerate(zip(h.blobs, h.headers, strict=True)):
-            scratch = self._bufs.scratch(p.codec.scratch_bytes(hdr, layer))
-            try:
-                view = p.codec.codes_stage(blob, hdr, layer, scratch)
-            except ChunkError as e:
-                self.metrics.failure("layerwise_decode_error")
-                raise RuntimeError(f"verified chunk {i} of {h.request_id} failed to decode: {e!r}") from e
-            try:
-                self.kv_writer.write_quantized([view], p.rows[h.span(i)], layer)
-            except KVWriteError as e:
-                self.metrics.failure("write")
-                raise RuntimeError(f"layer {layer} of admitted {h.request_id} cannot be written: {e}") from e
-        p.decode_s += time.perf_counter() - t0
+    def _write_or_fail(self, p: _Pending, layer: int, write, *args) -> None:
+        """``write(*args)`` (a ``kv_writer`` method); a failed write of a released install fails the load (a 503)."""
+        try:
+            write(*args)
+        except KVWriteError as e:
+            self.metrics.failure("write")
+            raise RuntimeError(
+                f"layer {layer} of admitted {p.handle.request_id} cannot be written: {e}"
+            ) from e
 
     def _write(self, p: _Pending, layer: int, k, v) -> None:
         self.kv_writer.write(k, v, p.rows, layer)
@@ -226,7 +221,7 @@ class _DecodeBuffers:
         self._row = (layout.num_kv_heads, layout.head_dim)
         self._dtype = numpy_storage_dtype(layout.dtype)
         self._k = self._v = np.zeros((0, *self._row), self._dtype)
-        self._scratch = np.zeros(1, np.uint8)
+        self.scratch = Scratch()
 
     def kv(self, tokens: int) -> tuple[np.ndarray, np.ndarray]:
         if self._k.shape[0] < tokens:
@@ -234,12 +229,6 @@ class _DecodeBuffers:
                 old.fill(0)
             self._k, self._v = (np.zeros((tokens, *self._row), self._dtype) for _ in range(2))
         return self._k[:tokens], self._v[:tokens]
-
-    def scratch(self, nbytes: int) -> np.ndarray:
-        if self._scratch.size < nbytes:
-            self._scratch.fill(0)
-            self._scratch = np.zeros(nbytes, np.uint8)
-        return self._scratch
 
 
 def _broken(h: FetchHandle) -> bool:

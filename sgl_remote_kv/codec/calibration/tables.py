@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from sgl_remote_kv.codec import quant, rans
-from sgl_remote_kv.codec.registry import Registry
+from sgl_remote_kv.codec.calibration.registry import Registry
 from sgl_remote_kv.types import ModelFingerprint
 
 logger = logging.getLogger(__name__)

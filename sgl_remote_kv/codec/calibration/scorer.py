@@ -1,4 +1,4 @@
-"""The model side of a calibration (``calibrate.py``): the model's KV of a text, and what coding it costs.
+"""The model side of a calibration (``cli.py``): the model's KV of a text, and what coding it costs.
 
 ``Scorer`` runs the model (transformers, float32, on the CPU). ``Scorer.text`` reads one calibration text
 into a ``Text``: the KV of its first ``PREFIX`` tokens (fewer on a short text: a multiple of 256, leaving

@@ -1,14 +1,14 @@
-"""Calibrate the transform codec for one model: ``python -m sgl_remote_kv.calibrate --model-path DIR``.
+"""Calibrate the transform codec for one model: ``python -m sgl_remote_kv.codec.calibration --model-path DIR``.
 
-Runs the model (transformers, float32, on the CPU: ``calibration_scorer.py``) over calibration texts and
+Runs the model (transformers, float32, on the CPU: ``scorer.py``) over calibration texts and
 fits, per (layer, K/V, head group: ``--group-heads`` consecutive KV heads, by default all the heads one
 rank of ``--tp`` holds), the mean and PCA basis of position-free KV, then chooses the quantization steps of
-every quality level in ``codec.calibration.LEVELS`` by measuring the model itself (``calibration_fit.py``
+every quality level in ``codec.calibration.LEVELS`` by measuring the model itself (``fit.py``
 says how).
 
 Writes ``<cache>/calibration/<id>.npz`` (``codec.calibration``), which servers of this model load at
 start. Minutes on 2 CPU cores for a 135M model. The texts should resemble what the tier will serve
-(default: ``calibration_texts.CALIBRATION``, every kind of text); never calibrate on the texts you
+(default: ``texts.CALIBRATION``, every kind of text); never calibrate on the texts you
 report quality on.
 
 Reproducible: the same model, texts and code give the same calibration id on any x86-64 machine. The
@@ -27,10 +27,11 @@ import sys
 import time
 from pathlib import Path
 
-from sgl_remote_kv import calibration_texts, env
-from sgl_remote_kv.calibration_fit import MARGIN, REF_STEP, Calibrator, fit_basis, step_shape
-from sgl_remote_kv.calibration_scorer import CONT, PREFIX, Scorer
+from sgl_remote_kv import env
 from sgl_remote_kv.codec import calibration as calib_mod
+from sgl_remote_kv.codec.calibration import texts as calibration_texts
+from sgl_remote_kv.codec.calibration.fit import MARGIN, REF_STEP, Calibrator, fit_basis, step_shape
+from sgl_remote_kv.codec.calibration.scorer import CONT, PREFIX, Scorer
 from sgl_remote_kv.types import KVLayout, ModelFingerprint, RopeSpec
 
 logger = logging.getLogger(__name__)
@@ -203,11 +204,12 @@ def _reexec_pinned() -> None:
             threads = int(a.split("=", 1)[1])
         elif a == "--threads" and i + 1 < len(sys.argv):
             threads = int(sys.argv[i + 1])
-    cmd = [sys.executable, "-m", "sgl_remote_kv.calibrate", *sys.argv[1:]]
+    cmd = [sys.executable, "-m", "sgl_remote_kv.codec.calibration", *sys.argv[1:]]
     os.execve(sys.executable, cmd, env.pinned_numerics_env(threads))
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """``python -m sgl_remote_kv.codec.calibration``: re-executes with pinned numerics first, then ``main``."""
     if not env.numerics_pinned():
         _reexec_pinned()
     sys.exit(main())

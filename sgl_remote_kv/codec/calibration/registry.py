@@ -1,5 +1,5 @@
 """One process-wide registry of content-addressed codec artifacts: the transform codec's calibrations
-(``calibration.py``) and ``quant_rans``'s entropy tables (``tables.py``) both use it.
+(``__init__.py``) and ``quant_rans``'s entropy tables (``tables.py``) both use it.
 
 An artifact has a 16-byte id (a hash of its content) and lives in a directory of ``<id>.npz`` files under
 the cache (``env.cache_dir() / subdir``). ``load_dir`` registers every valid file of a directory, oldest

@@ -1,4 +1,4 @@
-"""The fit of a transform-codec calibration (``calibrate.py`` runs it on the texts ``Scorer`` read).
+"""The fit of a transform-codec calibration (``cli.py`` runs it on the texts ``Scorer`` read).
 
 Fits, per (layer, K/V, head group of consecutive KV heads), the mean and PCA basis of position-free KV
 (RoPE undone on keys; the first ``FIT_SKIP`` tokens of each text left out of the fit: ``fit_basis``), then
@@ -18,7 +18,7 @@ model itself (``Calibrator``):
 4. the rANS frequencies of the symbols those steps produce (``Calibrator.tables``).
 
 Reproducible: the fit has no random step and its reductions run in a fixed order (the thread count is
-pinned by ``calibrate.py``).
+pinned by ``cli.py``).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import logging
 
 import numpy as np
 
-from sgl_remote_kv.calibration_scorer import FIT_SKIP, Scorer, Text
 from sgl_remote_kv.codec import calibration as calib_mod
 from sgl_remote_kv.codec import rans, transform_ops
+from sgl_remote_kv.codec.calibration.scorer import FIT_SKIP, Scorer, Text
 from sgl_remote_kv.types import RopeSpec
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ of the symbols those steps produce. A head group is a run of consecutive KV head
 (all of a layer's heads: the best decorrelation; one head: a third of the decode's matmul work); a TP
 rank uses the groups of its heads, so a calibration serves every TP size whose ranks hold whole groups. It is bound to one model (``model_key``: architecture, weights identity, layer
 count, total KV heads, head dim), records the RoPE it undid, and how many leading sequence positions
-(``sinks``: attention sinks, badly served by a per-token scale) chunks store exactly. Fitting it needs the model (``sgl_remote_kv.calibrate``); this module only
+(``sinks``: attention sinks, badly served by a per-token scale) chunks store exactly. Fitting it needs the model (``python -m sgl_remote_kv.codec.calibration``, ``cli.py``); this module only
 stores, verifies and looks it up (numpy only).
 
 Content-addressed: ``calib_id`` is BLAKE2b-128 over every array and field; ``load`` refuses a file whose
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from sgl_remote_kv.codec import rans
-from sgl_remote_kv.codec.registry import Registry
+from sgl_remote_kv.codec.calibration.registry import Registry
 from sgl_remote_kv.types import DEFAULT_QUALITY, QUALITY_LEVELS, ModelFingerprint, RopeSpec
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def group_of(fp: ModelFingerprint, groups: int, group_dim: int) -> int:
     if rank * fp.tp_size != groups * group_dim or rank % group_dim:
         raise CalibrationError(
             f"a calibration of {groups} head groups x {group_dim} channels does not fit TP {fp.tp_size} with "
-            f"{lay.num_kv_heads} KV heads per rank: run `python -m sgl_remote_kv.calibrate --tp {fp.tp_size}`"
+            f"{lay.num_kv_heads} KV heads per rank: run `python -m sgl_remote_kv.codec.calibration --tp {fp.tp_size}`"
         )
     return fp.tp_rank * (rank // group_dim)
 
@@ -288,7 +288,7 @@ def find_for(fp: ModelFingerprint, level: str = DEFAULT_LEVEL) -> Calibration:
     if not hits:
         raise CalibrationError(
             f"no transform-codec calibration for this model at TP {fp.tp_size} in {default_dir()}: run "
-            f"`python -m sgl_remote_kv.calibrate --model-path <model> --tp {fp.tp_size}` once"
+            f"`python -m sgl_remote_kv.codec.calibration --model-path <model> --tp {fp.tp_size}` once"
         )
     with_level = [c for c in hits if level in c.steps]
     if not with_level:

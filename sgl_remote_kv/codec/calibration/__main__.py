@@ -1,0 +1,3 @@
+from sgl_remote_kv.codec.calibration.cli import run
+
+run()
