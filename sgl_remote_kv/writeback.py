@@ -11,9 +11,11 @@ counted (``writeback_skipped{reason="queue_full"}``, chunks) and logged at most 
 queue's bytes are a gauge (``writeback_queue_bytes``). The newest job is always kept.
 
 On a device pool with a codec that quantizes on the device (``codec.device_encode``: the ``quant_*``
-codecs), the copy is ``KVWriter.read_quantized_later`` instead: the device quantizes on its side stream and
-only codes and scales come back, so the worker runs the lossless stage alone (``encode_quantized``: the same
-bytes as a host encode). Other codecs, host pools and the NVDEC path's versions read KV and encode on the host.
+codecs, and the transform codec with Deflate, either quantizer), the copy is ``KVWriter.read_quantized_later``
+instead: the device quantizes (for the transform codec also transforms) on its side stream and only codes and
+scales come back, so the worker runs the lossless stage alone (``encode_quantized``: the same bytes as a host
+encode for ``quant_*``; for the transform codec the same format, within float32 rounding of the host's
+symbols). Other codecs, host pools and the NVDEC path's versions read KV and encode on the host.
 
 The worker never takes the serving thread's place: while the scheduler runs batches (``note_serving``, on
 every batch; within ``SERVING_GRACE_S``), after each chunk it encoded it pauses so that encoding takes at
@@ -43,7 +45,7 @@ from typing import Protocol
 
 import numpy as np
 
-from sgl_remote_kv.codec.quantized import QuantizedChunks
+from sgl_remote_kv.codec.quantized import QuantizedChunks, TransformCodes
 from sgl_remote_kv.kvpool.writer import PendingRead
 from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.types import FailureKind
@@ -107,6 +109,7 @@ class WriteBack:
         self.kv_writer = kv_writer  # reads the KV of finished chunks (scheduler thread)
         # quantize on the device, encode only the lossless stage here (see module docstring)
         self.device_encode = bool(getattr(codec, "device_encode", False)) and versions is None
+        self.device_spec = codec.device_encode_spec(fingerprint) if self.device_encode else None
         self.requests = requests
         self.max_bytes = max_bytes
         self.cpu_share = cpu_share
@@ -177,7 +180,11 @@ class WriteBack:
         if idx is None:
             return False
         lay = self.fingerprint.layout
-        kv = self.kv_writer.read_quantized_later(idx, self.codec.spec, tokens) if self.device_encode else None
+        kv = (
+            self.kv_writer.read_quantized_later(idx, self.device_spec, tokens, lo)
+            if self.device_encode
+            else None
+        )
         nbytes = (hi - lo) * lay.num_layers * 2 * lay.num_kv_heads * lay.head_dim  # codes, about
         if kv is None:  # device pools: an async copy, waited for by the worker
             kv, nbytes = self.kv_writer.read_later(idx), (hi - lo) * lay.bytes_per_token()
@@ -282,7 +289,9 @@ class WriteBack:
 
         def encode(i: int) -> bytes:
             j = i - job.first_chunk
-            if isinstance(read, QuantizedChunks):  # quantized on the device: the lossless stage here
+            if isinstance(
+                read, (QuantizedChunks, TransformCodes)
+            ):  # coded on the device: lossless stage here
                 return self.codec.encode_quantized(read, j, self.fingerprint)
             k, v = read
             return self.codec.encode(

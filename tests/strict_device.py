@@ -287,6 +287,38 @@ class StrictDevice:
 
         self._enqueue(run, [])
 
+    def transform_encode_into(
+        self, k_plane, v_plane, slots, consts, cos, sin, style: int, params, out
+    ) -> None:
+        from sgl_remote_kv.kernels.transform_encode import encode_layer_device
+
+        from sgl_remote_kv.kvpool.readback import copy_coded_layer
+
+        ins = (
+            k_plane,
+            v_plane,
+            slots,
+            cos,
+            sin,
+            consts.mean,
+            consts.basis,
+            consts.inv_steps,
+            consts.steps,
+            consts.log8,
+        )
+        if not all(isinstance(t, DeviceTensor) for t in ins):
+            raise RuntimeError("transform encode operands must be on the device (strict device)")
+        outs = (out.sym, out.esc, out.nesc, out.rms, out.e, out.base, out.fmt, out.bad)
+        if any(isinstance(t, DeviceTensor) for t in outs):
+            raise RuntimeError("transform_encode_into copies device -> host (strict device)")
+
+        def run():
+            with torch._C.DisableTorchFunctionSubclass():
+                r = encode_layer_device(k_plane[slots], v_plane[slots], consts, cos, sin, style, *params)
+                copy_coded_layer(r, out)  # written when the stream runs: read only after the event
+
+        self._enqueue(run, [])
+
     def constant(self, array: np.ndarray) -> DeviceTensor:
         return self.tensor(torch.from_numpy(np.array(array)))  # a writable copy
 

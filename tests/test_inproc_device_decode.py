@@ -21,7 +21,7 @@ from sgl_remote_kv.codec import quant
 from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.fetch.base import FetchHandle
 from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
-from sgl_remote_kv.kvpool import KVWriteError, PoolTensors, writer_for
+from sgl_remote_kv.kvpool import KVWriteError, PoolTensors, device_writer, writer_for
 from sgl_remote_kv.metrics import RemoteKVMetrics
 from sgl_remote_kv.store.client import open_client
 
@@ -154,7 +154,9 @@ def test_transform_constants_are_not_replaced_under_a_late_write(tmp_path, dev):
     dev.hang()
     with pytest.raises(KVWriteError, match="not done"):
         write(0)  # times out: its inverse transform is still queued on the device
-    w._consts.update({("another calibration", i): None for i in range(4 * LAY.num_layers)})  # cache full
+    w._consts.update(
+        {("another calibration", i): None for i in range(device_writer.CONSTS_PER_LAYER * LAY.num_layers)}
+    )  # full
     with pytest.raises(KVWriteError, match="not replacing constants"):
         write(1)
     dev.resume()

@@ -352,6 +352,10 @@ class QuantCodec(Codec):
         """A device pool's write-back quantizes on the device and brings back codes (``encode_quantized``)."""
         return self.spec.device_encodable
 
+    def device_encode_spec(self, fingerprint: ModelFingerprint) -> QuantSpec:
+        """What ``KVWriter.read_quantized_later`` quantizes by."""
+        return self.spec
+
     def encode_layer(self, k: np.ndarray, v: np.ndarray, layer: int, fingerprint: ModelFingerprint) -> bytes:
         buf = quantize_layer(self.spec, k, v, layer, fingerprint.layout.dtype)
         n = k.size

@@ -52,11 +52,11 @@ from sgl_remote_kv.codec import transform_ops as ops
 from sgl_remote_kv.codec.base import Codec
 from sgl_remote_kv.codec.errors import CorruptChunk, ForeignChunk
 from sgl_remote_kv.codec.format import ChunkHeader, pack
+from sgl_remote_kv.codec.transform_device import PRE, TransformOnDevice
 from sgl_remote_kv.types import QUANTIZERS, SCALAR_QUANTIZER, ModelFingerprint, RopeSpec
 
 logger = logging.getLogger(__name__)
 
-PRE = struct.Struct("<IIHBBHHII")
 RANS_SUB = struct.Struct("<III")
 MAX_ESCAPE_FRACTION = 4  # at most T*C/4 escapes per K or V of a layer (bounds the scratch size)
 _MODES = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -67,7 +67,7 @@ AUTO_TAG = {"deflate": 0, "rans": 1}
 # quantizers (``types.QUANTIZERS``): scalar (rint) or trellis (``codec.trellis``; Deflate only: the rANS tables fit scalar symbols)
 
 
-class TransformCodec(Codec):
+class TransformCodec(TransformOnDevice, Codec):
     name = "transform"
     codec_id = 6
     device_dequant = True
@@ -201,13 +201,7 @@ class TransformCodec(Codec):
             ]
         )
         if entropy == "deflate":
-            return tag + lz.pack_streams(
-                lz.DEFLATE,
-                self.level,
-                [prefix, syms[0].tobytes(), syms[1].tobytes()],
-                huffman_only=(1, 2),
-                row=t_n,
-            )
+            return tag + self._deflate(prefix, syms, t_n)
         fl, cum = self.cal.encode_tables(self.quality)
         words = []
         for kv, sym in enumerate(syms):
@@ -219,6 +213,15 @@ class TransformCodec(Codec):
             words.append(w)
         head = RANS_SUB.pack(len(prefix), words[0].size, words[1].size)
         return b"".join([tag, head, prefix, words[0].tobytes(), words[1].tobytes()])
+
+    def _deflate(self, prefix: bytes, syms, t_n: int) -> bytes:
+        return lz.pack_streams(
+            lz.DEFLATE,
+            self.level,
+            [prefix, syms[0].tobytes(), syms[1].tobytes()],
+            huffman_only=(1, 2),
+            row=t_n,
+        )
 
     # ---- decode -----------------------------------------------------------------------------
     def _check_slice(self, layer: int, group: int, c_n: int) -> None:
@@ -314,25 +317,6 @@ class TransformCodec(Codec):
     def dequant_stage(self, header: ChunkHeader, layer: int, decoded, out_k, out_v) -> None:
         self._check_out(header, out_k, out_v)
         self.view(header, layer, decoded).dequant_into(header.layout.dtype, out_k, out_v)
-
-    @property
-    def rope_style(self) -> int:
-        """``kernels.transform.NEOX`` or ``GPTJ``."""
-        return ops.rope_style(self.cal.rope)
-
-    def device_consts(self, layer: int, group: int, n_g: int):
-        """``kernels.transform.TransformConsts`` (host arrays) of ``layer``'s groups ``group..+n_g``."""
-        from sgl_remote_kv.kernels.transform import TransformConsts
-
-        gs = slice(group, group + n_g)
-        weff = self.cal.inverse_tables(self.quality, layer).weff[:, gs]  # the decode matrix, steps folded in
-        return TransformConsts.build(
-            np.ones(weff.shape[:-1], np.float32),
-            weff.swapaxes(-1, -2),
-            self.cal.mean[layer, :, gs],
-            self.cal.head_dim,
-            ops.rope_style(self.cal.rope),
-        )
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,7 @@ LOG8_STEPS = 32  # SCALE_LOG8: codes per octave; a stored scale is within 1.1% o
 _LOG8 = (2.0 ** ((np.arange(256) - 1) / LOG8_STEPS)).astype(np.float32)  # code e >= 1 -> base * 2^((e-1)/32)
 _LOG8[0] = 0.0  # code 0: scale 0 (an exact sink token)
 _LOG8.setflags(write=False)
+LOG8 = _LOG8  # the scale of each log-grid code (the device encode uploads it)
 
 
 def token_rms(y: np.ndarray, sinks: int = 0) -> np.ndarray:

@@ -19,9 +19,10 @@ from sgl_remote_kv.kernels.dequant import dequant_triton
 from sgl_remote_kv.kernels.quantize import quantize_layer_device
 from sgl_remote_kv.kernels.scatter import scatter_triton
 from sgl_remote_kv.kernels.transform import inverse_triton, resolve_escapes
+from sgl_remote_kv.kernels.transform_encode import encode_layer_device
 
 from .host_pin import cuda_pinner
-from .readback import copy_layer_codes
+from .readback import copy_coded_layer, copy_layer_codes
 
 
 class CudaOps:
@@ -89,6 +90,22 @@ class CudaOps:
                 channel_scale,
             )
             copy_layer_codes(r, out)
+
+    def transform_encode_into(
+        self, k_plane, v_plane, slots, consts, cos, sin, style: int, params: tuple, out
+    ) -> None:
+        self._here()
+        with torch.cuda.stream(self.stream):  # temporaries allocated here: freed in this stream's order
+            r = encode_layer_device(
+                k_plane.index_select(0, slots),
+                v_plane.index_select(0, slots),
+                consts,
+                cos,
+                sin,
+                style,
+                *params,
+            )
+            copy_coded_layer(r, out)
 
     def constant(self, array: np.ndarray) -> torch.Tensor:
         self._here()

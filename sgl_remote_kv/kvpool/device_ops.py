@@ -32,6 +32,11 @@ class DeviceOps(Protocol):
     def quantize_into(
         self, k_plane, v_plane, slots, m_k: int, m_v: int, groups: int, chunk: int, channel_scale: bool, out
     ) -> None: ...
+    # the transform codec's (kernels/transform_encode.py): ``params`` = (first position, sinks, chunk, trellis,
+    # escape capacity); results into ``out`` (a ``CodedLayer`` of pinned host tensors), async D2H
+    def transform_encode_into(
+        self, k_plane, v_plane, slots, consts, cos, sin, style: int, params: tuple, out
+    ) -> None: ...
     def constant(self, array: np.ndarray) -> torch.Tensor: ...  # a device copy, complete on return
     # kernels/transform.py: escapes resolved, inverse transform into ``out`` [2, t, C], sinks put over it
     def inverse_transform(

@@ -36,7 +36,13 @@ from sgl_remote_kv.codec.transform_ops import rope_tables
 from sgl_remote_kv.types import KVLayout
 
 from .device_ops import DeviceOps
-from .readback import PendingCodes, PendingRead, device_read_later, device_read_quantized_later
+from .readback import (
+    PendingCodes,
+    PendingRead,
+    device_read_later,
+    device_read_quantized_later,
+    device_read_transformed_later,
+)
 from .staging import Staging, align
 from .upload import upload_parts
 from .writer import DEFAULT_TIMEOUT_S, TORCH_DTYPES, KVWriteError, KVWriter, PoolTensors
@@ -47,6 +53,8 @@ MAX_PIECE_BYTES = 64 << 20  # K+V bytes per piece: bounds the pinned and device 
 ROPE_TABLES = 1024
 
 logger = logging.getLogger(__name__)
+# transform-codec constant sets kept per layer (decode and encode, a calibration and quality or two)
+CONSTS_PER_LAYER = 8
 
 
 class DeviceKVWriter(KVWriter):
@@ -289,15 +297,20 @@ class DeviceKVWriter(KVWriter):
         self._rope_tables[key] = got  # most recent last
         return got
 
-    def _transform_consts(self, codec, layer: int, group: int, n_g: int):
-        key = (codec.cal.calib_id, codec.quality, layer, group, n_g)
+    def _transform_consts(self, codec, layer: int, group: int, n_g: int, encode: bool = False):
+        """The transform codec's device constants of ``layer`` (the decode's, or with ``encode`` the write-back
+        encode's), uploaded once per calibration and quality."""
+        key = (codec.cal.calib_id, codec.quality, layer, group, n_g, encode)
         consts = self._consts.get(key)
         if consts is None:
-            if len(self._consts) >= 4 * self.layout.num_layers:  # another calibration or quality took over
+            if (
+                len(self._consts) >= CONSTS_PER_LAYER * self.layout.num_layers
+            ):  # another calibration or quality took over
                 if self._late_pending():  # a timed-out inverse transform may still read them
                     raise KVWriteError("device writes still pending after a timeout; not replacing constants")
                 self._consts.clear()
-            consts = self._consts[key] = codec.device_consts(layer, group, n_g).to(self.ops.constant)
+            build = codec.encode_consts if encode else codec.device_consts
+            consts = self._consts[key] = build(layer, group, n_g).to(self.ops.constant)
         return consts
 
     def _complete(self, layers: list[int], what: str) -> None:
@@ -363,9 +376,11 @@ class DeviceKVWriter(KVWriter):
     def read_later(self, slots: torch.Tensor) -> PendingRead:
         return device_read_later(self, slots)
 
-    def read_quantized_later(self, slots: torch.Tensor, spec, chunk: int) -> PendingCodes:
+    def read_quantized_later(self, slots: torch.Tensor, spec, chunk: int, start: int = 0) -> PendingCodes:
         self.stats["device_encode"] += 1
-        return device_read_quantized_later(self, slots, spec, chunk)
+        if isinstance(spec, quant.QuantSpec):  # a quant_* codec's; else the transform codec's
+            return device_read_quantized_later(self, slots, spec, chunk)
+        return device_read_transformed_later(self, slots, spec, chunk, start)
 
     def read(self, slots: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         return self.read_later(slots).result()

@@ -183,10 +183,13 @@ class KVWriter(ABC):
         device pools copy on their side stream (``readback.py``); host pools copy now."""
         return PendingRead(*self.read(slots))
 
-    def read_quantized_later(self, slots: torch.Tensor, spec, chunk: int) -> PendingRead | None:
-        """``read_later`` quantized on the device for the write-back (``readback.device_read_quantized_later``:
-        its ``result()`` is a ``codec.quantized.QuantizedChunks`` of ``chunk``-token chunks per ``spec``); None
-        where the pool is in host memory (the host encodes what ``read_later`` gives)."""
+    def read_quantized_later(
+        self, slots: torch.Tensor, spec, chunk: int, start: int = 0
+    ) -> PendingRead | None:
+        """``read_later`` coded on the device for the write-back, per ``spec`` (the codec's ``device_encode_spec``:
+        ``readback.device_read_quantized_later``, whose ``result()`` is a ``codec.quantized.QuantizedChunks`` of
+        ``chunk``-token chunks, or ``device_read_transformed_later``: ``TransformCodes`` of chunks at positions
+        ``start..``); None where the pool is in host memory (the host encodes what ``read_later`` gives)."""
         return None
 
     @abstractmethod
