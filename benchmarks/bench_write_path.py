@@ -12,9 +12,11 @@ device, ``tests/strict_device.py``) at scattered slots, and are written back two
 
 **Host CPU** is the calling thread's CPU time less what it spent inside the double's device calls
 (``bench_read_path.DispatchMeter``: on a GPU, launches of microseconds each); the double's stream thread
-(the device's own work) is not counted. GB = bf16 KV bytes written back. Codecs: ``quant_deflate`` (the
-device-encodable one) and, for reference, the default ``transform`` codec (host encode only: no device
-quantizer for it yet). Shapes: SmolLM2-135M's real KV (held-out texts) and a Llama-3-8B-shaped layout
+(the device's own work) is not counted. GB = bf16 KV bytes written back. Codecs: ``quant_deflate`` and the default ``transform`` codec
+(trellis quantizer; its device encode runs RoPE undo, the transform, the scales and the trellis search on the
+device: ``kernels/transform_encode.py``; its blobs decode within float32 rounding of the host's,
+``decoded_apart_over_error``, and ``device_ops_per_layer`` counts the torch calls one layer of one chunk takes,
+each a kernel launch on a GPU, whose host CPU the double does not show). Shapes: SmolLM2-135M's real KV (held-out texts) and a Llama-3-8B-shaped layout
 (synthetic KV). Goal (issue 51): device encode <= 0.3x the host CPU of host encode.
 
 **TPOT** (``tpot``, ``--skip-tpot`` leaves it out): the new-user experiment on the CPU twin, real servers one
@@ -111,8 +113,13 @@ def encode_rows(shape: str, repeat: int) -> list[dict]:
                 ]
 
             def device(codec=codec):
-                q = w.read_quantized_later(slots, codec.spec, CHUNK).result()
-                return [codec.encode_quantized(q, i, fp) for i in range(len(chunks))]
+                spec, out = codec.device_encode_spec(fp), []
+                for lo, hi in _runs(chunks):  # one read per run of consecutive positions, as a write-back job
+                    q = w.read_quantized_later(
+                        slots[lo * CHUNK : hi * CHUNK], spec, CHUNK, chunks[lo][2]
+                    ).result()
+                    out += [codec.encode_quantized(q, i, fp) for i in range(hi - lo)]
+                return out
 
             host_s, blobs = min((_measure(meter, host) for _ in range(repeat)), key=lambda r: r[0])
             row = {
@@ -128,6 +135,9 @@ def encode_rows(shape: str, repeat: int) -> list[dict]:
                 row["host_cpu_s_per_gb_device_encode"] = round(dev_s / gb, 3)
                 row["ratio"] = round(dev_s / host_s, 3)
                 row["blobs_identical"] = dblobs == blobs
+                if name == "transform":  # float32 rounding apart (kernels/transform_encode.py): how close
+                    row["decoded_apart_over_error"] = _apart_over_error(dblobs, blobs, chunks, fp)
+                    row["device_ops_per_layer"] = _ops_per_layer(w, slots, codec, fp)
             else:
                 row["host_cpu_s_per_gb_device_encode"] = None
                 row["device_encode"] = "not offered: no device quantizer for this codec (host encode)"
@@ -174,6 +184,57 @@ def tpot(prompts: int, new_tokens: int, writeback_cpu: str | None = None) -> dic
                 print(label, runs)
     out["ratio"] = round(out["tpot_default_s"] / out["tpot_off_s"], 3)
     return out
+
+
+def _runs(chunks) -> list[tuple[int, int]]:
+    """[lo, hi) index ranges of chunks at consecutive positions."""
+    runs, lo = [], 0
+    for i in range(1, len(chunks) + 1):
+        if i == len(chunks) or chunks[i][2] != chunks[i - 1][2] + CHUNK:
+            runs.append((lo, i))
+            lo = i
+    return runs
+
+
+def _apart_over_error(dblobs, blobs, chunks, fp) -> float:
+    """RMS of (device-encoded decode - host-encoded decode) over the RMS of (host-encoded decode - KV)."""
+    from sgl_remote_kv.codec.base import decode
+    from sgl_remote_kv.codec.quant import to_f32
+
+    apart = err = 0.0
+    for (k, v, _), a, b in zip(chunks, dblobs, blobs, strict=True):
+        for x, y, z in zip((k, v), decode(a, fp), decode(b, fp), strict=True):
+            x, y, z = (to_f32(t, fp.layout.dtype) for t in (x, y, z))
+            apart += float(np.sum((y - z) ** 2))
+            err += float(np.sum((z - x) ** 2))
+    return round((apart / err) ** 0.5, 6)
+
+
+def _ops_per_layer(w, slots, codec, fp) -> int:
+    """Torch calls of one layer's device encode of one chunk: on a GPU each is a kernel launch, host CPU the
+    strict double does not count (its stream thread runs them)."""
+    from sgl_remote_kv.kernels.transform_encode import encode_layer_device
+    from torch.overrides import TorchFunctionMode
+
+    from sgl_remote_kv.codec.transform_ops import rope_style, rope_tables
+
+    spec = codec.device_encode_spec(fp)
+    consts = codec.encode_consts(0, spec.group, spec.groups).to(torch.from_numpy)
+    k, v = (torch.zeros(CHUNK, fp.layout.num_kv_heads, fp.layout.head_dim) for _ in range(2))
+    cos, sin = (torch.from_numpy(np.array(a)) for a in rope_tables(codec.cal.rope, 0, CHUNK))
+
+    class Count(TorchFunctionMode):
+        n = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        encode_layer_device(
+            k, v, consts, cos, sin, rope_style(codec.cal.rope), 0, 0, CHUNK, codec.quantizer == "trellis", 64
+        )
+    return Count.n
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
+try:  # Triton is optional at import time (CPU-only installs)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only without triton
+    triton = None
+
 ESC, ZERO = 0, 128  # codec.transform_ops
 SCALE_FP16, SCALE_FP32, SCALE_LOG8 = 0, 1, 2  # codec.transform_ops
 LOG8_STEPS = 32
@@ -103,19 +109,27 @@ def _scales(rms: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return back, e8, base, fmt
 
 
-def _trellis(u: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """``codec.trellis.quantize``'s search on ``u`` [N, T] float64 (values in units of the step and scale);
-    ``live`` [N, T] (scale > 0). Returns k [N, T] int64."""
+def trellis_rates(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trellis search's rate model per stream (``codec.trellis.quantize``): ``u`` [N, T] float64 -> bits of
+    each symbol [N, 256] and of an escape [N], from the histogram of ``rint(u / 2 DELTA)`` over the stream."""
+    k0 = torch.round(u * (1.0 / (2.0 * DELTA)))
+    inr = (k0 >= -127) & (k0 <= 127)
+    cnt = torch.full((u.shape[0], 256), 0.5, dtype=torch.float64, device=u.device)
+    cnt.scatter_add_(1, torch.where(inr, k0 + ZERO, 0.0).long(), inr.double())
+    tot = cnt.sum(1, keepdim=True)
+    bits = torch.where(cnt == 0.5, -torch.log2(0.5 / tot), -torch.log2(cnt / tot)).contiguous()
+    return bits, (16.0 + bits[:, ESC]).contiguous()
+
+
+def trellis_search_reference(
+    u: torch.Tensor, live: torch.Tensor, bits: torch.Tensor, esc_bits: torch.Tensor
+) -> torch.Tensor:
+    """``codec.trellis.quantize``'s Viterbi search over every stream at once, one token at a time (torch ops:
+    the strict double runs it; ``trellis_search_triton`` is the GPU's). ``u`` [N, T] float64 (values in units of
+    step x scale), ``live`` [N, T] (scale > 0). Returns k [N, T] int64."""
     n_s, t_n = u.shape
     dev = u.device
     inv2d, invd = 1.0 / (2.0 * DELTA), 1.0 / DELTA
-    k0 = torch.round(u * inv2d)
-    inr = (k0 >= -127) & (k0 <= 127)
-    cnt = torch.full((n_s, 256), 0.5, dtype=torch.float64, device=dev)
-    cnt.scatter_add_(1, torch.where(inr, k0 + ZERO, 0.0).long(), inr.double())
-    tot = cnt.sum(1, keepdim=True)
-    bits = torch.where(cnt == 0.5, -torch.log2(0.5 / tot), -torch.log2(cnt / tot))
-    esc_bits = 16.0 + bits[:, ESC]
     inf = torch.tensor(1e300, dtype=torch.float64, device=dev)
     cost = torch.full((n_s, 4), 1e300, dtype=torch.float64, device=dev)
     cost[:, 0] = 0.0
@@ -164,6 +178,106 @@ def _trellis(u: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     return ks
 
 
+if triton is not None:
+
+    @triton.jit
+    def _cand(x, ok, kk, q: tl.constexpr, bits_row, esc_bits, delta, lam, c0, k0, c1, k1):
+        """One candidate ``kk`` of quantizer ``q``: the cheaper even / the odd (``codec.trellis.quantize``)."""
+        valid = ok & (kk != 0)
+        r = 2 * kk - tl.where(kk > 0, q, -q)
+        err = x - r.to(tl.float64) * delta
+        inr = (kk >= -127) & (kk <= 127)
+        kb = tl.load(bits_row + tl.minimum(tl.maximum(kk, -127), 127) + 128, mask=inr, other=0.0)
+        cc = err * err + lam * tl.where(inr, kb, esc_bits)
+        odd = (kk & 1) == 1
+        up1 = valid & odd
+        up0 = valid & (~odd) & (cc < c0)
+        return tl.where(up0, cc, c0), tl.where(up0, kk, k0), tl.where(up1, cc, c1), tl.where(up1, kk, k1)
+
+    @triton.jit
+    def _trellis_kernel(
+        u_ptr, live_ptr, bits_ptr, esc_ptr, f_ptr, bs_ptr, bk_ptr, out_ptr, N, T, BLOCK: tl.constexpr
+    ):
+        """One program per BLOCK streams: the forward pass over T tokens (back pointers to global memory,
+        [T, 4, N]), then each stream's backtrack. ``u``/``live``/``out`` are [T, N] (coalesced per token); ``f``
+        the float64 constants (1 / 2 DELTA, 1 / DELTA, DELTA, LAMBDA, a huge cost: a literal would be fp32)."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < N
+        inv2d, invd = tl.load(f_ptr), tl.load(f_ptr + 1)
+        delta, lam, big = tl.load(f_ptr + 2), tl.load(f_ptr + 3), tl.load(f_ptr + 4)
+        bits_row = bits_ptr + offs.to(tl.int64) * 256
+        esc_bits = tl.load(esc_ptr + offs, mask=m, other=0.0)
+        zbits = tl.load(bits_row + 128, mask=m, other=0.0)
+        c_0 = tl.zeros([BLOCK], tl.float64)
+        huge = c_0 + big
+        c_1, c_2, c_3 = huge, huge, huge
+        zk = tl.zeros([BLOCK], tl.int64)
+        for t in range(T):
+            x = tl.load(u_ptr + t * N + offs, mask=m, other=0.0)
+            ok = tl.load(live_ptr + t * N + offs, mask=m, other=0) != 0
+            zc = x * x + lam * zbits
+            b0 = tl.floor(x * inv2d).to(tl.int64)
+            b1 = tl.floor((tl.abs(x) * invd + 1.0) * 0.5).to(tl.int64)
+            b1 = tl.where(x < 0, -b1 - 1, b1)
+            e00, k00, e01, k01 = _cand(x, ok, b0, 0, bits_row, esc_bits, delta, lam, zc, zk, huge, zk)
+            e00, k00, e01, k01 = _cand(x, ok, b0 + 1, 0, bits_row, esc_bits, delta, lam, e00, k00, e01, k01)
+            e10, k10, e11, k11 = _cand(x, ok, b1, 1, bits_row, esc_bits, delta, lam, zc, zk, huge, zk)
+            e10, k10, e11, k11 = _cand(x, ok, b1 + 1, 1, bits_row, esc_bits, delta, lam, e10, k10, e11, k11)
+            base_s = bs_ptr + t * 4 * N + offs
+            base_k = bk_ptr + t * 4 * N + offs
+            # _PRED: 0 <- (0,0),(1,1); 1 <- (2,0),(3,1); 2 <- (0,1),(1,0); 3 <- (2,1),(3,0); quantizer = state >> 1
+            a, c = c_0 + e00, c_1 + e01
+            n0 = tl.where(c < a, c, a)
+            tl.store(base_s, tl.where(c < a, 1, 0).to(tl.int8), mask=m)
+            tl.store(base_k, tl.where(c < a, k01, k00).to(tl.int16), mask=m)
+            a, c = c_2 + e10, c_3 + e11
+            n1 = tl.where(c < a, c, a)
+            tl.store(base_s + N, tl.where(c < a, 3, 2).to(tl.int8), mask=m)
+            tl.store(base_k + N, tl.where(c < a, k11, k10).to(tl.int16), mask=m)
+            a, c = c_0 + e01, c_1 + e00
+            n2 = tl.where(c < a, c, a)
+            tl.store(base_s + 2 * N, tl.where(c < a, 1, 0).to(tl.int8), mask=m)
+            tl.store(base_k + 2 * N, tl.where(c < a, k00, k01).to(tl.int16), mask=m)
+            a, c = c_2 + e11, c_3 + e10
+            n3 = tl.where(c < a, c, a)
+            tl.store(base_s + 3 * N, tl.where(c < a, 3, 2).to(tl.int8), mask=m)
+            tl.store(base_k + 3 * N, tl.where(c < a, k10, k11).to(tl.int16), mask=m)
+            c_0, c_1, c_2, c_3 = n0, n1, n2, n3
+        st = tl.zeros([BLOCK], tl.int32)
+        best = c_0
+        st = tl.where(c_1 < best, 1, st)
+        best = tl.minimum(best, c_1)
+        st = tl.where(c_2 < best, 2, st)
+        best = tl.minimum(best, c_2)
+        st = tl.where(c_3 < best, 3, st)
+        for i in range(T):
+            t = T - 1 - i
+            at = t * 4 * N + st * N + offs
+            kk = tl.load(bk_ptr + at, mask=m, other=0)
+            tl.store(out_ptr + t * N + offs, kk, mask=m)
+            st = tl.load(bs_ptr + at, mask=m, other=0).to(tl.int32)
+
+
+def trellis_search_triton(
+    u: torch.Tensor, live: torch.Tensor, bits: torch.Tensor, esc_bits: torch.Tensor, block: int = 128
+) -> torch.Tensor:
+    """``trellis_search_reference`` in one Triton launch (one program per ``block`` streams, a loop over the
+    tokens in each). Back pointers take 6 bytes per stream, token and state of device memory. Returns k [N, T]
+    int64."""
+    n_s, t_n = u.shape
+    ut = u.t().contiguous()
+    lt = live.t().to(torch.int8).contiguous()
+    back_s = torch.empty((t_n, 4, n_s), dtype=torch.int8, device=u.device)
+    back_k = torch.empty((t_n, 4, n_s), dtype=torch.int16, device=u.device)
+    out = torch.empty((t_n, n_s), dtype=torch.int16, device=u.device)
+    f = torch.tensor(
+        [1.0 / (2.0 * DELTA), 1.0 / DELTA, DELTA, LAMBDA, 1e300], dtype=torch.float64, device=u.device
+    )
+    grid = (triton.cdiv(n_s, block),)
+    _trellis_kernel[grid](ut, lt, bits, esc_bits, f, back_s, back_k, out, n_s, t_n, BLOCK=block)
+    return out.t().long()
+
+
 def encode_layer_device(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -176,6 +290,7 @@ def encode_layer_device(
     chunk: int,
     trellis: bool,
     cap: int,
+    search=trellis_search_reference,
 ) -> CodedLayer:
     """``k``, ``v``: ``[T, H, D]`` in the KV dtype (T a multiple of ``chunk``) at positions ``first_pos..``;
     ``cos``/``sin`` [T, D/2] of those positions. See module docstring."""
@@ -209,7 +324,7 @@ def encode_layer_device(
         bad = ~(u.abs() * (1.0 / (2.0 * DELTA)) < MAX_K - 1).flatten(2).all(-1)  # NaN too
         flat = torch.nan_to_num(u, 0.0, 0.0, 0.0).permute(0, 1, 2, 4, 3).reshape(-1, chunk)  # [2 n g gd, T]
         lv = live[:, :, None, None, :].expand(2, n, g, gd, chunk).reshape(-1, chunk)
-        q = _trellis(flat, lv)
+        q = search(flat, lv, *trellis_rates(flat))
         q = q.reshape(2, n, g * gd, chunk)
     else:
         qf = torch.round(y * consts.inv_steps[:, None, :, None, :] / scale[:, :, None, :, None])

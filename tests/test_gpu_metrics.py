@@ -130,3 +130,60 @@ def test_writeback_device_encode_matches_the_host_encode_and_its_rate(gpu_metric
     cpu = time.thread_time() - t0
     gpu_metrics["writeback_host_lossless_s_per_gb"] = round(cpu / (kv_bytes * 8 / (tokens // chunk)) * 1e9, 3)
     assert w.stats["device_encode"] == 4
+
+
+@pytest.mark.gpu_needs("sglang.srt.mem_cache.memory_pool")
+@pytest.mark.parametrize("quantizer", ["scalar", "trellis"])
+def test_writeback_device_encode_of_the_transform_codec(gpu_metrics, quantizer):
+    """The transform codec's write-back encode on a CUDA pool (``kernels/transform_encode.py``): RoPE undo, the
+    forward transform, token scales and the quantizer on the side stream, symbols back in pinned memory. Its
+    blobs decode as close to the KV as a host encode's (float32 rounding apart, not bit-identical). Records
+    ``writeback_device_transform_<quantizer>_gbps`` (bf16 KV per second, D2H included) and the host CPU
+    seconds per GB the whole read takes on the calling thread (``..._host_launch_s_per_gb``: kernel launches)."""
+    import time
+
+    import calibration_helpers
+    import numpy as np
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from benchmarks import synthetic_kv as synthetic
+    from sgl_remote_kv.codec import calibration as cm
+    from sgl_remote_kv.codec.base import decode
+    from sgl_remote_kv.codec.quant import to_f32
+    from sgl_remote_kv.codec.transform import TransformCodec
+
+    fp = synthetic.fingerprint(num_layers=8, heads=8, dim=128, dtype="bfloat16")
+    lay, chunk, tokens = fp.layout, 256, 4096
+    cal = calibration_helpers.make_calibration(fp, ("0.0005",), 0.05, 0, None, 8, sinks=4)
+    try:
+        codec = TransformCodec(cal.calib_id.hex(), "0.0005", "deflate", quantizer=quantizer)
+        pool = MHATokenToKVPool(tokens + 256, 1, torch.bfloat16, 8, 128, 8, "cuda", False)
+        w = writer_for(PoolTensors(pool.k_buffer, pool.v_buffer), lay, timeout_s=60.0)
+        k, v = synthetic.kv(lay, tokens, seed=3)
+        slots = torch.randperm(tokens + 200, device="cpu")[:tokens] + 1
+        w.write(k, v, slots)
+        spec = codec.device_encode_spec(fp)
+        q = w.read_quantized_later(slots, spec, chunk, 0).result()
+        for j in (0, tokens // chunk - 1):
+            kj, vj = (np.ascontiguousarray(a[:, j * chunk : (j + 1) * chunk]) for a in (k, v))
+            host = decode(codec.encode(kj, vj, fp, start=j * chunk), fp)
+            dev = decode(codec.encode_quantized(q, j, fp), fp)
+            for x, a, b in zip((kj, vj), host, dev, strict=True):
+                x, a, b = (to_f32(t, lay.dtype) for t in (x, a, b))
+                err, apart = (float(np.sqrt(np.mean(d**2))) for d in (a - x, a - b))
+                assert apart <= 0.05 * err, (
+                    f"chunk {j}: device-encoded decode {apart} from the host's (error {err})"
+                )
+        runs, cpu = [], []
+        for _ in range(2):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            w.read_quantized_later(slots, spec, chunk, 0).result()
+            runs.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
+        kv_bytes = 2 * lay.num_layers * tokens * lay.num_kv_heads * lay.head_dim * 2
+        gpu_metrics[f"writeback_device_transform_{quantizer}_gbps"] = round(kv_bytes / min(runs) / 1e9, 3)
+        gpu_metrics[f"writeback_device_transform_{quantizer}_host_launch_s_per_gb"] = round(
+            min(cpu) / kv_bytes * 1e9, 3
+        )
+    finally:
+        cm.unregister(cal.calib_id)

@@ -55,6 +55,37 @@ def test_triton_kernels_match_reference_under_interpreter():
     assert res.stdout.strip() == "OK 5"
 
 
+_TRELLIS = textwrap.dedent(
+    """
+    import torch
+    from sgl_remote_kv.kernels.transform_encode import trellis_rates, trellis_search_reference, trellis_search_triton
+
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(70, 40, generator=g, dtype=torch.float64) * torch.rand(70, 1, generator=g, dtype=torch.float64) * 200
+    u[5, 3] = 5e3  # a k beyond the symbols: an escape
+    live = torch.rand(70, 40, generator=g) > 0.05  # tokens of scale 0 (exact sinks)
+    u = torch.where(live, u, 0.0)
+    bits, esc_bits = trellis_rates(u)
+    ref = trellis_search_reference(u, live, bits, esc_bits)
+    got = trellis_search_triton(u, live, bits, esc_bits, block=32)
+    assert torch.equal(ref, got), (ref != got).sum()
+    assert ref.abs().max() > 127 and (ref[~live] == 0).all()
+    print("OK")
+    """
+)
+
+
+def test_triton_trellis_search_matches_its_reference_under_interpreter():
+    """The write-back's device trellis search (one launch on a GPU) picks the torch reference's codes, which the
+    strict double checks against the host's numba search (``test_writeback_transform_device_encode.py``)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run(
+        [sys.executable, "-c", _TRELLIS], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == "OK"
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_torch_reference_matches_numba_cpu_path(dtype):
     from sgl_remote_kv.kernels.dequant import dequant_reference

@@ -11,7 +11,7 @@ import calibration_helpers
 import numpy as np
 import pytest
 import torch
-from sgl_remote_kv.kernels.transform_encode import _trellis
+from sgl_remote_kv.kernels.transform_encode import trellis_rates, trellis_search_reference
 
 from sgl_remote_kv import runtime
 from sgl_remote_kv.codec import calibration as cm
@@ -78,7 +78,9 @@ def test_the_trellis_search_on_the_device_picks_the_host_search_s_codes() -> Non
     )
     u = torch.nan_to_num(u, 0.0, 0.0, 0.0).permute(0, 2, 1).reshape(16, 48)
     live = torch.from_numpy(scale > 0)[None].expand(16, 48)
-    assert np.array_equal(_trellis(u, live).numpy(), sym.astype(np.int64) - 128)
+    assert np.array_equal(
+        trellis_search_reference(u, live, *trellis_rates(u)).numpy(), sym.astype(np.int64) - 128
+    )
 
 
 @pytest.mark.parametrize("quantizer", ["scalar", "trellis"])
