@@ -50,6 +50,7 @@ def test_every_write_kind_runs_once_on_scratch_planes_never_the_pool(dev, dtype,
         monkeypatch.setattr(dev, name, spy)
     warm = warm_up(w, codecs, fp)
     assert warm.writes == ("kv", "codes:transform", "codes:quant_deflate")
+    assert warm.encodes == ("encode:transform", "encode:quant_deflate")  # the write-back's device encodes
     assert warm.seconds > 0
     # each kind once at 16 tokens, then timed: its first launch at the timed size and TIMED_RUNS more
     timed = 1 + TIMED_RUNS
@@ -60,7 +61,9 @@ def test_every_write_kind_runs_once_on_scratch_planes_never_the_pool(dev, dtype,
     for layer in range(lay.num_layers):  # strict reads: nothing pending, nothing written
         assert not pool.get_key_buffer(layer).cpu().any() and not pool.get_value_buffer(layer).cpu().any()
     assert w.stats["writes"] == 0  # the real writer wrote nothing
-    assert len(w._consts) == 1  # layer 0's transform constants stay uploaded for the real writer
+    assert (
+        len(w._consts) == 2
+    )  # layer 0's transform constants (decode, encode) stay uploaded for the real writer
 
 
 def test_host_pools_compile_nothing():

@@ -160,7 +160,9 @@ def device_read_quantized_later(writer, slots: torch.Tensor, spec: QuantSpec, ch
     return PendingCodes(codes, lambda: writer._wait_host(done))
 
 
-ESCAPES_PER = 16  # device escape capacity per chunk and K/V: a value per this many symbols (real KV: up to 1 in 45)
+ESCAPES_PER = (
+    16  # device escape capacity per chunk and K/V: a value per this many symbols (real KV: up to 1 in 45)
+)
 
 
 def device_read_transformed_later(writer, slots: torch.Tensor, spec, chunk: int, start: int) -> PendingCodes:

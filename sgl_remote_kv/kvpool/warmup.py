@@ -10,7 +10,8 @@ that builds the tier, before the server takes requests.
 What it covers, for a pool's layout and the codecs given: a plain KV write (the scatter: the linker's
 load of staged KV, from NVDEC, the ``lossless`` codec or DPU output ``kv``) and, for each codec with a
 device dequant stage, a write of its codes (dequant or inverse transform + scatter: the linker's load of
-staged codes, every path's on a GPU pool). A load's token window (a run that starts or ends inside a
+staged codes, every path's on a GPU pool); for each codec with a device encode, the write-back's read of 16
+tokens coded on the device (``encodes``; the write-back issues it on the scheduler thread). A load's token window (a run that starts or ends inside a
 chunk) slices the same output before the same scatter: no other variant. Triton specializes on dtypes, constexprs, 16-divisibility of integer arguments and 16-byte
 alignment of pointers; the writer's token counts are multiples of 16 (chunk and tail sizes are) and its
 staging offsets are 64-byte aligned, so one write of 16 tokens per kind reaches the same variants as any
@@ -52,6 +53,7 @@ class WarmUp:
     writes: tuple[str, ...]  # the kinds of write run (``kv``, ``codes:<codec>``)
     seconds: float
     load_bps: dict[str, float] = field(default_factory=dict)  # write kind -> decoded KV bytes per second
+    encodes: tuple[str, ...] = ()  # the write-back's device encodes run (``encode:<codec>``)
 
 
 def warm_up(writer: KVWriter, codecs: Sequence, fingerprint: ModelFingerprint) -> WarmUp:
@@ -83,10 +85,16 @@ def warm_up(writer: KVWriter, codecs: Sequence, fingerprint: ModelFingerprint) -
         codes[codec.name] = _codes_view(codec, k, v, fingerprint)
         scratch.write_quantized([codes[codec.name]], slots, 0)
         done.append(f"codes:{codec.name}")
+    encodes = []
+    for codec in codecs:  # the write-back's device encode (its trellis search is a Triton kernel on a GPU)
+        if getattr(codec, "device_encode", False) and f"encode:{codec.name}" not in encodes:
+            spec = codec.device_encode_spec(fingerprint)
+            scratch.read_quantized_later(slots, spec, TOKENS, 0).result()
+            encodes.append(f"encode:{codec.name}")
     compiled = time.perf_counter() - t0
     rates = _timed(writer, one, k, v, codes, fingerprint, codecs)
     logger.debug("KV writer kernels compiled in %.2f s; load rates %s", compiled, rates)
-    return WarmUp(tuple(done), time.perf_counter() - t0, rates)
+    return WarmUp(tuple(done), time.perf_counter() - t0, rates, tuple(encodes))
 
 
 def _codes_view(codec, k, v, fingerprint):

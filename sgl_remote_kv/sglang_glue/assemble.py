@@ -60,7 +60,7 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
     if warm.writes:
         logger.info(
             "KV writer kernels compiled for %s in %.2f s; load into the pool (GB/s of KV): %s",
-            ", ".join(warm.writes),
+            ", ".join(warm.writes + warm.encodes),
             warm.seconds,
             {kind: round(bps / 1e9, 1) for kind, bps in warm.load_bps.items()},
         )
