@@ -19,7 +19,7 @@ from sgl_remote_kv.kernels.dequant import dequant_triton
 from sgl_remote_kv.kernels.quantize import quantize_layer_device
 from sgl_remote_kv.kernels.scatter import scatter_triton
 from sgl_remote_kv.kernels.transform import inverse_triton, resolve_escapes
-from sgl_remote_kv.kernels.transform_encode import encode_layer_device
+from sgl_remote_kv.kernels.transform_encode import encode_layer_device, trellis_search_triton
 
 from .host_pin import cuda_pinner
 from .readback import copy_coded_layer, copy_layer_codes
@@ -104,6 +104,7 @@ class CudaOps:
                 sin,
                 style,
                 *params,
+                search=trellis_search_triton,  # one launch, not a few hundred per token
             )
             copy_coded_layer(r, out)
 
