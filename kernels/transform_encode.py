@@ -336,7 +336,8 @@ def encode_layer_device(
     flat_m = esc_m.reshape(2, n, -1)
     nesc = flat_m.sum(-1, dtype=torch.int32)
     slot = torch.where(flat_m & (flat_m.cumsum(-1) <= cap), flat_m.cumsum(-1) - 1, cap)
-    esc = torch.zeros((2, n, cap + 1), dtype=torch.int16, device=k.device)
-    esc.scatter_(2, slot, q.reshape(2, n, -1).clamp(-32768, 32767).to(torch.int16))
+    esc = torch.zeros((2, n, cap + 1), dtype=torch.int16, device=k.device).scatter(
+        2, slot, q.reshape(2, n, -1).clamp(-32768, 32767).to(torch.int16)
+    )  # out of place: slot ``cap`` collects the non-escapes and is cut off
     bad = bad.any(0) | (nesc > cap).any(0) | ~torch.isfinite(y).flatten(2).all(-1).all(0)
     return CodedLayer(sym, esc[..., :cap].contiguous(), nesc, rms, e8, base, fmt, bad)
