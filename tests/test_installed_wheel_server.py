@@ -3,8 +3,9 @@
 environment's site-packages through a ``.pth`` line (no second download; a plain path line does not run
 that directory's own ``.pth`` files, so this checkout's editable finder stays off). From a directory
 outside the checkout: a CPU SGLang server with ``--remote-kv dpu`` writes a prompt back to a file store,
-a second server on that store serves it from the remote tier with the cold run's tokens; the wheel's
-console scripts (``sgl-remote-kv-admin``, ``sgl-remote-kv-dpu``) start and exit cleanly."""
+a second server on that store serves it from the remote tier with the cold run's tokens, through
+SGLang's linker API (the queue inserts nothing into the tree: no ``device`` tokens; one ``dpu``
+decision, no failure); the wheel's console scripts (``sgl-remote-kv-admin``, ``sgl-remote-kv-dpu``) start and exit cleanly."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import pytest
 
 from benchmarks.launcher import ServerSpec, SGLangServer
 from tests.fixtures.dists import ROOT
-from tests.fixtures.remote_kv_server import flush_cache, post, storage_tokens
+from tests.fixtures.remote_kv_server import flush_cache, metrics, post, storage_tokens, total
 
 pytestmark = pytest.mark.e2e
 
@@ -129,7 +130,7 @@ def test_installed_wheel_serves_remote_hits_across_a_restart(installed, model_di
     def spec(name: str) -> ServerSpec:
         return ServerSpec(
             model_path=model_dir,
-            extra_args=args + ("--enable-cache-report",),
+            extra_args=args + ("--enable-cache-report", "--enable-metrics"),
             max_total_tokens=4096,
             python=installed.python,
             cwd=str(installed.work),
@@ -145,6 +146,12 @@ def test_installed_wheel_serves_remote_hits_across_a_restart(installed, model_di
     assert f"{installed.python} -m sgl_remote_kv.dpu" in log  # the data plane runs the wheel's interpreter
     with SGLangServer(spec("warm")) as warm_srv:
         warm = _generate(warm_srv)
+        m = metrics(warm_srv)
+        log = warm_srv.log_text()
+    assert "remote KV tier through the linker API" in log
+    assert warm["meta_info"]["cached_tokens_details"]["device"] == 0, warm["meta_info"]
+    assert m.get('sglang:remote_kv_decisions_total{path="dpu"}', 0) == 1, m
+    assert total(m, "failures") == 0, m
     usable = (cold["meta_info"]["prompt_tokens"] - 1) // CHUNK * CHUNK  # full chunks (the tail comes too)
     assert usable >= 2 * CHUNK
     assert storage_tokens(cold) == 0

@@ -2,12 +2,13 @@
 
 One scenario per test (each starts servers one at a time, always stopped by the fixture):
 
-- ``test_restart_multi_turn_fidelity_partial_chunked``: a baseline server without the tier answers a
+- ``test_multi_turn_fidelity_partial_chunked``: a baseline server without the tier answers a
   two-turn chat and a document question; a tier server (small ``--chunked-prefill-size``) answers turn
-  1 and writes it back; after a restart (empty local cache) turn 2 is served from the remote tier
-  (cached tokens by tier report ``storage``) and is token-identical to the baseline; the same document
-  with a different question fetches exactly the document's chunks; the remote hit is longer than one
-  prefill chunk.
+  1 and writes it back; with its local cache flushed (``/flush_cache``; the tier is kept, as after a
+  restart: restarts are tests/test_linker_server.py's and tests/test_installed_wheel_server.py's) turn 2
+  is served from the remote tier (cached tokens by tier report ``storage``) and is token-identical to
+  the baseline; the same document with a different question fetches exactly the document's chunks; the
+  remote hit is longer than one prefill chunk.
 - ``test_slow_store_no_hit_not_delayed_and_abort``: with a store that answers every call after 1 s, a
   request without a remote hit sent while another waits for its fetch gets its answer first; a
   request aborted while waiting for KV is cancelled cleanly and the server keeps serving; the DPU data
@@ -65,7 +66,7 @@ def _text(resp: dict) -> str:
     return resp["choices"][0]["message"]["content"]
 
 
-def test_restart_multi_turn_fidelity_partial_chunked(model_dir, tmp_path, tok):
+def test_multi_turn_fidelity_partial_chunked(model_dir, tmp_path, tok):
     store = f"file://{tmp_path / 'store'}"
     doc_ids = _ids(tok, DOC)
     q1_ids, q2_ids = _ids(tok, Q1), _ids(tok, Q2)
@@ -88,17 +89,16 @@ def test_restart_multi_turn_fidelity_partial_chunked(model_dir, tmp_path, tok):
         generate(s1, doc_ids + q1_ids)
         turn1_tokens = r1["usage"]["prompt_tokens"]
         wait_written(s1, 0, (turn1_tokens - 1) // CHUNK + len(doc_ids) // CHUNK, 120)
-
-    with remote_kv_server(model_dir, store, "--chunked-prefill-size", "128") as s2:
-        r2 = chat(s2, turn2)
+        flush_cache(s1)  # local cache empty, tier kept
+        r2 = chat(s1, turn2)
         hit = storage_tokens(r2)
         assert hit >= (turn1_tokens - 1) // CHUNK * CHUNK, (hit, turn1_tokens)
         assert hit > 128, "the remote hit must span more than one prefill chunk"
         assert _text(r2) == _text(b2), "remote KV (lossless, fp32) must be token-identical"
 
-        before = metrics(s2)
-        out, _ = generate(s2, doc_ids + q2_ids)
-        after = metrics(s2)
+        before = metrics(s1)
+        out, _ = generate(s1, doc_ids + q2_ids)
+        after = metrics(s1)
         doc_chunks = len(doc_ids) // CHUNK
         got = total(after, "hit_chunks") - total(before, "hit_chunks")
         assert got == doc_chunks, (got, doc_chunks)
