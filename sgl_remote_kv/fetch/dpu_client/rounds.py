@@ -178,11 +178,14 @@ class RoundBook:
         return len(lost)
 
     def lose_inflight(self, kind: str) -> int:
-        """The in-flight rounds end with ``kind`` (the data plane died); queued frames are dropped."""
+        """The in-flight rounds end with ``kind`` (the data plane died); queued frames are dropped, and so
+        are their requests' queued rounds past the miss (the request finishes now, not at its timeout)."""
         lost = list(self.inflight.values())
         self.inflight.clear()
         for r in lost:
             self.lose_round(r, kind)
+        for h in {id(r.handle): r.handle for r in lost}.values():
+            self.drop_pending(h)
         self.outbox.clear()
         return len(lost)
 

@@ -70,7 +70,8 @@ class Supervisor:
                 )
             self.registered = True
             with self.client.cv:
-                self.client.book.pump()
+                self.client.book.pump()  # may end requests (rounds past a miss): wake their waiters
+                self.client.cv.notify_all()
         else:
             logger.error("the data-plane service refused this client: %s", msg.detail)
 
@@ -146,3 +147,4 @@ class Supervisor:
             logger.error("restarted data plane not ready yet; will retry")
         with c.cv:
             c.book.pump()
+            c.cv.notify_all()
