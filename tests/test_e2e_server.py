@@ -1,5 +1,5 @@
-"""The foundation e2e: a real CPU SGLang server with the real model and ``--remote-kv dpu``; a normal run
-logs no WARNING of ours, and a SIGTERM leaves nothing of ours in /dev/shm or the temp dir (the last
+"""The foundation e2e: a real CPU SGLang server with the real model and ``--remote-kv dpu`` (the chat, the
+multi-turn and the shared-document examples run against it); a normal run logs no WARNING of ours, and a SIGTERM leaves nothing of ours in /dev/shm or the temp dir (the last
 test)."""
 
 import json
@@ -15,6 +15,9 @@ import pytest
 
 from benchmarks.launcher import ServerSpec, SGLangServer
 from sgl_remote_kv.contract import shm_names
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import shared_document_qa as qa  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,6 +106,29 @@ def test_multi_turn_example_reports_ttft_and_cached_tokens(server, tmp_path):
     turns = json.loads(out.read_text())
     assert len(turns) == 3 and all(t["answer"] and t["ttft_s"] > 0 for t in turns)
     assert turns[1]["cached_tokens"] > 0  # turn 2 reuses turn 1's prefix from the device radix cache
+
+
+def test_shared_document_qa_two_questions(server):
+    doc = qa.load_document(qa.DEFAULT_DOC, 6000)
+    first = qa.run(server.base_url, clients=2, questions=2, max_tokens=8, document=doc)
+    assert len(first) == 2
+    for a in first:
+        assert a.prompt_tokens > 1000
+        assert 0 < a.ttft_s <= a.total_s
+        assert a.text
+    # the document is now in the device cache: a new question reuses it
+    (again,) = qa.run(server.base_url, clients=1, questions=1, max_tokens=8, document=doc)
+    assert again.cached_tokens > 1000
+    assert again.by_tier.get("device", 0) > 1000
+
+
+def test_shared_document_qa_main_prints_per_question(server, capsys):
+    assert (
+        qa.main(["--base-url", server.base_url, "--clients", "2", "--questions", "2", "--max-tokens", "4"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert out.count("TTFT") == 2 and "cached" in out
 
 
 def test_bad_flag_value_fails_at_start_with_one_clear_error(model_dir):

@@ -1,4 +1,5 @@
-"""Examples against a real server (marked e2e) and the bench harness's pure helpers (fast)."""
+"""Examples against a real server (marked e2e) and the bench harness's pure helpers (fast). The examples
+that need only a running tier server run on test_e2e_server.py's (one server start fewer)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
 import long_document  # noqa: E402
-import shared_document_qa as qa  # noqa: E402
 
 
 def _extra(store) -> tuple[str, ...]:
@@ -26,15 +26,6 @@ def _extra(store) -> tuple[str, ...]:
         "--enable-cache-report",
         "--enable-metrics",
     )
-
-
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    store = tmp_path_factory.mktemp("store")
-    with SGLangServer(
-        ServerSpec(model_path=model_dir, extra_args=_extra(store), max_total_tokens=8192)
-    ) as srv:
-        yield srv
 
 
 @pytest.mark.e2e
@@ -62,31 +53,6 @@ def test_long_document_recompute_local_hit_remote_hit(model_dir, tmp_path):
         assert r.codec == "transform" and r.fetch_s is not None and r.fetch_s > 0, r
     assert all(r.answer for r in rows)
     assert "first remote hit" in long_document.table(rows)
-
-
-@pytest.mark.e2e
-def test_shared_document_qa_two_questions(server):
-    doc = qa.load_document(qa.DEFAULT_DOC, 6000)
-    first = qa.run(server.base_url, clients=2, questions=2, max_tokens=8, document=doc)
-    assert len(first) == 2
-    for a in first:
-        assert a.prompt_tokens > 1000
-        assert 0 < a.ttft_s <= a.total_s
-        assert a.text
-    # the document is now in the device cache: a new question reuses it
-    (again,) = qa.run(server.base_url, clients=1, questions=1, max_tokens=8, document=doc)
-    assert again.cached_tokens > 1000
-    assert again.by_tier.get("device", 0) > 1000
-
-
-@pytest.mark.e2e
-def test_shared_document_qa_main_prints_per_question(server, capsys):
-    assert (
-        qa.main(["--base-url", server.base_url, "--clients", "2", "--questions", "2", "--max-tokens", "4"])
-        == 0
-    )
-    out = capsys.readouterr().out
-    assert out.count("TTFT") == 2 and "cached" in out
 
 
 # -- bench_e2e helpers (no server) ---------------------------------------------------------------
