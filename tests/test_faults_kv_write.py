@@ -31,8 +31,11 @@ def tok(model_dir):
     "mode,codec",
     [
         pytest.param("dpu", "lossless", id="dpu"),
-        pytest.param("inproc", "lossless", id="inproc"),
-        # ~40 s each; the NVDEC path's install calls the same writer as the in-process one: slow set only
+        # ~45 s each, slow set only: after the write's KVWriteError the linker's load fails the chunks the
+        # same way for every path (shown here on dpu); the in-process install raising it:
+        # tests/test_inproc_device_decode.py::test_a_failing_device_is_a_write_error_for_the_install; the
+        # NVDEC path's install calls the same writer as the in-process one
+        pytest.param("inproc", "lossless", id="inproc", marks=pytest.mark.slow),
         pytest.param("nvdec", "hevc", id="nvdec", marks=pytest.mark.slow),
     ],
 )
