@@ -9,11 +9,7 @@ CPU): ``x[t, c] = (codes[t, c] - m) * scales[t, c // (C // G)] / m * channel_sca
 
 from __future__ import annotations
 
-import logging
-
 import torch
-
-logger = logging.getLogger(__name__)
 
 try:  # Triton is optional at import time (CPU-only installs)
     import triton
@@ -110,10 +106,3 @@ def dequant_triton(
         BLOCK=block,
     )
     return out
-
-
-def dequant(codes, scales, m, channel_scales=None, out_dtype=torch.float16) -> torch.Tensor:
-    """Triton on CUDA tensors, torch reference otherwise."""
-    if codes.is_cuda and triton is not None:
-        return dequant_triton(codes, scales, m, channel_scales, out_dtype)
-    return dequant_reference(codes, scales, m, channel_scales, out_dtype)

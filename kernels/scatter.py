@@ -10,11 +10,7 @@ writer); ``scatter_reference`` is the torch definition the GPU suite compares it
 
 from __future__ import annotations
 
-import logging
-
 import torch
-
-logger = logging.getLogger(__name__)
 
 try:
     import triton

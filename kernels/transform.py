@@ -24,13 +24,10 @@ in the CPU stage; clamped indices, so a mismatch can never fault the device).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-logger = logging.getLogger(__name__)
 
 try:  # Triton is optional at import time (CPU-only installs)
     import triton

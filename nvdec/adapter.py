@@ -30,13 +30,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
-
-logger = logging.getLogger(__name__)
 
 FULL = 0  # tokens_per_frame=0: the whole chunk on one frame (the anchor version)
 POWERS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # the other resolutions a chunk may be stored at

@@ -22,7 +22,6 @@ frame, never a whole chunk). Codec instances are immutable; decoders are passed 
 from __future__ import annotations
 
 import json
-import logging
 import struct
 import zlib
 from collections.abc import Iterator
@@ -37,8 +36,6 @@ from sgl_remote_kv.codec.base import Codec, check_chunk_arrays
 from sgl_remote_kv.codec.errors import CorruptChunk, ForeignChunk
 from sgl_remote_kv.codec.format import ChunkHeader, layer_section
 from sgl_remote_kv.types import ModelFingerprint, numpy_storage_dtype
-
-logger = logging.getLogger(__name__)
 
 CODEC_ID = 5
 GROUP = 3

@@ -19,13 +19,10 @@ sizes. All functions are pure numpy, called from whichever thread encodes/decode
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 ALIGN = 8
 PAD_VALUE = 128
@@ -180,14 +177,3 @@ def group_planes(layer_codes: list[np.ndarray], lay: FrameLayout) -> np.ndarray:
     for j, codes in enumerate(layer_codes):
         out[:, j] = to_frames(lay, codes)
     return out
-
-
-def resolutions(tokens: int, smallest: int = 16) -> list[int]:
-    """Tokens-per-frame options for a chunk: tokens, tokens/2, ... down to ``smallest``."""
-    out, n = [], tokens
-    while n >= smallest:
-        out.append(n)
-        if n % 2:
-            break
-        n //= 2
-    return out or [tokens]

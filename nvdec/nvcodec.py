@@ -50,7 +50,6 @@ C++ layer (not measured here).
 from __future__ import annotations
 
 import ctypes
-import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -58,8 +57,6 @@ from typing import Any
 import numpy as np
 
 from sgl_remote_kv.codec.errors import CorruptChunk
-
-logger = logging.getLogger(__name__)
 
 PACKAGE = "pynvvideocodec"  # PyPI name; the module is PyNvVideoCodec
 MODULE = "PyNvVideoCodec"

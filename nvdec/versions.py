@@ -12,7 +12,6 @@ Called on the write-back worker thread only.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -20,8 +19,6 @@ from sgl_remote_kv.nvdec.adapter import label, version_key
 from sgl_remote_kv.nvdec.hevc_codec import HevcCodec
 
 from sgl_remote_kv.types import ModelFingerprint
-
-logger = logging.getLogger(__name__)
 
 
 def version_codec(anchor: HevcCodec, res: int) -> HevcCodec:

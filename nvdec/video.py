@@ -34,7 +34,6 @@ releases it too (not measured). Encoding is called by whichever thread encodes a
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from fractions import Fraction
 from types import ModuleType
@@ -42,8 +41,6 @@ from types import ModuleType
 import numpy as np
 
 from sgl_remote_kv.codec.errors import CorruptChunk
-
-logger = logging.getLogger(__name__)
 
 PIX_FMT = "yuv444p"
 FULL_RANGE = 2  # AVCOL_RANGE_JPEG: full-range tagging, so no device ever clamps to 16..235

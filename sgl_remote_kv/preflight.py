@@ -30,8 +30,6 @@ from sgl_remote_kv.store.base import redact_url
 
 logger = logging.getLogger(__name__)
 
-_WRAPPERS = ("auth+", "faulty+")
-
 
 def _unwrap(url: str) -> str:
     """Strip ``auth+``/``faulty+`` prefixes (checking the auth one is complete)."""

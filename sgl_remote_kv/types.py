@@ -164,7 +164,7 @@ class FailureKind(str, Enum):
     ABANDONED = "abandoned"
     # installing into SGLang
     WRITE = "write"  # a write into staging rows (or the linker's copy into the KV pool) failed or timed out
-    NO_STAGING_ROWS = "no_staging_rows"  # no staging rows within slot_wait_s (renamed from no_kv_slots)
+    NO_STAGING_ROWS = "no_staging_rows"  # no staging rows within slot_wait_s
     INSTALL = "install"
     LOCAL_PREFIX_EVICTED = "local_prefix_evicted"
     ABORTED_WHILE_WAITING = "aborted_while_waiting"

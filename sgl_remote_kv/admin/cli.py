@@ -30,7 +30,6 @@ from sgl_remote_kv.admin.scan import Entry
 from sgl_remote_kv.store.base import StoreError, redact_url
 from sgl_remote_kv.store.keys import tenant_salt, tenant_tag
 
-logger = logging.getLogger(__name__)
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 

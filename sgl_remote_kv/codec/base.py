@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import ClassVar
@@ -41,8 +40,6 @@ from sgl_remote_kv.codec.format import (
     parse_header,
 )
 from sgl_remote_kv.types import KVLayout, ModelFingerprint, numpy_storage_dtype
-
-logger = logging.getLogger(__name__)
 
 NO_AUX = bytes(16)
 

@@ -11,8 +11,6 @@ Section: like ``quant_rans`` (table id prefix zero) with, after the prefix, the 
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 
 from sgl_remote_kv.codec import quant, rans
@@ -20,8 +18,6 @@ from sgl_remote_kv.codec.base import NO_AUX, Codec
 from sgl_remote_kv.codec.errors import CorruptChunk
 from sgl_remote_kv.codec.quant_rans import QuantRansCodec
 from sgl_remote_kv.types import ModelFingerprint
-
-logger = logging.getLogger(__name__)
 
 CACHEGEN_K_BINS = "32@0,16@10"
 CACHEGEN_V_BINS = "32@0,16@2"

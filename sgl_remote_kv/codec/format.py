@@ -33,7 +33,6 @@ to its chunk key when ``--remote-kv-auth-key-file`` is set); the blob itself car
 from __future__ import annotations
 
 import json
-import logging
 import struct
 from dataclasses import dataclass
 
@@ -41,8 +40,6 @@ from isal import isal_zlib
 
 from sgl_remote_kv.codec.errors import CorruptChunk, ForeignChunk, LimitExceeded, UnsupportedVersion
 from sgl_remote_kv.types import KV_DTYPES, KVLayout, ModelFingerprint
-
-logger = logging.getLogger(__name__)
 
 MAGIC = b"SKVC"
 FORMAT_VERSION = 1

@@ -8,7 +8,6 @@ Section: ``<BBHI`` (method, shuffle, reserved, raw_len) + compressed bytes of [K
 
 from __future__ import annotations
 
-import logging
 import struct
 
 import numpy as np
@@ -18,8 +17,6 @@ from sgl_remote_kv.codec.base import Codec
 from sgl_remote_kv.codec.errors import CorruptChunk
 from sgl_remote_kv.codec.format import ChunkHeader
 from sgl_remote_kv.types import ModelFingerprint
-
-logger = logging.getLogger(__name__)
 
 SUB = struct.Struct("<BBHI")
 

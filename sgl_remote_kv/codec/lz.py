@@ -16,7 +16,6 @@ only ``CorruptChunk``. isal, zlib and zstandard release the GIL while (de)compre
 
 from __future__ import annotations
 
-import logging
 import struct
 import zlib
 
@@ -26,8 +25,6 @@ from isal import isal_zlib
 from numba import njit
 
 from sgl_remote_kv.codec.errors import CorruptChunk
-
-logger = logging.getLogger(__name__)
 
 RAW, DEFLATE, ZSTD = 0, 1, 2
 METHODS = {"raw": RAW, "deflate": DEFLATE, "zstd": ZSTD}

@@ -22,7 +22,6 @@ The decoded-layer buffer (what the lossless stage produces, what ``dequant_stage
 
 from __future__ import annotations
 
-import logging
 import struct
 from abc import abstractmethod
 from dataclasses import dataclass, field
@@ -34,8 +33,6 @@ from sgl_remote_kv.codec.base import Codec
 from sgl_remote_kv.codec.errors import CorruptChunk
 from sgl_remote_kv.codec.format import ChunkHeader, pack
 from sgl_remote_kv.types import ModelFingerprint
-
-logger = logging.getLogger(__name__)
 
 PRELUDE = struct.Struct("<BBBBI")
 FP16_MAX = 65504.0

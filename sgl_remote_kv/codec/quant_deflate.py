@@ -13,14 +13,10 @@ Section: ``lz.pack_streams`` of the three parts.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 
 from sgl_remote_kv.codec import lz, quant
 from sgl_remote_kv.types import ModelFingerprint
-
-logger = logging.getLogger(__name__)
 
 
 class QuantDeflateCodec(quant.QuantCodec):

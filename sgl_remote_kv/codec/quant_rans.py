@@ -15,7 +15,6 @@ Section::
 from __future__ import annotations
 
 import json
-import logging
 import struct
 
 import numpy as np
@@ -26,8 +25,6 @@ from sgl_remote_kv.codec.calibration import tables as tables_mod
 from sgl_remote_kv.codec.errors import CorruptChunk, ForeignChunk
 from sgl_remote_kv.codec.format import ChunkHeader
 from sgl_remote_kv.types import ModelFingerprint
-
-logger = logging.getLogger(__name__)
 
 SUB = struct.Struct("<8sHHIIIII")
 

@@ -40,7 +40,6 @@ they need work arrays (the rANS stage allocates a [T, C] symbol array per call; 
 
 from __future__ import annotations
 
-import logging
 import struct
 from dataclasses import dataclass
 
@@ -54,8 +53,6 @@ from sgl_remote_kv.codec.errors import CorruptChunk, ForeignChunk
 from sgl_remote_kv.codec.format import ChunkHeader, pack
 from sgl_remote_kv.codec.transform_device import PRE, TransformOnDevice
 from sgl_remote_kv.types import QUANTIZERS, SCALAR_QUANTIZER, ModelFingerprint, RopeSpec
-
-logger = logging.getLogger(__name__)
 
 RANS_SUB = struct.Struct("<III")
 MAX_ESCAPE_FRACTION = 4  # at most T*C/4 escapes per K or V of a layer (bounds the scratch size)

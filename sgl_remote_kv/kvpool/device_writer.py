@@ -35,6 +35,7 @@ from sgl_remote_kv.codec import quant
 from sgl_remote_kv.codec.transform_ops import rope_tables
 from sgl_remote_kv.types import KVLayout
 
+from .arena import align
 from .device_ops import DeviceOps
 from .readback import (
     PendingCodes,
@@ -43,7 +44,7 @@ from .readback import (
     device_read_quantized_later,
     device_read_transformed_later,
 )
-from .staging import Staging, align
+from .staging import Staging
 from .upload import upload_parts
 from .writer import DEFAULT_TIMEOUT_S, TORCH_DTYPES, KVWriteError, KVWriter, PoolTensors
 

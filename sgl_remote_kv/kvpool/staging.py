@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from .arena import align
 from .writer import KVWriteError
 
 BATCH_BYTES = 256 << 20  # staging one batch may use before the writer waits for it
@@ -60,10 +61,6 @@ class Staging:
 
     def restart(self) -> None:
         self.base, self._used = 0, 0
-
-
-def align(n: int, to: int = 64) -> int:
-    return -(-n // to) * to
 
 
 def _grow(nbytes: int) -> int:

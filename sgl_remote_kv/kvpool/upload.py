@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .staging import align
+from .arena import align
 
 _TORCH = {
     np.dtype(np.uint8): torch.uint8,

@@ -35,7 +35,6 @@ the scheduler thread only.
 
 from __future__ import annotations
 
-import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -45,8 +44,6 @@ import numpy as np
 import torch
 
 from sgl_remote_kv.types import KVLayout, numpy_storage_dtype
-
-logger = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _RAW = {torch.bfloat16: torch.int16}  # numpy has no bf16: move raw bits

@@ -90,10 +90,6 @@ class LatencyStats:
     total_s: float = 0.0
     max_s: float = 0.0
 
-    @property
-    def mean_s(self) -> float:
-        return self.total_s / self.count if self.count else 0.0
-
 
 @dataclass(frozen=True)
 class StoreStats:

@@ -28,7 +28,6 @@ Buffers: values passed to ``put_many`` are read (copied to the socket) during th
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,8 +51,6 @@ from .base import (
     redact_url,
     url_options,
 )
-
-log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = b"srkv:"
 COMMON_OPTIONS = {"timeout", "prefix", "ttl", "batch", credentials.PASSWORD_FILE_OPTION}

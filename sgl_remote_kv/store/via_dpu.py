@@ -20,7 +20,6 @@ that arrives after its call timed out is recognised by its request id and droppe
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 import threading
 import time
@@ -42,8 +41,6 @@ from .base import (
     check_keys,
     url_options,
 )
-
-logger = logging.getLogger(__name__)
 
 _KINDS = {"unavailable": StoreUnavailable, "timeout": StoreTimeout, "auth": StoreAuthError}
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,8 +34,6 @@ import numpy as np
 from sgl_remote_kv.codec import rans
 from sgl_remote_kv.codec.calibration.registry import Registry
 from sgl_remote_kv.types import DEFAULT_QUALITY, QUALITY_LEVELS, ModelFingerprint, RopeSpec
-
-logger = logging.getLogger(__name__)
 
 LEVELS, DEFAULT_LEVEL = QUALITY_LEVELS, DEFAULT_QUALITY
 SYMBOLS = 256

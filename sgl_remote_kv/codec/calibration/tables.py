@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,8 +21,6 @@ import numpy as np
 from sgl_remote_kv.codec import quant, rans
 from sgl_remote_kv.codec.calibration.registry import Registry
 from sgl_remote_kv.types import ModelFingerprint
-
-logger = logging.getLogger(__name__)
 
 MAX_SYMBOLS = 256
 
