@@ -214,16 +214,21 @@ def test_linker_load_into_a_strict_device_pool_is_bit_exact(dev):
 
 def test_a_hung_device_fails_the_load_and_sglang_is_told(dev):
     """A write that does not complete within the writer's timeout raises ``KVWriteError``; the linker then
-    fails the counter, and ``finish`` reports the batch as not landed (SGLang aborts those requests)."""
+    fails the counter, and ``finish`` reports the batch as not landed (SGLang aborts those requests and
+    frees their slots): the reading stream waits for the late write first (no read of the pool before)."""
     from sgl_remote_kv.kvpool import KVWriteError
+    from tests.strict_device import UnfencedRead
 
     kv, writer, staged, pin, slots, counter, index, _ = _device_load(dev, timeout_s=0.2)
     dev.hang()
     with pytest.raises(KVWriteError):
         staged.copy_out([(pin, slots)], writer, functools.partial(counter.complete, index))
     counter.fail(index, KVWriteError("hung"))
+    with pytest.raises(UnfencedRead):  # the late write is pending: nothing may read (or reuse) its slots
+        kv.get_key_buffer(0)
     dev.resume()
     assert not counter.finish(index)
+    kv.get_key_buffer(0)  # finish fenced it
 
 
 def test_linker_releases_a_loads_pins_at_finish_on_the_scheduler_thread():

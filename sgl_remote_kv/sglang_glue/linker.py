@@ -79,6 +79,15 @@ class FencedCounter(LayerWiseLoadCounter):
         super().wait_until(threshold)
         self.writer.wait_layer(threshold)
 
+    def finish(self, index: int) -> bool:
+        """SGLang's ``finish`` (the scheduler thread, after the forward); for a batch that did not land, the
+        reading stream also waits for every write issued so far (``KVWriter.fence``): a write that timed out
+        may still land, and the batch's slots are freed for reuse next."""
+        landed = super().finish(index)
+        if not landed:
+            self.writer.fence()
+        return landed
+
 
 class RemoteKVLinker(UnifiedCacheLinker):
     def __init__(self, server_args, params, *, components, extra_config, forward_stream) -> None:
