@@ -127,10 +127,11 @@ def test_chunks_count_as_in_the_pool_only_as_a_prefix():
 def test_a_lost_round_ends_its_request_with_its_queued_rounds():
     """The data plane died with one round of a request in flight and two queued: the request ends at once
     (a miss from the lost round on), not when a later pump or its timeout notices."""
-    from sgl_remote_kv.fetch.dpu_client import rounds as R
+    from sgl_remote_kv.contract import protocol as P
+    from sgl_remote_kv.fetch.dpu_client.rounds import RoundBook
 
     cv = threading.Condition()
-    book = R.RoundBook(LAYOUT, None, 1, CB, lambda r: R.P.Cancel(r.job, 0), {}, None)
+    book = RoundBook(LAYOUT, None, 1, CB, lambda r: P.Cancel(r.job, 0), {}, None)
     h = ClientFetch(cv, "r", [b"a", b"b", b"c"], [CHUNK] * 3, LAYOUT.num_layers, None)
     book.add(h)
     assert len(book.inflight) == 1 and len(book.pending) == 2 and not h.finished

@@ -1,6 +1,6 @@
 """The foundation e2e: a real CPU SGLang server with the real model and ``--remote-kv dpu`` (the chat, the
-multi-turn and the shared-document examples run against it); a normal run logs no WARNING of ours, and a SIGTERM leaves nothing of ours in /dev/shm or the temp dir (the last
-test)."""
+multi-turn and the shared-document examples run against it); a normal run logs no WARNING of ours, and a
+SIGTERM leaves nothing of ours in /dev/shm or the temp dir (the last test)."""
 
 import json
 import re
@@ -16,11 +16,11 @@ import pytest
 from benchmarks.launcher import ServerSpec, SGLangServer
 from sgl_remote_kv.contract import shm_names
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
 import shared_document_qa as qa  # noqa: E402
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parent.parent
 # SGLang's own log lines carry no level; its documented logging hook gives every line one.
 LOGGING = {
     "version": 1,

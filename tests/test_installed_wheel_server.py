@@ -5,7 +5,8 @@ that directory's own ``.pth`` files, so this checkout's editable finder stays of
 outside the checkout: a CPU SGLang server with ``--remote-kv dpu`` writes a prompt back to a file store,
 a second server on that store serves it from the remote tier with the cold run's tokens, through
 SGLang's linker API (the queue inserts nothing into the tree: no ``device`` tokens; one ``dpu``
-decision, no failure); the wheel's console scripts (``sgl-remote-kv-admin``, ``sgl-remote-kv-dpu``) start and exit cleanly."""
+decision, no failure); the wheel's console scripts (``sgl-remote-kv-admin``, ``sgl-remote-kv-dpu``) start
+and exit cleanly."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ Contract of ``write(k, v, slots, layer_lo)``:
   slots hold garbage.
 - Consumers that read the pool from another stream call ``wait_layer(layer)`` (the forward, per layer)
   or ``fence()`` (the scheduler, ``FencedCounter.finish``: before SGLang frees the slots of a load that
-  failed, which a timed-out write may still touch): on a device pool these make the reading stream wait on the write's completion
-  event (a timed-out write's too); on host pools they are no-ops.
+  failed, which a timed-out write may still touch): on a device pool these make the reading stream wait on
+  the write's completion event (a timed-out write's too); on host pools they are no-ops.
 
 ``write_quantized(views, slots, layer)`` is the same contract for one layer given as the codec's
 lossless-stage output (``Codec.codes_stage``, one view per chunk, all of one kind: ``quant.LayerView``,
