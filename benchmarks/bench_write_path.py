@@ -21,11 +21,17 @@ device: ``kernels/transform_encode.py``; its blobs decode within float32 roundin
 
 **TPOT** (``tpot``, ``--skip-tpot`` leaves it out): the new-user experiment on the CPU twin, real servers one
 after another (SmolLM2-135M float32, the build the calibration belongs to): ``--remote-kv dpu`` with the
-default codec, and ``--remote-kv off``; the same cold prompts (``--prompts``, 1,998 token ids each, 32 new
-tokens, greedy), one at a time. TPOT = (total - TTFT) / (new tokens - 1); ``tpot_default_s``, ``tpot_off_s``
-are the means. Before each prompt the previous one's write-back is done (the written-chunk counter has
-counted its full chunks, then stood still for 3 s). Goal: ``tpot_default_s <= 1.3 x tpot_off_s``. ``--writeback-cpu``
-(repeatable) runs the tier's server at other ``--remote-kv-writeback-cpu`` shares. Writes
+default codec (``default``: the host encode in encoder processes), the same with
+``--remote-kv-writeback-encoder thread`` (``thread``: the encode in the scheduler process's threads), and
+``--remote-kv off``; the same cold prompts (``--prompts``, 1,998 token ids each, 32 new tokens, greedy), one
+at a time. TPOT = (total - TTFT) / (new tokens - 1); ``tpot_<server>_s`` are the means over every prompt of
+every round. ``--rounds`` runs each server that many times, the servers' order reversed every other round;
+``round_ratios`` has each round's TPOT over that round's ``off``, ``ratio`` (``ratio_thread``) the means' ratio
+and ``ratio_median_of_rounds`` the rounds' median. Before each prompt the previous one's write-back is done
+(the written-chunk counter has counted its full chunks, then stood still for 3 s); ``scheduler_cpu_s`` is the
+CPU time (user + system) the scheduler process spent from the request until then, ``encoder_cpu_s`` its
+encoder processes'. Goal: ``tpot_default_s <= 1.3 x tpot_off_s``. ``--writeback-cpu`` (repeatable) runs the
+tier's servers at other ``--remote-kv-writeback-cpu`` shares. Writes
 ``docs/results/write_path.json``.
 """
 
@@ -148,41 +154,102 @@ def encode_rows(shape: str, repeat: int) -> list[dict]:
     return rows
 
 
-def tpot(prompts: int, new_tokens: int, writeback_cpu: str | None = None) -> dict:
-    """See module docstring: the default codec's server against --remote-kv off, same cold prompts."""
+SERVERS = {  # the TPOT servers' flags: the tier's default, its encode in the scheduler's threads, no tier
+    "default": ["--remote-kv", "dpu"],
+    "thread": ["--remote-kv", "dpu", "--remote-kv-writeback-encoder", "thread"],
+    "off": ["--remote-kv", "off"],
+}
+
+
+def _scheduler(srv):
+    """The server's scheduler process (SGLang titles it ``sglang::scheduler``) and its encoder processes."""
+    import psutil
+
+    procs = psutil.Process(srv.proc.pid).children(recursive=True)
+    sched = next(p for p in procs if "sglang::scheduler" in " ".join(p.cmdline()))
+    return sched, [p for p in sched.children() if "writeback.encoder_process" in " ".join(p.cmdline())]
+
+
+def _cpu_s(procs) -> float:
+    return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+
+def _serve(label: str, ids, new_tokens: int, writeback_cpu: str | None, model: str) -> list[dict]:
+    """One server of ``label``: each prompt's TTFT, TPOT, and the CPU-seconds its scheduler process (and, for
+    the tier, its encoder processes) spent from the request until its write-back was done."""
     from benchmarks.e2e_server import chunks_done, stream_generate, wait_written
     from benchmarks.launcher import ServerSpec, SGLangServer
+
+    tier = label != "off"
+    with tempfile.TemporaryDirectory() as tmp:
+        extra = list(SERVERS[label])
+        if tier:
+            extra += ["--remote-kv-store", f"file://{tmp}/store", "--enable-metrics"]
+            extra += ["--remote-kv-writeback-cpu", writeback_cpu] if writeback_cpu else []
+        spec = ServerSpec(model_path=model, extra_args=tuple(extra), max_total_tokens=16384)
+        with SGLangServer(spec) as srv:
+            sched, encoders = _scheduler(srv)
+            runs = []
+            for p in ids:
+                before = chunks_done(srv.base_url) if tier else 0
+                cpu0, enc0 = _cpu_s([sched]), _cpu_s(encoders)
+                r = stream_generate(srv.base_url, p, new_tokens)
+                if tier:  # the next prompt starts with this one's write-back done
+                    wait_written(srv.base_url, before + len(p) // CHUNK, idle_timeout_s=60)
+                n = len(r["output_ids"])
+                runs.append(
+                    {
+                        "ttft_s": round(r["ttft_s"], 3),
+                        "tpot_s": round((r["total_s"] - r["ttft_s"]) / max(1, n - 1), 4),
+                        "scheduler_cpu_s": round(_cpu_s([sched]) - cpu0, 2),
+                        "encoder_cpu_s": round(_cpu_s(encoders) - enc0, 2),
+                    }
+                )
+            return runs
+
+
+def tpot(
+    prompts: int,
+    new_tokens: int,
+    writeback_cpu: str | None = None,
+    rounds: int = 1,
+    labels: tuple[str, ...] = ("default", "off"),
+) -> dict:
+    """See module docstring: the servers of ``labels`` (``SERVERS``), same cold prompts, ``rounds`` times,
+    the order of the servers reversed every other round (this box's drift falls on each alike)."""
     from sgl_remote_kv.model import ensure_model
 
     model = str(ensure_model("float32"))
     rng = random.Random(7)
     ids = [[rng.randrange(200, 49000) for _ in range(1998)] for _ in range(prompts)]
-    out: dict = {"prompt_tokens": 1998, "new_tokens": new_tokens, "prompts": prompts, "servers": {}}
+    out: dict = {"prompt_tokens": 1998, "new_tokens": new_tokens, "prompts": prompts, "rounds": rounds}
     out["writeback_cpu"] = writeback_cpu or "default"
-    for label, extra in (("default", ["--remote-kv", "dpu"]), ("off", ["--remote-kv", "off"])):
-        with tempfile.TemporaryDirectory() as tmp:
-            if label == "default":
-                extra += ["--remote-kv-store", f"file://{tmp}/store", "--enable-metrics"]
-                extra += ["--remote-kv-writeback-cpu", writeback_cpu] if writeback_cpu else []
-            spec = ServerSpec(model_path=model, extra_args=tuple(extra), max_total_tokens=16384)
-            with SGLangServer(spec) as srv:
-                runs = []
-                for p in ids:
-                    before = chunks_done(srv.base_url)
-                    r = stream_generate(srv.base_url, p, new_tokens)
-                    n = len(r["output_ids"])
-                    runs.append(
-                        {
-                            "ttft_s": round(r["ttft_s"], 3),
-                            "tpot_s": round((r["total_s"] - r["ttft_s"]) / max(1, n - 1), 4),
-                        }
-                    )
-                    if label == "default":  # the next prompt starts with this one's write-back done
-                        wait_written(srv.base_url, before + len(p) // CHUNK, idle_timeout_s=60)
-                out["servers"][label] = runs
-                out[f"tpot_{label}_s"] = round(float(np.mean([r["tpot_s"] for r in runs])), 4)
-                print(label, runs)
-    out["ratio"] = round(out["tpot_default_s"] / out["tpot_off_s"], 3)
+    out["servers"] = {label: [] for label in labels}
+    out["round_ratios"] = []
+    for r in range(rounds):
+        mean = {}
+        for label in labels if r % 2 == 0 else labels[::-1]:
+            runs = _serve(label, ids, new_tokens, writeback_cpu, model)
+            out["servers"][label] += [{"round": r, **x} for x in runs]
+            mean[label] = float(np.mean([x["tpot_s"] for x in runs]))
+            print(label, r, runs, flush=True)
+        out["round_ratios"].append({k: round(mean[k] / mean["off"], 3) for k in labels if k != "off"})
+    for label in labels:
+        runs = out["servers"][label]
+        out[f"tpot_{label}_s"] = round(float(np.mean([x["tpot_s"] for x in runs])), 4)
+        out[f"scheduler_cpu_s_per_prompt_{label}"] = round(
+            float(np.mean([x["scheduler_cpu_s"] for x in runs])), 2
+        )
+        out[f"encoder_cpu_s_per_prompt_{label}"] = round(
+            float(np.mean([x["encoder_cpu_s"] for x in runs])), 2
+        )
+    for label in labels:
+        if label != "off":
+            key = "ratio" if label == "default" else f"ratio_{label}"
+            out[key] = round(out[f"tpot_{label}_s"] / out["tpot_off_s"], 3)
+            out[f"{key}_median_of_rounds"] = round(
+                float(np.median([x[label] for x in out["round_ratios"]])), 3
+            )
     return out
 
 
@@ -258,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-tpot", action="store_true")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=1, help="TPOT: each server this many times, alternating")
+    ap.add_argument(
+        "--servers",
+        default="default,off",
+        help="TPOT: which servers (" + ", ".join(SERVERS) + "); 'off' is the ratios' reference",
+    )
     ap.add_argument(
         "--writeback-cpu",
         action="append",
@@ -279,7 +352,11 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     if not args.skip_tpot:
-        runs = [tpot(args.prompts, args.new_tokens, share) for share in (args.writeback_cpu or [None])]
+        labels = tuple(args.servers.split(","))
+        runs = [
+            tpot(args.prompts, args.new_tokens, share, args.rounds, labels)
+            for share in (args.writeback_cpu or [None])
+        ]
         result["tpot"] = runs[0]
         if len(runs) > 1:
             result["tpot_by_writeback_cpu"] = runs

@@ -23,7 +23,14 @@ from sgl_remote_kv.flags import (
     MODES,
     add_flags,
 )
-from sgl_remote_kv.types import DEFAULT_QUALITY, DEFAULT_QUANTIZER, DPU_OUTPUTS, QUALITY_LEVELS, QUANTIZERS
+from sgl_remote_kv.types import (
+    DEFAULT_QUALITY,
+    DEFAULT_QUANTIZER,
+    DPU_OUTPUTS,
+    QUALITY_LEVELS,
+    QUANTIZERS,
+    WRITEBACK_ENCODERS,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +52,7 @@ class RemoteKVConfig:
     # the write-back worker's busy share of wall time while the server serves; None: WRITEBACK_CPU_HOST_POOL
     # where the KV pool is in host memory (its encode shares the forward's cores), else 1 (no pause)
     writeback_cpu: float | None = None
+    writeback_encoder: str = "process"  # where a host encode runs: encoder processes, or the worker's threads
     # hevc versions written and fetched, tokens per frame (0 = "full", the anchor, always included);
     # None = 16, chunk/4 (else chunk/2) and full where they fit (docs/NVDEC.md "Adaptive resolution")
     nvdec_resolutions: tuple[int, ...] | None = None
@@ -113,6 +121,10 @@ class RemoteKVConfig:
             )
         if self.writeback_cpu is not None and not 0.0 <= self.writeback_cpu <= 64.0:
             raise ValueError(f"--remote-kv-writeback-cpu must be in [0, 64], got {self.writeback_cpu}")
+        if self.writeback_encoder not in WRITEBACK_ENCODERS:
+            raise ValueError(
+                f"--remote-kv-writeback-encoder must be one of {WRITEBACK_ENCODERS}, got {self.writeback_encoder!r}"
+            )
         if not 1 <= self.nvdec_instances <= 64:
             raise ValueError(f"--remote-kv-nvdec-instances must be in [1, 64], got {self.nvdec_instances}")
         try:
@@ -262,6 +274,7 @@ class RemoteKVConfig:
             staging_tokens=getattr(ns, "remote_kv_staging_tokens", 0),
             writeback_queue_mb=getattr(ns, "remote_kv_writeback_queue_mb", 2048),
             writeback_cpu=getattr(ns, "remote_kv_writeback_cpu", None),
+            writeback_encoder=getattr(ns, "remote_kv_writeback_encoder", "process"),
             nvdec_resolutions=getattr(ns, "remote_kv_nvdec_resolutions", None),
             nvdec_fetch=getattr(ns, "remote_kv_nvdec_fetch", "adaptive"),
             layerwise=getattr(ns, "remote_kv_layerwise", False),

@@ -78,6 +78,12 @@ def pinned_numerics_env(threads: int) -> dict[str, str]:
     }
 
 
+def single_threaded_env() -> dict[str, str]:
+    """This process's environment with one thread for every numeric library (a write-back encoder process:
+    one core's worth each)."""
+    return {**os.environ, **dict.fromkeys(_THREAD_VARS, "1")}
+
+
 def publish_config_json(payload: str) -> None:
     """Export the parsed config to child processes (scheduler, detokenizer) started after this call."""
     os.environ[CONFIG_JSON] = payload

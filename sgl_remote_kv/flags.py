@@ -8,7 +8,14 @@ import argparse
 
 from sgl_remote_kv.contract.endpoints import is_endpoint
 from sgl_remote_kv.contract.settings import cpu_list_arg
-from sgl_remote_kv.types import DEFAULT_QUALITY, DEFAULT_QUANTIZER, DPU_OUTPUTS, QUALITY_LEVELS, QUANTIZERS
+from sgl_remote_kv.types import (
+    DEFAULT_QUALITY,
+    DEFAULT_QUANTIZER,
+    DPU_OUTPUTS,
+    QUALITY_LEVELS,
+    QUANTIZERS,
+    WRITEBACK_ENCODERS,
+)
 
 MODES = ("off", "dpu", "nvdec", "inproc", "auto")
 FLUSH_SCOPES = ("local", "tier")
@@ -121,6 +128,16 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "at full speed); 0: no encoding while serving. N >= 1: N threads encode a job's chunks side by side, "
         "never pausing. Default: 0.1 where the KV pool is in host memory (the CPU platform: the encode shares "
         "the forward's cores); on a GPU a quarter of the cores (at least 1, at most 8).",
+    )
+    g.add_argument(
+        "--remote-kv-writeback-encoder",
+        dest="remote_kv_writeback_encoder",
+        choices=WRITEBACK_ENCODERS,
+        default="process",
+        help="Where the write-back encodes KV on the host: 'process' (default): encoder processes, children "
+        "of the scheduler process (niced where the KV pool is in host memory), so the encode takes neither "
+        "the scheduler's GIL nor its priority; 'thread': the write-back's threads in the scheduler process. "
+        "An encoder process that cannot start falls back to 'thread' (logged once with why).",
     )
     g.add_argument(
         "--remote-kv-nvdec-resolutions",

@@ -90,7 +90,7 @@ class RemoteKVRuntime:
     wakeup: threading.Event  # set by workers when something completes
     metrics: object  # metrics.RemoteKVMetrics (the process's)
     kv_writer: object = None  # the pool's one KVWriter (kvpool); every fetched write goes through it
-    writeback: object = None  # writeback.WriteBack, or None (tests of the read path)
+    writeback: object = None  # writeback.worker.WriteBack, or None (tests of the read path)
     layerwise: object = None  # layerwise.LayerwiseInstalls (--remote-kv-layerwise), or None
     generation: object = None  # generation.GenerationWatch (follows other servers' tier flushes), or None
     # kvpool.staged.StagedPages: the linker's host staging, which the fetch paths write into (``kv_writer``

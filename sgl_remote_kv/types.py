@@ -68,6 +68,18 @@ class ModelFingerprint:
     def canonical(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
 
+    @classmethod
+    def from_canonical(cls, raw: bytes | str) -> ModelFingerprint:
+        """The fingerprint ``canonical()`` gave ``raw``; ``ValueError`` for anything else."""
+        try:
+            d = json.loads(raw)
+            fp = cls(**{**d, "layout": KVLayout(**d["layout"])})
+        except (TypeError, KeyError, RecursionError, UnicodeDecodeError) as e:
+            raise ValueError(f"not a canonical model fingerprint: {e!r}") from None
+        if fp.canonical() != (raw.encode() if isinstance(raw, str) else bytes(raw)):
+            raise ValueError("not a canonical model fingerprint")
+        return fp
+
     def digest(self) -> bytes:
         """32-byte SHA-256 over the canonical JSON form (stable across processes and hosts)."""
         return hashlib.sha256(self.canonical()).digest()
@@ -93,6 +105,10 @@ ROPE_STYLES = ("neox", "gptj")
 # codec's lossless-stage output (codes) that the writer dequantizes, or codes only for a device pool.
 DPU_JOB_OUTPUTS = ("kv", "codes")  # what a data-plane job writes (``SubmitFetch.output``)
 DPU_OUTPUTS = ("auto", *DPU_JOB_OUTPUTS)
+
+# Where the write-back's host encode runs (``--remote-kv-writeback-encoder``): encoder processes outside the
+# scheduler process (``writeback/encoders.py``), or the write-back's own threads in it.
+WRITEBACK_ENCODERS = ("process", "thread")
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,17 @@ def test_json_rejects_unknown_keys_and_bad_values():
         RemoteKVConfig.from_json(json.dumps({"mode": "dpu", "dpu_output": "symbols"}))
 
 
+def test_writeback_encoder_flag():
+    assert (
+        RemoteKVConfig.from_namespace(_parser().parse_args(["--remote-kv", "dpu"])).writeback_encoder
+        == "process"
+    )
+    ns = _parser().parse_args(["--remote-kv", "dpu", "--remote-kv-writeback-encoder", "thread"])
+    assert RemoteKVConfig.from_namespace(ns).writeback_encoder == "thread"
+    with pytest.raises(ValueError, match="--remote-kv-writeback-encoder must be one of"):
+        RemoteKVConfig(mode="dpu", writeback_encoder="gpu")
+
+
 def test_dpu_output_flag():
     assert RemoteKVConfig.from_namespace(_parser().parse_args(["--remote-kv", "dpu"])).dpu_output == "auto"
     ns = _parser().parse_args(["--remote-kv", "dpu", "--remote-kv-dpu-output", "codes"])

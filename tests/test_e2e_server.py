@@ -186,12 +186,17 @@ def test_a_normal_run_warns_nothing_and_sigterm_leaves_nothing_behind(server):
     worse) line from any logger, our data plane's included, and no Python warning beyond SGLang's own on
     CPU. Then SIGTERM (what an operator sends; SGLang SIGKILLs what is left of its process tree, our data
     plane included): nothing named after any of the server's processes remains in /dev/shm or the temp
-    dir."""
-    pids = {server.proc.pid} | {p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)}
-    assert len(pids) >= 3, pids  # launcher, scheduler, its data plane, ...
+    dir, and the write-back's encoder process (the host encode runs there) is gone."""
+    procs = psutil.Process(server.proc.pid).children(recursive=True)
+    pids = {server.proc.pid} | {p.pid for p in procs}
+    assert len(pids) >= 4, pids  # launcher, scheduler, its data plane, its write-back encoder, ...
+    encoders = [p for p in procs if "writeback.encoder_process" in " ".join(p.cmdline())]
+    assert len(encoders) == 1, procs  # the write-back's host encode left the scheduler process
     running = server.log_text().splitlines()
+    assert any("write-back encodes in 1 process(es)" in ln for ln in running)
     server.stop()
     assert server.proc.poll() is not None
+    assert not any(p.is_running() for p in encoders)
     stopping = server.log_text().splitlines()[len(running) :]  # SGLang warns "SIGTERM received" itself
     bad = [ln for ln in running if WARNED.search(ln) and not any(w in ln for w in SGLANG_CPU_WARNINGS)]
     bad += [ln for ln in stopping if WARNED.search(ln) and ("sgl_remote_kv" in ln or " dpu[" in ln)]

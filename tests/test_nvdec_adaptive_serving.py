@@ -297,7 +297,7 @@ def test_writeback_stores_every_version_under_its_key(tmp_path):
     from sgl_remote_kv.runtime import KeySpace
     from sgl_remote_kv.sglang_glue.assemble import WriteBackRequests
     from sgl_remote_kv.store.client import open_client
-    from sgl_remote_kv.writeback import WriteBack
+    from sgl_remote_kv.writeback.worker import WriteBack
 
     fp = synthetic.fingerprint(num_layers=4, dtype="float32")
     lay = fp.layout

@@ -27,7 +27,7 @@ from sgl_remote_kv.metrics import RemoteKVMetrics
 from sgl_remote_kv.sglang_glue.assemble import WriteBackRequests
 from sgl_remote_kv.store.client import open_client
 from sgl_remote_kv.types import PathName
-from sgl_remote_kv.writeback import WriteBack
+from sgl_remote_kv.writeback.worker import WriteBack
 
 CH, G = 32, 8
 N_TOK = 2 * CH + 3 * G + 5  # 2 chunks, 3 tail sub-chunks, 5 tokens left over

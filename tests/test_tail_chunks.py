@@ -25,7 +25,7 @@ from sgl_remote_kv.runtime import KeySpace
 from sgl_remote_kv.sglang_glue.assemble import WriteBackRequests
 from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.store.client import open_client
-from sgl_remote_kv.writeback import WriteBack
+from sgl_remote_kv.writeback.worker import WriteBack
 from tests.admission_fakes import C, make_queue, req
 
 CH, G = 32, 8  # chunk and sub-chunk tokens of the fetch tests (dpu_helpers' layout)

@@ -19,7 +19,7 @@ from sgl_remote_kv.kvpool import PoolTensors, writer_for
 from sgl_remote_kv.metrics import RemoteKVMetrics
 from sgl_remote_kv.sglang_glue.assemble import WriteBackRequests
 from sgl_remote_kv.store.client import open_client
-from sgl_remote_kv.writeback import WriteBack
+from sgl_remote_kv.writeback.worker import WriteBack
 
 CH = 32
 CHUNK_BYTES = CH * LAYOUT.bytes_per_token()
@@ -61,7 +61,7 @@ def test_a_full_queue_drops_the_oldest_counts_and_logs_once_and_never_blocks(tmp
     wb = WriteBack(
         codec, FP, store, keys, metrics, writer, WriteBackRequests(r2t), 3 * 2 * CHUNK_BYTES
     )  # 3 requests of 2 chunks
-    caplog.set_level(logging.WARNING, logger="sgl_remote_kv.writeback")
+    caplog.set_level(logging.WARNING, logger="sgl_remote_kv.writeback.worker")
 
     reqs = [_request(f"r{i}", 2 * CH, 1000 * i) for i in range(10)]
     wb.offer(reqs[0], 2 * CH)

@@ -19,7 +19,7 @@ from sgl_remote_kv.kvpool.device_writer import DeviceKVWriter
 from sgl_remote_kv.metrics import RemoteKVMetrics
 from sgl_remote_kv.sglang_glue.assemble import WriteBackRequests
 from sgl_remote_kv.store.client import open_client
-from sgl_remote_kv.writeback import WriteBack
+from sgl_remote_kv.writeback.worker import WriteBack
 from tests.strict_device import StrictDevice, StrictKVPool
 
 TD = {"float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -19,7 +19,7 @@ from sgl_remote_kv.kvpool import PoolTensors, writer_for
 from sgl_remote_kv.metrics import RemoteKVMetrics
 from sgl_remote_kv.sglang_glue.assemble import WriteBackRequests
 from sgl_remote_kv.store.client import open_client
-from sgl_remote_kv.writeback import WriteBack
+from sgl_remote_kv.writeback.worker import WriteBack
 
 CH = 32
 ENCODE_S = 0.03  # what each chunk's encode takes here

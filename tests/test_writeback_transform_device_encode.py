@@ -23,7 +23,7 @@ from sgl_remote_kv.metrics import RemoteKVMetrics
 from sgl_remote_kv.sglang_glue.assemble import WriteBackRequests
 from sgl_remote_kv.store.client import open_client
 from sgl_remote_kv.types import KVLayout, ModelFingerprint, RopeSpec
-from sgl_remote_kv.writeback import WriteBack
+from sgl_remote_kv.writeback.worker import WriteBack
 from tests.strict_device import StrictDevice, StrictKVPool
 
 L, H, D, CH = 3, 2, 16, 32

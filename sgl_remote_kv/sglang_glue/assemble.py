@@ -23,13 +23,13 @@ from sgl_remote_kv.kvpool.warmup import warm_up
 from sgl_remote_kv.sglang_glue import seam
 from sgl_remote_kv.store import generation
 from sgl_remote_kv.store.base import redact_url
-from sgl_remote_kv.writeback import WriteBack
+from sgl_remote_kv.writeback.worker import WriteBack
 
 logger = logging.getLogger(__name__)
 
 
 class WriteBackRequests:
-    """The write-back's view of SGLang's requests (``writeback.RequestReader``), through the seam's accessors."""
+    """The write-back's view of SGLang's requests (``writeback.worker.RequestReader``), through the seam's accessors."""
 
     def __init__(self, req_to_token_pool) -> None:
         self.req_to_token_pool = req_to_token_pool
@@ -96,6 +96,8 @@ def build_runtime(b: seam.BuildContext, cfg: RemoteKVConfig) -> runtime.RemoteKV
         cpu_share=writeback_share(cfg, kv_writer),
         tail_granule=tails,
         versions=paths.chunk_versions(cfg, codec, fp, metrics.nvdec_written),
+        processes=cfg.writeback_encoder == "process",
+        nice=0 if kv_writer.device_dequant else ENCODER_NICE_HOST_POOL,
     )
     # layer-wise: installs into the staging rows, awaited by the linker's load thread before each copy
     counter = layerwise.LayerwiseInstalls(staged.writer, fp, metrics) if cfg.layerwise else None
@@ -183,3 +185,6 @@ STAGING_AUTO_MAX = 65536  # tokens of the automatic staging size (--remote-kv-st
 # 0.1 kept TPOT at 1.30x --remote-kv off's, 0.25 at 1.62x; docs/results/write_path.json)
 WRITEBACK_CPU_HOST_POOL = 0.1
 WRITEBACK_THREADS_MAX = 8  # the device-pool default's cap (a quarter of the cores)
+# where the pool is in host memory, the write-back's encoder processes run at this niceness: the forward's
+# threads take the cores first, the encode what they leave
+ENCODER_NICE_HOST_POOL = 19

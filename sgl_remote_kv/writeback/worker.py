@@ -17,6 +17,14 @@ scales come back, so the worker runs the lossless stage alone (``encode_quantize
 encode for ``quant_*``; for the transform codec the same format, within float32 rounding of the host's
 symbols). Other codecs, host pools and the NVDEC path's versions read KV and encode on the host.
 
+Where the encode runs: with ``processes`` (the server's choice: a host encode, ``encoders.EncoderPool``)
+a host encode runs in encoder processes, ``threads`` of them, started by the worker thread before its first
+job at niceness ``+nice``, so the scheduler process keeps its CPU and its GIL: the worker copies each
+chunk's KV into an encoder's slot and stores the blob it gets back (the same bytes as an in-process encode).
+An encoder that cannot start (logged once, with why) leaves the encode in this process's threads; one lost
+mid-encode fails that job (counted as a write-back failure) and is started afresh for the next. A device
+encode's lossless stage, and the NVDEC path's versions, always run in this process.
+
 The worker never takes the serving thread's place: while the scheduler runs batches (``note_serving``, on
 every batch; within ``SERVING_GRACE_S``), after each chunk it encoded it pauses so that encoding takes at
 most ``cpu_share`` of the wall time (``--remote-kv-writeback-cpu``; 0: it waits for the server to go idle;
@@ -49,6 +57,7 @@ from sgl_remote_kv.codec.quantized import QuantizedChunks, TransformCodes
 from sgl_remote_kv.kvpool.writer import PendingRead
 from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.types import FailureKind
+from sgl_remote_kv.writeback.encoders import EncoderPool, EncoderUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +103,8 @@ class WriteBack:
         cpu_share: float = 1.0,
         tail_granule: int = 0,
         versions=None,
+        processes: bool = False,
+        nice: int = 0,
     ) -> None:
         self.codec, self.fingerprint, self.client, self.keys, self.metrics = (
             codec,
@@ -120,6 +131,14 @@ class WriteBack:
             if self.threads > 1
             else None
         )
+        # host encode in encoder processes (see module docstring); the worker thread starts and owns it
+        host_encode = versions is None and not (self.device_encode and kv_writer.device_dequant)
+        self._pool = (
+            EncoderPool(codec, fingerprint, self.chunk_size, self.threads, nice)
+            if processes and host_encode
+            else None
+        )
+        self._pool_started = threading.Event()  # the pool started, or the worker gave up on it
         self._serving_at = float("-inf")  # monotonic time of the scheduler's last batch
         self._jobs: deque[_Job] = deque()  # queued, oldest first (not the one being written)
         self._cv = threading.Condition()
@@ -235,6 +254,11 @@ class WriteBack:
             self._closed = True
             self._cv.notify()
 
+    def encoder_pids(self, timeout: float = 60.0) -> list[int]:
+        """The encoder processes' pids once the worker started them ([]: the encode runs in this process)."""
+        self._pool_started.wait(timeout)
+        return self._pool.pids() if self._pool is not None else []
+
     # -- worker thread ---------------------------------------------------------------------------
     def _serving(self) -> bool:
         return time.monotonic() - self._serving_at < SERVING_GRACE_S
@@ -251,7 +275,23 @@ class WriteBack:
         while self._serving() and not self._closed:  # share 0: defer until the server is idle
             time.sleep(0.05)
 
+    def _start_pool(self) -> None:
+        try:
+            if self._pool is not None:
+                self._pool.start()
+                logger.info(
+                    "remote-kv write-back encodes in %d process(es), pids %s",
+                    self._pool.processes,
+                    self._pool.pids(),
+                )
+        except EncoderUnavailable as e:
+            logger.warning("remote-kv write-back encodes in the scheduler process: %s", e)
+            self._pool = None
+        finally:
+            self._pool_started.set()
+
     def _loop(self) -> None:
+        self._start_pool()
         while True:
             with self._cv:
                 while not self._jobs and not self._closed:
@@ -259,6 +299,8 @@ class WriteBack:
                 if not self._jobs:  # closed and drained
                     if self._encoders is not None:
                         self._encoders.shutdown(wait=False)
+                    if self._pool is not None:
+                        self._pool.close()
                     return
                 job = self._jobs.popleft()
                 self._queued_bytes -= job.nbytes
@@ -294,11 +336,11 @@ class WriteBack:
             ):  # coded on the device: lossless stage here
                 return self.codec.encode_quantized(read, j, self.fingerprint)
             k, v = read
+            k, v, start = k[:, j * c : (j + 1) * c], v[:, j * c : (j + 1) * c], job.start + j * c
+            if self._pool is not None:
+                return self._pool.encode(k, v, start)
             return self.codec.encode(
-                np.ascontiguousarray(k[:, j * c : (j + 1) * c]),
-                np.ascontiguousarray(v[:, j * c : (j + 1) * c]),
-                self.fingerprint,
-                start=job.start + j * c,
+                np.ascontiguousarray(k), np.ascontiguousarray(v), self.fingerprint, start=start
             )
 
         if self._encoders is not None and last - start > 1:  # side by side, unpaced
