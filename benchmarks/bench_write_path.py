@@ -325,10 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-tpot", action="store_true")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=1, help="TPOT: each server this many times, alternating")
+    ap.add_argument("--rounds", type=int, default=5, help="TPOT: each server this many times, alternating")
     ap.add_argument(
         "--servers",
-        default="default,off",
+        default="default,thread,off",
         help="TPOT: which servers (" + ", ".join(SERVERS) + "); 'off' is the ratios' reference",
     )
     ap.add_argument(
