@@ -181,8 +181,8 @@ def plain_paths(cfg: RemoteKVConfig, codec) -> list[str]:
 
 
 STAGING_AUTO_MAX = 65536  # tokens of the automatic staging size (--remote-kv-staging-tokens 0)
-# the write-back's default share while serving where the pool is in host memory (measured on the CPU twin:
-# 0.1 kept TPOT at 1.30x --remote-kv off's, 0.25 at 1.62x; docs/results/write_path.json)
+# the write-back's default share while serving where the pool is in host memory, whose cores the forward
+# uses (its TPOT against --remote-kv off: docs/RESULTS.md, "The write-back")
 WRITEBACK_CPU_HOST_POOL = 0.1
 WRITEBACK_THREADS_MAX = 8  # the device-pool default's cap (a quarter of the cores)
 # where the pool is in host memory, the write-back's encoder processes run at this niceness: the forward's
