@@ -74,7 +74,7 @@ class ModelFingerprint:
         try:
             d = json.loads(raw)
             fp = cls(**{**d, "layout": KVLayout(**d["layout"])})
-        except (TypeError, KeyError, RecursionError, UnicodeDecodeError) as e:
+        except (TypeError, KeyError, ValueError, RecursionError) as e:  # ValueError: JSON, UTF-8, a layout's
             raise ValueError(f"not a canonical model fingerprint: {e!r}") from None
         if fp.canonical() != (raw.encode() if isinstance(raw, str) else bytes(raw)):
             raise ValueError("not a canonical model fingerprint")

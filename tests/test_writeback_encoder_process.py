@@ -191,6 +191,17 @@ def test_a_chunk_not_of_the_layout_is_refused_as_in_process_and_the_encoder_serv
     assert pool.pids() == []
 
 
+def test_the_fingerprint_travels_as_its_canonical_json() -> None:
+    assert ModelFingerprint.from_canonical(FP.canonical()) == FP
+    assert ModelFingerprint.from_canonical(FP.canonical().decode()) == FP
+    for bad in (b'{"x": 1}', b"[]", b"not json", FP.canonical().replace(b"}", b', "extra": 1}', 1)):
+        with pytest.raises(ValueError, match="canonical model fingerprint"):
+            ModelFingerprint.from_canonical(bad)
+    spaced = FP.canonical().replace(b",", b", ")  # the same fields, not the canonical bytes
+    with pytest.raises(ValueError, match="canonical"):
+        ModelFingerprint.from_canonical(spaced)
+
+
 def test_the_frames_checks() -> None:
     a, b = socket.socketpair()
     with a, b:

@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 
 class WriteBackRequests:
-    """The write-back's view of SGLang's requests (``writeback.worker.RequestReader``), through the seam's accessors."""
+    """The write-back's view of SGLang's requests (``writeback.worker.RequestReader``), through the seam's
+    accessors."""
 
     def __init__(self, req_to_token_pool) -> None:
         self.req_to_token_pool = req_to_token_pool
