@@ -258,6 +258,7 @@ def test_corrupt_truncated_and_foreign_blobs_are_partial_misses(srv, tok, rdb, c
     raws = rdb.mget([redis_key(k) for k in keys])
     assert all(raws), "the test derives the server's keys: every chunk must be in the store"
     for name, bad in _variants(chunk_keys, keys[1], raws[1]).items():
+        flush_cache(srv)  # drains the write-back: the last recompute's chunks land now, not over ``bad``
         before = failures(srv)
         corrupt = metric(srv, "store_errors", op="get", kind="corrupt")
         rdb.set(redis_key(keys[1]), bad)
