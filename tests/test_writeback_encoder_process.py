@@ -13,6 +13,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -171,6 +172,37 @@ def test_an_encoder_that_cannot_build_the_codec_leaves_the_encode_in_process(
         cm.unregister(cal.calib_id)
 
 
+@pytest.mark.parametrize("cpu_s", [0.01, 0.3])
+def test_while_serving_the_pause_follows_the_encoder_s_cpu_not_its_wall_time(tmp_path, cpu_s) -> None:
+    """An encoder niced under a busy forward takes longer in wall time than in CPU time; the write-back's
+    share bounds the encode's CPU, so the pause after a chunk is ``cpu_s * (1 - share) / share``."""
+    n, wall_s, share = 4, 0.4, 0.25
+    s = _Setup(tmp_path, codecs()["lossless"], chunks=n, processes=True, share=share)
+    assert len(s.wb.encoder_pids()) == 1
+    real = s.wb._pool.encode
+
+    def slow(k, v, start):  # the wall time of a starved encoder, reporting its real-world CPU
+        time.sleep(wall_s)
+        return real(k, v, start)[0], cpu_s
+
+    s.wb._pool.encode = slow
+    stop = threading.Event()
+
+    def serving():
+        while not stop.is_set():
+            s.wb.note_serving()
+            time.sleep(0.01)
+
+    threading.Thread(target=serving, daemon=True).start()
+    t0 = time.monotonic()
+    s.offer("r", 1)
+    took = time.monotonic() - t0
+    stop.set()
+    pauses = (n - 1) * cpu_s * (1 - share) / share  # 0.09 s or 2.7 s; by wall time it would be 3.6 s
+    assert n * wall_s + 0.9 * pauses <= took < n * wall_s + pauses + 1.5, took
+    s.wb.close()
+
+
 def test_a_chunk_not_of_the_layout_is_refused_as_in_process_and_the_encoder_serves_on() -> None:
     pool = EncoderPool(codecs()["lossless"], FP, CH)
     pool.start()
@@ -185,7 +217,8 @@ def test_a_chunk_not_of_the_layout_is_refused_as_in_process_and_the_encoder_serv
         with pytest.raises(ValueError, match="slot"):
             pool.encode(big, big, 0)
         k = np.ones((LAYOUT.num_layers, CH, LAYOUT.num_kv_heads, LAYOUT.head_dim), dt)
-        assert pool.encode(k, k, 0) == codecs()["lossless"].encode(k, k, FP)
+        blob, cpu_s = pool.encode(k, k, 0)
+        assert blob == codecs()["lossless"].encode(k, k, FP) and 0.0 < cpu_s < 10.0
     finally:
         pool.close()
     assert pool.pids() == []

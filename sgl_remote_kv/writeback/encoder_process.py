@@ -4,7 +4,8 @@ Started by ``encoders.EncoderPool`` (never by hand) with two inherited descripto
 Unix stream socket, and ``--slot``, the shared memory file the host writes each chunk's KV into (``wire.py``
 says what goes where). It reads ``Hello``, lowers its priority by ``Hello.nice``, builds the codec and maps
 the slot, answers ``Ready`` (with ``error`` and exit status 2 when it cannot), then answers each ``Encode``
-with ``Encoded``: the bytes ``Codec.encode`` returns, or the codec's refusal in words. The host closing the
+with ``Encoded``: the bytes ``Codec.encode`` returns and the CPU time it took, or the codec's refusal in
+words. The host closing the
 socket (or dying) ends it with status 0; a frame that is not ours ends it with status 2.
 
 Imports neither torch nor SGLang: numpy, numba and the codec only.
@@ -19,6 +20,7 @@ import mmap
 import os
 import socket
 import sys
+import time
 
 import numpy as np
 
@@ -77,8 +79,10 @@ def serve(sock: socket.socket, slot_fd: int) -> int:
             continue
         k = mem[:n].view(dtype).reshape(shape)
         v = mem[n : 2 * n].view(dtype).reshape(shape)
+        t0 = time.process_time()
         try:
-            reply = wire.Encoded(blob=codec.encode(k, v, fp, start=msg.start))
+            blob = codec.encode(k, v, fp, start=msg.start)
+            reply = wire.Encoded(blob=blob, cpu_s=max(0.0, time.process_time() - t0))
         except Exception as e:  # process boundary: the host counts the chunk's failure and logs it
             reply = wire.Encoded(error=f"{type(e).__name__}: {e}"[:4096])
         wire.send(sock, reply)

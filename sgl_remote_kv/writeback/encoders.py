@@ -3,7 +3,8 @@
 ``EncoderPool(codec, fingerprint, slot_tokens, processes, nice)`` spawns ``processes`` encoder processes
 (``encoder_process.py``), each with its own Unix socket and its own slot (a shared memory file holding K and
 V of one chunk of at most ``slot_tokens`` tokens). ``encode(k, v, start)`` takes a free encoder, copies the
-chunk into its slot, asks for the encode and returns the blob: the bytes ``codec.encode`` returns in this
+chunk into its slot, asks for the encode and returns the blob (and the encoder's CPU-seconds for it, which
+the write-back paces by): the bytes ``codec.encode`` returns in this
 process (the encoder runs the same codec, built from its name and canonical params). The frames are
 ``wire.py``'s; nothing is pickled. Each encoder is one core's worth: its numeric libraries run one thread.
 
@@ -97,7 +98,7 @@ class _Encoder:
     def started(self) -> bool:
         return self.proc is not None
 
-    def encode(self, k: np.ndarray, v: np.ndarray, start: int) -> bytes:
+    def encode(self, k: np.ndarray, v: np.ndarray, start: int) -> tuple[bytes, float]:
         check_chunk_arrays(k, v, self.layout)  # the encoder reads the slot as this layout's chunk
         n = k.nbytes
         if 2 * n > self.hello.slot_bytes:
@@ -117,7 +118,7 @@ class _Encoder:
             raise EncoderLost(f"answered {type(reply).__name__} to Encode")
         if reply.error:
             raise EncodeRefused(reply.error)
-        return reply.blob
+        return reply.blob, reply.cpu_s
 
     def stop(self) -> None:
         """Close the socket (the encoder's EOF), reap it (SIGKILL after ``STOP_GRACE_S``); idempotent."""
@@ -173,8 +174,9 @@ class EncoderPool:
         for e in self._all:
             self._free.put(e)
 
-    def encode(self, k: np.ndarray, v: np.ndarray, start: int) -> bytes:
-        """``codec.encode(k, v, fingerprint, start=start)`` in an encoder process (see module docstring)."""
+    def encode(self, k: np.ndarray, v: np.ndarray, start: int) -> tuple[bytes, float]:
+        """``codec.encode(k, v, fingerprint, start=start)`` in an encoder process (see module docstring), and
+        the CPU-seconds the encoder spent on it."""
         e = self._free.get()
         try:
             with self._lock:

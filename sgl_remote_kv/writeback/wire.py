@@ -57,6 +57,7 @@ class Encode(msgspec.Struct, tag="encode", frozen=True, forbid_unknown_fields=Tr
 class Encoded(msgspec.Struct, tag="encoded", frozen=True, forbid_unknown_fields=True):
     blob: bytes = b""  # the chunk's blob (``Codec.encode``), or empty with ``error``
     error: Text = ""  # the codec refused the chunk (its exception, in words)
+    cpu_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0  # the encoder's CPU time for this chunk
 
 
 Message = Hello | Ready | Encode | Encoded

@@ -329,31 +329,34 @@ class WriteBack:
         if present > job.first_chunk:
             self.metrics.writeback_skipped("present", min(present, last) - job.first_chunk)
 
-        def encode(i: int) -> bytes:
+        def encode(i: int) -> tuple[bytes, float | None]:
+            """Chunk ``i``'s blob, and the CPU-seconds an encoder process spent on it (None: encoded here)."""
             j = i - job.first_chunk
             if isinstance(
                 read, (QuantizedChunks, TransformCodes)
             ):  # coded on the device: lossless stage here
-                return self.codec.encode_quantized(read, j, self.fingerprint)
+                return self.codec.encode_quantized(read, j, self.fingerprint), None
             k, v = read
-            k, v, start = k[:, j * c : (j + 1) * c], v[:, j * c : (j + 1) * c], job.start + j * c
+            k, v, pos = k[:, j * c : (j + 1) * c], v[:, j * c : (j + 1) * c], job.start + j * c
             if self._pool is not None:
-                return self._pool.encode(k, v, start)
+                return self._pool.encode(k, v, pos)
             return self.codec.encode(
-                np.ascontiguousarray(k), np.ascontiguousarray(v), self.fingerprint, start=start
-            )
+                np.ascontiguousarray(k), np.ascontiguousarray(v), self.fingerprint, start=pos
+            ), None
 
         if self._encoders is not None and last - start > 1:  # side by side, unpaced
-            items = list(
-                zip(job.keys[start:last], self._encoders.map(encode, range(start, last)), strict=True)
-            )
+            blobs = [b for b, _ in self._encoders.map(encode, range(start, last))]
+            items = list(zip(job.keys[start:last], blobs, strict=True))
         else:
             items, busy = [], 0.0
             for i in range(start, last):
                 self._pace(busy)  # after the previous chunk's encoding (share 0: before any)
                 t0 = time.perf_counter()
-                items.append((job.keys[i], encode(i)))
-                busy = time.perf_counter() - t0
+                blob, cpu_s = encode(i)
+                items.append((job.keys[i], blob))
+                # busy: this process's wall time, or the encoder process's CPU time (a niced encoder's wall
+                # time counts the time the forward's threads held the cores, which pacing must not add to)
+                busy = time.perf_counter() - t0 if cpu_s is None else cpu_s
         if not items:
             return
         stored = self.client.put_many(items, job.tenant_tag)
