@@ -123,9 +123,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         type=_writeback_cpu,
         default=None,
         metavar="SHARE",
-        help="Cores' worth of the write-back's encoding. Below 1, while the server runs batches, one encoding "
-        "thread is busy at most this share of the time (it pauses between chunks; an idle server writes back "
-        "at full speed); 0: no encoding while serving. N >= 1: N threads encode a job's chunks side by side, "
+        help="Cores' worth of the write-back's encoding. Below 1, while the server runs batches, the encode "
+        "takes at most this share of the time (its encoder process's CPU time, or its thread's wall time with "
+        "--remote-kv-writeback-encoder thread; it pauses between chunks; an idle server writes back at full "
+        "speed); 0: no encoding while serving. N >= 1: N encoders encode a job's chunks side by side, "
         "never pausing. Default: 0.1 where the KV pool is in host memory (the CPU platform: the encode shares "
         "the forward's cores); on a GPU a quarter of the cores (at least 1, at most 8).",
     )
