@@ -29,9 +29,11 @@ The worker never takes the serving thread's place: while the scheduler runs batc
 every batch; within ``SERVING_GRACE_S``), after each chunk it encoded it pauses so that encoding takes at
 most ``cpu_share`` of the wall time (``--remote-kv-writeback-cpu``; 0: it waits for the server to go idle;
 1: no pause): an encoder process's CPU time for the chunk (``Encoded.cpu_s``: a niced encoder waits while
-the forward's threads run, which is not encoding), else the encode's wall time in this process. An idle server writes back at full speed; a shutdown drain is never paced. A ``cpu_share`` of
-N >= 2 is N cores' worth: ``int(N)`` encoder threads encode a job's chunks side by side (their lossless
-stages release the GIL), never pausing; the blobs are the same and stored in the same order.
+the forward's threads run, which is not encoding), else the encode's wall time in this process. An idle
+server writes back at full speed; a shutdown drain is never paced. A ``cpu_share`` of N >= 2 is N cores'
+worth: ``int(N)`` encoder threads (each driving its encoder process, or encoding here: their lossless stages
+release the GIL) encode a job's chunks side by side, never pausing; the blobs are the same and stored in the
+same order.
 
 A single worker thread then dedups against the store (``count_prefix``: chunks the store already has
 are not re-encoded), encodes the rest and ``put_many``s them. With ``versions`` (the NVDEC path's
