@@ -1,7 +1,7 @@
 """Write-back: newly computed full chunks are encoded and stored in the background.
 
-The scheduler thread (``scheduler_hooks.after_checkpoint``, an AFTER hook on ``UnifiedRadixCache.checkpoint``) calls ``WriteBack.offer`` after SGLang
-inserted a request's KV into the radix tree (after each prefill chunk and at finish). ``offer`` works
+The scheduler thread (``scheduler_hooks.after_checkpoint``, an AFTER hook on
+``UnifiedRadixCache.checkpoint``) calls ``WriteBack.offer`` after SGLang inserted a request's KV into the radix tree (after each prefill chunk and at finish). ``offer`` works
 out which full chunks are new for this request, copies their KV out of the pool (the slots may be
 reused once the scheduler moves on: ``KVWriter.read_later``, an async copy on device pools that the
 worker waits for) and queues one job; it never waits on the store or the device. The queue is bounded
@@ -38,8 +38,8 @@ same order.
 A single worker thread then dedups against the store (``count_prefix``: chunks the store already has
 are not re-encoded), encodes the rest and ``put_many``s them. With ``versions`` (the NVDEC path's
 adaptive resolution, ``nvdec/versions.py``) each stored full chunk is then also encoded at the other
-resolutions, stored after the chunks' own keys (hits first; a fetch falls back until they land). Stores publish a value only after it is
-completely written, so readers never see a partial chunk.
+resolutions, stored after the chunks' own keys (hits first; a fetch falls back until they land). Stores
+publish a value only after it is completely written, so readers never see a partial chunk.
 
 Buffers: the job owns the copied numpy KV (or codes); the worker drops it after the put.
 """
