@@ -2,9 +2,9 @@
 
 The scheduler thread (``scheduler_hooks.after_checkpoint``, an AFTER hook on
 ``UnifiedRadixCache.checkpoint``) calls ``WriteBack.offer`` after SGLang inserted a request's KV into the
-radix tree (after each prefill chunk and at finish). ``offer`` works out which full chunks are new for this request, copies their KV out of the pool (the slots may be
-reused once the scheduler moves on: ``KVWriter.read_later``, an async copy on device pools that the
-worker waits for) and queues one job; it never waits on the store or the device. The queue is bounded
+radix tree (after each prefill chunk and at finish). ``offer`` works out which full chunks are new for this
+request, copies their KV out of the pool (the slots may be reused once the scheduler moves on:
+``KVWriter.read_later``, an async copy on device pools that the worker waits for) and queues one job; it never waits on the store or the device. The queue is bounded
 by the KV bytes it holds (``max_bytes``, ``--remote-kv-writeback-queue-mb``): when a new job takes it past
 the bound, the *oldest* queued jobs are dropped (a prefix not yet written is simply not in the tier yet),
 counted (``writeback_skipped{reason="queue_full"}``, chunks) and logged at most once a minute; the
