@@ -4,11 +4,12 @@ The scheduler thread (``scheduler_hooks.after_checkpoint``, an AFTER hook on
 ``UnifiedRadixCache.checkpoint``) calls ``WriteBack.offer`` after SGLang inserted a request's KV into the
 radix tree (after each prefill chunk and at finish). ``offer`` works out which full chunks are new for this
 request, copies their KV out of the pool (the slots may be reused once the scheduler moves on:
-``KVWriter.read_later``, an async copy on device pools that the worker waits for) and queues one job; it never waits on the store or the device. The queue is bounded
-by the KV bytes it holds (``max_bytes``, ``--remote-kv-writeback-queue-mb``): when a new job takes it past
-the bound, the *oldest* queued jobs are dropped (a prefix not yet written is simply not in the tier yet),
-counted (``writeback_skipped{reason="queue_full"}``, chunks) and logged at most once a minute; the
-queue's bytes are a gauge (``writeback_queue_bytes``). The newest job is always kept.
+``KVWriter.read_later``, an async copy on device pools that the worker waits for) and queues one job; it
+never waits on the store or the device. The queue is bounded by the KV bytes it holds (``max_bytes``,
+``--remote-kv-writeback-queue-mb``): when a new job takes it past the bound, the *oldest* queued jobs are
+dropped (a prefix not yet written is simply not in the tier yet), counted
+(``writeback_skipped{reason="queue_full"}``, chunks) and logged at most once a minute; the queue's bytes are
+a gauge (``writeback_queue_bytes``). The newest job is always kept.
 
 On a device pool with a codec that quantizes on the device (``codec.device_encode``: the ``quant_*``
 codecs, and the transform codec with Deflate, either quantizer), the copy is ``KVWriter.read_quantized_later``
