@@ -10,12 +10,11 @@ the server's sockets or tables. The server thread (``server.py``, its tables ``c
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Mapping
 
-from sgl_remote_kv.codec.base import get_codec
+from sgl_remote_kv.codec.base import codec_from_params
 from sgl_remote_kv.codec.errors import ChunkError
 from sgl_remote_kv.contract import protocol as P
 from sgl_remote_kv.contract import shm_names
@@ -46,13 +45,7 @@ class Codecs:
     def get(self, name: str, params: bytes):
         key = (name, params)
         if key not in self._codecs:
-            kwargs = json.loads(params) if params else {}
-            if not isinstance(kwargs, dict):
-                raise ValueError("codec params must be a JSON object")
-            codec = get_codec(name, **kwargs)
-            if params and codec.params_bytes() != params:
-                raise ValueError("codec params are not canonical")
-            self._codecs[key] = codec
+            self._codecs[key] = codec_from_params(name, params)
         return self._codecs[key]
 
     def warm(self, codec, name: str, params: bytes, fp: ModelFingerprint) -> float | None:

@@ -275,6 +275,20 @@ def get_codec(name_or_id: str | int, **params) -> Codec:
     return codec_class(name_or_id)(**params)
 
 
+def codec_from_params(name_or_id: str | int, params: bytes) -> Codec:
+    """The codec ``name_or_id`` with the parameters of its canonical JSON ``params`` (``Codec.params_bytes``;
+    empty: its defaults), for a process that was told which codec to run (the data plane, a write-back
+    encoder). ``ValueError`` when ``params`` is not a JSON object or not canonical; an unknown codec is a
+    ``KeyError``; parameters its constructor refuses raise what it raises."""
+    kwargs = json.loads(params) if params else {}
+    if not isinstance(kwargs, dict):
+        raise ValueError("codec params must be a JSON object")
+    codec = get_codec(name_or_id, **kwargs)
+    if params and codec.params_bytes() != params:
+        raise ValueError("codec params are not canonical")
+    return codec
+
+
 def codec_for_header(header: ChunkHeader) -> Codec:
     """Rebuild the codec a (verified) header names; ``ForeignChunk`` if unknown or unusable here."""
     try:
@@ -327,6 +341,7 @@ __all__ = [
     "codec_names",
     "codec_class",
     "get_codec",
+    "codec_from_params",
     "codec_for_header",
     "decode",
     "default_codec",

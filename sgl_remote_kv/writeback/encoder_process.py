@@ -14,7 +14,6 @@ Imports neither torch nor SGLang: numpy, numba and the codec only.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import mmap
 import os
@@ -24,17 +23,14 @@ import time
 
 import numpy as np
 
-from sgl_remote_kv.codec.base import get_codec
+from sgl_remote_kv.codec.base import codec_from_params
 from sgl_remote_kv.types import ModelFingerprint, numpy_storage_dtype
 from sgl_remote_kv.writeback import wire
 
 
 def _codec(hello: wire.Hello):
     fp = ModelFingerprint.from_canonical(hello.fingerprint)
-    codec = get_codec(hello.codec, **json.loads(hello.codec_params))
-    if codec.params_bytes() != hello.codec_params.encode():
-        raise ValueError("codec params are not canonical")
-    return codec, fp
+    return codec_from_params(hello.codec, hello.codec_params.encode()), fp
 
 
 def serve(sock: socket.socket, slot_fd: int) -> int:
