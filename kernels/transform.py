@@ -19,7 +19,9 @@ codec is lossy, so nothing downstream relies on bit equality with it.
 ``inverse_reference`` is plain torch (the strict CPU device of the test suite runs it);
 ``inverse_triton`` is one Triton launch per chunk and layer (runs on CPU under ``TRITON_INTERPRET=1``).
 Escapes are resolved before either (``resolve_escapes``: the i-th escape symbol takes the i-th value, as
-in the CPU stage; clamped indices, so a mismatch can never fault the device).
+in the CPU stage; clamped indices, so a mismatch can never fault the device), and a trellis-coded chunk's
+k become its integer codes r on the device too (``trellis_codes``: the state machine's replay as a prefix
+XOR, the host's ``codec.trellis.codes`` without the escape form).
 """
 
 from __future__ import annotations
@@ -101,6 +103,21 @@ def resolve_escapes(sym: torch.Tensor, esc: torch.Tensor) -> torch.Tensor:
         idx = (torch.cumsum(m, 0) - 1).clamp_(0, esc.numel() - 1)
         q = torch.where(m, esc.to(torch.float32)[idx], q.reshape(-1)).view(q.shape)
     return q
+
+
+def trellis_codes(k: torch.Tensor) -> torch.Tensor:
+    """A trellis-coded chunk's resolved ``k`` [2, C, T] float32 (exact integers, ``resolve_escapes``) -> its
+    integer codes r = 2k - q sign(k) [2, C, T] float32, the values ``codec.trellis.codes`` replays on the
+    host. The quantizer q_t of each component (from state 0 at the chunk's first token) is, in
+    ``codec.trellis``'s closed form, q_t = parity(k_(t-1)) ^ q_(t-2) with q_0 = q_(-1) = 0: the XOR of the
+    parities of tokens t-1, t-3, ..., i.e. a cumulative sum mod 2 over every other token. Plain torch
+    (a handful of elementwise launches and one cumsum on a GPU); no host sync."""
+    t = k.shape[-1]
+    ki = k.to(torch.int32)
+    y = torch.zeros((*k.shape[:-1], t + (t & 1)), dtype=torch.int32, device=k.device)
+    y[..., 1:t] = ki[..., : t - 1] & 1  # y_t = parity(k_(t-1)), y_0 = 0 (padded to an even length)
+    q = (torch.cumsum(y.view(*k.shape[:-1], -1, 2), dim=-2) & 1).view(y.shape)[..., :t]
+    return 2.0 * k - q.to(torch.float32) * torch.sign(k)
 
 
 def inverse_reference(

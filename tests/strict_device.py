@@ -323,9 +323,9 @@ class StrictDevice:
         return self.tensor(torch.from_numpy(np.array(array)))  # a writable copy
 
     def inverse_transform(
-        self, sym, esc, scales, cos, sin, consts, head_dim: int, style: int, sinks, out
+        self, sym, esc, scales, cos, sin, consts, head_dim: int, style: int, sinks, out, trellis: bool = False
     ) -> None:
-        from sgl_remote_kv.kernels.transform import inverse_reference, resolve_escapes
+        from sgl_remote_kv.kernels.transform import inverse_reference, resolve_escapes, trellis_codes
 
         for t in (
             sym,
@@ -347,6 +347,8 @@ class StrictDevice:
         def run():
             with torch._C.DisableTorchFunctionSubclass():
                 q = resolve_escapes(sym, esc)
+                if trellis:
+                    q = trellis_codes(q)
                 inverse_reference(q, scales, cos, sin, consts, head_dim, style, True, out)
                 if sinks.shape[1]:
                     out[:, : sinks.shape[1]].view(torch.uint8).copy_(sinks)
@@ -366,6 +368,12 @@ class StrictDevice:
                 self._host_fence = max(self._host_fence, ev.seq)
             return True
         return False
+
+    def wait(self, ev: _Event, timeout_s: float) -> bool:
+        """The host blocks until the stream reached ``ev`` (no polling: the double's device work takes far
+        longer than a GPU's, so a poll loop's CPU here would say nothing about the host's on a GPU)."""
+        ev.done.wait(timeout_s)
+        return self.query(ev)
 
     def stream_wait(self, ev: _Event) -> None:
         ev.done.wait()  # a CPU "stream" is the calling thread: it proceeds once the event completed

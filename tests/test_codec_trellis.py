@@ -190,8 +190,12 @@ def test_sections_that_lie_about_escapes_or_overflow_are_corrupt(fine_cal):
         i = int(np.flatnonzero(syms == ops.ESC)[0])
         syms[i] = ops.ZERO
 
+    bad = _section_with(codec, blob, hdr, drop_escape)  # the view parses; whoever dequantizes checks
+    assert bad.trellis and not bad.escapes_consistent()  # what the device writer refuses before a launch
     with pytest.raises(CorruptChunk, match="trellis"):
-        _section_with(codec, blob, hdr, drop_escape)
+        bad.replayed()  # the host's replay
+    with pytest.raises(CorruptChunk, match="trellis"):
+        bad.dequant_into("float32", *(np.empty((T, H, D), np.float32) for _ in range(2)))
 
     def huge_escape(buf):  # an escaped k whose code 2k - sign(k) does not fit int16
         from sgl_remote_kv.codec.transform import PRE
@@ -200,15 +204,16 @@ def test_sections_that_lie_about_escapes_or_overflow_are_corrupt(fine_cal):
         esc_at = PRE.size + ops.scale_bytes(pre[3], t_n)
         buf[esc_at : esc_at + 2] = np.array([32767], np.int16).view(np.uint8)
 
-    with pytest.raises(CorruptChunk, match="trellis"):
+    with pytest.raises(CorruptChunk, match="trellis"):  # beyond what the encoder writes: refused at the view
         _section_with(codec, blob, hdr, huge_escape)
 
 
 def test_every_decode_path_reads_the_same_codes(fine_cal):
     """The CPU dequant stage and the GPU kernel's torch reference (``kernels.transform``), from one trellis
-    view: the view hands both the replayed integer codes and the scales times DELTA."""
+    view: the view hands both the k as coded and the scales times DELTA; the host replays the k into codes
+    (``replayed``), the device does (``trellis_codes``), and both give the same codes."""
     import torch
-    from sgl_remote_kv.kernels.transform import inverse_reference, resolve_escapes
+    from sgl_remote_kv.kernels.transform import inverse_reference, resolve_escapes, trellis_codes
 
     from sgl_remote_kv.codec.transform_ops import rope_tables
 
@@ -225,7 +230,11 @@ def test_every_decode_path_reads_the_same_codes(fine_cal):
     consts = codec.device_consts(1, vw.group, vw.groups).to(torch.from_numpy)
     cos, sin = (torch.from_numpy(a.copy()) for a in rope_tables(cal.rope, vw.start, vw.tokens))
     out = torch.empty((2, T, H * D), dtype=torch.float32)
-    q = resolve_escapes(torch.from_numpy(vw.sym.copy()), torch.from_numpy(vw.esc.copy()))
+    assert vw.trellis
+    q = trellis_codes(resolve_escapes(torch.from_numpy(vw.sym.copy()), torch.from_numpy(vw.esc.copy())))
+    r = vw.replayed()
+    assert not r.trellis and r.escapes_consistent()
+    assert torch.equal(q, resolve_escapes(torch.from_numpy(r.sym), torch.from_numpy(r.esc)))
     inverse_reference(q, torch.from_numpy(vw.scales.copy()), cos, sin, consts, D, codec.rope_style, True, out)
     for i, want in enumerate((want_k, want_v)):
         got = out[i].numpy().reshape(want.shape)

@@ -78,21 +78,35 @@ def test_data_plane_decodes_transform_chunks_like_the_host(tmp_path, calibrated,
         c.close()
 
 
-def test_transform_codes_into_a_strict_device_pool(tmp_path, calibrated):
+@pytest.mark.parametrize("quantizer", ["scalar", "trellis"])
+def test_transform_codes_into_a_strict_device_pool(tmp_path, calibrated, monkeypatch, quantizer):
     """A device pool's default (``auto``): the data plane only entropy-decodes, the writer runs the inverse
-    transform on the device (``kernels.transform``; the strict double runs its torch reference). Equal to
-    the host's decode up to float32 rounding."""
+    transform (and a trellis chunk's replay) on the device (``kernels.transform``; the strict double runs
+    its torch reference), the host none of it. Equal to the host's decode up to float32 rounding."""
     from strict_device import StrictDevice
 
-    codec = get_codec("transform", calibration=calibrated.calib_id.hex())
+    from sgl_remote_kv.codec import transform, trellis
+
+    def refuse(*a, **k):
+        raise AssertionError("host decode on a device pool's read path")
+
+    codec = get_codec("transform", calibration=calibrated.calib_id.hex(), quantizer=quantizer)
     url = f"file://{tmp_path}/store"
     keys, blobs = put_chunks(url, codec, random_chunks(5, seed=5))
     dev = StrictDevice()
     c = _client(url, codec)
     try:
         target = make_pool(LAYOUT, 1024, 5 * CHUNK, ops=dev)
-        res = c.fetch("t", keys, CHUNK, target, timeout=60)
+        with monkeypatch.context() as m:
+            for owner, name in (
+                (transform.TransformView, "dequant_into"),
+                (transform.TransformView, "replayed"),
+            ):
+                m.setattr(owner, name, refuse)
+            m.setattr(trellis, "replay", refuse)
+            res = c.fetch("t", keys, CHUNK, target, timeout=60)
         assert res.hit_chunks == 5 and not res.failures
+        assert dataplane_stage_items(c)["dequant"] == 0  # the data plane only inflated
         assert target.writer.stats["device_dequant"] == target.writer.stats["writes"] > 0
         for i in range(5):
             k, v = decode(blobs[i], FP)

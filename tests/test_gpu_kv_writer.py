@@ -238,11 +238,13 @@ def test_write_quantized_dequantizes_on_the_device_bit_exact(dtype, k_channel_sc
     np.testing.assert_array_equal(rv, np.concatenate([r[1] for r in ref], axis=1))
 
 
+@pytest.mark.parametrize("quantizer", ["scalar", "trellis"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_write_quantized_transform_codec_on_the_device(dtype):
+def test_write_quantized_transform_codec_on_the_device(dtype, quantizer):
     """The transform codec on a CUDA pool: symbols, escapes, scales, RoPE tables and the sink token H2D,
-    ``kernels/transform.py`` (Triton) per chunk, one scatter per layer; the pool holds the codec's CPU
-    decode up to float32 rounding (at most one step of the dtype on a few values)."""
+    ``kernels/transform.py`` (Triton) per chunk (a trellis chunk's k replayed into codes there first), one
+    scatter per layer; the pool holds the codec's CPU decode up to float32 rounding (at most one step of the
+    dtype on a few values)."""
     import sys
     from pathlib import Path
 
@@ -256,7 +258,7 @@ def test_write_quantized_transform_codec_on_the_device(dtype):
     fp = synthetic.fingerprint(num_layers=3, dtype=dtype)
     lay = fp.layout
     cal = make_calibration(fp, step=0.02, seed=4)
-    codec = get_codec("transform", calibration=cal.calib_id.hex(), quality="0.0005")
+    codec = get_codec("transform", calibration=cal.calib_id.hex(), quality="0.0005", quantizer=quantizer)
     chunks = [synthetic.kv(lay, 64, seed=s) for s in range(3)]
     blobs = [codec.encode(k, v, fp, start=64 * i) for i, (k, v) in enumerate(chunks)]
     w, slots = _write_codes(codec, fp, blobs)

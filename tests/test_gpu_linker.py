@@ -106,7 +106,7 @@ def test_linker_load_into_a_cuda_pool_layer_by_layer_is_bit_exact(dtype):
     staged.release(pin)
 
 
-@pytest.mark.parametrize("kind", ["quant_deflate", "transform"])
+@pytest.mark.parametrize("kind", ["quant_deflate", "transform", "transform_trellis"])
 def test_linker_load_decodes_staged_codes_on_the_device(kind, tmp_path, gpu_metrics):
     import time
 
@@ -123,9 +123,16 @@ def test_linker_load_decodes_staged_codes_on_the_device(kind, tmp_path, gpu_metr
     chunk, n = 256, 16
     fp = synthetic.fingerprint(num_layers=8, dtype="bfloat16")
     lay = fp.layout
-    if kind == "transform":
+    if kind.startswith("transform"):  # the trellis: its k replayed into codes on the device too
         cal = make_calibration(fp, step=0.02, seed=3)
-        codec = get_codec("transform", calibration=cal.calib_id.hex(), quality="0.0005", entropy="deflate")
+        quantizer = "trellis" if kind == "transform_trellis" else "scalar"
+        codec = get_codec(
+            "transform",
+            calibration=cal.calib_id.hex(),
+            quality="0.0005",
+            entropy="deflate",
+            quantizer=quantizer,
+        )
     else:
         codec = get_codec("quant_deflate", k_bins="256", v_bins="96", granularity="token")
     client = open_client(f"file://{tmp_path / 'store'}")
@@ -176,7 +183,7 @@ def test_linker_load_decodes_staged_codes_on_the_device(kind, tmp_path, gpu_metr
     wk = np.concatenate([r[0] for r in ref], axis=1)
     wv = np.concatenate([r[1] for r in ref], axis=1)
     for got, want in ((rk, wk), (rv, wv)):
-        if kind == "transform":  # float32 summation order: at most one bf16 step
+        if kind != "quant_deflate":  # float32 summation order: at most one bf16 step
             g32, w32 = quant.to_f32(got, lay.dtype), quant.to_f32(want, lay.dtype)
             assert np.all(np.abs(g32 - w32) <= np.abs(w32) * 2.0**-7 + 1e-6)
         else:

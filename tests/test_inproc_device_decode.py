@@ -30,7 +30,7 @@ FP = synthetic.fingerprint(num_layers=3, dtype="bfloat16")
 LAY = FP.layout
 
 
-@pytest.fixture(params=["quant_deflate", "transform"])
+@pytest.fixture(params=["quant_deflate", "transform", "transform_trellis"])
 def stored(tmp_path, request):
     client, codec, keys, k, v = _store(tmp_path, request.param)
     yield client, codec, keys, k, v
@@ -39,9 +39,16 @@ def stored(tmp_path, request):
 
 def _store(tmp_path, kind: str):
     client = open_client(f"file://{tmp_path / 'store'}")
-    if kind == "transform":  # escapes (step 0.02) and an exact sink token (chunk 0) on this KV
+    if kind.startswith("transform"):  # escapes (step 0.02) and an exact sink token (chunk 0) on this KV
         cal = make_calibration(FP, step=0.02, seed=3)
-        codec = get_codec("transform", calibration=cal.calib_id.hex(), quality="0.0005", entropy="deflate")
+        quantizer = "trellis" if kind == "transform_trellis" else "scalar"
+        codec = get_codec(
+            "transform",
+            calibration=cal.calib_id.hex(),
+            quality="0.0005",
+            entropy="deflate",
+            quantizer=quantizer,
+        )
     else:
         codec = get_codec("quant_deflate", k_bins="256", v_bins="96", granularity="token")
     keys = [bytes([i]) * 32 for i in range(N)]

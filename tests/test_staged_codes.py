@@ -25,7 +25,7 @@ from strict_device import StrictDevice, StrictKVPool
 from test_inproc_device_decode import FP, LAY, C, N, _assert_decoded, _store
 from test_staged import hashes
 
-from sgl_remote_kv.codec import quant, transform
+from sgl_remote_kv.codec import quant, transform, trellis
 from sgl_remote_kv.codec.base import decode
 from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
 from sgl_remote_kv.kvpool import KVWriteError, PoolTensors, writer_for
@@ -43,13 +43,16 @@ def dev():
 
 
 def _no_host_dequant(monkeypatch) -> None:
-    """Any host dequant stage (quantized codecs) or host inverse transform (transform codec) fails."""
+    """Any host dequant stage (quantized codecs), host inverse transform or host trellis replay (transform
+    codec) fails."""
 
     def refuse(*a, **k):
         raise AssertionError("host dequant on a device pool's read path")
 
     monkeypatch.setattr(quant.LayerView, "dequant_into", refuse)
     monkeypatch.setattr(transform.TransformView, "dequant_into", refuse)
+    monkeypatch.setattr(transform.TransformView, "replayed", refuse)
+    monkeypatch.setattr(trellis, "replay", refuse)
 
 
 def _device(dev, layout=LAY, size=128):
@@ -93,7 +96,7 @@ def _stage(staged, h, ids):
     return staged.stage(hashes(ids, N * C, PAGE), rows)
 
 
-@pytest.mark.parametrize("kind", ["quant_deflate", "transform"])
+@pytest.mark.parametrize("kind", ["quant_deflate", "transform", "transform_trellis"])
 def test_inproc_codes_are_staged_and_decoded_on_the_device(tmp_path, dev, monkeypatch, kind):
     client, codec, keys, k, v = _store(tmp_path, kind)
     kv, w = _device(dev)
@@ -112,7 +115,7 @@ def test_inproc_codes_are_staged_and_decoded_on_the_device(tmp_path, dev, monkey
     monkeypatch.setattr(dev, "upload", lambda dst, src: (uploads.append(src.numel()), real(dst, src)))
     writes = w.stats["writes"]
     _load(staged, pin, w, kv, slots)
-    if kind == "transform":  # per layer: the record's arrays in one run from the arena, the slots staged
+    if kind != "quant_deflate":  # per layer: the record's arrays in one run from the arena, the slots staged
         assert len(uploads) == 2 * (w.stats["writes"] - writes)
     rk, rv = w.read(slots)
     _assert_decoded(codec, rk, k[:, 8:40])

@@ -40,6 +40,7 @@ they need work arrays (the rANS stage allocates a [T, C] symbol array per call; 
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from dataclasses import dataclass
 
@@ -308,8 +309,10 @@ class TransformCodec(TransformOnDevice, Codec):
         o += 2 * sink_bytes
         sym = buf[o:].reshape(2, c_n, t_n)
         if self.quantizer == "trellis":
-            sym, esc, nk, sc = trellis.replay(sym, esc, nk, sc)
-        return TransformView(self, layer, group, start, n_sink, sc, esc, nk, sinks, sym)
+            trellis.check_escapes(esc)
+            sc *= np.float32(trellis.DELTA)
+        trellis_k = self.quantizer == "trellis"
+        return TransformView(self, layer, group, start, n_sink, sc, esc, nk, sinks, sym, trellis_k)
 
     def dequant_stage(self, header: ChunkHeader, layer: int, decoded, out_k, out_v) -> None:
         self._check_out(header, out_k, out_v)
@@ -320,7 +323,11 @@ class TransformCodec(TransformOnDevice, Codec):
 class TransformView:
     """One layer of one chunk after the lossless stage (zero-copy views into the decoded buffer):
     ``scales`` [2, T] float32 (a copy), ``esc`` [nk + nv] int16 (K's first), ``sinks`` [2, S, C*itemsize]
-    raw bytes of the exact sink tokens, ``sym`` [2, C, T] uint8 (component-major)."""
+    raw bytes of the exact sink tokens, ``sym`` [2, C, T] uint8 (component-major).
+
+    ``trellis``: ``sym``/``esc`` hold a trellis-coded chunk's k as coded (the scales already times DELTA);
+    the integer codes r are replayed where the chunk is dequantized: ``replayed`` on the host (the CPU
+    stage), ``kernels.transform.trellis_codes`` on a device. Else they hold r (the scalar quantizer's)."""
 
     codec: TransformCodec
     layer: int
@@ -332,6 +339,7 @@ class TransformView:
     nk: int
     sinks: np.ndarray
     sym: np.ndarray
+    trellis: bool = False
 
     @property
     def tokens(self) -> int:
@@ -347,8 +355,18 @@ class TransformView:
             ops.count_escapes(self.sym[kv]) == n for kv, n in enumerate((self.nk, self.esc.size - self.nk))
         )
 
+    def replayed(self) -> TransformView:
+        """The view with the integer codes r (new arrays for a trellis view; ``self`` otherwise);
+        ``CorruptChunk`` when a trellis view's symbols and escapes disagree."""
+        if not self.trellis:
+            return self
+        sym, esc, nk = trellis.replay(self.sym, self.esc, self.nk)
+        return dataclasses.replace(self, sym=sym, esc=esc, nk=nk, trellis=False)
+
     def dequant_into(self, dtype: str, out_k: np.ndarray, out_v: np.ndarray) -> None:
         """The CPU dequant stage into ``out_k``/``out_v`` ([T, H, D] of ``dtype``'s storage, C-contiguous)."""
+        if self.trellis:
+            return self.replayed().dequant_into(dtype, out_k, out_v)
         cal = self.codec.cal
         t_n = self.tokens
         mode = _MODES[dtype]

@@ -254,10 +254,19 @@ def codes(sym, esc, out_sym, out_esc):
     return n
 
 
-def replay(sym, esc, nk, scales):
-    """A trellis section's view parts -> what every dequant path reads: ``sym`` [2, C, T] k symbols, ``esc``
-    (K's ``nk`` first) and ``scales`` [2, T] -> (integer-code symbols, their escapes, K's escape count,
-    scales x DELTA), new arrays (the decoded buffer is not written); ``CorruptChunk`` when they disagree."""
+def check_escapes(esc) -> None:
+    """``CorruptChunk`` when an escaped k is beyond what ``quantize`` writes (|k| <= MAX_K): the one bound
+    on a section's k that the host's replay (int16 codes) and a device's (float) would otherwise apply
+    differently."""
+    if esc.size and int(np.abs(esc.astype(np.int32)).max()) > MAX_K:
+        raise CorruptChunk(f"a trellis escape is beyond |k| <= {MAX_K}")
+
+
+def replay(sym, esc, nk):
+    """A trellis section's k -> the integer codes the CPU dequant stage reads: ``sym`` [2, C, T] k symbols,
+    ``esc`` (K's ``nk`` first) -> (code symbols, their escapes, K's escape count), new arrays (the decoded
+    buffer is not written); ``CorruptChunk`` when they disagree."""
+    check_escapes(esc)
     out = np.empty(sym.shape, np.uint8)
     escs = []
     for kv, e in enumerate((esc[:nk], esc[nk:])):
@@ -266,4 +275,4 @@ def replay(sym, esc, nk, scales):
         if n < 0:
             raise CorruptChunk(f"trellis symbols do not match their escapes ({n})")
         escs.append(buf[:n])
-    return out, np.concatenate(escs), escs[0].size, scales * np.float32(DELTA)
+    return out, np.concatenate(escs), escs[0].size

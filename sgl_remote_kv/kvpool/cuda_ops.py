@@ -12,13 +12,15 @@ passed on an H200, docs/HARDWARE.md) exercise it against a real SGLang ``MHAToke
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
 from sgl_remote_kv.kernels.dequant import dequant_triton
 from sgl_remote_kv.kernels.quantize import quantize_layer_device
 from sgl_remote_kv.kernels.scatter import scatter_triton
-from sgl_remote_kv.kernels.transform import inverse_triton, resolve_escapes
+from sgl_remote_kv.kernels.transform import inverse_triton, resolve_escapes, trellis_codes
 from sgl_remote_kv.kernels.transform_encode import encode_layer_device, trellis_search_triton
 
 from .host_pin import cuda_pinner
@@ -114,11 +116,24 @@ class CudaOps:
             return torch.from_numpy(np.array(array)).to(self.device, non_blocking=False)  # a writable copy
 
     def inverse_transform(
-        self, sym, esc, scales, cos, sin, consts, head_dim: int, style: int, sinks, out: torch.Tensor
+        self,
+        sym,
+        esc,
+        scales,
+        cos,
+        sin,
+        consts,
+        head_dim: int,
+        style: int,
+        sinks,
+        out: torch.Tensor,
+        trellis: bool = False,
     ) -> None:
         self._here()
         with torch.cuda.stream(self.stream):  # q is allocated on this stream: freed in its order
             q = resolve_escapes(sym, esc)
+            if trellis:
+                q = trellis_codes(q)
             inverse_triton(q, scales, cos, sin, consts, head_dim, style, True, out)
             if sinks.shape[1]:  # the exact sink tokens' raw bytes over their rows
                 out[:, : sinks.shape[1]].view(torch.uint8).copy_(sinks)
@@ -131,6 +146,17 @@ class CudaOps:
 
     def query(self, event: torch.cuda.Event) -> bool:
         return event.query()
+
+    def wait(self, event: torch.cuda.Event, timeout_s: float) -> bool:
+        """Polls with a backoff (20 us doubling to 1 ms): a device write takes microseconds to a few
+        milliseconds, and a blocking ``synchronize`` could not give up on a wedged device."""
+        deadline, pause = time.monotonic() + timeout_s, 2e-5
+        while not event.query():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        return True
 
     def stream_wait(self, event: torch.cuda.Event) -> None:
         torch.cuda.current_stream(self.device).wait_event(event)

@@ -21,6 +21,7 @@ class DeviceOps(Protocol):
     def scatter(self, src: torch.Tensor, planes: list[torch.Tensor], slots: torch.Tensor) -> None: ...
     def record(self) -> object: ...  # an event after everything enqueued so far
     def query(self, event: object) -> bool: ...  # completed?
+    def wait(self, event: object, timeout_s: float) -> bool: ...  # the host waits; False: not done in time
     def stream_wait(self, event: object) -> None: ...  # the calling thread's current stream waits
     def record_current(self) -> object: ...  # an event on the calling thread's current stream
     def side_wait(self, event: object) -> None: ...  # the side stream waits for ``event``
@@ -38,7 +39,19 @@ class DeviceOps(Protocol):
         self, k_plane, v_plane, slots, consts, cos, sin, style: int, params: tuple, out
     ) -> None: ...
     def constant(self, array: np.ndarray) -> torch.Tensor: ...  # a device copy, complete on return
-    # kernels/transform.py: escapes resolved, inverse transform into ``out`` [2, t, C], sinks put over it
+    # kernels/transform.py: escapes resolved (with ``trellis``, the k replayed into codes), inverse transform
+    # into ``out`` [2, t, C], sinks put over it
     def inverse_transform(
-        self, sym, esc, scales, cos, sin, consts, head_dim: int, style: int, sinks, out: torch.Tensor
+        self,
+        sym,
+        esc,
+        scales,
+        cos,
+        sin,
+        consts,
+        head_dim: int,
+        style: int,
+        sinks,
+        out: torch.Tensor,
+        trellis: bool = False,
     ) -> None: ...

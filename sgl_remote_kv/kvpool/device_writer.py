@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import numpy as np
 import torch
@@ -226,7 +225,8 @@ class DeviceKVWriter(KVWriter):
 
     def _write_transformed(self, views, slots: torch.Tensor, layer: int, window: tuple[int, int]) -> None:
         """The transform codec's views: symbols, escapes, scales, RoPE tables and sink tokens H2D, one
-        ``inverse_transform`` per chunk into the layer's output, one scatter (the ``window``), one event."""
+        ``inverse_transform`` per chunk into the layer's output (a trellis view's k replayed there, on the
+        device), one scatter (the ``window``), one event."""
         if sum(vw.tokens for vw in views) > MAX_TOKENS:
             return self._by_chunk(views, slots, layer, window)
         for vw in views:
@@ -258,6 +258,7 @@ class DeviceKVWriter(KVWriter):
                 codec.rope_style,
                 sinks,
                 out[:, lo : lo + vw.tokens],
+                trellis=vw.trellis,
             )
             lo += vw.tokens
         self._scatter_layer(out, regions[0], layer, window)
@@ -336,13 +337,7 @@ class DeviceKVWriter(KVWriter):
             raise KVWriteError(f"{what} not done in {self.timeout_s} s")
 
     def _wait_host(self, event: object) -> bool:
-        deadline, pause = time.monotonic() + self.timeout_s, 2e-5
-        while not self.ops.query(event):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-        return True
+        return self.ops.wait(event, self.timeout_s)
 
     def _late_pending(self) -> bool:
         """A timed-out write's work may still run on the device (it could still read or write what it was
