@@ -131,12 +131,23 @@ def probe_vs_recompute(result: dict) -> dict:
             if rows:
                 ratios = [p["latency_s"] / p["recompute_ref_s"] for p in rows]
                 fetched = [p for p in rows if p.get("remote_hit_tokens")]
+                local = [
+                    p for p in fetched if p.get("local_hit_s")
+                ]  # remote hit, then the same as a local hit
                 out.setdefault(name, {})[str(r["rate_mbit"])] = {
                     "n": len(rows),
                     "fetched": len(fetched),
                     "median_latency_s": statistics.median(p["latency_s"] for p in rows),
                     "median_recompute_ref_s": statistics.median(p["recompute_ref_s"] for p in rows),
                     "median_ratio": statistics.median(ratios),
+                    "median_local_hit_s": statistics.median(p["local_hit_s"] for p in local)
+                    if local
+                    else None,
+                    "median_remote_over_local_hit": statistics.median(
+                        p["latency_s"] / p["local_hit_s"] for p in local
+                    )
+                    if local
+                    else None,
                     "paths": [p["paths"] for p in rows],
                 }
     return out

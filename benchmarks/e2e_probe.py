@@ -6,9 +6,10 @@
 - ``fetch_probe``: sends them one at a time and reads the server's remote-tier metrics before and
   after each, which yields that request's store fetch time (``sglang:remote_kv_fetch_seconds``),
   its compressed bytes, hit tokens and the policy's path; the wire floor is bytes / link rate. Right
-  after each, the same prompt with a fresh random first token (a prefix nobody has: local and remote
-  miss) is timed as the side-by-side recompute reference (``recompute_ref_s``), so the fetch's
-  latency can be compared with a recompute measured at the same moment on a loaded machine.
+  after each, the same prompt again (now in the device radix cache: a local hit, ``local_hit_s``) and
+  the same prompt with a fresh random first token (a prefix nobody has: local and remote miss) are
+  timed as the side-by-side references (``recompute_ref_s``), so the fetch's latency can be compared
+  with a local hit and a recompute measured at the same moment on a loaded machine.
 - ``interference``: one long streaming decode; its inter-token gaps alone (unloaded TPOT) and while
   probe requests fetch (loaded TPOT).
 """
@@ -98,6 +99,9 @@ def fetch_probe(
         d = delta(scrape(base_url), before)
         wire = wire_bytes() - w0 if wire_bytes else None
         t1 = time.perf_counter()
+        local = generate(base_url, ids)  # the same prompt: its prefix is in the device radix cache now
+        local_s = time.perf_counter() - t1
+        t1 = time.perf_counter()
         generate(base_url, [rng.randrange(1000, 40000), *ids[1:]])  # fresh prefix: a full recompute
         ref_s = time.perf_counter() - t1
         hit = metric(d, "remote_kv_hit_tokens_total")
@@ -112,6 +116,8 @@ def fetch_probe(
                 "prompt_tokens": len(ids),
                 "latency_s": latency,
                 "recompute_ref_s": ref_s,
+                "local_hit_s": local_s,
+                "local_hit_cached_tokens": local.get("meta_info", {}).get("cached_tokens"),
                 "cached_tokens": meta.get("cached_tokens"),
                 "cached_tokens_details": meta.get("cached_tokens_details"),
                 "remote_hit_tokens": hit,
