@@ -1,8 +1,10 @@
 """The write-back's host encode leaves the scheduler process (issue 51 item 2): with ``processes`` the chunks
 are encoded in encoder processes (``writeback/encoders.py``, ``writeback/encoder_process.py``) into the same
-bytes as an in-process encode; this process's codec never encodes; an encoder that dies fails one job and
-is replaced; one that cannot start leaves the encode in-process, with the reason logged. Also the frames'
-checks (``writeback/wire.py``). Real processes, a host pool, a file store."""
+bytes as an in-process encode with the encoders' one numeric thread (the transform codec's float GEMM may
+round otherwise with more BLAS threads: a valid encode either way); this process's codec never encodes; an
+encoder that dies fails one job and is replaced; one that cannot start, or cannot start again after it was
+lost, leaves the encode in-process, with the reason logged. Also the frames' checks (``writeback/wire.py``).
+Real processes, a host pool, a file store."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import pytest
 import torch
 from dpu_helpers import FP, LAYOUT, codecs
 
-from sgl_remote_kv import runtime
+from sgl_remote_kv import env, runtime
 from sgl_remote_kv.codec import calibration as cm
 from sgl_remote_kv.codec.transform import TransformCodec
 from sgl_remote_kv.kvpool import PoolTensors, writer_for
@@ -80,18 +82,41 @@ class _Setup:
         assert self.wb.flush(120)
         return self.keys.keys_for(ids, self.chunks, None)
 
-    def want(self) -> list[bytes]:
-        """The blobs an in-process encode writes for the pool's chunks."""
+    def want(self, tmp_path=None) -> list[bytes]:
+        """The blobs an in-process encode writes for the pool's chunks; with ``tmp_path``, encoded by a child
+        process with the encoders' one numeric thread (``env.single_threaded_env``; the codec from its name
+        and params, e.g. a transform codec's saved calibration)."""
         k, v = self.writer.read_later(torch.arange(self.chunks * CH)).result()
-        return [
-            self.codec.encode(
+        parts = [
+            (
                 np.ascontiguousarray(k[:, j * CH : (j + 1) * CH]),
                 np.ascontiguousarray(v[:, j * CH : (j + 1) * CH]),
-                self.fp,
-                start=j * CH,
             )
             for j in range(self.chunks)
         ]
+        if tmp_path is None:
+            return [self.codec.encode(kj, vj, self.fp, start=j * CH) for j, (kj, vj) in enumerate(parts)]
+        np.savez(tmp_path / "kv.npz", *(a for kv in parts for a in kv))
+        script = (
+            "import sys, numpy as np\n"
+            "from sgl_remote_kv.codec.base import codec_from_params\n"
+            "from sgl_remote_kv.types import ModelFingerprint\n"
+            "name, params, fp, d = sys.argv[1:5]\n"
+            "codec = codec_from_params(name, params.encode())\n"
+            "fp = ModelFingerprint.from_canonical(fp.encode())\n"
+            "a = np.load(d + '/kv.npz')\n"
+            "for j in range(len(a.files) // 2):\n"
+            f"    blob = codec.encode(a[f'arr_{{2 * j}}'], a[f'arr_{{2 * j + 1}}'], fp, start=j * {CH})\n"
+            "    open(f'{d}/blob{j}', 'wb').write(blob)\n"
+        )
+        args = [
+            self.codec.name,
+            self.codec.params_bytes().decode(),
+            self.fp.canonical().decode(),
+            str(tmp_path),
+        ]
+        subprocess.run([sys.executable, "-c", script, *args], env=env.single_threaded_env(), check=True)
+        return [(tmp_path / f"blob{j}").read_bytes() for j in range(self.chunks)]
 
 
 def _no_parent_encode(monkeypatch, codec) -> None:
@@ -126,7 +151,7 @@ def test_the_transform_codec_encodes_in_processes_from_its_saved_calibration(tmp
     try:
         codec = TransformCodec(cal.calib_id.hex(), "0.0005", "deflate", quantizer="trellis")
         s = _Setup(tmp_path, codec, fp, chunks=2, processes=True, share=2.0)  # two encoders side by side
-        want = s.want()
+        want = s.want(tmp_path)
         assert len(s.wb.encoder_pids()) == 2
         _no_parent_encode(monkeypatch, codec)
         assert s.store.get_many(s.offer("r", 7)) == want
@@ -150,6 +175,37 @@ def test_a_killed_encoder_fails_one_job_and_a_new_one_takes_the_next(tmp_path, c
     assert s.store.get_many(keys) == want
     (new_pid,) = s.wb.encoder_pids()
     assert new_pid != pid
+    s.wb.close()
+
+
+def test_a_lost_encoder_that_cannot_start_again_leaves_the_encode_in_process(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """A killed encoder whose fresh start fails: that job and every later one are encoded in this process
+    (the bytes an encoder writes), with one WARNING; nothing more is lost than the job the kill cut."""
+    from sgl_remote_kv.writeback import encoders
+
+    codec = codecs()["lossless"]
+    s = _Setup(tmp_path, codec, processes=True)
+    want = s.want()
+    (pid,) = s.wb.encoder_pids()
+    os.kill(pid, signal.SIGKILL)
+    caplog.set_level(logging.WARNING)
+    assert s.store.count_prefix(s.offer("lost", 100)) == 0  # the job the kill cut
+    starts = []
+
+    def cannot_start(self):
+        starts.append(1)
+        raise EncoderUnavailable("the interpreter cannot start (simulated)")
+
+    monkeypatch.setattr(encoders._Encoder, "start", cannot_start)
+    assert s.store.get_many(s.offer("next", 5000)) == want  # encoded here instead
+    assert s.store.get_many(s.offer("later", 9000)) == want
+    assert len(starts) == 1  # tried once, not once per chunk
+    assert s.metrics.snapshot()["failures|kind=writeback"] == 1  # only the cut job
+    assert s.wb.encoder_pids() == []
+    why = [r.getMessage() for r in caplog.records if "from now on" in r.getMessage()]
+    assert len(why) == 1 and "simulated" in why[0]
     s.wb.close()
 
 

@@ -12,7 +12,9 @@ Failures: ``start`` raises ``EncoderUnavailable`` when an encoder cannot start (
 codec cannot be built there, e.g. a calibration this process registered but never saved: ``Ready.error``);
 the write-back then encodes in its own threads. An encoder lost later (killed, crashed, a frame that is not
 ours, no answer within ``reply_timeout_s``) raises ``EncoderLost`` from that ``encode``, is stopped, and is
-started afresh on its next use; a chunk its codec refuses raises ``EncodeRefused``.
+started afresh on its next use; when that fresh start fails, that ``encode`` (and every later one) raises
+``EncoderUnavailable`` without trying again, and the write-back encodes in its own threads from then on. A
+chunk its codec refuses raises ``EncodeRefused``.
 
 Threads: ``encode`` from any thread (the write-back's worker and encoder threads); each encoder serves one
 call at a time (a queue of free encoders; a caller waits for one). ``start`` and ``close`` from one thread,
@@ -153,8 +155,9 @@ class EncoderPool:
         )
         self._all = [_Encoder(hello, fingerprint.layout) for _ in range(max(1, processes))]
         self._free: queue.SimpleQueue[_Encoder] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards ``closed`` against a concurrent restart
+        self._lock = threading.Lock()  # guards ``closed`` and ``unavailable`` against a concurrent restart
         self.closed = False
+        self.unavailable: EncoderUnavailable | None = None  # why a lost encoder could not start again
 
     @property
     def processes(self) -> int:
@@ -182,8 +185,14 @@ class EncoderPool:
             with self._lock:
                 if self.closed:
                     raise EncoderLost("the encoder pool is closed")
+                if self.unavailable is not None:
+                    raise self.unavailable
                 if not e.started:  # lost earlier: a fresh process
-                    e.start()
+                    try:
+                        e.start()
+                    except EncoderUnavailable as err:
+                        self.unavailable = err
+                        raise
             try:
                 return e.encode(k, v, start)
             except EncoderLost:
@@ -192,8 +201,6 @@ class EncoderPool:
                 )
                 e.stop()
                 raise
-        except EncoderUnavailable as err:
-            raise EncoderLost(str(err)) from None
         finally:
             self._free.put(e)
 

@@ -21,9 +21,11 @@ symbols). Other codecs, host pools and the NVDEC path's versions read KV and enc
 Where the encode runs: with ``processes`` (the server's choice: a host encode, ``encoders.EncoderPool``)
 a host encode runs in encoder processes, ``threads`` of them, started by the worker thread before its first
 job at niceness ``+nice``, so the scheduler process keeps its CPU and its GIL: the worker copies each
-chunk's KV into an encoder's slot and stores the blob it gets back (the same bytes as an in-process encode).
-An encoder that cannot start (logged once, with why) leaves the encode in this process's threads; one lost
-mid-encode fails that job (counted as a write-back failure) and is started afresh for the next. A device
+chunk's KV into an encoder's slot and stores the blob it gets back (the bytes an in-process encode with one
+numeric thread writes; the transform codec's float GEMM may round otherwise with more BLAS threads). An
+encoder that cannot start (logged once, with why) leaves the encode in this process's threads; one lost
+mid-encode fails that job (counted as a write-back failure) and is started afresh for the next, and if that
+fresh start fails, the encode stays in this process's threads from then on (logged once). A device
 encode's lossless stage, and the NVDEC path's versions, always run in this process.
 
 The worker never takes the serving thread's place: while the scheduler runs batches (``note_serving``, on
@@ -143,6 +145,9 @@ class WriteBack:
             else None
         )
         self._pool_started = threading.Event()  # the pool started, or the worker gave up on it
+        self._left_pools: list[
+            EncoderPool
+        ] = []  # pools given up on after a failed restart (closed at the end)
         self._serving_at = float("-inf")  # monotonic time of the scheduler's last batch
         self._jobs: deque[_Job] = deque()  # queued, oldest first (not the one being written)
         self._cv = threading.Condition()
@@ -294,6 +299,16 @@ class WriteBack:
         finally:
             self._pool_started.set()
 
+    def _leave_pool(self, pool: EncoderPool, why: EncoderUnavailable) -> None:
+        """Encode in this process from now on (any thread; once per pool): ``pool``'s encoders are stopped at
+        the worker's end, not here, where other threads may still be encoding in them."""
+        with self._cv:
+            if self._pool is not pool:
+                return
+            self._pool = None
+            self._left_pools.append(pool)
+        logger.warning("remote-kv write-back encodes in the scheduler process from now on: %s", why)
+
     def _loop(self) -> None:
         self._start_pool()
         while True:
@@ -303,8 +318,9 @@ class WriteBack:
                 if not self._jobs:  # closed and drained
                     if self._encoders is not None:
                         self._encoders.shutdown(wait=False)
-                    if self._pool is not None:
-                        self._pool.close()
+                    for pool in (self._pool, *self._left_pools):
+                        if pool is not None:
+                            pool.close()
                     return
                 job = self._jobs.popleft()
                 self._queued_bytes -= job.nbytes
@@ -342,8 +358,12 @@ class WriteBack:
                 return self.codec.encode_quantized(read, j, self.fingerprint), None
             k, v = read
             k, v, pos = k[:, j * c : (j + 1) * c], v[:, j * c : (j + 1) * c], job.start + j * c
-            if self._pool is not None:
-                return self._pool.encode(k, v, pos)
+            pool = self._pool
+            if pool is not None:
+                try:
+                    return pool.encode(k, v, pos)
+                except EncoderUnavailable as e:  # a lost encoder could not start again: encode here
+                    self._leave_pool(pool, e)
             return self.codec.encode(
                 np.ascontiguousarray(k), np.ascontiguousarray(v), self.fingerprint, start=pos
             ), None
