@@ -15,8 +15,11 @@ the device's work (the Triton kernels' torch definitions). **Host CPU** is this 
 that thread's and less the CPU the host threads spent inside the double's device calls and metering them
 (``DispatchMeter``, its own cost per call calibrated on a no-op:
 its ``DeviceOps`` and torch ops on device tensors, Python bookkeeping here, launches and tensor metadata of
-microseconds each on a GPU; their count per GB is reported, and the host CPU with them included). The data plane's own CPU (a separate process: the DPU's
-cores, not the host's) is reported beside it. GB = decoded bf16 KV bytes delivered into the pool.
+microseconds each on a GPU; their count per GB is reported, and the host CPU with them included). A host
+thread waiting for a device write blocks (``DeviceOps.wait``: the double's is an event wait, CUDA's a short
+poll), so the double's slow device work costs no host CPU a GPU's would not. The data plane's own CPU (a
+separate process: the DPU's cores, not the host's) is reported beside it. GB = decoded bf16 KV bytes
+delivered into the pool.
 ``staging_bytes_per_token``: arena bytes the staged chunks took per token (``bf16_bytes_per_token``:
 the KV's own size). Writes ``docs/results/read_path.json``. Goals (issue 50): device decode <= 0.35x
 the host CPU of host decode; staging <= 0.6x bf16 bytes per token.
