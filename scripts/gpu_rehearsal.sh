@@ -12,7 +12,7 @@
 #    has one (python3.12 on PATH, else pyenv's), else python3 with a note in the report. Reused while
 #    its stamp (the Python, IMAGE) holds; lines added to IMAGE are installed into it, any other change
 #    rebuilds it.
-# 2. For each wheel set of scripts/gpu_wheels.sh (core, nvdec): the wheels, downloaded by that script for
+# 2. For each wheel set of scripts/gpu_wheels.sh (core, nvdec, nvcomp): the wheels, downloaded by that script for
 #    this Python (.rehearsal/whl-<set>; reused while gpu_wheels.sh is unchanged), then scripts/gpu_check.sh
 #    itself with GPU_CHECK_REHEARSAL=1: its install into a --target dir, import shim and sgl_kernel stub,
 #    then `pytest -m gpu` over every GPU test file. Every test's gate (tests/gpu_gate.py) imports what the
@@ -64,11 +64,12 @@ einops
 tqdm
 msgpack
 "
-# which test files each wheel set is for (its own tests must skip for "no CUDA" alone): nvdec's file, and
-# every other file with GPU tests (gpu_check.sh's own choice of targets) for core
+# which test files each wheel set is for (its own tests must skip for "no CUDA" alone): nvdec's file,
+# nvcomp's, and every other file with GPU tests (gpu_check.sh's own choice of targets) for core
 NVDEC_FILES=tests/test_gpu_nvdec.py
-CORE_FILES=$(grep -lE 'mark\.gpu\b' tests/test_*.py | grep -vxF "$NVDEC_FILES" | paste -sd, -)
-SETS="core:$CORE_FILES nvdec:$NVDEC_FILES"
+NVCOMP_FILES=tests/test_gpu_nvcomp.py
+CORE_FILES=$(grep -lE 'mark\.gpu\b' tests/test_*.py | grep -vxF -e "$NVDEC_FILES" -e "$NVCOMP_FILES" | paste -sd, -)
+SETS="core:$CORE_FILES nvdec:$NVDEC_FILES nvcomp:$NVCOMP_FILES"
 
 # -- the interpreter -----------------------------------------------------------------------------------
 BASE=${GPU_REHEARSAL_PYTHON:-}

@@ -5,6 +5,7 @@
 #   bash scripts/gpu_wheels.sh            # profile "core" (default): sgl_remote_kv + SGLang's KV pool
 #   bash scripts/gpu_wheels.sh nvdec      # profile "nvdec": PyNvVideoCodec (tests/test_gpu_nvdec.py)
 #   bash scripts/gpu_wheels.sh server     # profile "server": a whole SGLang server (scripts/gpu_server_check.sh)
+#   bash scripts/gpu_wheels.sh nvcomp     # profile "nvcomp": NVIDIA nvCOMP (tests/test_gpu_nvcomp.py)
 #
 # The GPU image already has torch, triton, numpy, numba, pytest, transformers, safetensors, psutil, ...
 # (/work/.library/device/KINDS.md); each wheel below was found missing there by importing the suite's
@@ -29,7 +30,10 @@
 # profile, for its own call (with the core set it would pass the 64 MiB one device call carries); each
 # run replaces the other profile's wheels in .whl/ (wheels this script does not know stay, and travel
 # too). The GPU tests of the other profile skip there, naming the package that was not carried.
-# Budget checked at the end: tree + wheels, 60 MiB for "core" (64 is the limit), 40 MiB for "nvdec".
+# "nvcomp": isal + zstandard (the codec the test encodes with) + nvCOMP's Python API and its library
+# (~34 MiB): whether a GPU lossless stage would pay (issue 50 item 7). Its own call, like "nvdec".
+# Budget checked at the end: tree + wheels, 60 MiB for "core" (64 is the limit), 40 MiB for "nvdec",
+# 50 MiB for "nvcomp".
 #
 # Env: PYTHON (the pip to use; default .venv/bin/python, else python3), GPU_WHEELS_DIR (default .whl),
 #      GPU_WHEELS_PYTHON (target Python, default 3.12: the GPU image's), GPU_WHEELS_SLIM_SGLANG (default 1;
@@ -99,6 +103,12 @@ NVDEC="
 isal==1.9.1                 codec.format (the hevc codec's chunk framing)
 pynvvideocodec==2.2.4       nvdec.nvcodec (NVDEC)
 "
+NVCOMP="
+isal==1.9.1                 codec.format, codec.lz (deflate)
+zstandard==0.25.0           codec.lz
+nvidia-nvcomp-cu13==6.0.0.12     tests/test_gpu_nvcomp.py (nvidia.nvcomp, the Python API)
+nvidia-libnvcomp-cu13==6.0.0.12  nvidia-nvcomp-cu13 (libnvcomp.so.6)
+"
 # what this script dropped from a profile: still removed from .whl/ on every run (one version each)
 RETIRED="
 av==18.1.0                  nvdec.video: the nvdec profile's CPU twin until the NVDEC fixtures
@@ -106,8 +116,9 @@ av==18.1.0                  nvdec.video: the nvdec profile's CPU twin until the 
 case "$PROFILE" in
   core) LIST="$CORE_BASE$CORE_SGLANG"; BUDGET_MIB=60 ;;
   nvdec) LIST="$NVDEC"; BUDGET_MIB=40 ;;
+  nvcomp) LIST="$NVCOMP"; BUDGET_MIB=50 ;;
   server) LIST="$CORE_BASE$CORE_SGLANG$SERVER"; BUDGET_MIB=60 ;;
-  *) echo "usage: $0 [core|nvdec|server]" >&2; exit 2 ;;
+  *) echo "usage: $0 [core|nvdec|server|nvcomp]" >&2; exit 2 ;;
 esac
 SPECS=$(echo "$LIST" | awk 'NF {print $1}')
 mkdir -p "$DEST"
@@ -127,10 +138,10 @@ for f in sorted(os.listdir(dest)):
 
 # one version of each distribution in $DEST (two stop the whole install there), and one profile (both
 # do not fit in one call): drop the wheels of every distribution this script knows, any version
-for spec in $(echo "$CORE_BASE$CORE_SGLANG$SERVER$NVDEC$RETIRED sgl_remote_kv==x" | awk 'NF {print $1}'); do
+for spec in $(echo "$CORE_BASE$CORE_SGLANG$SERVER$NVDEC$NVCOMP$RETIRED sgl_remote_kv==x" | awk 'NF {print $1}'); do
   wheels_of "${spec%%==*}" | while read -r f; do rm -f "$f"; done
 done
-rm -f "$DEST"/MANIFEST-core.txt "$DEST"/MANIFEST-nvdec.txt "$DEST"/MANIFEST-server.txt
+rm -f "$DEST"/MANIFEST-core.txt "$DEST"/MANIFEST-nvdec.txt "$DEST"/MANIFEST-server.txt "$DEST"/MANIFEST-nvcomp.txt
 
 PLAT="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64"
 PLAT="$PLAT --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
