@@ -9,10 +9,12 @@ that builds the tier, before the server takes requests.
 
 What it covers, for a pool's layout and the codecs given: a plain KV write (the scatter: the linker's
 load of staged KV, from NVDEC, the ``lossless`` codec or DPU output ``kv``) and, for each codec with a
-device dequant stage, a write of its codes (dequant or inverse transform + scatter: the linker's load of
-staged codes, every path's on a GPU pool); for each codec with a device encode, the write-back's read of 16
-tokens coded on the device (``encodes``; the write-back issues it on the scheduler thread). A load's token window (a run that starts or ends inside a
-chunk) slices the same output before the same scatter: no other variant. Triton specializes on dtypes, constexprs, 16-divisibility of integer arguments and 16-byte
+device dequant stage, a write of its codes (dequant, or for the transform codec its trellis replay when
+the codec's quantizer is the trellis, then the inverse transform; + scatter: the linker's load of staged
+codes, every path's on a GPU pool); for each codec with a device encode, the write-back's read of 16
+tokens coded on the device (``encodes``; the write-back issues it on the scheduler thread). A load's
+token window (a run that starts or ends inside a chunk) slices the same output before the same scatter:
+no other variant. Triton specializes on dtypes, constexprs, 16-divisibility of integer arguments and 16-byte
 alignment of pointers; the writer's token counts are multiples of 16 (chunk and tail sizes are) and its
 staging offsets are 64-byte aligned, so one write of 16 tokens per kind reaches the same variants as any
 real write. The writes go to scratch planes of the pool's row shape and dtype, never into the pool.
