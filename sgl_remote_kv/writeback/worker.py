@@ -145,9 +145,8 @@ class WriteBack:
             else None
         )
         self._pool_started = threading.Event()  # the pool started, or the worker gave up on it
-        self._left_pools: list[
-            EncoderPool
-        ] = []  # pools given up on after a failed restart (closed at the end)
+        # pools given up on after a failed restart (closed at the worker's end)
+        self._left_pools: list[EncoderPool] = []
         self._serving_at = float("-inf")  # monotonic time of the scheduler's last batch
         self._jobs: deque[_Job] = deque()  # queued, oldest first (not the one being written)
         self._cv = threading.Condition()
