@@ -265,12 +265,23 @@ def environment() -> dict:
     )
     return {
         "commit": head.stdout.strip() or os.environ.get("SRKV_BENCH_COMMIT"),  # snapshot dirs have no .git
-        "code_dir": str(Path(__file__).resolve().parent.parent),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "loadavg_at_start": os.getloadavg(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
+
+
+def _in_repo(value):
+    """An argument as results may record it: a path outside this repository (the work directory: server
+    logs, harness files) becomes a note; results name no path outside the repo."""
+    if isinstance(value, (str, Path)) and Path(value).is_absolute():
+        root = Path(__file__).resolve().parent.parent
+        try:
+            return str(Path(value).resolve().relative_to(root))
+        except ValueError:
+            return "(outside the repo)"
+    return value
 
 
 def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
@@ -286,7 +297,7 @@ def run(args: argparse.Namespace) -> dict:
     previous = json.loads((args.out / "e2e.json").read_text()) if args.merge else {}
     result = {
         "env": environment(),
-        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "args": {k: _in_repo(v) for k, v in vars(args).items() if k != "func"},
         "workload": asdict(bench.wl),
         "probe_prompt_tokens": len(bench.prompts[0]),
         "configs": dict(previous.get("configs", {})),
