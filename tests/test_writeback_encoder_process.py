@@ -235,13 +235,14 @@ def test_while_serving_the_pause_follows_the_encoder_s_cpu_not_its_wall_time(tmp
     n, wall_s, share = 4, 0.4, 0.25
     s = _Setup(tmp_path, codecs()["lossless"], chunks=n, processes=True, share=share)
     assert len(s.wb.encoder_pids()) == 1
-    real = s.wb._pool.encode
+    pool = s.wb._host.pool
+    real = pool.encode
 
     def slow(k, v, start):  # the wall time of a starved encoder, reporting its real-world CPU
         time.sleep(wall_s)
         return real(k, v, start)[0], cpu_s
 
-    s.wb._pool.encode = slow
+    pool.encode = slow
     stop = threading.Event()
 
     def serving():

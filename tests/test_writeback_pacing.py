@@ -151,7 +151,7 @@ def test_a_share_of_n_cores_encodes_a_jobs_chunks_on_n_threads_with_the_same_blo
 
     wb, req = _writeback(tmp_path / "par", 3.0, n)
     assert wb.threads == 3
-    wb.codec = Counting(wb.codec.codec)
+    wb.codec = wb._host.codec = Counting(wb.codec.codec)  # the host encode's codec too
     stop = threading.Event()
     _serving(wb, stop)
     wb.offer(req, n * CH)

@@ -1,6 +1,8 @@
 """The write-back's encoder processes: a host encode that runs outside the scheduler process.
 
-``EncoderPool(codec, fingerprint, slot_tokens, processes, nice)`` spawns ``processes`` encoder processes
+``HostEncode(codec, fingerprint, pool)`` is what the write-back calls: a host encode in ``pool``'s processes
+while they serve, else in the calling thread. ``EncoderPool(codec, fingerprint, slot_tokens, processes,
+nice)`` spawns ``processes`` encoder processes
 (``encoder_process.py``), each with its own Unix socket and its own slot (a shared memory file holding K and
 V of one chunk of at most ``slot_tokens`` tokens). ``encode(k, v, start)`` takes a free encoder, copies the
 chunk into its slot, asks for the encode and returns the blob (and the encoder's CPU-seconds for it, which
@@ -209,3 +211,62 @@ class EncoderPool:
             self.closed = True
         for e in self._all:
             e.stop()
+
+
+class HostEncode:
+    """A host encode: in ``pool``'s encoder processes while they serve, else in the calling thread (no pool,
+    a pool that could not start, or a lost encoder that could not start again: each switch logged once, with
+    why; a pool given up on is closed with this). Threads: ``start`` and ``close`` on the write-back's worker
+    thread; ``encode`` from any of its threads."""
+
+    def __init__(self, codec, fingerprint: ModelFingerprint, pool: EncoderPool | None) -> None:
+        self.codec, self.fingerprint = codec, fingerprint
+        self._pool, self._left = pool, []
+        self._lock = threading.Lock()  # guards ``_pool`` and ``_left`` against two threads leaving at once
+
+    def start(self) -> None:
+        pool = self._pool
+        if pool is None:
+            return
+        try:
+            pool.start()
+            logger.info(
+                "remote-kv write-back encodes in %d process(es), pids %s", pool.processes, pool.pids()
+            )
+        except EncoderUnavailable as e:
+            logger.warning("remote-kv write-back encodes in the scheduler process: %s", e)
+            self._pool = None
+
+    @property
+    def pool(self) -> EncoderPool | None:
+        """The pool that serves the encode (None: this process encodes)."""
+        return self._pool
+
+    def pids(self) -> list[int]:
+        pool = self._pool
+        return pool.pids() if pool is not None else []
+
+    def encode(self, k: np.ndarray, v: np.ndarray, start: int) -> tuple[bytes, float | None]:
+        """The chunk's blob and, from an encoder process, the CPU-seconds it spent (None: encoded here)."""
+        pool = self._pool
+        if pool is not None:
+            try:
+                return pool.encode(k, v, start)
+            except EncoderUnavailable as e:  # a lost encoder could not start again: encode here from now on
+                self._leave(pool, e)
+        k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+        return self.codec.encode(k, v, self.fingerprint, start=start), None
+
+    def _leave(self, pool: EncoderPool, why: EncoderUnavailable) -> None:
+        """``pool``'s encoders are stopped by ``close``, not here, where other threads may still encode."""
+        with self._lock:
+            if self._pool is not pool:
+                return
+            self._pool = None
+            self._left.append(pool)
+        logger.warning("remote-kv write-back encodes in the scheduler process from now on: %s", why)
+
+    def close(self) -> None:
+        for pool in (self._pool, *self._left):
+            if pool is not None:
+                pool.close()

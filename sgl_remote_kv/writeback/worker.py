@@ -18,7 +18,7 @@ scales come back, so the worker runs the lossless stage alone (``encode_quantize
 encode for ``quant_*``; for the transform codec the same format, within float32 rounding of the host's
 symbols). Other codecs, host pools and the NVDEC path's versions read KV and encode on the host.
 
-Where the encode runs: with ``processes`` (the server's choice: a host encode, ``encoders.EncoderPool``)
+Where the encode runs: with ``processes`` (the server's choice: a host encode, ``encoders.HostEncode``)
 a host encode runs in encoder processes, ``threads`` of them, started by the worker thread before its first
 job at niceness ``+nice``, so the scheduler process keeps its CPU and its GIL: the worker copies each
 chunk's KV into an encoder's slot and stores the blob it gets back (the bytes an in-process encode with one
@@ -63,7 +63,7 @@ from sgl_remote_kv.codec.quantized import QuantizedChunks, TransformCodes
 from sgl_remote_kv.kvpool.writer import PendingRead
 from sgl_remote_kv.store import keys as keys_mod
 from sgl_remote_kv.types import FailureKind
-from sgl_remote_kv.writeback.encoders import EncoderPool, EncoderUnavailable
+from sgl_remote_kv.writeback.encoders import EncoderPool, HostEncode
 
 logger = logging.getLogger(__name__)
 
@@ -139,14 +139,9 @@ class WriteBack:
         )
         # host encode in encoder processes (see module docstring); the worker thread starts and owns it
         host_encode = versions is None and not (self.device_encode and kv_writer.device_dequant)
-        self._pool = (
-            EncoderPool(codec, fingerprint, self.chunk_size, self.threads, nice)
-            if processes and host_encode
-            else None
-        )
+        pool = EncoderPool(codec, fingerprint, self.chunk_size, self.threads, nice)
+        self._host = HostEncode(codec, fingerprint, pool if processes and host_encode else None)
         self._pool_started = threading.Event()  # the pool started, or the worker gave up on it
-        # pools given up on after a failed restart (closed at the worker's end)
-        self._left_pools: list[EncoderPool] = []
         self._serving_at = float("-inf")  # monotonic time of the scheduler's last batch
         self._jobs: deque[_Job] = deque()  # queued, oldest first (not the one being written)
         self._cv = threading.Condition()
@@ -265,7 +260,7 @@ class WriteBack:
     def encoder_pids(self, timeout: float = 60.0) -> list[int]:
         """The encoder processes' pids once the worker started them ([]: the encode runs in this process)."""
         self._pool_started.wait(timeout)
-        return self._pool.pids() if self._pool is not None else []
+        return self._host.pids()
 
     # -- worker thread ---------------------------------------------------------------------------
     def _serving(self) -> bool:
@@ -283,33 +278,11 @@ class WriteBack:
         while self._serving() and not self._closed:  # share 0: defer until the server is idle
             time.sleep(0.05)
 
-    def _start_pool(self) -> None:
+    def _loop(self) -> None:
         try:
-            if self._pool is not None:
-                self._pool.start()
-                logger.info(
-                    "remote-kv write-back encodes in %d process(es), pids %s",
-                    self._pool.processes,
-                    self._pool.pids(),
-                )
-        except EncoderUnavailable as e:
-            logger.warning("remote-kv write-back encodes in the scheduler process: %s", e)
-            self._pool = None
+            self._host.start()
         finally:
             self._pool_started.set()
-
-    def _leave_pool(self, pool: EncoderPool, why: EncoderUnavailable) -> None:
-        """Encode in this process from now on (any thread; once per pool): ``pool``'s encoders are stopped at
-        the worker's end, not here, where other threads may still be encoding in them."""
-        with self._cv:
-            if self._pool is not pool:
-                return
-            self._pool = None
-            self._left_pools.append(pool)
-        logger.warning("remote-kv write-back encodes in the scheduler process from now on: %s", why)
-
-    def _loop(self) -> None:
-        self._start_pool()
         while True:
             with self._cv:
                 while not self._jobs and not self._closed:
@@ -317,9 +290,7 @@ class WriteBack:
                 if not self._jobs:  # closed and drained
                     if self._encoders is not None:
                         self._encoders.shutdown(wait=False)
-                    for pool in (self._pool, *self._left_pools):
-                        if pool is not None:
-                            pool.close()
+                    self._host.close()
                     return
                 job = self._jobs.popleft()
                 self._queued_bytes -= job.nbytes
@@ -356,16 +327,7 @@ class WriteBack:
             ):  # coded on the device: lossless stage here
                 return self.codec.encode_quantized(read, j, self.fingerprint), None
             k, v = read
-            k, v, pos = k[:, j * c : (j + 1) * c], v[:, j * c : (j + 1) * c], job.start + j * c
-            pool = self._pool
-            if pool is not None:
-                try:
-                    return pool.encode(k, v, pos)
-                except EncoderUnavailable as e:  # a lost encoder could not start again: encode here
-                    self._leave_pool(pool, e)
-            return self.codec.encode(
-                np.ascontiguousarray(k), np.ascontiguousarray(v), self.fingerprint, start=pos
-            ), None
+            return self._host.encode(k[:, j * c : (j + 1) * c], v[:, j * c : (j + 1) * c], job.start + j * c)
 
         if self._encoders is not None and last - start > 1:  # side by side, unpaced
             blobs = [b for b, _ in self._encoders.map(encode, range(start, last))]
