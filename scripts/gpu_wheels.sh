@@ -31,7 +31,7 @@
 # run replaces the other profile's wheels in .whl/ (wheels this script does not know stay, and travel
 # too). The GPU tests of the other profile skip there, naming the package that was not carried.
 # "nvcomp": isal + zstandard (the codec the test encodes with) + nvCOMP's Python API and its library
-# (~34 MiB): whether a GPU lossless stage would pay (issue 50 item 7). Its own call, like "nvdec".
+# (38 MiB): whether a GPU lossless stage would pay (issue 50 item 7). Its own call, like "nvdec".
 # Budget checked at the end: tree + wheels, 60 MiB for "core" (64 is the limit), 40 MiB for "nvdec",
 # 50 MiB for "nvcomp".
 #
@@ -170,7 +170,7 @@ if [ "$PROFILE" = server ]; then  # this project's wheel (no build isolation: of
   rm -rf "$src"
 fi
 
-if [ "$PROFILE" != nvdec ] && [ "$SLIM" = 1 ]; then
+if [ "$SLIM" = 1 ] && [ -n "$(wheels_of sglang)" ]; then  # the profiles that carry SGLang
   "$PY" -c '
 import os, sys, zipfile
 path = sys.argv[1]
