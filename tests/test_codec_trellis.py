@@ -5,6 +5,7 @@ are chunk errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -190,12 +191,13 @@ def test_sections_that_lie_about_escapes_or_overflow_are_corrupt(fine_cal):
         i = int(np.flatnonzero(syms == ops.ESC)[0])
         syms[i] = ops.ZERO
 
-    bad = _section_with(codec, blob, hdr, drop_escape)  # the view parses; whoever dequantizes checks
+    with pytest.raises(CorruptChunk, match="escape count"):  # the view counts them (every decode path)
+        _section_with(codec, blob, hdr, drop_escape)
+    good = _section_with(codec, blob, hdr, lambda b: None)
+    bad = dataclasses.replace(good, esc=good.esc[1:], nk=good.nk - 1 if good.nk else 0)
     assert bad.trellis and not bad.escapes_consistent()  # what the device writer refuses before a launch
     with pytest.raises(CorruptChunk, match="trellis"):
-        bad.replayed()  # the host's replay
-    with pytest.raises(CorruptChunk, match="trellis"):
-        bad.dequant_into("float32", *(np.empty((T, H, D), np.float32) for _ in range(2)))
+        bad.replayed()  # the host's replay checks too
 
     def huge_escape(buf):  # an escaped k whose code 2k - sign(k) does not fit int16
         from sgl_remote_kv.codec.transform import PRE

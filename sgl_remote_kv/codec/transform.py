@@ -312,7 +312,10 @@ class TransformCodec(TransformOnDevice, Codec):
             trellis.check_escapes(esc)
             sc *= np.float32(trellis.DELTA)
         trellis_k = self.quantizer == "trellis"
-        return TransformView(self, layer, group, start, n_sink, sc, esc, nk, sinks, sym, trellis_k)
+        view = TransformView(self, layer, group, start, n_sink, sc, esc, nk, sinks, sym, trellis_k)
+        if not view.escapes_consistent():  # here, so a bad chunk is a miss where it is fetched, not at a load
+            raise CorruptChunk("escape count does not match the symbols")
+        return view
 
     def dequant_stage(self, header: ChunkHeader, layer: int, decoded, out_k, out_v) -> None:
         self._check_out(header, out_k, out_v)
