@@ -131,9 +131,8 @@ def probe_vs_recompute(result: dict) -> dict:
             if rows:
                 ratios = [p["latency_s"] / p["recompute_ref_s"] for p in rows]
                 fetched = [p for p in rows if p.get("remote_hit_tokens")]
-                local = [
-                    p for p in fetched if p.get("local_hit_s")
-                ]  # remote hit, then the same as a local hit
+                # each fetched probe's remote hit, then the same prompt as a local hit
+                local = [p for p in fetched if p.get("local_hit_s")]
                 out.setdefault(name, {})[str(r["rate_mbit"])] = {
                     "n": len(rows),
                     "fetched": len(fetched),
