@@ -10,7 +10,8 @@
 - ``auto_vs_fixed``: per rate, auto's mean TTFT and paths next to the best fixed configuration.
 - ``interference``: loaded/unloaded TPOT per configuration, and the device-hit baseline's beside it.
 - ``probe_vs_recompute``: per config and rate, each probe request's latency over the side-by-side
-  recompute of a same-length fresh prompt (measured right after it, same server, same moment).
+  recompute of a same-length fresh prompt (measured right after it, same server, same moment), and a
+  fetched probe's over the local hit of the same prompt asked again right after it (runs that timed one).
 """
 
 from __future__ import annotations
