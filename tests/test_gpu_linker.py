@@ -110,12 +110,11 @@ def test_linker_load_into_a_cuda_pool_layer_by_layer_is_bit_exact(dtype):
 def test_linker_load_decodes_staged_codes_on_the_device(kind, tmp_path, gpu_metrics):
     import time
 
-    from calibration_helpers import make_calibration
+    from calibration_helpers import device_decode_codec
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     from benchmarks import synthetic_kv as synthetic
     from sgl_remote_kv.codec import quant
-    from sgl_remote_kv.codec.base import get_codec
     from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
     from sgl_remote_kv.kvpool.staged import staging_plan
     from sgl_remote_kv.store.client import open_client
@@ -123,18 +122,7 @@ def test_linker_load_decodes_staged_codes_on_the_device(kind, tmp_path, gpu_metr
     chunk, n = 256, 16
     fp = synthetic.fingerprint(num_layers=8, dtype="bfloat16")
     lay = fp.layout
-    if kind.startswith("transform"):  # the trellis: its k replayed into codes on the device too
-        cal = make_calibration(fp, step=0.02, seed=3)
-        quantizer = "trellis" if kind == "transform_trellis" else "scalar"
-        codec = get_codec(
-            "transform",
-            calibration=cal.calib_id.hex(),
-            quality="0.0005",
-            entropy="deflate",
-            quantizer=quantizer,
-        )
-    else:
-        codec = get_codec("quant_deflate", k_bins="256", v_bins="96", granularity="token")
+    codec = device_decode_codec(kind, fp)  # the trellis: its k replayed into codes on the device too
     client = open_client(f"file://{tmp_path / 'store'}")
     keys = [bytes([i]) * 32 for i in range(n)]
     blobs = [codec.encode(*synthetic.kv(lay, chunk, seed=i), fp, start=i * chunk) for i in range(n)]

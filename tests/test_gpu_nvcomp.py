@@ -27,16 +27,14 @@ CHUNK, CHUNKS, LAYERS = 256, 8, 8
 
 def _symbol_streams() -> list[tuple[bytes, int]]:
     """(compressed body, inflated length) of every Deflate-coded symbol stream of the chunks' sections."""
-    from calibration_helpers import make_calibration
+    from calibration_helpers import device_decode_codec
 
     from benchmarks import synthetic_kv as synthetic
     from sgl_remote_kv.codec import lz
-    from sgl_remote_kv.codec.base import get_codec
     from sgl_remote_kv.codec.format import layer_section
 
     fp = synthetic.fingerprint(num_layers=LAYERS, heads=8, dim=128)
-    cal = make_calibration(fp, step=0.02, seed=3)
-    codec = get_codec("transform", calibration=cal.calib_id.hex(), quality="0.0005", quantizer="trellis")
+    codec = device_decode_codec("transform_trellis", fp)
     out = []
     for i in range(CHUNKS):
         blob = codec.encode(*synthetic.kv(fp.layout, CHUNK, seed=i), fp, start=i * CHUNK)

@@ -12,13 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from calibration_helpers import make_calibration
+from calibration_helpers import device_decode_codec
 from pool_fake import attach_installs
 from strict_device import StrictDevice, StrictKVPool
 
 from benchmarks import synthetic_kv as synthetic
 from sgl_remote_kv.codec import quant
-from sgl_remote_kv.codec.base import get_codec
 from sgl_remote_kv.fetch.base import FetchHandle
 from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
 from sgl_remote_kv.kvpool import KVWriteError, PoolTensors, device_writer, writer_for
@@ -39,18 +38,7 @@ def stored(tmp_path, request):
 
 def _store(tmp_path, kind: str):
     client = open_client(f"file://{tmp_path / 'store'}")
-    if kind.startswith("transform"):  # escapes (step 0.02) and an exact sink token (chunk 0) on this KV
-        cal = make_calibration(FP, step=0.02, seed=3)
-        quantizer = "trellis" if kind == "transform_trellis" else "scalar"
-        codec = get_codec(
-            "transform",
-            calibration=cal.calib_id.hex(),
-            quality="0.0005",
-            entropy="deflate",
-            quantizer=quantizer,
-        )
-    else:
-        codec = get_codec("quant_deflate", k_bins="256", v_bins="96", granularity="token")
+    codec = device_decode_codec(kind, FP)  # transform: escapes and an exact sink token (chunk 0) on this KV
     keys = [bytes([i]) * 32 for i in range(N)]
     blobs = [codec.encode(*synthetic.kv(LAY, C, seed=i), FP, start=i * C) for i in range(N)]
     client.put_many(list(zip(keys, blobs, strict=True)))

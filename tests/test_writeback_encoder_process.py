@@ -160,15 +160,20 @@ def test_the_transform_codec_encodes_in_processes_from_its_saved_calibration(tmp
         cm.unregister(cal.calib_id)
 
 
-def test_a_killed_encoder_fails_one_job_and_a_new_one_takes_the_next(tmp_path, caplog) -> None:
-    codec = codecs()["lossless"]
-    s = _Setup(tmp_path, codec, processes=True)
+def _kill_the_encoder_mid_job(tmp_path, caplog) -> tuple[_Setup, list[bytes], int]:
+    """A lossless write-back whose one encoder is killed before a job: that job is lost (not stored).
+    Returns the setup, the blobs an encode writes, the killed pid."""
+    s = _Setup(tmp_path, codecs()["lossless"], processes=True)
     want = s.want()
     (pid,) = s.wb.encoder_pids()
     os.kill(pid, signal.SIGKILL)
     caplog.set_level(logging.WARNING)
-    lost = s.offer("lost", 100)
-    assert s.store.count_prefix(lost) == 0  # not stored: counted as a write-back failure
+    assert s.store.count_prefix(s.offer("lost", 100)) == 0  # not stored: counted as a write-back failure
+    return s, want, pid
+
+
+def test_a_killed_encoder_fails_one_job_and_a_new_one_takes_the_next(tmp_path, caplog) -> None:
+    s, want, pid = _kill_the_encoder_mid_job(tmp_path, caplog)
     assert s.metrics.snapshot()["failures|kind=writeback"] == 1
     assert any("encoder pid" in r.getMessage() for r in caplog.records)
     keys = s.offer("next", 5000)
@@ -185,13 +190,7 @@ def test_a_lost_encoder_that_cannot_start_again_leaves_the_encode_in_process(
     (the bytes an encoder writes), with one WARNING; nothing more is lost than the job the kill cut."""
     from sgl_remote_kv.writeback import encoders
 
-    codec = codecs()["lossless"]
-    s = _Setup(tmp_path, codec, processes=True)
-    want = s.want()
-    (pid,) = s.wb.encoder_pids()
-    os.kill(pid, signal.SIGKILL)
-    caplog.set_level(logging.WARNING)
-    assert s.store.count_prefix(s.offer("lost", 100)) == 0  # the job the kill cut
+    s, want, _ = _kill_the_encoder_mid_job(tmp_path, caplog)  # the job the kill cut
     starts = []
 
     def cannot_start(self):
