@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import resource
 import sys
@@ -143,14 +144,20 @@ def llama8b_shape(n_chunks: int = 16):
     cal = make_calibration(fp, groups=8)
     chunks = [(*synthetic.kv(fp.layout, CHUNK, seed=i), i * CHUNK) for i in range(n_chunks)]
 
-    def codec_of(quantizer: str):
-        return get_codec("transform", calibration=cal.calib_id.hex(), quality="0.0005", quantizer=quantizer)
+    def codec_of(quantizer: str, entropy: str = "deflate"):
+        return get_codec(
+            "transform",
+            calibration=cal.calib_id.hex(),
+            quality="0.0005",
+            quantizer=quantizer,
+            entropy=entropy,
+        )
 
     return fp, chunks, codec_of
 
 
-def transform_codec(fp, quantizer: str):
-    """The transform codec at the default level with ``quantizer`` (the default: trellis)."""
+def transform_codec(fp, quantizer: str, entropy: str = "deflate"):
+    """The transform codec at the default level with ``quantizer`` (the default: trellis) and ``entropy``."""
     from sgl_remote_kv.codec import calibration
     from sgl_remote_kv.codec.base import get_codec
     from sgl_remote_kv.types import DEFAULT_QUALITY
@@ -159,7 +166,11 @@ def transform_codec(fp, quantizer: str):
     if cal is None:
         raise SystemExit("no calibration for the model: run `make calibration` first")
     return get_codec(
-        "transform", calibration=cal.calib_id.hex(), quality=DEFAULT_QUALITY, quantizer=quantizer
+        "transform",
+        calibration=cal.calib_id.hex(),
+        quality=DEFAULT_QUALITY,
+        quantizer=quantizer,
+        entropy=entropy,
     )
 
 
@@ -214,7 +225,16 @@ class Rig:
         self.dev.close()
 
 
-def run_inproc(rig: Rig, device_decode: bool, repeat: int) -> dict:
+class Setup:
+    """One mode (host or device decode) of one fetch path, ready to run: ``once()`` fetches every chunk into
+    staging and loads it into the pool (returns the arena bytes per token); ``extra_cpu()``: CPU seconds of
+    the path's own process so far (the data plane), else 0."""
+
+    def __init__(self, once, staged, close, extra_cpu=lambda: 0.0) -> None:
+        self.once, self.staged, self.close, self.extra_cpu = once, staged, close, extra_cpu
+
+
+def setup_inproc(rig: Rig, device_decode: bool) -> Setup:
     from sgl_remote_kv.fetch.inproc import InProcessFetchBackend
     from sgl_remote_kv.store.client import open_client
 
@@ -230,14 +250,14 @@ def run_inproc(rig: Rig, device_decode: bool, repeat: int) -> dict:
         h.write_staged(staged.writer, rows, rig.tokens)
         return rig.load(staged, rows)
 
-    try:
-        return _measure(rig, once, repeat, staged)
-    finally:
+    def close() -> None:
         be.close()
         client.close()
 
+    return Setup(once, staged, close)
 
-def run_dpu(rig: Rig, device_decode: bool, repeat: int) -> dict:
+
+def setup_dpu(rig: Rig, device_decode: bool) -> Setup:
     from sgl_remote_kv.contract.settings import DataPlaneSettings
     from sgl_remote_kv.contract.sizing import chunk_bytes
     from sgl_remote_kv.fetch.dpu_client.client import DpuClient, DpuClientConfig
@@ -260,43 +280,68 @@ def run_dpu(rig: Rig, device_decode: bool, repeat: int) -> dict:
             raise RuntimeError(f"DPU fetch: {res.hit_chunks} of {len(rig.keys)} chunks, {res.failures}")
         return rig.load(staged, rows)
 
-    try:
-        before = _proc_cpu(proc)
-        out = _measure(rig, once, repeat, staged)
-        gb = out["gb"]
-        out["dataplane_cpu_s_per_gb"] = (_proc_cpu(proc) - before) / gb if proc is not None else None
-        return out
-    finally:
-        c.close()
+    return Setup(once, staged, c.close, (lambda: _proc_cpu(proc)) if proc is not None else (lambda: 0.0))
 
 
 def _proc_cpu(proc) -> float:
-    if proc is None:
-        return 0.0
     t = proc.cpu_times()
     return t.user + t.system
 
 
-def _measure(rig: Rig, once, repeat: int, staged) -> dict:
-    once()  # first use: kernels and buffers
+def measure_pair(rig: Rig, setup, repeat: int) -> dict:
+    """Host decode and device decode of one path, side by side: both set up and warmed (kernels, buffers),
+    then ``repeat`` rounds, each running host then device; per mode the median over rounds of each
+    measure (this shared CPU drifts between runs; alternating keeps both modes under the same drift)."""
+    setups = {m: setup(rig, m == "device") for m in ("host", "device")}
+    try:
+        for s in setups.values():
+            s.once()  # first use: kernels and buffers
+        samples: dict[str, list[dict]] = {m: [] for m in setups}
+        for _ in range(repeat):
+            for m, s in setups.items():
+                samples[m].append(_sample(rig, s))
+        return {m: _summary(rig, setups[m], samples[m]) for m in setups}
+    finally:
+        for s in setups.values():
+            s.close()
+
+
+def _sample(rig: Rig, s: Setup) -> dict:
     stream = rig.dev._worker
-    c0, s0, w0 = _cpu(), _thread_cpu(stream), time.perf_counter()
+    c0, t0, w0, x0 = _cpu(), _thread_cpu(stream), time.perf_counter(), s.extra_cpu()
     m0, n0 = rig.meter.cpu, rig.meter.calls
-    per_token = [once() for _ in range(repeat)]
-    host = (_cpu() - c0) - (_thread_cpu(stream) - s0)
+    per_token = s.once()
+    host = (_cpu() - c0) - (_thread_cpu(stream) - t0)
     calls = rig.meter.calls - n0
     dispatch = rig.meter.cpu - m0 + calls * rig.meter.per_call
-    gb = repeat * rig.tokens * rig.fp.layout.bytes_per_token() / 1e9
     return {
-        "gb": gb,
-        "host_cpu_s_per_gb": (host - dispatch) / gb,
-        "host_cpu_s_per_gb_with_double_dispatch": host / gb,
-        "device_calls_per_gb": calls / gb,
-        "meter_s_per_call": rig.meter.per_call,
-        "wall_s": time.perf_counter() - w0,
-        "staging_bytes_per_token": float(np.mean(per_token)),
-        "host_dequant_tokens": staged.writer.stats["host_dequant"] + rig.writer.host_dequant_tokens,
+        "host": host,
+        "dispatch": dispatch,
+        "calls": calls,
+        "wall": time.perf_counter() - w0,
+        "extra": s.extra_cpu() - x0,
+        "per_token": per_token,
     }
+
+
+def _summary(rig: Rig, s: Setup, samples: list[dict]) -> dict:
+    gb = rig.tokens * rig.fp.layout.bytes_per_token() / 1e9  # per round
+    med = lambda f: float(np.median([f(x) for x in samples]))  # noqa: E731
+    out = {
+        "gb_per_round": gb,
+        "rounds": len(samples),
+        "host_cpu_s_per_gb": med(lambda x: (x["host"] - x["dispatch"]) / gb),
+        "host_cpu_s_per_gb_rounds": [(x["host"] - x["dispatch"]) / gb for x in samples],
+        "host_cpu_s_per_gb_with_double_dispatch": med(lambda x: x["host"] / gb),
+        "device_calls_per_gb": med(lambda x: x["calls"] / gb),
+        "meter_s_per_call": rig.meter.per_call,
+        "wall_s_per_round": med(lambda x: x["wall"]),
+        "staging_bytes_per_token": med(lambda x: x["per_token"]),
+        "host_dequant_tokens": s.staged.writer.stats["host_dequant"] + rig.writer.host_dequant_tokens,
+    }
+    if any(x["extra"] for x in samples):
+        out["dataplane_cpu_s_per_gb"] = med(lambda x: x["extra"] / gb)
+    return out
 
 
 def _row(path: str, quantizer: str, codec, rig: Rig, r: dict) -> dict:
@@ -305,7 +350,8 @@ def _row(path: str, quantizer: str, codec, rig: Rig, r: dict) -> dict:
         "path": path,
         "codec": codec.name,
         "quantizer": quantizer,
-        "default": quantizer == DEFAULT_QUANTIZER,
+        "entropy": codec.entropy,
+        "default": quantizer == DEFAULT_QUANTIZER and codec.entropy == "deflate",
         "params": codec.params(),
         "tokens": rig.tokens,
         "host_cpu_s_per_gb_host_decode": r["host"]["host_cpu_s_per_gb"],
@@ -320,7 +366,7 @@ def _row(path: str, quantizer: str, codec, rig: Rig, r: dict) -> dict:
     }
     row["staging_over_bf16"] = row["staging_bytes_per_token"] / row["bf16_bytes_per_token"]
     print(
-        f"{path:7s} {quantizer:8s} host CPU s/GB: host decode {row['host_cpu_s_per_gb_host_decode']:.2f}, "
+        f"{path:7s} {quantizer:8s} {codec.entropy:7s} host CPU s/GB: host decode {row['host_cpu_s_per_gb_host_decode']:.2f}, "
         f"device decode {row['host_cpu_s_per_gb_device_decode']:.2f} ({row['device_over_host']:.2f}x); "
         f"staging {row['staging_bytes_per_token']:.0f} B/token ({row['staging_over_bf16']:.2f}x bf16)"
     )
@@ -329,7 +375,7 @@ def _row(path: str, quantizer: str, codec, rig: Rig, r: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5, help="rounds (host then device each), medians reported")
     ap.add_argument("--paths", default="inproc,dpu")
     ap.add_argument(
         "--shape",
@@ -339,6 +385,11 @@ def main(argv: list[str] | None = None) -> int:
         "8 KV heads, head dim 128) and a synthetic per-head calibration",
     )
     ap.add_argument("--quantizers", default=f"{DEFAULT_QUANTIZER},scalar", help="the transform codec's")
+    ap.add_argument(
+        "--entropies",
+        default="deflate,zstd",
+        help="the transform codec's entropy stages (deflate: the default)",
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     import tempfile
@@ -350,15 +401,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         chunks = smollm2_chunks()
         codec_of = functools.partial(transform_codec, fp)
-    runners = {"inproc": run_inproc, "dpu": run_dpu}
+    setups = {"inproc": setup_inproc, "dpu": setup_dpu}
     rows = []
-    for quantizer in args.quantizers.split(","):
-        codec = codec_of(quantizer)
+    for quantizer, entropy in itertools.product(args.quantizers.split(","), args.entropies.split(",")):
+        codec = codec_of(quantizer, entropy)
         with tempfile.TemporaryDirectory() as tmp:
             rig = Rig(Path(tmp), codec, fp, chunks)
             try:
                 for path in args.paths.split(","):
-                    r = {m: runners[path](rig, m == "device", args.repeat) for m in ("host", "device")}
+                    r = measure_pair(rig, setups[path], args.repeat)
                     rows.append(_row(path, quantizer, codec, rig, r))
             finally:
                 rig.close()

@@ -27,8 +27,10 @@ from sgl_remote_kv.types import (
     DEFAULT_QUALITY,
     DEFAULT_QUANTIZER,
     DPU_OUTPUTS,
+    ENTROPIES,
     QUALITY_LEVELS,
     QUANTIZERS,
+    SCALAR_QUANTIZER,
     WRITEBACK_ENCODERS,
 )
 
@@ -43,7 +45,8 @@ class RemoteKVConfig:
     tail_tokens: int | None = None  # tail sub-chunk size; None = 64 where it divides a larger chunk, 0 = off
     codec: str = "default"
     quality: str = DEFAULT_QUALITY  # transform codec: the KL target of its calibration level
-    quantizer: str = DEFAULT_QUANTIZER  # transform codec: "scalar" (rint) or "trellis" (Deflate only)
+    quantizer: str = DEFAULT_QUANTIZER  # transform codec: "scalar" (rint) or "trellis" (Deflate or zstd)
+    entropy: str = "default"  # transform codec's entropy stage (types.ENTROPIES); default: by mode (paths.py)
     auth_key_file: str = ""  # "" -> values are not authenticated (see sgl_remote_kv/store/security.py)
     store_password_file: str = ""  # the Redis store's password, in a file (store/credentials.py)
     nvdec_instances: int = 2  # decoder instances of the NVDEC pool (--remote-kv nvdec|auto)
@@ -93,6 +96,12 @@ class RemoteKVConfig:
             raise ValueError(f"--remote-kv-quality must be one of {QUALITY_LEVELS}, got {self.quality!r}")
         if self.quantizer not in QUANTIZERS:
             raise ValueError(f"--remote-kv-quantizer must be one of {QUANTIZERS}, got {self.quantizer!r}")
+        if self.entropy not in ENTROPIES:
+            raise ValueError(f"--remote-kv-entropy must be one of {ENTROPIES}, got {self.entropy!r}")
+        if self.entropy == "rans" and self.quantizer != SCALAR_QUANTIZER:
+            raise ValueError(
+                "--remote-kv-entropy rans needs --remote-kv-quantizer scalar (its tables fit those)"
+            )
         if self.flush not in FLUSH_SCOPES:
             raise ValueError(f"--remote-kv-flush must be one of {FLUSH_SCOPES}, got {self.flush!r}")
         if self.dpu_endpoint:
@@ -268,6 +277,7 @@ class RemoteKVConfig:
             codec=ns.remote_kv_codec,
             quality=getattr(ns, "remote_kv_quality", DEFAULT_QUALITY),
             quantizer=getattr(ns, "remote_kv_quantizer", DEFAULT_QUANTIZER),
+            entropy=getattr(ns, "remote_kv_entropy", "default"),
             auth_key_file=getattr(ns, "remote_kv_auth_key_file", ""),
             store_password_file=getattr(ns, "remote_kv_store_password_file", ""),
             nvdec_instances=getattr(ns, "remote_kv_nvdec_instances", 2),

@@ -12,6 +12,7 @@ from sgl_remote_kv.types import (
     DEFAULT_QUALITY,
     DEFAULT_QUANTIZER,
     DPU_OUTPUTS,
+    ENTROPIES,
     QUALITY_LEVELS,
     QUANTIZERS,
     WRITEBACK_ENCODERS,
@@ -229,10 +230,20 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         dest="remote_kv_quantizer",
         choices=QUANTIZERS,
         default=DEFAULT_QUANTIZER,
-        help="Transform codec only: trellis (default; trellis-coded quantization, Deflate only) or scalar "
+        help="Transform codec only: trellis (default; trellis-coded quantization, Deflate or zstd) or scalar "
         "(rounds each value: ~1.7x less encode CPU, ~4.5%% larger chunks at the same KL; with --remote-kv "
         "inproc it writes rANS). Its own key namespace, like a level: chunks written by a version before "
         "the trellis became the default are read with --remote-kv-quantizer scalar.",
+    )
+    g.add_argument(
+        "--remote-kv-entropy",
+        dest="remote_kv_entropy",
+        choices=ENTROPIES,
+        default="default",
+        help="Transform codec only: its entropy stage. default: Deflate (what a DPU's engine inflates; rANS "
+        "with --remote-kv inproc and --remote-kv-quantizer scalar); zstd: ~2%% larger chunks, about half "
+        "the host CPU to entropy-decode them (the in-process path's remaining host work when the GPU "
+        "decodes, docs/CODEC.md); rans needs the scalar quantizer. Its own key namespace, like a level.",
     )
     g.add_argument(
         "--remote-kv-flush",

@@ -91,13 +91,18 @@ class ModelFingerprint:
 QUALITY_LEVELS = ("0.0005", "0.001", "0.002", "0.005", "0.01")
 DEFAULT_QUALITY = "0.0005"
 
-# The transform codec's quantizer (``--remote-kv-quantizer``): rint per value, or trellis-coded (Deflate only;
+# The transform codec's quantizer (``--remote-kv-quantizer``): rint per value, or trellis-coded (no rANS;
 # docs/CODEC.md "Trellis-coded quantization"). A deployment writes the trellis unless told otherwise (smaller
 # at the same KL; task accuracy within a point of recompute, docs/results/task_accuracy.json); a chunk whose
 # params name no quantizer is scalar (``SCALAR_QUANTIZER``: chunks written before the trellis keep their keys).
 QUANTIZERS = ("scalar", "trellis")
 SCALAR_QUANTIZER = "scalar"
 DEFAULT_QUANTIZER = "trellis"
+
+# The transform codec's entropy stage (``--remote-kv-entropy``): ``default`` = Deflate (what a data plane's
+# engine inflates), rANS for ``--remote-kv inproc`` with the scalar quantizer; ``zstd`` ~2% larger chunks for
+# about half the host CPU of the lossless stage (docs/CODEC.md "Entropy stage"); the trellis refuses rANS.
+ENTROPIES = ("default", "deflate", "zstd", "rans")
 
 ROPE_STYLES = ("neox", "gptj")
 

@@ -1,6 +1,7 @@
 """Planned Huffman-only blocks (``lz.plan_blocks`` / ``compress_huffman(data, row)``): plain Deflate any
 inflater reads, block ends that are the exact optimum of the planner's own cost, and fewer bytes than
-zlib's fixed-size blocks on a component-major stream whose spread changes from row to row."""
+zlib's fixed-size blocks on a component-major stream whose spread changes from row to row; the zstd form
+(``compress_planned``): a plain zstd frame, smaller than one zstd compression of the whole stream."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def test_planned_stream_is_plain_deflate(c_n, t_n):
     assert zlib.decompress(body, -15) == data
     assert isal_zlib.decompressobj(-15).decompress(body) == data
     out = np.empty(len(data) + 50, np.uint8)
-    sec = lz.pack_streams(lz.DEFLATE, 1, [b"prelude" * 3, data], huffman_only=(1,), row=t_n)
+    sec = lz.pack_streams(lz.DEFLATE, 1, [b"prelude" * 3, data], symbols=(1,), row=t_n)
     assert lz.unpack_streams(memoryview(sec), out, lz.DEFLATE) == len(data) + 21
     assert out[21 : 21 + len(data)].tobytes() == data
 
@@ -80,3 +81,31 @@ def test_unplannable_input_falls_back_to_fixed_blocks():
     data = _rows(10, 33).tobytes()
     assert lz.compress_huffman(data, 7) == lz.compress_huffman(data)  # 330 bytes are not rows of 7
     assert lz.compress_huffman(b"", 5) == lz.compress_huffman(b"")
+
+
+@pytest.mark.parametrize(("c_n", "t_n"), [(192, 256), (1024, 256), (192, 37), (30, 1), (1, 5)])
+def test_planned_zstd_stream_is_a_plain_zstd_frame(c_n, t_n):
+    """Any zstd decoder reads it (its content size in the frame header), and through ``pack_streams`` /
+    ``unpack_streams`` it round-trips beside a zstd prelude. (1024, 256): 256 KiB, over zstd's 128 KiB
+    block limit."""
+    import zstandard
+
+    data = _rows(c_n, t_n).tobytes()
+    body = lz.compress_planned(data, t_n, 1)
+    assert zstandard.frame_content_size(body) == len(data)
+    assert zstandard.ZstdDecompressor().decompress(body) == data
+    sec = lz.pack_streams(lz.ZSTD, 1, [b"prelude" * 3, data], symbols=(1,), row=t_n)
+    out = np.empty(len(data) + 21, np.uint8)
+    assert lz.unpack_streams(memoryview(sec), out, lz.ZSTD) == len(data) + 21
+    assert out[21:].tobytes() == data
+    head = lz.STREAM.unpack_from(sec, lz.SUB.size + lz.STREAM.size)
+    if head[0] == lz.ZSTD:  # (a stream that did not shrink is stored raw, which either method reads)
+        with pytest.raises(lz.CorruptChunk, match="method"):  # a zstd section is not read as Deflate
+            lz.unpack_streams(memoryview(sec), out, lz.DEFLATE)
+    assert head[0] == (lz.ZSTD if c_n * t_n >= 1000 else head[0])
+
+
+def test_planned_zstd_blocks_beat_one_zstd_compression():
+    data = _rows(192, 256, seed=5).tobytes()
+    assert len(lz.compress_planned(data, 256, 1)) < 0.98 * len(lz.compress(lz.ZSTD, data, 1))
+    assert lz.compress_planned(data, 7, 1) == lz.compress(lz.ZSTD, data, 1)  # not rows of 7: one call

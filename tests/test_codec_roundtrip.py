@@ -236,7 +236,7 @@ def test_outlier_key_channels_are_exact(dtype):
 
 
 def test_huffman_only_streams_are_plain_deflate_and_roundtrip():
-    """``pack_streams(..., huffman_only=)``: those parts are Deflate streams any inflater reads (zlib here,
+    """``pack_streams(..., symbols=)`` with Deflate: those parts are Deflate streams any inflater reads (zlib here,
     isal in ``unpack_streams``), the others keep their method, a part that does not shrink is stored."""
     import zlib
 
@@ -245,7 +245,7 @@ def test_huffman_only_streams_are_plain_deflate_and_roundtrip():
     rng = np.random.default_rng(11)
     syms = (128 + np.clip(rng.laplace(0, 6, 70_000), -120, 120)).astype(np.uint8).tobytes()
     parts = [b"prelude" * 40, syms, rng.integers(0, 256, 5000, dtype=np.uint8).tobytes()]
-    sec = lz.pack_streams(lz.DEFLATE, 1, parts, huffman_only=(1, 2))
+    sec = lz.pack_streams(lz.DEFLATE, 1, parts, symbols=(1, 2))
     out = np.empty(sum(map(len, parts)), np.uint8)
     assert lz.unpack_streams(memoryview(sec), out, lz.DEFLATE) == out.size
     assert out.tobytes() == b"".join(parts)
@@ -254,5 +254,5 @@ def test_huffman_only_streams_are_plain_deflate_and_roundtrip():
     assert [h[0] for h in heads] == [lz.DEFLATE, lz.DEFLATE, lz.RAW]  # random bytes do not shrink
     body = lz.SUB.size + n * lz.STREAM.size + heads[0][2]
     assert zlib.decompress(sec[body : body + heads[1][2]], -15) == syms
-    with pytest.raises(ValueError, match="Huffman-only"):
-        lz.pack_streams(lz.ZSTD, 3, parts, huffman_only=(1,))
+    with pytest.raises(ValueError, match="Deflate or zstd"):
+        lz.pack_streams(lz.RAW, 3, parts, symbols=(1,))

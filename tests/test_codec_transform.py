@@ -71,7 +71,7 @@ def test_rope_undo_then_apply_is_identity_far_into_the_sequence():
     assert np.max(np.abs(_rotate(x, 7, -1) - x)) > 0.1  # it does rotate
 
 
-@pytest.mark.parametrize("entropy", ["deflate", "rans", "auto"])
+@pytest.mark.parametrize("entropy", ["deflate", "rans", "auto", "zstd"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_roundtrip_error_is_bounded_by_the_steps(cal, entropy, dtype):
     codec = get_codec("transform", calibration=cal.calib_id.hex(), quality="0.0005", entropy=entropy)
@@ -93,7 +93,7 @@ def test_roundtrip_error_is_bounded_by_the_steps(cal, entropy, dtype):
 def test_rans_and_deflate_variants_decode_identically(cal):
     k, v = kv("bfloat16", 256, scale=3.0)
     outs = []
-    for entropy in ("deflate", "rans", "auto"):
+    for entropy in ("deflate", "rans", "auto", "zstd"):
         codec = get_codec("transform", calibration=cal.calib_id.hex(), entropy=entropy)
         outs.append(decode(codec.encode(k, v, fp("bfloat16"), start=256), fp("bfloat16")))
     for o in outs[1:]:

@@ -150,10 +150,14 @@ def test_roundtrip_error_is_bounded_and_the_codec_is_its_own_key_namespace(cal, 
         scalar.decode(blob, fp(dtype))
 
 
-def test_trellis_needs_deflate(cal):
+def test_trellis_needs_deflate_or_zstd(cal):
     for entropy in ("rans", "auto"):
-        with pytest.raises(ValueError, match="deflate only"):
+        with pytest.raises(ValueError, match="deflate', 'zstd'\\) only"):
             _codec(cal, entropy=entropy)
+    k, v = kv("bfloat16", 300)
+    f = fp("bfloat16")
+    got = [decode(_codec(cal, entropy=e).encode(k, v, f, start=300), f) for e in ("deflate", "zstd")]
+    assert all(np.array_equal(a, b) for a, b in zip(got[0], got[1], strict=True))  # same codes either way
     with pytest.raises(ValueError, match="quantizer must be"):
         _codec(cal, "vector")
 
@@ -274,6 +278,23 @@ def test_the_trellis_is_the_default_and_scalar_keeps_its_keys(cal):
         assert get_codec("transform", **scalar.params()).quantizer == "scalar"
     with pytest.raises(ValueError, match="--remote-kv-quantizer"):
         RemoteKVConfig(mode="dpu", quantizer="vector")
+    for mode in ("dpu", "inproc"):  # --remote-kv-entropy: the stage named, whatever the mode
+        for quantizer in ("trellis", "scalar"):
+            for entropy in ("zstd", "deflate"):
+                codec = written(
+                    "--remote-kv", mode, "--remote-kv-quantizer", quantizer, "--remote-kv-entropy", entropy
+                )
+                assert codec.entropy == entropy and codec.params()["entropy"] == entropy
+    assert (
+        written(
+            "--remote-kv", "dpu", "--remote-kv-quantizer", "scalar", "--remote-kv-entropy", "rans"
+        ).entropy
+        == "rans"
+    )
+    with pytest.raises(ValueError, match="needs --remote-kv-quantizer scalar"):
+        RemoteKVConfig(mode="dpu", entropy="rans")
+    with pytest.raises(ValueError, match="--remote-kv-entropy must be"):
+        RemoteKVConfig(mode="dpu", entropy="lzma")
 
 
 def test_values_beyond_the_code_range_fail_to_encode_cleanly():

@@ -11,6 +11,7 @@ import struct
 import numpy as np
 
 from sgl_remote_kv.codec import calibration as calib_mod
+from sgl_remote_kv.codec import lz
 from sgl_remote_kv.codec import transform_ops as ops
 from sgl_remote_kv.codec.format import pack
 from sgl_remote_kv.types import ModelFingerprint
@@ -19,12 +20,13 @@ PRE = struct.Struct("<IIHBBHHII")  # a layer section's prelude (``transform.py``
 
 
 class TransformOnDevice:
-    """Mixed into ``TransformCodec`` (its ``cal``, ``quality``, ``entropy``, ``level``, ``_deflate``)."""
+    """Mixed into ``TransformCodec`` (its ``cal``, ``quality``, ``entropy``, ``level``, ``_packed``)."""
 
     @property
     def device_encode(self) -> bool:
-        """A device pool's write-back codes on the device (``kernels/transform_encode.py``), Deflate here."""
-        return self.entropy == "deflate"
+        """A device pool's write-back codes on the device (``kernels/transform_encode.py``), Deflate or zstd
+        here (not rANS)."""
+        return self.entropy in lz.PACKED
 
     def device_encode_spec(self, fingerprint: ModelFingerprint):
         from sgl_remote_kv.codec.quantized import TransformEncodeSpec
@@ -34,13 +36,13 @@ class TransformOnDevice:
         return TransformEncodeSpec(self, group, lay.num_kv_heads * lay.head_dim // self.cal.group_dim)
 
     def encode_quantized(self, q, j: int, fingerprint: ModelFingerprint) -> bytes:
-        """Chunk ``j`` of a device-coded read (``quantized.TransformCodes``) as a blob, Deflate-coded here."""
+        """Chunk ``j`` of a device-coded read (``quantized.TransformCodes``) as a blob, Deflate- or zstd-coded here."""
         group = calib_mod.group_of(fingerprint, self.cal.groups, self.cal.group_dim)
         n_sink = ops.sink_count(self.cal, q.start + j * q.chunk, q.chunk)
         sections = []
         for layer in range(fingerprint.layout.num_layers):
             prefix, sk, sv = q.layer_parts(PRE, layer, j, n_sink, group)
-            sections.append(self._deflate(prefix, (sk, sv), q.chunk))
+            sections.append(self._packed(lz.PACKED[self.entropy], prefix, (sk, sv), q.chunk))
         return pack(
             self.codec_id, self.params_bytes(), fingerprint, q.chunk, sections, aux_id=self.cal.calib_id
         )

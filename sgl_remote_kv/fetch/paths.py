@@ -83,9 +83,11 @@ def write_codec(
     """The codec this deployment writes (and its primary path reads)."""
     if cfg.mode == "nvdec" and cfg.codec in ("", "default"):
         return get_codec(HEVC)
-    # Deflate where a data plane decodes (what its engine inflates), rANS where only the host does (the
-    # trellis quantizer codes with Deflate only)
-    entropy = "rans" if cfg.mode == "inproc" and cfg.quantizer == SCALAR_QUANTIZER else "deflate"
+    # by default Deflate where a data plane decodes (what its engine inflates), rANS where only the host does
+    # (the trellis quantizer codes with Deflate or zstd only)
+    entropy = cfg.entropy
+    if entropy == "default":
+        entropy = "rans" if cfg.mode == "inproc" and cfg.quantizer == SCALAR_QUANTIZER else "deflate"
     return resolve_codec(cfg.codec, fingerprint, rope, cfg.quality, entropy, cfg.quantizer)
 
 

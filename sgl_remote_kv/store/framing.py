@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import struct
 import time
-import zlib
 from dataclasses import dataclass
+
+from isal import isal_zlib
 
 from .keys import SHARED_TAG
 
@@ -42,7 +43,7 @@ def frame(
 ) -> bytes:
     """``header || payload`` (one copy of the payload)."""
     meta = _META.pack(int(time.time()) if written_at is None else written_at, tenant_tag)
-    crc = zlib.crc32(payload, zlib.crc32(meta, zlib.crc32(key)))
+    crc = isal_zlib.crc32(payload, isal_zlib.crc32(meta, isal_zlib.crc32(key)))
     return _HEADER.pack(_MAGIC, _VERSION, len(payload), crc, *_META.unpack(meta)) + bytes(payload)
 
 
@@ -102,7 +103,7 @@ class FrameReader:
             return data
         if len(data) > self.payload_len - self.received:
             raise FrameError("the value is longer than its frame header says")
-        self._crc = zlib.crc32(data, self._crc)
+        self._crc = isal_zlib.crc32(data, self._crc)
         self.received += len(data)
         return data
 
@@ -117,7 +118,11 @@ class FrameReader:
         meta = self._head[_HEADER_V1.size :] if self.version == 2 else b""
         if meta:
             self.written_at, self.tenant_tag = _META.unpack(meta)
-        self._crc, self._want, self.payload_len = zlib.crc32(meta, zlib.crc32(self._key)), crc, length
+        self._crc, self._want, self.payload_len = (
+            isal_zlib.crc32(meta, isal_zlib.crc32(self._key)),
+            crc,
+            length,
+        )
 
     def finish(self) -> None:
         """The whole value was fed: ``FrameError`` unless it is complete and its CRC matches."""
