@@ -44,10 +44,10 @@ def codecs(fp) -> list[tuple[str, object]]:
         if cal is None:
             print(f"skip {label}: no such calibration (calibrate --group-heads 1)", file=sys.stderr)
             continue
-        # (label suffix, params): scalar with either entropy stage, and the trellis (full calibration only)
-        variants = [("deflate", {"entropy": "deflate"}), ("rans", {"entropy": "rans"})]
+        # (label suffix, params): scalar with each entropy stage, and the trellis (full calibration only)
+        variants = [(e, {"entropy": e}) for e in ("deflate", "rans", "zstd")]
         if label == "transform":
-            variants.append(("deflate trellis", {"entropy": "deflate", "quantizer": "trellis"}))
+            variants += [(f"{e} trellis", {"entropy": e, "quantizer": "trellis"}) for e in ("deflate", "zstd")]
         for suffix, params in variants:
             codec = get_codec("transform", calibration=cal.calib_id.hex(), quality=DEFAULT_QUALITY, **params)
             out.append((f"{label} {suffix} {DEFAULT_QUALITY}", codec))

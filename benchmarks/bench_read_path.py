@@ -10,6 +10,11 @@ way a server's remote hit does, two ways side by side in one run:
 - ``device_decode``: staging holds codes (``RowStore(keep_codes=True)``): the workers and the data plane
   run the lossless stage only; the load uploads the codes and dequantizes on the device.
 
+Both modes are set up and warmed first, then ``--repeat`` rounds each run host then device, and every
+figure is the median over rounds (this shared CPU drifts and page-faults fresh allocations now and then;
+``host_cpu_s_per_gb_rounds`` keeps each round's). One row per path, quantizer and entropy stage
+(``--entropies``: Deflate, the default's, and zstd).
+
 The device is the strict CPU double of a CUDA device (``tests/strict_device.py``): its stream thread does
 the device's work (the Triton kernels' torch definitions). **Host CPU** is this process's CPU time less
 that thread's and less the CPU the host threads spent inside the double's device calls and metering them

@@ -45,13 +45,18 @@ def make_calibration(
 def device_decode_codec(kind: str, fp: ModelFingerprint):
     """The codec the device-decode tests fetch with: ``quant_deflate`` (token scales), or the transform codec
     on a synthetic calibration of ``fp`` whose step 0.02 gives escapes and an exact sink token on synthetic
-    KV, with the scalar quantizer (``transform``) or the trellis (``transform_trellis``)."""
+    KV, with the scalar quantizer (``transform``) or the trellis (``transform_trellis``; with zstd as its
+    entropy stage: ``transform_trellis_zstd``)."""
     from sgl_remote_kv.codec.base import get_codec
 
     if kind == "quant_deflate":
         return get_codec("quant_deflate", k_bins="256", v_bins="96", granularity="token")
-    quantizer = {"transform": "scalar", "transform_trellis": "trellis"}[kind]
+    quantizer, entropy = {
+        "transform": ("scalar", "deflate"),
+        "transform_trellis": ("trellis", "deflate"),
+        "transform_trellis_zstd": ("trellis", "zstd"),
+    }[kind]
     cal = make_calibration(fp, step=0.02, seed=3)
     return get_codec(
-        "transform", calibration=cal.calib_id.hex(), quality="0.0005", entropy="deflate", quantizer=quantizer
+        "transform", calibration=cal.calib_id.hex(), quality="0.0005", entropy=entropy, quantizer=quantizer
     )

@@ -53,7 +53,8 @@ def _client(url, codec, output: str = "auto") -> DpuClient:
 
 @pytest.mark.parametrize("output", ["kv", "codes"])
 @pytest.mark.parametrize(
-    "entropy,quantizer", [("deflate", "scalar"), ("rans", "scalar"), ("deflate", "trellis")]
+    "entropy,quantizer",
+    [("deflate", "scalar"), ("rans", "scalar"), ("deflate", "trellis"), ("zstd", "trellis")],
 )
 def test_data_plane_decodes_transform_chunks_like_the_host(tmp_path, calibrated, entropy, quantizer, output):
     """Decoded on the data plane (``kv``) or only entropy-decoded there and inverse-transformed by the

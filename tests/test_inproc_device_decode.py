@@ -29,7 +29,7 @@ FP = synthetic.fingerprint(num_layers=3, dtype="bfloat16")
 LAY = FP.layout
 
 
-@pytest.fixture(params=["quant_deflate", "transform", "transform_trellis"])
+@pytest.fixture(params=["quant_deflate", "transform", "transform_trellis", "transform_trellis_zstd"])
 def stored(tmp_path, request):
     client, codec, keys, k, v = _store(tmp_path, request.param)
     yield client, codec, keys, k, v
