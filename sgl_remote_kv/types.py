@@ -100,8 +100,9 @@ SCALAR_QUANTIZER = "scalar"
 DEFAULT_QUANTIZER = "trellis"
 
 # The transform codec's entropy stage (``--remote-kv-entropy``): ``default`` = Deflate (what a data plane's
-# engine inflates), rANS for ``--remote-kv inproc`` with the scalar quantizer; ``zstd`` ~2% larger chunks for
-# about half the host CPU of the lossless stage (docs/CODEC.md "Entropy stage"); the trellis refuses rANS.
+# engine inflates), and for ``--remote-kv inproc`` (the host entropy-decodes) zstd with the trellis, rANS with
+# the scalar quantizer; zstd: ~2% larger chunks than Deflate, its lossless stage ~1.7x as fast on a CPU
+# (docs/CODEC.md "Entropy stage"); the trellis refuses rANS.
 ENTROPIES = ("default", "deflate", "zstd", "rans")
 
 ROPE_STYLES = ("neox", "gptj")

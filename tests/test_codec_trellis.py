@@ -249,10 +249,11 @@ def test_every_decode_path_reads_the_same_codes(fine_cal):
 
 
 def test_the_trellis_is_the_default_and_scalar_keeps_its_keys(cal):
-    """Without the flag a server writes the trellis in every mode (``inproc`` then writes Deflate, the only
-    entropy stage the trellis codes with); ``--remote-kv-quantizer scalar`` writes what versions before the
-    trellis wrote (rANS with ``inproc``, no quantizer param: the same keys); a blob's params without a
-    quantizer decode as scalar."""
+    """Without the flag a server writes the trellis in every mode, with Deflate where a data plane decodes and
+    zstd with ``inproc`` (the host's cheaper entropy stage; the trellis does not code with rANS);
+    ``--remote-kv-quantizer scalar`` writes what versions before the trellis wrote (rANS with ``inproc``, no
+    quantizer param: the same keys); a blob's params without a quantizer decode as scalar;
+    ``--remote-kv-entropy`` names the stage whatever the mode."""
     from test_codec_transform import ROPE
     from test_config import _parser
 
@@ -264,12 +265,12 @@ def test_the_trellis_is_the_default_and_scalar_keeps_its_keys(cal):
         assert RemoteKVConfig.from_json(cfg.to_json()) == cfg
         return paths.write_codec(cfg, fp(), ROPE)
 
-    for mode in ("dpu", "inproc"):
-        for flags in ((), ("--remote-kv-quantizer", "trellis")):
+    for mode, entropy in (("dpu", "deflate"), ("auto", "deflate"), ("inproc", "zstd")):
+        for flags in ((), ("--remote-kv-quantizer", "trellis"), ("--remote-kv-entropy", "default")):
             codec = written("--remote-kv", mode, *flags)
             assert (codec.name, codec.entropy, codec.params()["quantizer"]) == (
                 "transform",
-                "deflate",
+                entropy,
                 "trellis",
             )
     for mode, entropy in (("dpu", "deflate"), ("inproc", "rans")):

@@ -57,7 +57,8 @@ def resolve_codec(
 ) -> Codec:
     """The codec a deployment writes. ``default``: the transform codec of the model's calibration at
     ``quality`` (needs ``fingerprint`` and the model's ``rope``) with ``entropy`` as its lossless stage
-    (``deflate``: what a DPU inflates; ``rans``: smaller, for decoders on the host), or, when the model
+    (``deflate``: what a DPU inflates; ``zstd``: faster to decode on a CPU; ``rans``: smaller, scalar
+    symbols only), or, when the model
     has no usable calibration, the default quantized codec (logged once, naming the command that calibrates);
     ``transform``: the same, but a missing calibration is logged as an error; anything else by registry
     name."""
@@ -83,11 +84,12 @@ def write_codec(
     """The codec this deployment writes (and its primary path reads)."""
     if cfg.mode == "nvdec" and cfg.codec in ("", "default"):
         return get_codec(HEVC)
-    # by default Deflate where a data plane decodes (what its engine inflates), rANS where only the host does
-    # (the trellis quantizer codes with Deflate or zstd only)
+    # by default Deflate where a data plane decodes (what its engine inflates); where only the host does, the
+    # stage cheapest for it: rANS for scalar symbols (its tables fit those), zstd for the trellis
     entropy = cfg.entropy
     if entropy == "default":
-        entropy = "rans" if cfg.mode == "inproc" and cfg.quantizer == SCALAR_QUANTIZER else "deflate"
+        host_only = {SCALAR_QUANTIZER: "rans"}.get(cfg.quantizer, "zstd")
+        entropy = host_only if cfg.mode == "inproc" else "deflate"
     return resolve_codec(cfg.codec, fingerprint, rope, cfg.quality, entropy, cfg.quantizer)
 
 
