@@ -47,7 +47,9 @@ def codecs(fp) -> list[tuple[str, object]]:
         # (label suffix, params): scalar with each entropy stage, and the trellis (full calibration only)
         variants = [(e, {"entropy": e}) for e in ("deflate", "rans", "zstd")]
         if label == "transform":
-            variants += [(f"{e} trellis", {"entropy": e, "quantizer": "trellis"}) for e in ("deflate", "zstd")]
+            variants += [
+                (f"{e} trellis", {"entropy": e, "quantizer": "trellis"}) for e in ("deflate", "zstd")
+            ]
         for suffix, params in variants:
             codec = get_codec("transform", calibration=cal.calib_id.hex(), quality=DEFAULT_QUALITY, **params)
             out.append((f"{label} {suffix} {DEFAULT_QUALITY}", codec))
