@@ -84,13 +84,17 @@ def write_codec(
     """The codec this deployment writes (and its primary path reads)."""
     if cfg.mode == "nvdec" and cfg.codec in ("", "default"):
         return get_codec(HEVC)
-    # by default Deflate where a data plane decodes (what its engine inflates); where only the host does, the
-    # stage cheapest for it: rANS for scalar symbols (its tables fit those), zstd for the trellis
-    entropy = cfg.entropy
-    if entropy == "default":
-        host_only = {SCALAR_QUANTIZER: "rans"}.get(cfg.quantizer, "zstd")
-        entropy = host_only if cfg.mode == "inproc" else "deflate"
+    entropy = cfg.entropy if cfg.entropy != "default" else default_entropy(cfg.mode, cfg.quantizer)
     return resolve_codec(cfg.codec, fingerprint, rope, cfg.quality, entropy, cfg.quantizer)
+
+
+def default_entropy(mode: str, quantizer: str) -> str:
+    """The transform codec's entropy stage a ``mode`` writes by default: Deflate where a data plane decodes
+    (what its engine inflates); where only the host does, the stage cheapest for it: rANS for scalar symbols
+    (its tables fit those), zstd for the trellis."""
+    if mode != "inproc":
+        return "deflate"
+    return "rans" if quantizer == SCALAR_QUANTIZER else "zstd"
 
 
 @dataclass(frozen=True)
