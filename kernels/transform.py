@@ -17,7 +17,8 @@ from the CPU stage only by float32 rounding (a rare last-bit difference after th
 codec is lossy, so nothing downstream relies on bit equality with it.
 
 ``inverse_reference`` is plain torch (the strict CPU device of the test suite runs it);
-``inverse_triton`` is one Triton launch per chunk and layer (runs on CPU under ``TRITON_INTERPRET=1``).
+``inverse_triton`` is one Triton launch (runs on CPU under ``TRITON_INTERPRET=1``); ``inverse_chunks`` runs
+a layer's chunks of equal length through either in one set of launches.
 Escapes are resolved before either (``resolve_escapes``: the i-th escape symbol takes the i-th value, as
 in the CPU stage; clamped indices, so a mismatch can never fault the device), and a trellis-coded chunk's
 k become its integer codes r on the device too (``trellis_codes``: the state machine's replay as a prefix
@@ -92,8 +93,9 @@ def freq_index(gd: int, head_dim: int, style: int) -> np.ndarray:
 
 
 def resolve_escapes(sym: torch.Tensor, esc: torch.Tensor) -> torch.Tensor:
-    """``sym`` [2, C, T] uint8, ``esc`` [n] int16 (K's then V's, each in component-major order) ->
-    float32 q [2, C, T]: the i-th escape symbol (0) takes ``esc[i]``. The host checked ``n`` equals the
+    """``sym`` [2, C, T] uint8 (or [N, 2, C, T]: N chunks), ``esc`` [n] int16 (K's then V's, each in
+    component-major order; chunk after chunk) -> float32 q of ``sym``'s shape: the i-th escape symbol (0) in
+    that order takes ``esc[i]``. The host checked ``n`` equals the
     number of escape symbols; on the device nothing may fault even when it does not (a timed-out write's
     late upload can read a reused staging buffer), so indices are clamped instead of checked: a
     mismatch gives wrong values, which only such a failed write can see, never a device error. No host sync."""
@@ -106,8 +108,9 @@ def resolve_escapes(sym: torch.Tensor, esc: torch.Tensor) -> torch.Tensor:
 
 
 def trellis_codes(k: torch.Tensor) -> torch.Tensor:
-    """A trellis-coded chunk's resolved ``k`` [2, C, T] float32 (exact integers, ``resolve_escapes``) -> its
-    integer codes r = 2k - q sign(k) [2, C, T] float32, the values ``codec.trellis.codes`` replays on the
+    """A trellis-coded chunk's resolved ``k`` [2, C, T] float32 (exact integers, ``resolve_escapes``; any
+    leading axes, e.g. chunks, each replayed from its own first token) -> its integer codes r = 2k - q sign(k)
+    of the same shape, the values ``codec.trellis.codes`` replays on the
     host. The quantizer q_t of each component (from state 0 at the chunk's first token) is, in
     ``codec.trellis``'s closed form, q_t = parity(k_(t-1)) ^ q_(t-2) with q_0 = q_(-1) = 0: the XOR of the
     parities of tokens t-1, t-3, ..., i.e. a cumulative sum mod 2 over every other token. Plain torch
@@ -118,6 +121,43 @@ def trellis_codes(k: torch.Tensor) -> torch.Tensor:
     y[..., 1:t] = ki[..., : t - 1] & 1  # y_t = parity(k_(t-1)), y_0 = 0 (padded to an even length)
     q = (torch.cumsum(y.view(*k.shape[:-1], -1, 2), dim=-2) & 1).view(y.shape)[..., :t]
     return 2.0 * k - q.to(torch.float32) * torch.sign(k)
+
+
+def inverse_chunks(
+    syms: list,
+    escs: list,
+    scales: list,
+    coss: list,
+    sins: list,
+    consts: TransformConsts,
+    head_dim: int,
+    style: int,
+    sinks: list,
+    out: torch.Tensor,
+    trellis: bool,
+    inverse,
+) -> None:
+    """N chunks of one layer, each of the same T tokens, in one set of launches: ``syms`` [2, C, T] uint8,
+    ``escs`` their escapes (each chunk's K's then V's), ``scales`` [2, T] float32, ``sinks`` [2, S, C *
+    itemsize] raw bytes of each chunk's exact sink tokens; ``coss``/``sins``: RoPE tables of the N*T tokens
+    in order (one [T, head_dim/2] per chunk, or one [N*T, head_dim/2]) -> ``out`` [2, N*T, C]. The
+    escapes resolve over the stacked chunks in order (``resolve_escapes``: chunk-major, as ``escs``
+    concatenate), a trellis chunk's codes replay from its own first token (``trellis_codes`` on the chunk
+    axis), and ONE inverse transform covers every token (it is token-wise): ``inverse`` is
+    ``inverse_triton`` or ``inverse_reference``. No host sync."""
+    n = len(syms)
+    sym = syms[0][None] if n == 1 else torch.stack(syms)  # [N, 2, C, T]
+    q = resolve_escapes(sym, escs[0] if n == 1 else torch.cat(escs))
+    if trellis:
+        q = trellis_codes(q)
+    _, _, c, t = q.shape
+    q = q[0] if n == 1 else q.permute(1, 2, 0, 3).reshape(2, c, n * t)  # component-major over all tokens
+    s = scales[0] if n == 1 else torch.cat(scales, dim=1)
+    cos, sin = (coss[0], sins[0]) if len(coss) == 1 else (torch.cat(coss), torch.cat(sins))
+    inverse(q, s, cos, sin, consts, head_dim, style, True, out)
+    for i, sk in enumerate(sinks):  # the exact sink tokens' raw bytes over their rows
+        if sk.shape[1]:
+            out[:, i * t : i * t + sk.shape[1]].view(torch.uint8).copy_(sk)
 
 
 def inverse_reference(

@@ -323,17 +323,35 @@ class StrictDevice:
         return self.tensor(torch.from_numpy(np.array(array)))  # a writable copy
 
     def inverse_transform(
-        self, sym, esc, scales, cos, sin, consts, head_dim: int, style: int, sinks, out, trellis: bool = False
+        self,
+        syms,
+        escs,
+        scales,
+        coss,
+        sins,
+        consts,
+        head_dim: int,
+        style: int,
+        sinks,
+        out,
+        trellis: bool = False,
     ) -> None:
-        from sgl_remote_kv.kernels.transform import inverse_reference, resolve_escapes, trellis_codes
+        from sgl_remote_kv.kernels.transform import inverse_chunks, inverse_reference
 
+        lists = (syms, escs, scales, sinks)
+        if len({len(a) for a in lists}) != 1 or not syms or len(coss) not in (1, len(syms)):
+            raise ValueError(
+                "inverse_transform: one sym, esc, scales and sinks per chunk, RoPE tables of them"
+            )
+        if len({sym.shape for sym in syms}) != 1:
+            raise ValueError("inverse_transform: chunks of one call have the same shape")
         for t in (
-            sym,
-            esc,
-            scales,
-            cos,
-            sin,
-            sinks,
+            *syms,
+            *escs,
+            *scales,
+            *coss,
+            *sins,
+            *sinks,
             out,
             consts.steps,
             consts.bt,
@@ -346,12 +364,20 @@ class StrictDevice:
 
         def run():
             with torch._C.DisableTorchFunctionSubclass():
-                q = resolve_escapes(sym, esc)
-                if trellis:
-                    q = trellis_codes(q)
-                inverse_reference(q, scales, cos, sin, consts, head_dim, style, True, out)
-                if sinks.shape[1]:
-                    out[:, : sinks.shape[1]].view(torch.uint8).copy_(sinks)
+                inverse_chunks(
+                    syms,
+                    escs,
+                    scales,
+                    coss,
+                    sins,
+                    consts,
+                    head_dim,
+                    style,
+                    sinks,
+                    out,
+                    trellis,
+                    inverse_reference,
+                )
 
         self._enqueue(run, [])
 

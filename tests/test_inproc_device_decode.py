@@ -83,7 +83,10 @@ def _assert_decoded(codec, got: np.ndarray, want: np.ndarray) -> None:
         return
     g, w = quant.to_f32(got, LAY.dtype), quant.to_f32(want, LAY.dtype)
     diff = np.abs(g - w)
-    assert np.all(diff <= np.abs(w) * 2.0**-7 + 1e-6), diff.max()  # at most one bf16 step
+    # at most one bf16 step (of the larger of the two: a step across a power of two is the upper one's), or
+    # float32 rounding near zero (the GEMM's sums cancel: 1e-5 of the largest value)
+    tol = np.maximum(np.abs(g), np.abs(w)) * 2.0**-7 + 1e-5 * np.abs(w).max()
+    assert np.all(diff <= tol), float((diff - tol).max())
     assert np.mean(got != want) < 0.01
 
 
@@ -158,3 +161,36 @@ def test_transform_constants_are_not_replaced_under_a_late_write(tmp_path, dev):
     dev.synchronize()
     write(1)  # the late write completed: the cache may be replaced now
     assert ("another calibration", 0) not in w._consts
+
+
+def test_a_layer_s_chunks_decode_in_one_call_per_length(dev, monkeypatch):
+    """The device writer hands a layer's transform chunks to the device in one ``inverse_transform`` per run
+    of equal length (here 16, 16, 16 then an 8-token tail: two calls), and the pool holds what the host
+    decodes."""
+    codec = device_decode_codec("transform_trellis", FP)
+    kv, w = _device_pool(dev)
+    blobs = [
+        codec.encode(*synthetic.kv(LAY, n, seed=i), FP, start=16 * i) for i, n in enumerate((16, 16, 16, 8))
+    ]
+    calls: list[int] = []
+    real = dev.inverse_transform
+
+    def spy(syms, *a, **kw):
+        calls.append(len(syms))
+        return real(syms, *a, **kw)
+
+    monkeypatch.setattr(dev, "inverse_transform", spy)
+    slots = torch.randperm(128)[:56]
+    for layer in range(LAY.num_layers):
+        views = []
+        for b in blobs:
+            hdr = codec.parse(b, FP)
+            views.append(
+                codec.codes_stage(b, hdr, layer, np.empty(codec.scratch_bytes(hdr, layer), np.uint8))
+            )
+        w.write_quantized(views, slots, layer)
+    assert calls == [3, 1] * LAY.num_layers
+    ref = [codec.decode(b, FP) for b in blobs]
+    rk, rv = w.read(slots)
+    _assert_decoded(codec, rk, np.concatenate([r[0] for r in ref], axis=1))
+    _assert_decoded(codec, rv, np.concatenate([r[1] for r in ref], axis=1))

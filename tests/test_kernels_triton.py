@@ -222,3 +222,53 @@ def test_resolve_escapes_takes_values_in_order_and_never_faults_on_a_mismatch():
     for esc in ([5], [5, 6, 7, 8, 9]):  # too few / too many values (a late write's reused staging)
         got = resolve_escapes(sym, torch.tensor(esc, dtype=torch.int16))
         assert got.shape == sym.shape and torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("quantizer", ["scalar", "trellis"])
+def test_inverse_chunks_of_a_layer_in_one_call_equal_one_call_per_chunk(quantizer):
+    """``inverse_chunks`` over 4 consecutive chunks (escapes in each, an exact sink token in the first, the
+    trellis replayed per chunk) writes the same bits as 4 calls of one chunk each, whether the RoPE tables
+    come per chunk or as one table of all the tokens."""
+    from calibration_helpers import make_calibration
+    from sgl_remote_kv.kernels.transform import inverse_chunks, inverse_reference
+
+    from benchmarks import synthetic_kv as synthetic
+    from sgl_remote_kv.codec.base import get_codec
+    from sgl_remote_kv.codec.transform_ops import rope_tables
+
+    fp = synthetic.fingerprint(num_layers=2, dtype="bfloat16")
+    lay, t = fp.layout, 24
+    cal = make_calibration(fp, step=0.02, seed=5)
+    codec = get_codec("transform", calibration=cal.calib_id.hex(), quality="0.0005", quantizer=quantizer)
+    views = []
+    for i in range(4):
+        blob = codec.encode(*synthetic.kv(lay, t, seed=i), fp, start=i * t)
+        hdr = codec.parse(blob, fp)
+        views.append(codec.codes_stage(blob, hdr, 1, np.empty(codec.scratch_bytes(hdr, 1), np.uint8)))
+    assert (
+        all(vw.esc.size for vw in views)
+        and views[0].n_sink == 1
+        and views[0].trellis == (quantizer == "trellis")
+    )
+    consts = codec.device_consts(1, views[0].group, views[0].groups).to(torch.from_numpy)
+    arrays = [[torch.from_numpy(a.copy()) for a in (vw.sym, vw.esc, vw.scales, vw.sinks)] for vw in views]
+    sym, esc, scales, sinks = (list(f) for f in zip(*arrays, strict=True))
+    tables = [[torch.from_numpy(a.copy()) for a in rope_tables(cal.rope, vw.start, t)] for vw in views]
+    c = lay.num_kv_heads * lay.head_dim
+    args = (consts, lay.head_dim, codec.rope_style)
+    one = torch.empty((2, 4 * t, c), dtype=torch.bfloat16)
+    for i in range(4):
+        inverse_chunks(
+            sym[i : i + 1], esc[i : i + 1], scales[i : i + 1], [tables[i][0]], [tables[i][1]], *args,
+            sinks[i : i + 1], one[:, i * t : (i + 1) * t], views[0].trellis, inverse_reference,
+        )  # fmt: skip
+    together = torch.empty_like(one)
+    coss, sins = [tb[0] for tb in tables], [tb[1] for tb in tables]
+    inverse_chunks(sym, esc, scales, coss, sins, *args, sinks, together, views[0].trellis, inverse_reference)
+    assert torch.equal(together.view(torch.int16), one.view(torch.int16))
+    whole = [torch.from_numpy(a.copy()) for a in rope_tables(cal.rope, 0, 4 * t)]
+    together.zero_()
+    inverse_chunks(
+        sym, esc, scales, [whole[0]], [whole[1]], *args, sinks, together, views[0].trellis, inverse_reference
+    )
+    assert torch.equal(together.view(torch.int16), one.view(torch.int16))

@@ -20,7 +20,7 @@ import torch
 from sgl_remote_kv.kernels.dequant import dequant_triton
 from sgl_remote_kv.kernels.quantize import quantize_layer_device
 from sgl_remote_kv.kernels.scatter import scatter_triton
-from sgl_remote_kv.kernels.transform import inverse_triton, resolve_escapes, trellis_codes
+from sgl_remote_kv.kernels.transform import inverse_chunks, inverse_triton
 from sgl_remote_kv.kernels.transform_encode import encode_layer_device, trellis_search_triton
 
 from .host_pin import cuda_pinner
@@ -117,26 +117,23 @@ class CudaOps:
 
     def inverse_transform(
         self,
-        sym,
-        esc,
-        scales,
-        cos,
-        sin,
+        syms: list,
+        escs: list,
+        scales: list,
+        coss: list,
+        sins: list,
         consts,
         head_dim: int,
         style: int,
-        sinks,
+        sinks: list,
         out: torch.Tensor,
         trellis: bool = False,
     ) -> None:
         self._here()
-        with torch.cuda.stream(self.stream):  # q is allocated on this stream: freed in its order
-            q = resolve_escapes(sym, esc)
-            if trellis:
-                q = trellis_codes(q)
-            inverse_triton(q, scales, cos, sin, consts, head_dim, style, True, out)
-            if sinks.shape[1]:  # the exact sink tokens' raw bytes over their rows
-                out[:, : sinks.shape[1]].view(torch.uint8).copy_(sinks)
+        with torch.cuda.stream(self.stream):  # work arrays are allocated on this stream: freed in its order
+            inverse_chunks(
+                syms, escs, scales, coss, sins, consts, head_dim, style, sinks, out, trellis, inverse_triton
+            )
 
     def record(self) -> torch.cuda.Event:
         self._here()

@@ -39,19 +39,20 @@ class DeviceOps(Protocol):
         self, k_plane, v_plane, slots, consts, cos, sin, style: int, params: tuple, out
     ) -> None: ...
     def constant(self, array: np.ndarray) -> torch.Tensor: ...  # a device copy, complete on return
-    # kernels/transform.py: escapes resolved (with ``trellis``, the k replayed into codes), inverse transform
-    # into ``out`` [2, t, C], sinks put over it
+    # kernels/transform.py ``inverse_chunks``: N chunks of one layer and equal length (lists of their
+    # ``sym``, ``esc``, ``scales``, ``sinks``; RoPE tables of their tokens), escapes resolved (with ``trellis``,
+    # the k replayed into codes), one inverse transform into ``out`` [2, N*t, C], sinks put over it
     def inverse_transform(
         self,
-        sym,
-        esc,
-        scales,
-        cos,
-        sin,
+        syms: list,
+        escs: list,
+        scales: list,
+        coss: list,
+        sins: list,
         consts,
         head_dim: int,
         style: int,
-        sinks,
+        sinks: list,
         out: torch.Tensor,
         trellis: bool = False,
     ) -> None: ...

@@ -225,8 +225,9 @@ class DeviceKVWriter(KVWriter):
 
     def _write_transformed(self, views, slots: torch.Tensor, layer: int, window: tuple[int, int]) -> None:
         """The transform codec's views: symbols, escapes, scales, RoPE tables and sink tokens H2D, one
-        ``inverse_transform`` per chunk into the layer's output (a trellis view's k replayed there, on the
-        device), one scatter (the ``window``), one event."""
+        ``inverse_transform`` per run of chunks of one length (a layer's chunks but a shorter tail: one set of
+        launches, ``kernels.transform.inverse_chunks``) into the layer's output (a trellis view's k replayed
+        there, on the device), one scatter (the ``window``), one event."""
         if sum(vw.tokens for vw in views) > MAX_TOKENS:
             return self._by_chunk(views, slots, layer, window)
         for vw in views:
@@ -234,9 +235,7 @@ class DeviceKVWriter(KVWriter):
                 raise KVWriteError(f"layer {layer}: a chunk's escape count does not match its symbols")
         codec, lay = views[0].codec, self.layout
         t, c = sum(vw.tokens for vw in views), lay.num_kv_heads * lay.head_dim
-        consts = self._transform_consts(
-            codec, layer, views[0].group, views[0].groups
-        )  # may refuse: before staging
+        consts = self._transform_consts(codec, layer, views[0].group, views[0].groups)  # may refuse: first
         parts = [[slots.numpy()]]
         for vw in views:  # in the order a staged record holds them (one upload from the arena)
             parts += [[a] for a in (vw.scales, vw.esc, vw.sinks, vw.sym)]
@@ -244,23 +243,17 @@ class DeviceKVWriter(KVWriter):
         dev, regions, n_in = upload_parts(self, parts, out_bytes)
         out = dev[n_in : n_in + out_bytes].view(self.torch_dtype).view(2, t, c)
         lo = 0
-        for i, vw in enumerate(views):
-            scales, esc, sinks, sym = regions[1 + 4 * i : 5 + 4 * i]
-            cos, sin = self._rope(codec.cal.rope, vw.start, vw.tokens)
+        for a, b in _equal_runs(views):  # one call per run of chunks of one length (usually the whole layer)
+            run, arrays = views[a:b], [regions[1 + 4 * i : 5 + 4 * i] for i in range(a, b)]
+            n = sum(vw.tokens for vw in run)
+            tables = [self._rope(codec.cal.rope, vw.start, vw.tokens) for vw in run]  # cached per position
+            scales, esc, sinks, sym = (list(f) for f in zip(*arrays, strict=True))  # the upload's order
+            cos, sin = ([tb[i] for tb in tables] for i in (0, 1))
             self.ops.inverse_transform(
-                sym,
-                esc,
-                scales,
-                cos,
-                sin,
-                consts,
-                lay.head_dim,
-                codec.rope_style,
-                sinks,
-                out[:, lo : lo + vw.tokens],
-                trellis=vw.trellis,
-            )
-            lo += vw.tokens
+                sym, esc, scales, cos, sin, consts, lay.head_dim, codec.rope_style, sinks, out[:, lo : lo + n],
+                trellis=run[0].trellis,
+            )  # fmt: skip
+            lo += n
         self._scatter_layer(out, regions[0], layer, window)
         self._complete([layer], f"transform-coded KV write of layer {layer}")
 
@@ -380,6 +373,16 @@ class DeviceKVWriter(KVWriter):
 
     def read(self, slots: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         return self.read_later(slots).result()
+
+
+def _equal_runs(views) -> list[tuple[int, int]]:
+    """``[a, b)`` index ranges of consecutive views with the same token count."""
+    out, a = [], 0
+    for i in range(1, len(views) + 1):
+        if i == len(views) or views[i].tokens != views[a].tokens:
+            out.append((a, i))
+            a = i
+    return out
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
