@@ -132,15 +132,14 @@ def inverse_chunks(
     consts: TransformConsts,
     head_dim: int,
     style: int,
-    sinks: list,
     out: torch.Tensor,
     trellis: bool,
     inverse,
 ) -> None:
     """N chunks of one layer, each of the same T tokens, in one set of launches: ``syms`` [2, C, T] uint8,
-    ``escs`` their escapes (each chunk's K's then V's), ``scales`` [2, T] float32, ``sinks`` [2, S, C *
-    itemsize] raw bytes of each chunk's exact sink tokens; ``coss``/``sins``: RoPE tables of the N*T tokens
-    in order (one [T, head_dim/2] per chunk, or one [N*T, head_dim/2]) -> ``out`` [2, N*T, C]. The
+    ``escs`` their escapes (each chunk's K's then V's), ``scales`` [2, T] float32; ``coss``/``sins``: RoPE
+    tables of the N*T tokens in order (one [T, head_dim/2] per chunk, or one [N*T, head_dim/2]) -> ``out``
+    [2, N*T, C] (the caller then puts each chunk's exact sink tokens over their rows). The
     escapes resolve over the stacked chunks in order (``resolve_escapes``: chunk-major, as ``escs``
     concatenate), a trellis chunk's codes replay from its own first token (``trellis_codes`` on the chunk
     axis), and ONE inverse transform covers every token (it is token-wise): ``inverse`` is
@@ -155,9 +154,6 @@ def inverse_chunks(
     s = scales[0] if n == 1 else torch.cat(scales, dim=1)
     cos, sin = (coss[0], sins[0]) if len(coss) == 1 else (torch.cat(coss), torch.cat(sins))
     inverse(q, s, cos, sin, consts, head_dim, style, True, out)
-    for i, sk in enumerate(sinks):  # the exact sink tokens' raw bytes over their rows
-        if sk.shape[1]:
-            out[:, i * t : i * t + sk.shape[1]].view(torch.uint8).copy_(sk)
 
 
 def inverse_reference(

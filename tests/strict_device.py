@@ -338,6 +338,8 @@ class StrictDevice:
     ) -> None:
         from sgl_remote_kv.kernels.transform import inverse_chunks, inverse_reference
 
+        from sgl_remote_kv.kvpool.sinks import put_sinks
+
         lists = (syms, escs, scales, sinks)
         if len({len(a) for a in lists}) != 1 or not syms or len(coss) not in (1, len(syms)):
             raise ValueError(
@@ -365,19 +367,9 @@ class StrictDevice:
         def run():
             with torch._C.DisableTorchFunctionSubclass():
                 inverse_chunks(
-                    syms,
-                    escs,
-                    scales,
-                    coss,
-                    sins,
-                    consts,
-                    head_dim,
-                    style,
-                    sinks,
-                    out,
-                    trellis,
-                    inverse_reference,
+                    syms, escs, scales, coss, sins, consts, head_dim, style, out, trellis, inverse_reference
                 )
+                put_sinks(sinks, out)
 
         self._enqueue(run, [])
 

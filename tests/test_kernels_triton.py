@@ -235,6 +235,7 @@ def test_inverse_chunks_of_a_layer_in_one_call_equal_one_call_per_chunk(quantize
     from benchmarks import synthetic_kv as synthetic
     from sgl_remote_kv.codec.base import get_codec
     from sgl_remote_kv.codec.transform_ops import rope_tables
+    from sgl_remote_kv.kvpool.sinks import put_sinks
 
     fp = synthetic.fingerprint(num_layers=2, dtype="bfloat16")
     lay, t = fp.layout, 24
@@ -258,17 +259,21 @@ def test_inverse_chunks_of_a_layer_in_one_call_equal_one_call_per_chunk(quantize
     args = (consts, lay.head_dim, codec.rope_style)
     one = torch.empty((2, 4 * t, c), dtype=torch.bfloat16)
     for i in range(4):
+        part = one[:, i * t : (i + 1) * t]
         inverse_chunks(
-            sym[i : i + 1], esc[i : i + 1], scales[i : i + 1], [tables[i][0]], [tables[i][1]], *args,
-            sinks[i : i + 1], one[:, i * t : (i + 1) * t], views[0].trellis, inverse_reference,
+            sym[i : i + 1], esc[i : i + 1], scales[i : i + 1], [tables[i][0]], [tables[i][1]], *args, part,
+            views[0].trellis, inverse_reference,
         )  # fmt: skip
+        put_sinks(sinks[i : i + 1], part)
     together = torch.empty_like(one)
     coss, sins = [tb[0] for tb in tables], [tb[1] for tb in tables]
-    inverse_chunks(sym, esc, scales, coss, sins, *args, sinks, together, views[0].trellis, inverse_reference)
+    inverse_chunks(sym, esc, scales, coss, sins, *args, together, views[0].trellis, inverse_reference)
+    put_sinks(sinks, together)
     assert torch.equal(together.view(torch.int16), one.view(torch.int16))
     whole = [torch.from_numpy(a.copy()) for a in rope_tables(cal.rope, 0, 4 * t)]
     together.zero_()
     inverse_chunks(
-        sym, esc, scales, [whole[0]], [whole[1]], *args, sinks, together, views[0].trellis, inverse_reference
+        sym, esc, scales, [whole[0]], [whole[1]], *args, together, views[0].trellis, inverse_reference
     )
+    put_sinks(sinks, together)
     assert torch.equal(together.view(torch.int16), one.view(torch.int16))

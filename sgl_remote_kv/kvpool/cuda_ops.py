@@ -25,6 +25,7 @@ from sgl_remote_kv.kernels.transform_encode import encode_layer_device, trellis_
 
 from .host_pin import cuda_pinner
 from .readback import copy_coded_layer, copy_layer_codes
+from .sinks import put_sinks
 
 
 class CudaOps:
@@ -132,8 +133,9 @@ class CudaOps:
         self._here()
         with torch.cuda.stream(self.stream):  # work arrays are allocated on this stream: freed in its order
             inverse_chunks(
-                syms, escs, scales, coss, sins, consts, head_dim, style, sinks, out, trellis, inverse_triton
+                syms, escs, scales, coss, sins, consts, head_dim, style, out, trellis, inverse_triton
             )
+            put_sinks(sinks, out)
 
     def record(self) -> torch.cuda.Event:
         self._here()
