@@ -188,8 +188,8 @@ class DeviceKVWriter(KVWriter):
 
     def _write_quantized(self, views, slots: torch.Tensor, layer: int, window=None) -> None:
         """Codes + scales H2D, dequantized on the device (one launch for V, one for K, or one per chunk
-        when keys carry per-chunk channel scales; the transform codec: one call per run of equal chunks), one scatter
-        of the layer's K and V (the ``window``'s tokens), one event."""
+        when keys carry per-chunk channel scales; the transform codec: one call per run of equal chunks),
+        one scatter of the layer's K and V (the ``window``'s tokens), one event."""
         t = sum(vw.tokens for vw in views)
         window = (0, t) if window is None else window
         if not isinstance(views[0], quant.LayerView):
