@@ -13,8 +13,8 @@ way a server's remote hit does, two ways side by side in one run:
 Both modes are set up and warmed first, then ``--repeat`` rounds each run host then device, and every
 figure is the median over rounds (this shared CPU drifts and page-faults fresh allocations now and then;
 ``host_cpu_s_per_gb_rounds`` keeps each round's; ``device_over_host_best`` is the ratio of each mode's best
-round). One row per path, quantizer and entropy stage
-(``--entropies``: Deflate, the default's, and zstd).
+round). One row per path, quantizer and entropy stage (``--entropies``: Deflate and zstd; ``default``
+marks what ``--remote-kv <path>`` writes by default).
 
 The device is the strict CPU double of a CUDA device (``tests/strict_device.py``): its stream thread does
 the device's work (the Triton kernels' torch definitions). **Host CPU** is this process's CPU time less
