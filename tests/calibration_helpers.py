@@ -1,5 +1,6 @@
 """A synthetic transform-codec calibration (random orthonormal bases): for tests that need the codec
-without fitting it to a real model (``tests/test_calibrate.py`` fits the real one)."""
+without fitting it to a real model (``tests/test_calibrate.py`` fits the real one); the device-decode tests'
+codec and the lossless stage's views they write."""
 
 from __future__ import annotations
 
@@ -60,3 +61,12 @@ def device_decode_codec(kind: str, fp: ModelFingerprint):
     return get_codec(
         "transform", calibration=cal.calib_id.hex(), quality="0.0005", entropy=entropy, quantizer=quantizer
     )
+
+
+def layer_views(codec, fp: ModelFingerprint, blobs, layer: int) -> list:
+    """The lossless stage's view of ``layer`` of each blob (what a fetch path stages for a device writer)."""
+    out = []
+    for b in blobs:
+        hdr = codec.parse(b, fp)
+        out.append(codec.codes_stage(b, hdr, layer, np.empty(codec.scratch_bytes(hdr, layer), np.uint8)))
+    return out

@@ -203,14 +203,10 @@ def _write_codes(codec, fp, blobs):
     lay = fp.layout
     w = _writer(_sglang_pool(lay, 1024), lay)
     slots = torch.randperm(1024)[: 64 * len(blobs)]
+    from calibration_helpers import layer_views
+
     for layer in range(lay.num_layers):
-        views = []
-        for b in blobs:
-            hdr = codec.parse(b, fp)
-            views.append(
-                codec.codes_stage(b, hdr, layer, np.empty(codec.scratch_bytes(hdr, layer), np.uint8))
-            )
-        w.write_quantized(views, slots, layer)
+        w.write_quantized(layer_views(codec, fp, blobs, layer), slots, layer)
     assert w.stats["device_dequant"] == lay.num_layers
     return w, slots
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from calibration_helpers import device_decode_codec
+from calibration_helpers import device_decode_codec, layer_views
 from pool_fake import attach_installs
 from strict_device import StrictDevice, StrictKVPool
 
@@ -182,13 +182,7 @@ def test_a_layer_s_chunks_decode_in_one_call_per_length(dev, monkeypatch):
     monkeypatch.setattr(dev, "inverse_transform", spy)
     slots = torch.randperm(128)[:56]
     for layer in range(LAY.num_layers):
-        views = []
-        for b in blobs:
-            hdr = codec.parse(b, FP)
-            views.append(
-                codec.codes_stage(b, hdr, layer, np.empty(codec.scratch_bytes(hdr, layer), np.uint8))
-            )
-        w.write_quantized(views, slots, layer)
+        w.write_quantized(layer_views(codec, FP, blobs, layer), slots, layer)
     assert calls == [3, 1] * LAY.num_layers
     ref = [codec.decode(b, FP) for b in blobs]
     rk, rv = w.read(slots)

@@ -229,7 +229,7 @@ def test_inverse_chunks_of_a_layer_in_one_call_equal_one_call_per_chunk(quantize
     """``inverse_chunks`` over 4 consecutive chunks (escapes in each, an exact sink token in the first, the
     trellis replayed per chunk) writes the same bits as 4 calls of one chunk each, whether the RoPE tables
     come per chunk or as one table of all the tokens."""
-    from calibration_helpers import make_calibration
+    from calibration_helpers import layer_views, make_calibration
     from sgl_remote_kv.kernels.transform import inverse_chunks, inverse_reference
 
     from benchmarks import synthetic_kv as synthetic
@@ -241,11 +241,9 @@ def test_inverse_chunks_of_a_layer_in_one_call_equal_one_call_per_chunk(quantize
     lay, t = fp.layout, 24
     cal = make_calibration(fp, step=0.02, seed=5)
     codec = get_codec("transform", calibration=cal.calib_id.hex(), quality="0.0005", quantizer=quantizer)
-    views = []
-    for i in range(4):
-        blob = codec.encode(*synthetic.kv(lay, t, seed=i), fp, start=i * t)
-        hdr = codec.parse(blob, fp)
-        views.append(codec.codes_stage(blob, hdr, 1, np.empty(codec.scratch_bytes(hdr, 1), np.uint8)))
+    views = layer_views(
+        codec, fp, [codec.encode(*synthetic.kv(lay, t, seed=i), fp, start=i * t) for i in range(4)], 1
+    )
     assert (
         all(vw.esc.size for vw in views)
         and views[0].n_sink == 1
