@@ -55,6 +55,8 @@ def test_killed_cluster_node_becomes_misses_and_client_recovers(own_redis_cluste
     assert client.put_many([(k, b"kv" * 1000) for k in ks]) == 30
     assert client.count_prefix(ks) == 30
 
+    transitions: list[tuple[str, str]] = []
+    client.on_breaker = lambda circuit, state: transitions.append((circuit, state))
     victim = own_redis_cluster.nodes[1]
     victim.stop(kill=True)
     t0 = time.perf_counter()
@@ -64,7 +66,10 @@ def test_killed_cluster_node_becomes_misses_and_client_recovers(own_redis_cluste
         assert client.count_prefix(ks) < 30
     assert time.perf_counter() - t0 < 30
     st = client.stats()
-    assert st.circuit == "open" and st.errors.get("unavailable", 0) >= 3
+    # The read breaker opened. Its state at the end is not fixed: a half-open probe whose batch holds
+    # no key of the dead shard succeeds and closes it again (a partial outage flaps; CI saw "closed").
+    assert ("read", "open") in transitions, transitions
+    assert st.errors.get("unavailable", 0) >= 3 and st.errors.get("circuit_open", 0) >= 1
 
     victim.start()  # rejoins with its nodes.conf (same id and slots); its data is gone
     own_redis_cluster.wait_ok()
