@@ -148,6 +148,19 @@ def probe_vs_recompute(result: dict) -> dict:
                     )
                     if local
                     else None,
+                    # the least remote / local any fetch could reach on this link: the local hit plus the
+                    # time the probe's payload takes on the wire (nothing else), over the local hit
+                    "median_wire_floor_over_local_hit": statistics.median(
+                        (p["local_hit_s"] + p["wire_floor_s"]) / p["local_hit_s"] for p in local
+                    )
+                    if local
+                    else None,
+                    # what the tier adds beyond that floor: the remote hit over (local hit + wire floor)
+                    "median_remote_over_local_plus_wire": statistics.median(
+                        p["latency_s"] / (p["local_hit_s"] + p["wire_floor_s"]) for p in local
+                    )
+                    if local
+                    else None,
                     "paths": [p["paths"] for p in rows],
                 }
     return out
@@ -212,4 +225,4 @@ if __name__ == "__main__":
 
     res = json.loads(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/results/e2e.json").read_text())
     print(tables(res))
-    print(json.dumps(res.get("derived"), indent=1))
+    print(json.dumps({**(res.get("derived") or {}), "probe_vs_recompute": probe_vs_recompute(res)}, indent=1))
