@@ -82,23 +82,27 @@ class DispatchMeter:
         cls.__torch_function__ = classmethod(tf)
         self.per_call = self._own_cost()
 
-    def _own_cost(self, n: int = 20000) -> float:
+    def _own_cost(self, n: int = 20000, repeat: int = 5) -> float:
         """CPU seconds the meter itself adds per metered call outside the window it times (a no-op, with
-        and without the wrapper)."""
+        and without the wrapper): the median of ``repeat`` measurements, so one disturbed pair (a busy or
+        stolen core) does not set it."""
 
         def noop():
             return None
 
         wrapped = self._wrap(noop)
-        t0 = time.thread_time()
-        for _ in range(n):
-            noop()
-        t1 = time.thread_time()
-        for _ in range(n):
-            wrapped()
-        t2 = time.thread_time()
+        costs = []
+        for _ in range(repeat):
+            t0 = time.thread_time()
+            for _ in range(n):
+                noop()
+            t1 = time.thread_time()
+            for _ in range(n):
+                wrapped()
+            t2 = time.thread_time()
+            costs.append(max(0.0, ((t2 - t1) - (t1 - t0)) / n))
         self.cpu, self.calls = 0.0, 0
-        return max(0.0, ((t2 - t1) - (t1 - t0)) / n)
+        return float(np.median(costs))
 
     def _wrap(self, fn):
         return lambda *a, **k: self._timed(fn, *a, **k)
