@@ -4,6 +4,7 @@ against a float64 reference of the same math; the mean, RoPE and storage dtype a
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -142,6 +143,7 @@ def test_the_int8_gemm_is_taken_only_where_it_is_exact(monkeypatch):
     assert not inverse._probe_int_mm()
     monkeypatch.setattr(torch, "_int_mm", real)
     monkeypatch.setattr(inverse, "_INT_MM_EXACT", [True])
+    monkeypatch.setattr(inverse, "_INT_MM_FAST", [True])
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert inverse._use_int_mm(2) and not inverse._use_int_mm(1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
@@ -149,6 +151,28 @@ def test_the_int8_gemm_is_taken_only_where_it_is_exact(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setattr(inverse, "_INT_MM_EXACT", [False])
     assert not inverse._use_int_mm(256)
+
+
+def test_the_int8_gemm_is_taken_only_where_it_is_faster(monkeypatch):
+    """Where torch's ``_int_mm`` is exact but slower than the float GEMM (torch's fallback where oneDNN has no
+    int8 kernel for the CPU: ~35x the float GEMM on an AVX2-only EPYC), the decode takes the float GEMM; where
+    it is faster, ``_int_mm``. Timed once per process, on this thread's CPU time."""
+    from sgl_remote_kv.codec import inverse
+
+    def busy(a, b, out):  # exact or not does not matter to the timing: only the CPU it takes
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.02:
+            pass
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(inverse, "_INT_MM_EXACT", [True])
+    monkeypatch.setattr(inverse, "_INT_MM_FAST", [])
+    monkeypatch.setattr(torch, "_int_mm", busy)
+    assert not inverse._use_int_mm(256) and inverse._INT_MM_FAST == [False]
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b, out: out.zero_())  # no work: faster than any GEMM
+    assert not inverse._use_int_mm(256)  # the answer is kept for the process
+    monkeypatch.setattr(inverse, "_INT_MM_FAST", [])
+    assert inverse._use_int_mm(256) and inverse._INT_MM_FAST == [True]
 
 
 def test_int32_sums_are_exact_up_to_their_bound():

@@ -23,13 +23,16 @@ intermediate).
 Threads: tables are immutable (their per-group views and the float copy of ``w2`` the float GEMM reads are
 made once, on first use). ``decode`` works in per-thread arrays (no allocation once warm) and writes only
 the caller's output. The GEMM (torch) and the kernel (numba) release the GIL. It never changes torch's
-thread settings: the data-plane process runs torch on one thread per caller (where the int8 GEMM runs);
-elsewhere the float GEMM uses the process's torch threads.
+thread settings: the data-plane process runs torch on one thread per caller (where the int8 GEMM runs if
+this CPU's is exact and faster, probed and timed once per process); elsewhere the float GEMM uses the
+process's torch threads.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -42,6 +45,7 @@ from sgl_remote_kv.codec import quant
 _BITS_HI = 256  # W ~= (hi * 256 + lo) * col
 _WMAX = 127 * _BITS_HI  # |hi * 256 + lo| <= 32512 keeps hi in [-127, 127] and lo in [-128, 127]
 _tls = threading.local()
+logger = logging.getLogger(__name__)
 _NO_ROPE = np.zeros((1, 1), np.float32)  # the cos/sin of a V decode (unused)
 _EMPTY32 = np.empty((1, 1, 1), np.float32)  # the unused output of ``_decode_group``
 _EMPTY16 = np.empty((1, 1, 1), np.uint16)
@@ -235,7 +239,8 @@ def _int_gemm(
       where ``_use_int_mm`` allows it: ``a`` of at least 2 rows (it sums a single row wrongly, torch 2.14),
       torch on one thread in this caller (the data plane, the benchmarks: with more, its OpenMP team stalled
       for milliseconds a call whenever another process held a core of this 2-core box, the "~1 G MAC/s" of
-      docs/CODEC.md), and its sums checked exact on this CPU (``_int_mm_exact``).
+      docs/CODEC.md), its sums checked exact on this CPU (``_int_mm_exact``) and a decode-shaped product
+      timed faster than the float GEMM's (``_int_mm_fast``).
     - else a float GEMM in the work buffers ``af``, ``of`` (float32 while ``a`` has at most ``_F32_EXACT_K``
       columns, else float64) with ``bf`` = ``b`` in their type (the layer's cached copy,
       ``InverseTables._float_blocks``; converted here when not given). Exact: every product is an integer of
@@ -255,10 +260,11 @@ def _int_gemm(
 
 def _use_int_mm(t_n: int) -> bool:
     """Whether ``_int_gemm`` takes torch's ``_int_mm`` for ``t_n`` rows on this thread (see there)."""
-    return t_n > 1 and torch.get_num_threads() == 1 and _int_mm_exact()
+    return t_n > 1 and torch.get_num_threads() == 1 and _int_mm_exact() and _int_mm_fast()
 
 
 _INT_MM_EXACT: list[bool] = []  # the probe's answer, once per process
+_INT_MM_FAST: list[bool] = []  # the timing's answer, once per process
 
 
 def _int_mm_exact() -> bool:
@@ -290,6 +296,44 @@ def _probe_int_mm() -> bool:
             if not np.array_equal(out.numpy(), codes.T.astype(np.int64) @ w.astype(np.int64)):
                 return False
     return True
+
+
+def _int_mm_fast() -> bool:
+    """Whether torch's CPU ``_int_mm`` beats the float GEMM on this CPU, timed once per process (on the
+    calling thread, which runs torch on one thread: ``_use_int_mm``). Where oneDNN has no int8 kernel for the
+    CPU's ISA, torch falls back to a path that is exact but slow: measured 20 ms for one 256 x 192 x 384
+    product on an AVX2-only EPYC, ~100x the float32 GEMM; with VNNI it is ~4x faster than the float GEMM."""
+    if not _INT_MM_FAST:
+        t_int, t_float = _time_gemms()
+        fast = t_int <= t_float
+        logger.info(
+            "transform decode GEMM: %s (int8 _int_mm %.3f ms, float %.3f ms per 256-token product)",
+            "int8 _int_mm" if fast else "float", t_int * 1e3, t_float * 1e3,
+        )  # fmt: skip
+        _INT_MM_FAST.append(fast)
+    return _INT_MM_FAST[0]
+
+
+def _time_gemms(t_n: int = 256, gd: int = 192, reps: int = 3) -> tuple[float, float]:
+    """This thread's CPU seconds for one decode-shaped product (a chunk of ``t_n`` tokens, a head group of
+    ``gd`` components) by ``_int_mm`` and by the float GEMM: the best of ``reps`` after a warm-up call."""
+    rng = np.random.default_rng(1)
+    a = torch.from_numpy(rng.integers(-128, 128, (gd, t_n)).astype(np.int8)).t()
+    b = torch.from_numpy(rng.integers(-128, 128, (gd, 2 * gd)).astype(np.int8))
+    out = torch.empty((t_n, 2 * gd), dtype=torch.int32)
+    af, of = (torch.empty((t_n, n), dtype=_float_type(gd)) for n in (gd, 2 * gd))
+    bf = b.to(af.dtype)
+
+    def best(int_mm: bool) -> float:
+        _int_gemm(a, b, out, af, of, bf, int_mm)
+        times = []
+        for _ in range(reps):
+            t0 = time.thread_time()
+            _int_gemm(a, b, out, af, of, bf, int_mm)
+            times.append(time.thread_time() - t0)
+        return min(times)
+
+    return best(True), best(False)
 
 
 @njit(nogil=True, cache=True)
