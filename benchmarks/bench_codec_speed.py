@@ -89,6 +89,18 @@ def measure(codec, fp, chunks, repeat: int) -> dict:
     }
 
 
+def _gemm() -> dict:
+    from sgl_remote_kv.codec import inverse
+
+    t_int, t_float = inverse._time_gemms()
+    return {
+        "int8_mm_exact": inverse._int_mm_exact(),
+        "int8_mm_ms": round(t_int * 1e3, 3),
+        "float_ms": round(t_float * 1e3, 3),
+        "used": "int8" if inverse._use_int_mm(256) else "float",
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--text", default="apache2")
@@ -120,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         "repeat": args.repeat,
         "threads": 1,
         "cpu": kvdata.cpu_model(),
+        "isa": kvdata.cpu_isa(),
+        "gemm": _gemm(),  # which exact GEMM the transform decode took on this CPU (codec.inverse)
         "unit": "MB of decoded bf16 KV per CPU-second of one thread",
     }
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
