@@ -155,7 +155,7 @@ def test_the_int8_gemm_is_taken_only_where_it_is_exact(monkeypatch):
 
 def test_the_int8_gemm_is_taken_only_where_it_is_faster(monkeypatch):
     """Where torch's ``_int_mm`` is exact but slower than the float GEMM (torch's fallback where oneDNN has no
-    int8 kernel for the CPU: ~35x the float GEMM on an AVX2-only EPYC), the decode takes the float GEMM; where
+    int8 kernel for the CPU: 35-45x the float GEMM on an AVX2-only EPYC), the decode takes the float GEMM; where
     it is faster, ``_int_mm``. Timed once per process, on this thread's CPU time."""
     from sgl_remote_kv.codec import inverse
 

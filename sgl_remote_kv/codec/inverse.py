@@ -301,8 +301,8 @@ def _probe_int_mm() -> bool:
 def _int_mm_fast() -> bool:
     """Whether torch's CPU ``_int_mm`` beats the float GEMM on this CPU, timed once per process (on the
     calling thread, which runs torch on one thread: ``_use_int_mm``). Where oneDNN has no int8 kernel for the
-    CPU's ISA, torch falls back to a path that is exact but slow: measured 20 ms for one 256 x 192 x 384
-    product on an AVX2-only EPYC, ~100x the float32 GEMM; with VNNI it is ~4x faster than the float GEMM."""
+    CPU's ISA, torch falls back to a path that is exact but slow: measured 17-23 ms for one 256 x 192 x 384
+    product on an AVX2-only EPYC, 35-45x the float32 GEMM; with VNNI it is ~4x faster than the float GEMM."""
     if not _INT_MM_FAST:
         t_int, t_float = _time_gemms()
         fast = t_int <= t_float
