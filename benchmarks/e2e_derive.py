@@ -124,6 +124,12 @@ def interference(result: dict) -> dict:
     return out
 
 
+def _median(values) -> float | None:
+    """The median of ``values``, or None when there are none (no probe was a local hit)."""
+    values = list(values)
+    return statistics.median(values) if values else None
+
+
 def probe_vs_recompute(result: dict) -> dict:
     out = {}
     for name, c in _cfgs(result).items():
@@ -140,27 +146,17 @@ def probe_vs_recompute(result: dict) -> dict:
                     "median_latency_s": statistics.median(p["latency_s"] for p in rows),
                     "median_recompute_ref_s": statistics.median(p["recompute_ref_s"] for p in rows),
                     "median_ratio": statistics.median(ratios),
-                    "median_local_hit_s": statistics.median(p["local_hit_s"] for p in local)
-                    if local
-                    else None,
-                    "median_remote_over_local_hit": statistics.median(
-                        p["latency_s"] / p["local_hit_s"] for p in local
-                    )
-                    if local
-                    else None,
+                    "median_local_hit_s": _median(p["local_hit_s"] for p in local),
+                    "median_remote_over_local_hit": _median(p["latency_s"] / p["local_hit_s"] for p in local),
                     # the least remote / local any fetch could reach on this link: the local hit plus the
                     # time the probe's payload takes on the wire (nothing else), over the local hit
-                    "median_wire_floor_over_local_hit": statistics.median(
+                    "median_wire_floor_over_local_hit": _median(
                         (p["local_hit_s"] + p["wire_floor_s"]) / p["local_hit_s"] for p in local
-                    )
-                    if local
-                    else None,
+                    ),
                     # what the tier adds beyond that floor: the remote hit over (local hit + wire floor)
-                    "median_remote_over_local_plus_wire": statistics.median(
+                    "median_remote_over_local_plus_wire": _median(
                         p["latency_s"] / (p["local_hit_s"] + p["wire_floor_s"]) for p in local
-                    )
-                    if local
-                    else None,
+                    ),
                     "paths": [p["paths"] for p in rows],
                 }
     return out
