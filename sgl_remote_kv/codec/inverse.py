@@ -316,12 +316,12 @@ def _int_mm_fast() -> bool:
 
 def _time_gemms(t_n: int = 256, gd: int = 192, reps: int = 3) -> tuple[float, float]:
     """This thread's CPU seconds for one decode-shaped product (a chunk of ``t_n`` tokens, a head group of
-    ``gd`` components) by ``_int_mm`` and by the float GEMM: the best of ``reps`` after a warm-up call."""
+    ``gd`` components) by ``_int_mm`` and by the float GEMM: the best of ``reps`` after a warm-up call, in
+    this thread's decode work arrays (``_work``; a decode fills them before each use)."""
     rng = np.random.default_rng(1)
-    a = torch.from_numpy(rng.integers(-128, 128, (gd, t_n)).astype(np.int8)).t()
+    codes, a, out, _, _, _, (af, of) = _work(t_n, gd)
+    codes[...] = rng.integers(0, 256, codes.shape, dtype=np.uint8)
     b = torch.from_numpy(rng.integers(-128, 128, (gd, 2 * gd)).astype(np.int8))
-    out = torch.empty((t_n, 2 * gd), dtype=torch.int32)
-    af, of = (torch.empty((t_n, n), dtype=_float_type(gd)) for n in (gd, 2 * gd))
     bf = b.to(af.dtype)
 
     def best(int_mm: bool) -> float:
